@@ -1,0 +1,33 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv if missing and
+# install once (a second call installs nothing: the stamp file is newer than setup.cfg).
+PYTHON ?= python3
+VENV ?= .venv
+# Kept if torch is already importable in the venv; override for a CUDA machine, e.g.
+#   make demo TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.zerotrain-installed
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): setup.cfg pyproject.toml | $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/zerotrain demo
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python benchmarks/run.py
+
+clean:
+	rm -rf runs .pytest_cache

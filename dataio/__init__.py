@@ -1,0 +1,1 @@
+"""zerotrain data path: tokenizers, weighted source mixes, the packed-sequence collator."""

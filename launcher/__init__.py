@@ -1,0 +1,1 @@
+"""zerotrain driver: configuration, profiles, the training loop, checkpoints, the `zerotrain` command."""

@@ -1,0 +1,132 @@
+"""Per-hardware DeepSpeed profiles (`ds_configs/*.json`): loading, validation, auto-detection,
+and resolution into the exact dict handed to `deepspeed.initialize`.
+
+A profile is real DeepSpeed JSON plus one `zerotrain` section of our own (description, the
+hardware it is for, the distributed backend, the peak FLOP/s used for MFU, activation
+checkpointing); that section is removed before DeepSpeed sees the dict.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from launcher.errors import UsageError
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(spec: str) -> tuple[str, dict]:
+    """(name, profile dict) for a profile name or a path to a JSON file; validated."""
+    path = Path(spec)
+    if spec.endswith(".json") or path.is_file():
+        name = path.stem
+    else:
+        name, path = spec, PROFILE_DIR / f"{spec}.json"
+        if not path.is_file():
+            raise UsageError(f"--profile {spec}: unknown profile; known: {', '.join(list_profiles())}, auto, or a path")
+    if not path.is_file():
+        raise UsageError(f"--profile {spec}: no such file")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"profile {path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    validate_profile(profile, f"profile {path}")
+    return name, profile
+
+
+def validate_profile(profile, where: str) -> None:
+    if not isinstance(profile, dict):
+        raise UsageError(f"{where}: expected a JSON object")
+    zero = profile.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise UsageError(f"{where}: unknown ZeRO stage {stage!r} (zero_optimization.stage must be 0, 1, 2 or 3)")
+    enabled = [k for k in ("bf16", "fp16") if isinstance(profile.get(k), dict) and profile[k].get("enabled") is True]
+    if len(enabled) == 2:
+        raise UsageError(f"{where}: bf16 and fp16 are both enabled; enable at most one")
+    for key in BATCH_KEYS:
+        v = profile.get(key, "auto")
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise UsageError(f"{where}: {key} must be a positive integer or \"auto\", got {v!r}")
+    zt = profile.get("zerotrain", {})
+    if not isinstance(zt, dict):
+        raise UsageError(f"{where}: the zerotrain section must be an object")
+    peak = zt.get("peak_flops_per_device")
+    if peak is not None and (not isinstance(peak, (int, float)) or peak <= 0):
+        raise UsageError(f"{where}: zerotrain.peak_flops_per_device must be a positive number, got {peak!r}")
+
+
+def detect_profile() -> tuple[str, str]:
+    """(profile name, why) for the accelerators on this node."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu", "no CUDA device found"
+    count = torch.cuda.device_count()
+    props = torch.cuda.get_device_properties(0)
+    mem_gib = props.total_memory / 2**30
+    nodes = max(1, int(__import__("os").environ.get("WORLD_SIZE", count)) // count)
+    seen = f"{count} x {props.name} ({mem_gib:.0f} GiB), {nodes} node(s)"
+    best = None
+    for name in list_profiles():
+        hw = json.loads((PROFILE_DIR / f"{name}.json").read_text()).get("zerotrain", {}).get("hardware", {})
+        if hw.get("accelerator") != "cuda" or not any(s in props.name for s in hw.get("name_contains", [])):
+            continue
+        if mem_gib < hw.get("min_memory_gib", 0) or hw.get("nodes", 1) != nodes:
+            continue
+        if hw.get("devices_per_node") == count:
+            return name, seen
+        best = best or name
+    if best:
+        return best, seen + " (device count differs from the profile's; batch is re-resolved)"
+    raise UsageError(f"--profile auto: no profile matches {seen}; pass --profile NAME or a JSON path")
+
+
+def resolve_batch(profile: dict, micro: int | None, accum: int | None, global_tokens: int | None,
+                  seq_len: int, world: int, where: str) -> tuple[int, int, int]:
+    """(micro batch, grad accum, train batch) with micro x accum x world == train batch."""
+    p_micro, p_accum, p_train = (profile.get(k, "auto") for k in BATCH_KEYS)
+    cli = micro is not None or accum is not None or global_tokens is not None
+    micro = micro if micro is not None else (p_micro if p_micro != "auto" else 1)
+    if global_tokens is not None:
+        per_accum = micro * world * seq_len
+        if global_tokens % per_accum:
+            raise UsageError(f"--global-batch-tokens {global_tokens}: not a multiple of micro {micro} x world {world}"
+                             f" x seq-len {seq_len} = {per_accum}")
+        accum = global_tokens // per_accum
+    if accum is None:
+        if p_accum != "auto":
+            accum = p_accum
+        elif p_train != "auto":
+            if p_train % (micro * world):
+                raise UsageError(f"{where}: train_batch_size {p_train} is not divisible by micro {micro} x world {world}")
+            accum = p_train // (micro * world)
+        else:
+            accum = 1
+    train = micro * accum * world
+    if not cli and p_train != "auto" and p_train != train:
+        raise UsageError(f"{where}: inconsistent batch: train_batch_size {p_train} != micro {micro} x accum {accum}"
+                         f" x world {world} = {train}")
+    return micro, accum, train
+
+
+def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
+    """The exact dict for deepspeed.initialize: batch numbers and optimizer lr filled in.
+
+    The LR schedule is not in it: it is launcher.schedule's, handed to deepspeed.initialize.
+    """
+    ds = copy.deepcopy(profile)
+    ds.pop("zerotrain", None)
+    micro, accum, train = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens,
+                                        cfg.seq_len, world, where)
+    ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
+    ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    ds["optimizer"].setdefault("params", {})["lr"] = cfg.lr
+    ds.pop("scheduler", None)
+    return ds

@@ -1,0 +1,233 @@
+"""The zerotrain driver: resolve config -> build model -> build engine -> build data -> loop -> save.
+
+Starts the same way under `deepspeed`, `torchrun`, `accelerate launch` and plain `python`
+(one process: it sets up the single-rank environment itself). Bad input is refused before
+anything is built or written (exit status 2, one line). See README.md for the flags.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo importable without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dataio.errors import DataError  # noqa: E402
+from launcher import checkpoint  # noqa: E402
+from launcher.config import RunConfig, resolve_config  # noqa: E402
+from launcher.errors import UsageError, fail  # noqa: E402
+from launcher.profiles import detect_profile, load_profile, resolve_ds_config  # noqa: E402
+from launcher.schedule import make_scheduler  # noqa: E402
+
+
+def single_process_env() -> None:
+    """Plain `python launcher/train.py`: become rank 0 of a world of 1."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def plan_run(cfg: RunConfig, world: int) -> dict:
+    """Everything decided before any process touches disk or builds a model. Raises UsageError."""
+    from dataio.sources import parse_mix
+    from dataio.tokenizer import load_tokenizer
+    from modeling.model import preset
+
+    why = None
+    if cfg.profile == "auto":
+        name, why = detect_profile()
+        cfg.profile = name
+    profile_name, profile = load_profile(cfg.profile)
+    ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
+    zt = profile.get("zerotrain", {})
+    try:
+        specs = parse_mix(cfg.data)
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    try:
+        model_args = preset(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=max(cfg.seq_len, 1))
+    except (KeyError, ValueError) as e:
+        raise UsageError(f"--model {cfg.model}: {e.args[0]}") from None
+
+    run_id = cfg.run_id or f"{cfg.model}-{profile_name}-{cfg.identity_hash()}"
+    run_dir = Path(cfg.out) / run_id
+    ckpt_dir = run_dir / "checkpoints"
+    resume_from = None
+    if cfg.resume == "auto":
+        done = checkpoint.complete_checkpoints(ckpt_dir)
+        resume_from = done[-1] if done else None
+    elif cfg.resume != "never":
+        resume_from = Path(cfg.resume)
+        if not (resume_from / checkpoint.MARKER).is_file():
+            raise UsageError(f"--resume {cfg.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
+    elif checkpoint.complete_checkpoints(ckpt_dir):
+        raise UsageError(f"--resume never: {run_dir} already holds checkpoints; pick another --run-id")
+    if resume_from is not None:
+        meta = checkpoint.read_meta(resume_from)
+        if meta["world_size"] != world:
+            raise UsageError(f"checkpoint {resume_from}: saved by {meta['world_size']} ranks, this launch has {world};"
+                             " resuming on another world size would replay or skip data")
+        if meta["step"] >= cfg.max_steps:
+            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} >= --max-steps {cfg.max_steps}")
+    saved = run_dir / "config.json"
+    if saved.is_file() and resume_from is not None and resume_from.parent == ckpt_dir:
+        old = json.loads(saved.read_text())["run"]
+        drift = sorted(k for k, v in cfg.to_dict().items()
+                       if k not in RunConfig.RESUMABLE_CHANGES and old.get(k) != v)
+        if drift:
+            raise UsageError(f"config drift against {saved}: " + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}"
+                             for k in drift) + "; start a new --run-id instead")
+    return dict(profile_name=profile_name, profile_why=why, profile=profile, ds_config=ds_config, specs=specs,
+                tokenizer=tokenizer, model_args=model_args, run_dir=run_dir, ckpt_dir=ckpt_dir,
+                resume_from=resume_from, zerotrain=zt)
+
+
+def main(argv: list[str] | None = None) -> None:
+    single_process_env()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    from dataio.loader import MixedStream, PackedLoader
+
+    try:
+        cfg = resolve_config(argv)
+        plan = plan_run(cfg, world)
+        stream = MixedStream(plan["specs"], plan["tokenizer"], rank, world, cfg.seed)
+    except (UsageError, DataError) as e:
+        fail(str(e))
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from modeling.model import Transformer, count_params, flops_per_token
+
+    zt, ds_config, run_dir = plan["zerotrain"], plan["ds_config"], plan["run_dir"]
+    deepspeed.init_distributed(dist_backend=zt.get("dist_backend") or get_accelerator().communication_backend_name())
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        accel.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    elif "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks on this node
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    is_main = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
+    if plan["profile_why"]:
+        say(f"profile auto -> {plan['profile_name']} ({plan['profile_why']})")
+
+    # -- run directory: the resolved config and the exact DeepSpeed dict ------------------------
+    if is_main:
+        plan["ckpt_dir"].mkdir(parents=True, exist_ok=True)
+        resolved = {"run": cfg.to_dict(), "run_id": run_dir.name, "profile": plan["profile_name"],
+                    "world_size": world, "model": plan["model_args"].to_dict(), "tokenizer": plan["tokenizer"].name,
+                    "sources": [s.__dict__ for s in plan["specs"]]}
+        (run_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+    dist.barrier()
+
+    # -- model and engine --------------------------------------------------------------------
+    torch.manual_seed(cfg.seed)
+    args = plan["model_args"]
+    if ds_config["zero_optimization"].get("stage", 0) == 3:
+        # No rank ever holds the full model. The dtype comes from the config's bf16/fp16 sections:
+        # do not pass dtype= here, DeepSpeed 0.19 turns an explicit float32 into bfloat16 on CPU
+        # (an operator-precedence slip in Init._set_dtype), which made fp32 runs 8x slower.
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = Transformer(args)
+    else:
+        model = Transformer(args)
+    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None else zt.get("activation_checkpointing")
+    model.activation_checkpointing = bool(ac)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                           lr_scheduler=make_scheduler(cfg))
+    n_params = count_params(args)
+    say(f"model {cfg.model}: {n_params['total'] / 1e6:.2f}M params ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"
+        f" profile {plan['profile_name']}, ZeRO-{ds_config['zero_optimization'].get('stage', 0)}, world {world},"
+        f" batch {ds_config['train_micro_batch_size_per_gpu']} x {ds_config['gradient_accumulation_steps']} x {world}"
+        f" x {cfg.seq_len} tokens")
+
+    # -- data -------------------------------------------------------------------------------
+    loader = PackedLoader(stream, cfg.seq_len, ds_config["train_micro_batch_size_per_gpu"])
+
+    # -- resume -----------------------------------------------------------------------------
+    step, tokens_seen, elapsed_before = 0, 0, 0.0
+    if plan["resume_from"] is not None:
+        state = checkpoint.load(engine, plan["resume_from"])["zerotrain"]
+        step, tokens_seen, elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
+        loader.load_state_dict(state["loader_states"][rank])
+        say(f"resumed from {plan['resume_from']} at step {step}")
+    metrics_path = run_dir / "metrics.jsonl"
+    if is_main and metrics_path.exists():  # drop steps logged after the checkpoint we resume from
+        kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def save_checkpoint() -> Path:
+        states = [None] * world
+        dist.all_gather_object(states, loader.state_dict())
+        client_state = {"zerotrain": {"step": step, "tokens_seen": tokens_seen, "loader_states": states,
+                                      "elapsed_s": elapsed_before + time.time() - t_start}}
+        meta = {"step": step, "tokens_seen": tokens_seen, "world_size": world, "run_id": run_dir.name}
+        return checkpoint.save(engine, plan["ckpt_dir"], step, client_state, meta)
+
+    # -- loop -------------------------------------------------------------------------------
+    accum = ds_config["gradient_accumulation_steps"]
+    tokens_per_step = ds_config["train_batch_size"] * cfg.seq_len
+    flops = flops_per_token(args, cfg.seq_len)
+    peak = zt.get("peak_flops_per_device")
+    bar = None
+    if is_main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
+    t_start = time.time()
+    last_saved = None
+    with open(metrics_path, "a") if is_main else open(os.devnull, "w") as metrics:
+        while step < cfg.max_steps:
+            t0 = time.time()
+            lr = engine.get_lr()[0]
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for _ in range(accum):
+                batch = {k: v.to(engine.device) for k, v in loader.next_batch().items()}
+                loss = engine(**batch)
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().double().cpu()
+            dist.all_reduce(loss_sum)
+            loss_value = loss_sum.item() / (accum * world)
+            step += 1
+            tokens_seen += tokens_per_step
+            dt = time.time() - t0
+            if not math.isfinite(loss_value):
+                fail(f"step {step}: loss is {loss_value}; stopping. Last checkpoint: {last_saved or 'none'}", code=3)
+            grad_norm = engine.get_global_grad_norm()
+            record = {"step": step, "loss": round(loss_value, 6), "lr": lr,
+                      "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                      "tokens_seen": tokens_seen, "tokens_per_s": round(tokens_per_step / dt, 1),
+                      "elapsed_s": round(elapsed_before + time.time() - t_start, 3)}
+            if peak:
+                record["mfu"] = round(flops * tokens_per_step / dt / (peak * world), 5)
+            if is_main:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                bar.update(1)
+            if cfg.save_every_steps and step % cfg.save_every_steps == 0 and step < cfg.max_steps:
+                last_saved = save_checkpoint()
+    last_saved = save_checkpoint()
+    if bar is not None:
+        bar.close()
+    say(f"saved checkpoint {last_saved}")
+    say(f"run directory: {run_dir.resolve()}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

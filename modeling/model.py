@@ -1,0 +1,261 @@
+"""A Llama-style decoder-only transformer: our own modules, Llama-compatible weight names.
+
+Architecture choices, all of them:
+- token embedding -> n_layers x [RMSNorm -> grouped-query attention -> residual,
+  RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> linear head (optionally tied);
+- rotary position embeddings computed from per-token ``position_ids`` (so packed rows whose
+  positions restart at 0 at every document get correct rotations);
+- attention never crosses a document boundary: document ids are derived from ``position_ids``
+  (a new document starts wherever the position is 0) and turned into a block-diagonal causal
+  mask for ``scaled_dot_product_attention``;
+- RMSNorm is computed in fp32; no biases anywhere.
+
+This file is the model only: no optimizer, no data, no DeepSpeed.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    ffn_hidden: int | None = None  # None: 8/3 * dim rounded up to ffn_multiple_of
+    ffn_multiple_of: int = 64
+    vocab_size: int = 258  # padded up to vocab_multiple_of in __post_init__
+    vocab_multiple_of: int = 64
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"model args: {msg}")
+
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "vocab_multiple_of"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.n_kv_heads <= 0:
+            bad(f"n_kv_heads must be positive, got {self.n_kv_heads}")
+        if self.dim % self.n_heads:
+            bad(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            bad(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            bad(f"head dim {self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.dim / 3)
+            m = self.ffn_multiple_of
+            object.__setattr__(self, "ffn_hidden", m * ((hidden + m - 1) // m))
+        padded = self.vocab_multiple_of * math.ceil(self.vocab_size / self.vocab_multiple_of)
+        object.__setattr__(self, "vocab_size", padded)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named presets. `debug` is what the tests and the demo train on 2 CPU cores.
+PRESETS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
+    "tiny": ModelArgs(dim=512, n_layers=12, n_heads=8),
+    "small": ModelArgs(dim=768, n_layers=16, n_heads=12),
+    "medium": ModelArgs(dim=1024, n_layers=24, n_heads=16),
+    "large": ModelArgs(dim=1536, n_layers=24, n_heads=12),
+}
+
+
+def preset(name: str, **overrides) -> ModelArgs:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).type_as(x)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype):
+    """cos/sin of shape (B, T, head_dim) for the given per-token positions (HF Llama layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[..., None] * inv_freq  # (B, T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    # x: (B, n_heads, T, head_dim); cos/sin: (B, T, head_dim)
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, T, T), True where attention is allowed.
+
+    A document starts wherever position_ids == 0; this is the one place where document
+    boundaries are turned into an attention mask.
+    """
+    doc_ids = torch.cumsum((position_ids == 0).int(), dim=-1)  # (B, T)
+    T = position_ids.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return (same_doc & causal)[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.activation_checkpointing = False
+        init_weights(self)
+
+    def forward(self, input_ids, position_ids=None, labels=None):
+        """input_ids (B, T). Returns logits (B, T, V), or the mean next-token loss when labels given.
+
+        labels follow the Hugging Face convention: same shape as input_ids, -100 where no loss;
+        the shift by one happens here.
+        """
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(position_ids, self.args.head_dim, self.args.rope_theta, x.dtype)
+        mask = document_mask(position_ids)
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer) -> None:
+    """The one place weights are initialised (deterministic under torch.manual_seed).
+
+    Normal(0, init_std) for embeddings and projections; the two residual projections of
+    each block (attention o_proj, MLP down_proj) are scaled by 1/sqrt(2 * n_layers) so the
+    residual stream's variance does not grow with depth; norms start at 1.
+    Under `deepspeed.zero.Init` each parameter is already partitioned: it is gathered, set on
+    rank 0 and scattered back, so every ZeRO stage starts from the same weights for a seed.
+    """
+    std = model.args.init_std
+    resid_std = std / math.sqrt(2 * model.args.n_layers)
+    for name, p in model.named_parameters():
+        with _gathered(p):
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=resid_std)
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+
+def _gathered(p):
+    if hasattr(p, "ds_id"):  # a ZeRO-3 partitioned parameter
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([p], modifier_rank=0)
+    return contextlib.nullcontext()
+
+
+def count_params(args: ModelArgs) -> dict:
+    """Total and non-embedding parameter counts, and training FLOPs per token (6N + attention)."""
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    mlp = 3 * args.dim * args.ffn_hidden
+    per_layer = attn + mlp + 2 * args.dim
+    embed = args.vocab_size * args.dim
+    non_embedding = args.n_layers * per_layer + args.dim
+    total = non_embedding + embed + (0 if args.tie_embeddings else embed)
+    return {"total": total, "non_embedding": non_embedding}
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul params) + 12 x n_layers x dim x seq_len (attention scores).
+
+    The attention term counts the full causal-free T x T product (the PaLM convention), an upper bound
+    for packed rows where masked-out blocks are skipped by fused kernels.
+    """
+    n = count_params(args)["non_embedding"] + args.vocab_size * args.dim  # the head's matmul counts
+    return 6 * n + 12 * args.n_layers * args.dim * seq_len

@@ -1,0 +1,69 @@
+"""Shared fixtures: small on-disk data and a way to run the real driver under each launcher."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_PY = REPO / "launcher" / "train.py"
+BIN = Path(sys.executable).parent
+
+WORDS = ("the model reads every token of the packed row and learns which byte comes next while "
+         "deepspeed shards the optimizer state across ranks so that memory per rank stays small").split()
+
+
+def synthetic_docs(n: int, seed: int, min_words: int = 5, max_words: int = 60) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) + "."
+            for _ in range(n)]
+
+
+def write_mix(root: Path, weights=(0.7, 0.3), n_docs: int = 400) -> Path:
+    """A two-source mix: `prose` (jsonl) and `notes` (txt, blank-line separated)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "prose.jsonl", "w") as f:
+        for doc in synthetic_docs(n_docs, seed=1):
+            f.write(json.dumps({"text": doc}) + "\n")
+    (root / "notes.txt").write_text("\n\n".join(synthetic_docs(n_docs, seed=2)) + "\n")
+    mix = root / "mix.json"
+    mix.write_text(json.dumps({"sources": [
+        {"name": "prose", "path": "prose.jsonl", "weight": weights[0]},
+        {"name": "notes", "path": "notes.txt", "weight": weights[1]}]}))
+    return mix
+
+
+@pytest.fixture(scope="session")
+def mix_path(tmp_path_factory) -> Path:
+    return write_mix(tmp_path_factory.mktemp("data"))
+
+
+def launch(launcher: str, args: list[str], nproc: int = 2, timeout: int = 600, env_extra=None):
+    """Run launcher/train.py under `deepspeed`, `torchrun`, `accelerate` or plain `python`."""
+    if launcher == "deepspeed":
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(TRAIN_PY)]
+    elif launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(TRAIN_PY)]
+    elif launcher == "python":
+        cmd = [sys.executable, str(TRAIN_PY)]
+    else:
+        raise ValueError(launcher)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,99 @@
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.errors import UsageError
+from launcher.profiles import list_profiles, load_profile, resolve_batch, resolve_ds_config
+
+REQUIRED = {"cpu", "a100-80g-x8", "h100-80g-x8", "h100-pcie-80g-x8", "rtx6000ada-48g-x2", "h100-80g-2x8-multinode"}
+
+
+def cfg(**kw):
+    base = dict(micro_batch=None, grad_accum=None, global_batch_tokens=None, seq_len=128, lr=1e-3, min_lr=1e-4,
+                max_steps=10, warmup_steps=2)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_required_profiles_ship():
+    assert REQUIRED <= set(list_profiles())
+
+
+@pytest.mark.parametrize("name", list_profiles())
+def test_every_profile_resolves_to_concrete_deepspeed_config(name):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    _, profile = load_profile(name)
+    world = profile["zerotrain"].get("hardware", {}).get("devices_per_node", 1) * \
+        profile["zerotrain"].get("hardware", {}).get("nodes", 1)
+    ds = resolve_ds_config(profile, cfg(), world, name)
+    assert "zerotrain" not in ds
+    assert "auto" not in json.dumps(ds)
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
+    assert ds["optimizer"]["params"]["lr"] == 1e-3 and "scheduler" not in ds
+    assert not (ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"))
+    # DeepSpeed's own parser accepts it (batch triple checked against the world size there too).
+    parsed = DeepSpeedConfig(ds, world_size=world) if "world_size" in DeepSpeedConfig.__init__.__code__.co_varnames \
+        else None
+    if parsed is not None:
+        assert parsed.train_batch_size == ds["train_batch_size"]
+
+
+def test_profile_stages_match_hardware_intent():
+    stage = {n: load_profile(n)[1]["zero_optimization"]["stage"] for n in REQUIRED}
+    assert stage["cpu"] == 3 and stage["a100-80g-x8"] == 2 and stage["h100-80g-x8"] == 3
+    assert stage["rtx6000ada-48g-x2"] == 3 and stage["h100-80g-2x8-multinode"] == 3
+    assert load_profile("cpu")[1]["bf16"]["enabled"] is False
+    assert load_profile("rtx6000ada-48g-x2")[1]["zerotrain"]["activation_checkpointing"] is True
+
+
+@pytest.mark.parametrize("micro,accum,gtok,world,expect", [
+    (None, None, None, 2, (8, 1, 16)),        # the cpu profile's own numbers
+    (4, 3, None, 2, (4, 3, 24)),
+    (4, None, 4 * 2 * 128 * 5, 2, (4, 5, 40)),  # accum derived from global batch tokens
+    (2, None, None, 4, (2, 1, 8)),
+])
+def test_batch_arithmetic(micro, accum, gtok, world, expect):
+    _, profile = load_profile("cpu")
+    assert resolve_batch(profile, micro, accum, gtok, 128, world, "cpu") == expect
+
+
+def test_global_batch_tokens_must_divide():
+    _, profile = load_profile("cpu")
+    with pytest.raises(UsageError, match="not a multiple"):
+        resolve_batch(profile, 4, None, 1000, 128, 2, "cpu")
+
+
+def test_inconsistent_batch_triple_refused():
+    profile = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 64}
+    with pytest.raises(UsageError, match="inconsistent batch"):
+        resolve_batch(profile, None, None, None, 128, 2, "p")
+    # accum derived from a concrete train batch when it is "auto"
+    profile = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto", "train_batch_size": 64}
+    assert resolve_batch(profile, None, None, None, 128, 2, "p") == (4, 8, 64)
+
+
+@pytest.mark.parametrize("body,message", [
+    ('{"zero_optimization": {"stage": 5}}', "unknown ZeRO stage 5"),
+    ('{"bf16": {"enabled": true}, "fp16": {"enabled": true}}', "both enabled"),
+    ('{"train_batch_size": -4}', "train_batch_size must be a positive integer"),
+    ('{"zero_optimization": {"stage": 2},', "invalid JSON"),
+    ('[1, 2]', "expected a JSON object"),
+])
+def test_bad_profiles_refused(tmp_path, body, message):
+    p = tmp_path / "bad.json"
+    p.write_text(body)
+    with pytest.raises(UsageError, match=message):
+        load_profile(str(p))
+
+
+def test_unknown_profile_name_lists_known():
+    with pytest.raises(UsageError, match="unknown profile.*cpu"):
+        load_profile("tpu-v9")
+
+
+def test_auto_picks_cpu_here():
+    from launcher.profiles import detect_profile
+
+    name, why = detect_profile()
+    assert name == "cpu" and "no CUDA" in why

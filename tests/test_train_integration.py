@@ -1,0 +1,81 @@
+"""The real driver under the real launchers: 2 CPU ranks with gloo, ZeRO-2 and ZeRO-3."""
+import json
+import re
+
+import pytest
+
+from conftest import REPO, launch, read_metrics
+
+COMMON = ["--model", "debug", "--seq-len", "128", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "1"]
+
+
+def profile_with_stage(tmp_path, stage: int) -> str:
+    profile = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    profile["zero_optimization"]["stage"] = stage
+    path = tmp_path / f"cpu-zero{stage}.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_two_ranks_train_save_and_resume(stage, tmp_path, mix_path):
+    out = tmp_path / "runs"
+    args = ["--profile", profile_with_stage(tmp_path, stage), "--data", str(mix_path), "--out", str(out),
+            "--run-id", "r", *COMMON, "--save-every-steps", "3"]
+    first = launch("deepspeed", args + ["--max-steps", "6"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run = out / "r"
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    losses = [m["loss"] for m in metrics]
+    assert all(map(lambda x: x == x and x < 20, losses))  # finite
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert metrics[0]["lr"] == pytest.approx(3e-3)  # warmup of 1 step: step 1 already at peak
+    assert metrics[-1]["tokens_seen"] == 6 * 4 * 2 * 128
+    ds_config = json.loads((run / "ds_config.json").read_text())
+    assert ds_config["zero_optimization"]["stage"] == stage and ds_config["train_batch_size"] == 8
+    assert json.loads((run / "config.json").read_text())["world_size"] == 2
+    for step in (3, 6):
+        tag = run / "checkpoints" / f"global_step{step}"
+        assert (tag / "zerotrain.json").is_file() and any(tag.glob("*optim_states.pt"))
+
+    second = launch("deepspeed", args + ["--max-steps", "8", "--resume", "auto"])
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert re.search(r"resumed from .*global_step6 at step 6", second.stdout)
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert metrics[-1]["tokens_seen"] == 8 * 4 * 2 * 128
+    assert (run / "checkpoints" / "global_step8" / "zerotrain.json").is_file()
+
+
+def test_resume_with_changed_config_is_refused(tmp_path, mix_path):
+    out = tmp_path / "runs"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *COMMON, "--max-steps", "2"]
+    assert launch("python", args).returncode == 0
+    before = (out / "r" / "metrics.jsonl").read_text()
+    proc = launch("python", args + ["--max-steps", "4", "--lr", "1e-3"])
+    assert proc.returncode == 2 and "config drift" in proc.stderr and "lr 0.003 -> 0.001" in proc.stderr
+    assert (out / "r" / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_other_launchers_start_the_same_driver(launcher, tmp_path, mix_path):
+    out = tmp_path / "runs"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *COMMON, "--max-steps", "2"]
+    if launcher == "accelerate":
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        from conftest import TRAIN_PY
+
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+               str(REPO / "launcher" / "accelerate" / "cpu-2proc.yaml"), str(TRAIN_PY), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    else:
+        proc = launch(launcher, args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world 2" in proc.stdout
+    assert [m["step"] for m in read_metrics(out / "r")] == [1, 2]
+    assert (out / "r" / "checkpoints" / "global_step2" / "zerotrain.json").is_file()
