@@ -15,11 +15,12 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 DEMO_FLAGS = ["--profile", "cpu", "--model", "debug", "--seq-len", "256", "--micro-batch", "8",
               "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "20", "--max-steps", "400",
-              "--save-every-steps", "200", "--run-id", "demo"]
+              "--save-every-steps", "200"]
 
 
 def stdlib_files() -> list[Path]:
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> None:
 
     out = Path(os.environ.get("ZEROTRAIN_DEMO_DIR", "runs"))
     mix = build_demo_data(out / "demo-data")
-    cmd = deepspeed_command(2, ["--data", str(mix), "--out", str(out), *DEMO_FLAGS, *argv])
+    run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")  # a fresh run each time; earlier ones are kept
+    cmd = deepspeed_command(2, ["--data", str(mix), "--out", str(out), "--run-id", run_id, *DEMO_FLAGS, *argv])
     print("+", " ".join(cmd), flush=True)
     sys.exit(subprocess.call(cmd))

@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repo importable without an install
@@ -23,6 +24,10 @@ from launcher.config import RunConfig, resolve_config  # noqa: E402
 from launcher.errors import UsageError, fail  # noqa: E402
 from launcher.profiles import detect_profile, load_profile, resolve_ds_config  # noqa: E402
 from launcher.schedule import make_scheduler  # noqa: E402
+
+
+# DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def single_process_env() -> None:
