@@ -79,3 +79,27 @@ def test_other_launchers_start_the_same_driver(launcher, tmp_path, mix_path):
     assert "world 2" in proc.stdout
     assert [m["step"] for m in read_metrics(out / "r")] == [1, 2]
     assert (out / "r" / "checkpoints" / "global_step2" / "zerotrain.json").is_file()
+
+
+def test_two_nodes_from_a_hostfile_on_loopback(tmp_path, mix_path):
+    """DeepSpeed's multi-node launcher: a 2-node hostfile, each node started with --no_ssh --node_rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import TRAIN_PY, free_port
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    out, port = tmp_path / "runs", str(free_port())
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "mn", *COMMON, "--max-steps", "2"]
+    nodes = [subprocess.Popen([str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
+                               "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", port,
+                               str(TRAIN_PY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in (0, 1)]
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert json.loads((out / "mn" / "config.json").read_text())["world_size"] == 2
+    assert [m["step"] for m in read_metrics(out / "mn")] == [1, 2]
+    assert (out / "mn" / "checkpoints" / "global_step2" / "zerotrain.json").is_file()
