@@ -1,80 +1,362 @@
-"""A rank's infinite stream of packed batches from a weighted mix of sources.
+"""A rank's stream of packed batches from a weighted mix of sources, and its exact state.
 
-Mixing is by tokens: the next document always comes from the source whose share of the tokens
-taken so far is furthest below its weight. This is deterministic (no sampling noise) and keeps
-every source within one document of its share. Each source's documents are split across ranks
-(document i goes to rank i % world) and visited in a fresh seeded permutation every epoch; a
-source that runs out restarts with the next epoch.
+Mixing is by TOKENS: the next document always comes from the source with the fewest tokens
+taken so far relative to its weight (smallest tokens_taken / weight, ties to the first source;
+weighted fair queueing). Deterministic, no sampling noise, and every source stays within one
+document of its share. Documents count with their EOS. The schedule is computed in vectorised
+blocks that reproduce the one-document-at-a-time rule exactly.
 
-`state_dict()` holds everything needed to continue exactly: per-source epoch, index and token
-count, and the packer's carry-over.
+Each local source's documents are split across ranks (document i goes to rank i % world) and
+visited in a fresh seeded permutation every epoch (seed, source, epoch, rank). When a source
+runs out, its `on_exhausted` policy applies: "restart" begins its next epoch (a new permutation),
+"stop" ends the stream: the driver stops the whole run, on every rank, at the last step every
+rank could fill (never a hang, never a repeated document). Streamed sources (hub datasets) are
+read in order, without shuffling, through `datasets` + `split_dataset_by_node`; their position is
+the IterableDataset's own `state_dict()` plus a count of documents into the current block.
+
+`state_dict()` holds everything needed to continue exactly: per source the epoch, position and
+tokens taken (the permutations are recomputed from the seed, so there is no RNG state to save),
+the streamed sources' dataset states, and the packer's carry-over.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import numpy as np
+import torch
 
 from dataio.errors import DataError
-from dataio.packing import Packer, collate
-from dataio.sources import SourceSpec, load_source
+from dataio.packing import make_packer, to_torch
+from dataio.sources import DocStore, Mix, SourceSpec, load_text_source, open_streamed, parse_mix, record_text
+
+TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
 
-class MixedStream:
-    def __init__(self, specs: list[SourceSpec], tokenizer, rank: int, world: int, seed: int):
-        self.specs, self.tokenizer, self.seed, self.rank = specs, tokenizer, seed, rank
-        total = sum(s.weight for s in specs)
-        self.weights = [s.weight / total for s in specs]
-        self.shards = []
-        for s in specs:
-            ds = load_source(s)
-            if len(ds) < world:
-                raise DataError(f"source {s.name!r}: {len(ds)} documents cannot be split across {world} ranks")
-            self.shards.append(ds.shard(num_shards=world, index=rank, contiguous=False))
-        self.epoch = [0] * len(specs)
-        self.index = [0] * len(specs)
-        self.tokens = [0] * len(specs)
-        self._orders = {}
+class Exhausted(Exception):
+    """A source with on_exhausted "stop" has no documents left on this rank."""
 
-    def _order(self, i: int) -> np.ndarray:
-        key = (i, self.epoch[i])
-        if key not in self._orders:
-            rng = np.random.default_rng([self.seed, i, self.epoch[i], self.rank])
-            self._orders = {key: rng.permutation(len(self.shards[i]))}
-        return self._orders[key]
 
-    def next_document(self) -> list[int]:
-        total = sum(self.tokens) or 1
-        i = min(range(len(self.specs)), key=lambda j: self.tokens[j] / total - self.weights[j])
-        if self.index[i] >= len(self.shards[i]):
-            self.epoch[i] += 1
-            self.index[i] = 0
-        doc_idx = int(self._order(i)[self.index[i]])
-        self.index[i] += 1
-        text = self.shards[i][doc_idx][self.specs[i].text_field]
-        ids = self.tokenizer.encode(text or "")
-        self.tokens[i] += len(ids) + 1
-        return ids
+@dataclass
+class Data:
+    """Everything loaded and checked before training starts, shared by all ranks' streams."""
+    kind: str  # "mix" or "shards"
+    path: str
+    specs: tuple[SourceSpec, ...]
+    tokenizer: object
+    stores: list  # DocStore per source, or None for a streamed source
+    warn_epochs: float = 4.0
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def weights(self) -> list[float]:
+        return [s.weight for s in self.specs]
+
+    def source_tokens(self) -> list[tuple[int | None, bool]]:
+        """Per source (tokens incl. EOS, exact?) over the whole source; None when unknown."""
+        out = []
+        for spec, store in zip(self.specs, self.stores):
+            if store is None:
+                out.append((None, False))
+            elif store.kind == "tokens" or self.tokenizer.name == "bytes":
+                out.append((int(store.lengths.sum()) + len(store), True))
+            else:  # estimate from a sample of documents
+                sample = np.linspace(0, len(store) - 1, min(len(store), 200)).astype(int)
+                texts = [store.text(int(d)) for d in sample]
+                n_tok = sum(len(t) for t in self.tokenizer.encode_batch(texts))
+                n_bytes = sum(int(store.lengths[d]) for d in sample)
+                out.append((int(store.lengths.sum() * n_tok / max(1, n_bytes)) + len(store), False))
+        return out
+
+
+def open_data(path: str, tokenizer) -> Data:
+    """Parse a mix file or a prepared shard directory (cheap: nothing is read yet)."""
+    p = Path(path)
+    if p.is_dir():
+        from dataio import shards
+
+        manifest = shards.read_manifest(p)
+        shards.check_tokenizer(p, manifest, tokenizer)
+        return Data(kind="shards", path=str(p), specs=shards.manifest_specs(manifest), tokenizer=tokenizer,
+                    stores=[], warn_epochs=manifest["mix"].get("warn_epochs", 4.0), manifest=manifest)
+    mix: Mix = parse_mix(p)
+    return Data(kind="mix", path=str(p), specs=mix.sources, tokenizer=tokenizer, stores=[],
+                warn_epochs=mix.warn_epochs)
+
+
+def load_data(data: Data) -> Data:
+    """Read every local source (or verify and map every shard); all checks happen here."""
+    if data.kind == "shards":
+        from dataio import shards
+
+        shards.verify(Path(data.path), data.manifest, data.tokenizer)
+        data.stores = shards.load_stores(Path(data.path), data.manifest)
+    else:
+        data.stores = [None if s.streamed else load_text_source(s) for s in data.specs]
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# One source on one rank
+# --------------------------------------------------------------------------------------------
+
+class IndexedSource:
+    """A local source's documents on this rank, visited in a seeded permutation per epoch."""
+
+    def __init__(self, store: DocStore, spec: SourceSpec, tokenizer, index: int, rank: int, world: int, seed: int):
+        self.store, self.spec, self.tokenizer = store, spec, tokenizer
+        self.ids = np.arange(rank, len(store), world, dtype=np.int64)
+        if len(self.ids) == 0:
+            raise DataError(f"{spec.where()}: {len(store)} documents cannot be split across {world} ranks")
+        self.key = (seed, index, rank, world)
+        self.direct = store.kind == "tokens" or tokenizer.name == "bytes"  # bytes are the tokens
+        self.lengths = store.lengths[self.ids] if self.direct else None
+        self.epoch, self.pos = 0, 0
+        self._orders: dict[int, np.ndarray] = {}
+        self._blocks: dict[tuple[int, int], list] = {}  # (epoch, block) -> token arrays (HF tokenizers)
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            seed, index, rank, world = self.key
+            rng = np.random.default_rng([seed, index, epoch, rank, world])
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = rng.permutation(self.n)
+        return self._orders[epoch]
+
+    def _spans(self, k: int):
+        """(epoch, start, stop) runs covering the next k documents (fewer if "stop" runs out)."""
+        epoch, pos, spans = self.epoch, self.pos, []
+        while k > 0:
+            if pos >= self.n:
+                if self.spec.on_exhausted == "stop":
+                    break
+                epoch, pos = epoch + 1, 0
+            take = min(k, self.n - pos)
+            spans.append((epoch, pos, pos + take))
+            pos, k = pos + take, k - take
+        return spans
+
+    def _tokenized(self, epoch: int, start: int, stop: int) -> list:
+        out = []
+        for b in range(start // TOKEN_BLOCK, (stop - 1) // TOKEN_BLOCK + 1):
+            if (epoch, b) not in self._blocks:
+                if len(self._blocks) > 8:
+                    self._blocks.pop(next(iter(self._blocks)))
+                docs = self.ids[self.order(epoch)[b * TOKEN_BLOCK:(b + 1) * TOKEN_BLOCK]]
+                self._blocks[(epoch, b)] = self.tokenizer.encode_batch([self.store.text(int(d)) for d in docs])
+            block = self._blocks[(epoch, b)]
+            lo, hi = max(start, b * TOKEN_BLOCK) - b * TOKEN_BLOCK, min(stop, (b + 1) * TOKEN_BLOCK) - b * TOKEN_BLOCK
+            out.extend(block[lo:hi])
+        return out
+
+    def peek_lengths(self, k: int) -> np.ndarray:
+        parts = []
+        for epoch, a, b in self._spans(k):
+            if self.direct:
+                parts.append(self.lengths[self.order(epoch)[a:b]])
+            else:
+                parts.append(np.fromiter((len(t) for t in self._tokenized(epoch, a, b)), np.int64, b - a))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def take(self, k: int) -> list:
+        out = []
+        for epoch, a, b in self._spans(k):
+            if self.direct:
+                d = self.ids[self.order(epoch)[a:b]]
+                chunks, store = self.store.chunks, self.store
+                out.extend(chunks[c][s:e] for c, s, e in zip(store.chunk[d].tolist(), store.start[d].tolist(),
+                                                              store.end[d].tolist()))
+            else:
+                out.extend(self._tokenized(epoch, a, b))
+            self.epoch, self.pos = epoch, b
+        return out
 
     def state_dict(self) -> dict:
-        return {"epoch": list(self.epoch), "index": list(self.index), "tokens": list(self.tokens)}
+        return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index, self.tokens = list(state["epoch"]), list(state["index"]), list(state["tokens"])
+        if state.get("n") not in (None, self.n):
+            raise DataError(f"{self.spec.where()}: the checkpoint's loader saw {state['n']} documents on this rank,"
+                            f" the data now has {self.n}; the source changed since the checkpoint")
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+class StreamedSource:
+    """A streamed source on this rank: records in order, tokenized in blocks; exact state."""
+
+    def __init__(self, spec: SourceSpec, tokenizer, rank: int, world: int):
+        self.spec, self.tokenizer = spec, tokenizer
+        self.ds = open_streamed(spec, rank, world)
+        self._initial = copy.deepcopy(self.ds.state_dict())
+        self.epoch, self.bad_records = 0, 0
+        self._it = None
+        self._blocks: deque = deque()  # [dataset state before the block, token arrays, taken]
+        self._resume: tuple | None = None  # (dataset state, docs to skip) to apply on the next read
+
+    def _bad(self, why: str) -> None:
+        if self.spec.bad_records == "stop":
+            raise DataError(f"{self.spec.where()}: streamed record: {why}")
+        self.bad_records += 1
+
+    def _pull_block(self) -> bool:
+        if self._it is None:
+            state, skip = self._resume or (self._initial, 0)
+            self.ds.set_epoch(self.epoch)
+            self.ds.load_state_dict(copy.deepcopy(state))
+            self._it = iter(self.ds)
+        before = copy.deepcopy(self.ds.state_dict())
+        texts = []
+        for record in self._it:
+            text = record_text(self.spec, record, self._bad)
+            if text:
+                texts.append(text)
+            if len(texts) >= TOKEN_BLOCK:
+                break
+        if not texts:  # the stream ended
+            if self.spec.on_exhausted == "stop":
+                return False
+            self.epoch += 1
+            self._it, self._resume = None, None
+            return self._pull_block()
+        block = [before, self.tokenizer.encode_batch(texts), 0]
+        if self._resume is not None:
+            block[2] = self._resume[1]
+            self._resume = None
+        self._blocks.append(block)
+        return True
+
+    def _available(self, k: int) -> bool:
+        while sum(len(b[1]) - b[2] for b in self._blocks) < k:
+            if not self._pull_block():
+                return False
+        return True
+
+    def peek_lengths(self, k: int) -> np.ndarray:
+        self._available(k)
+        lengths = [len(t) for b in self._blocks for t in b[1][b[2]:]][:k]
+        return np.asarray(lengths, np.int64)
+
+    def take(self, k: int) -> list:
+        self._available(k)
+        out = []
+        while k > 0 and self._blocks:
+            block = self._blocks[0]
+            got = block[1][block[2]:block[2] + k]
+            out.extend(got)
+            block[2] += len(got)
+            k -= len(got)
+            if block[2] >= len(block[1]):
+                self._blocks.popleft()
+        return out
+
+    def state_dict(self) -> dict:
+        if self._blocks:
+            return {"epoch": self.epoch, "dataset": copy.deepcopy(self._blocks[0][0]), "skip": self._blocks[0][2]}
+        if self._resume is not None:
+            return {"epoch": self.epoch, "dataset": copy.deepcopy(self._resume[0]), "skip": self._resume[1]}
+        state = self.ds.state_dict() if self._it is not None else self._initial
+        return {"epoch": self.epoch, "dataset": copy.deepcopy(state), "skip": 0}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self._blocks.clear()
+        self._it, self._resume = None, (state["dataset"], int(state["skip"]))
+
+
+# --------------------------------------------------------------------------------------------
+# The mix
+# --------------------------------------------------------------------------------------------
+
+class MixedStream:
+    """Documents from all sources in token-share order (see the module docstring)."""
+
+    def __init__(self, data: Data, rank: int, world: int, seed: int):
+        self.names = [s.name for s in data.specs]
+        self.weights = np.asarray(data.weights, np.float64)
+        self.sources = [StreamedSource(spec, data.tokenizer, rank, world) if store is None else
+                        IndexedSource(store, spec, data.tokenizer, i, rank, world, seed)
+                        for i, (spec, store) in enumerate(zip(data.specs, data.stores))]
+        self.tokens = [0] * len(self.sources)  # tokens taken per source, EOS included
+        self.documents = [0] * len(self.sources)
+        self._block = 64
+
+    def next_documents(self, need: int) -> list:
+        """Documents (token arrays, no EOS) whose lengths + 1 add up to at least `need`."""
+        out, got = [], 0
+        while got < need:
+            k = self._block
+            lens = [s.peek_lengths(k) + 1 for s in self.sources]
+            vt, src, horizon = [], [], []
+            for i, ln in enumerate(lens):
+                end = np.cumsum(ln)
+                vt.append((self.tokens[i] + end - ln) / self.weights[i])  # virtual start time of each doc
+                src.append(np.full(len(ln), i))
+                horizon.append(((self.tokens[i] + (int(end[-1]) if len(ln) else 0)) / self.weights[i], i))
+            h_time, h_src = min(horizon)  # nothing at or after this point is known yet
+            vt, src, ln = np.concatenate(vt), np.concatenate(src), np.concatenate(lens)
+            ok = (vt < h_time) | ((vt == h_time) & (src < h_src))
+            if not ok.any():
+                raise Exhausted(self.names[h_src])
+            order = np.flatnonzero(ok)[np.lexsort((src[ok], vt[ok]))]
+            cum = np.cumsum(ln[order])
+            m = min(len(order), int(np.searchsorted(cum, need - got)) + 1)
+            chosen = src[order[:m]]
+            counts = np.bincount(chosen, minlength=len(self.sources))
+            taken = [iter(self.sources[i].take(int(c))) if c else None for i, c in enumerate(counts)]
+            out.extend(next(taken[i]) for i in chosen.tolist())
+            for i, c in enumerate(counts):
+                if c:
+                    self.tokens[i] += int(ln[order[:m]][chosen == i].sum())
+                    self.documents[i] += int(c)
+            got += int(cum[m - 1])
+            # Size the next look-ahead from how many documents this one needed.
+            self._block = int(min(4096, max(16, 2 * m // len(self.sources) + 8)))
+        return out
 
     def token_shares(self) -> dict[str, float]:
         total = sum(self.tokens) or 1
-        return {s.name: t / total for s, t in zip(self.specs, self.tokens)}
+        return {n: t / total for n, t in zip(self.names, self.tokens)}
+
+    def state_dict(self) -> dict:
+        return {"tokens": list(self.tokens), "documents": list(self.documents),
+                "sources": [{**s.state_dict(), **({"n": s.n} if isinstance(s, IndexedSource) else {})}
+                            for s in self.sources]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["sources"]) != len(self.sources):
+            raise DataError(f"loader state has {len(state['sources'])} sources, the data has {len(self.sources)}")
+        self.tokens, self.documents = list(state["tokens"]), list(state["documents"])
+        for s, st in zip(self.sources, state["sources"]):
+            s.load_state_dict(st)
 
 
 class PackedLoader:
-    """micro_batch rows of seq_len tokens per call; infinite, so every rank gets the same count."""
+    """micro_batch rows of seq_len tokens per call; None once a "stop" source has run out."""
 
-    def __init__(self, stream: MixedStream, seq_len: int, micro_batch: int):
+    def __init__(self, stream: MixedStream, seq_len: int, micro_batch: int, eos_id: int, stop_possible: bool = True,
+                 packing: str = "best-fit"):
         self.stream = stream
-        self.packer = Packer(seq_len, stream.tokenizer.eos_id)
-        self.micro_batch = micro_batch
+        self.packer = make_packer(packing, seq_len, eos_id, micro_batch, stream_may_end=stop_possible)
+        self.stop_possible = stop_possible
+        self.exhausted: str | None = None
 
     def next_batch(self):
-        return collate([self.packer.next_row(self.stream.next_document) for _ in range(self.micro_batch)])
+        if self.exhausted:
+            return None
+        before = self.state_dict() if self.stop_possible else None
+        try:
+            return to_torch(self.packer.next_batch(self.stream.next_documents))
+        except Exhausted as e:
+            self.load_state_dict(before)  # the partial batch is not consumed
+            self.exhausted = str(e)
+            return None
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict(), "packer": self.packer.state_dict()}
@@ -82,3 +364,164 @@ class PackedLoader:
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
         self.packer.load_state_dict(state["packer"])
+
+
+def make_loader(data: Data, rank: int, world: int, seed: int, seq_len: int, micro_batch: int,
+                packing: str = "best-fit") -> PackedLoader:
+    stop = any(s.on_exhausted == "stop" for s in data.specs)
+    return PackedLoader(MixedStream(data, rank, world, seed), seq_len, micro_batch, data.tokenizer.eos_id, stop,
+                        packing)
+
+
+def plain(state):
+    """A loader state as plain lists/ints (what goes into the checkpoint's client_state)."""
+    if isinstance(state, np.ndarray):
+        return state.tolist()
+    if isinstance(state, dict):
+        return {k: plain(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [plain(v) for v in state]
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# Background workers (the profile's zerotrain.dataloader section)
+# --------------------------------------------------------------------------------------------
+
+DATALOADER_DEFAULTS = {"workers": 0, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}
+# (the driver adds "packing" to the settings it hands to Batches; it is not a profile key)
+
+
+def dataloader_settings(section, where: str) -> dict:
+    """The profile's `zerotrain.dataloader` section, validated, with defaults."""
+    section = section or {}
+    if not isinstance(section, dict):
+        raise DataError(f"{where}: zerotrain.dataloader must be an object")
+    unknown = set(section) - set(DATALOADER_DEFAULTS)
+    if unknown:
+        raise DataError(f"{where}: zerotrain.dataloader: unknown key(s) {', '.join(sorted(unknown))}")
+    out = {**DATALOADER_DEFAULTS, **section}
+    for key in ("workers", "prefetch_factor"):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "workers" else 1):
+            raise DataError(f"{where}: zerotrain.dataloader.{key} must be an integer >= "
+                            f"{0 if key == 'workers' else 1}, got {v!r}")
+    for key in ("pin_memory", "persistent_workers"):
+        if not isinstance(out[key], bool):
+            raise DataError(f"{where}: zerotrain.dataloader.{key} must be true or false, got {out[key]!r}")
+    return out
+
+
+class _WorkerBatches(torch.utils.data.IterableDataset):
+    """Worker w yields (batch, w, its loader state after the batch, exhausted source or None)."""
+
+    def __init__(self, data, rank, world, seed, seq_len, micro_batch, packing, workers, states):
+        self.args = (data, rank, world, seed, seq_len, micro_batch, packing)
+        self.workers, self.states = workers, states
+
+    def __iter__(self):
+        w = torch.utils.data.get_worker_info().id
+        data, rank, world, seed, seq_len, micro_batch, packing = self.args
+        loader = make_loader(data, rank * self.workers + w, world * self.workers, seed, seq_len, micro_batch, packing)
+        if self.states is not None:
+            loader.load_state_dict(self.states[w])
+        while True:
+            batch = loader.next_batch()
+            yield batch, w, loader.state_dict(), loader.exhausted
+
+
+def _as_is(item):
+    return item  # batches are tensors already; states stay numpy (the default would convert them)
+
+
+class Batches:
+    """The driver's view: `next()` -> batch dict (torch) or None once data is exhausted.
+
+    workers == 0: batches are built in the training process. workers == W > 0: W background
+    processes per rank, each a disjoint part of the rank's documents (rank*W + w of world*W),
+    consumed round-robin; each batch carries its worker's state, so `state_dict()` is exactly
+    the state after the last batch handed out, however far the workers have read ahead.
+    The number of workers is part of the data order: a resume with another count is refused.
+    """
+
+    def __init__(self, data: Data, rank: int, world: int, seed: int, seq_len: int, micro_batch: int,
+                 settings: dict | None = None, packing: str = "best-fit"):
+        self.settings = {**DATALOADER_DEFAULTS, **(settings or {})}
+        self.workers = self.settings["workers"]
+        self.args = (data, rank, world, seed, seq_len, micro_batch, packing)
+        self.exhausted: str | None = None
+        self._states = None
+        self._it = None
+        if self.workers == 0:
+            self.loader = make_loader(*self.args)
+
+    def _start(self):
+        ds = _WorkerBatches(*self.args, self.workers, self._states)
+        pin = self.settings["pin_memory"] and torch.cuda.is_available()
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=_as_is, num_workers=self.workers,
+                                         prefetch_factor=self.settings["prefetch_factor"], pin_memory=pin,
+                                         persistent_workers=self.settings["persistent_workers"])
+        self._it = iter(dl)
+        if self._states is None:
+            self._states = [None] * self.workers
+
+    def next(self):
+        if self.workers == 0:
+            batch = self.loader.next_batch()
+            self.exhausted = self.loader.exhausted
+            return batch
+        if self.exhausted:
+            return None
+        if self._it is None:
+            self._start()
+        batch, w, state, exhausted = next(self._it)
+        if exhausted:
+            self.exhausted = exhausted
+            return None
+        self._states[w] = state
+        return batch
+
+    def state_dict(self) -> dict:
+        """Plain lists and numbers: what goes into the checkpoint."""
+        if self.workers == 0:
+            return plain({"workers": 0, "parts": [self.loader.state_dict()]})
+        if self._states is None or any(s is None for s in self._states):
+            # Not every worker has produced a batch yet: build the missing states from scratch.
+            data, rank, world, seed, seq_len, micro_batch, packing = self.args
+            fresh = [make_loader(data, rank * self.workers + w, world * self.workers, seed, seq_len, micro_batch,
+                                 packing).state_dict() for w in range(self.workers)]
+            states = self._states or [None] * self.workers
+            return plain({"workers": self.workers, "parts": [s if s is not None else f for s, f in zip(states, fresh)]})
+        return plain({"workers": self.workers, "parts": list(self._states)})
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["workers"] != self.workers:
+            raise DataError(f"checkpoint: its loader used {state['workers']} worker(s) per rank, this run has"
+                            f" {self.workers}; the document order depends on it (set zerotrain.dataloader.workers"
+                            f" back to {state['workers']})")
+        if self.workers == 0:
+            self.loader.load_state_dict(state["parts"][0])
+        else:
+            self._states = list(state["parts"])
+            self._it = None
+
+    def tokens_per_source(self) -> list[int]:
+        if self.workers == 0:
+            return list(self.loader.stream.tokens)
+        parts = self.state_dict()["parts"]
+        return [sum(p["stream"]["tokens"][i] for p in parts) for i in range(len(parts[0]["stream"]["tokens"]))]
+
+    def close(self) -> None:
+        self._it = None
+
+
+def batch_digest(batches: list) -> int:
+    """A 63-bit digest of the token ids and positions of one rank's batches for one step."""
+    h = hashlib.blake2b(digest_size=8)
+    for b in batches:
+        h.update(b["input_ids"].numpy().tobytes())
+        h.update(b["position_ids"].numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+MODEL_KEYS = ("input_ids", "position_ids", "labels")  # what the model's forward takes from a batch

@@ -1,14 +1,24 @@
-"""Tokenizers: the offline byte-level one, and Hugging Face `tokenizer.json` files on disk.
+"""Tokenizers: the offline byte-level one, Hugging Face tokenizers on disk, and BPE training.
 
-Both expose `encode(text) -> list[int]`, `decode(ids)`, `vocab_size`, `bos_id`, `eos_id`, `name`.
-EOS separates documents in a packed row (see dataio.packing).
+Both kinds expose `encode(text) -> list[int]`, `encode_batch(texts) -> list[np.ndarray]`,
+`decode(ids)`, `vocab_size`, `bos_id`, `eos_id`, `name` and `sha256` (identifies the exact
+vocabulary; prepared shards record it and training refuses shards made with another one).
+
+BOS/EOS: documents are encoded WITHOUT special tokens; the packer appends EOS after every
+document (EOS separates documents in a packed row). No BOS is inserted: a document start is
+marked by its position id 0, and attention never crosses a document boundary.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
+
 from dataio.errors import DataError
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|begin_of_text|>")  # what `zerotrain tokenizer train` adds
 
 
 class ByteTokenizer:
@@ -18,12 +28,16 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    sha256 = hashlib.sha256(b"zerotrain bytes tokenizer v1: ids 0-255 = UTF-8 bytes, 256 BOS, 257 EOS").hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
     def decode(self, ids) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -38,16 +52,22 @@ class HFTokenizer:
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise DataError(f"tokenizer {path}: no tokenizer.json found")
+        raw = file.read_bytes()
         try:
-            self._tok = Tokenizer.from_file(str(file))
+            self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise DataError(f"tokenizer {file}: cannot be loaded ({str(e).splitlines()[0]})") from None
+            why = str(e).splitlines()[0] if str(e) else repr(e)
+            raise DataError(f"tokenizer {file}: cannot be loaded ({why})") from None
         self.name = str(file)
+        self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = {}
         cfg = file.parent / "tokenizer_config.json"
         if cfg.is_file():
-            special = json.loads(cfg.read_text())
+            try:
+                special = json.loads(cfg.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise DataError(f"tokenizer {cfg}: invalid JSON") from None
         self.eos_id = self._token_id(special.get("eos_token"), self.EOS_CANDIDATES)
         self.bos_id = self._token_id(special.get("bos_token"), ("<|begin_of_text|>", "<s>", "<bos>"))
         if self.eos_id is None:
@@ -65,8 +85,13 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encs = self._tok.encode_batch_fast(texts, add_special_tokens=False) \
+            if hasattr(self._tok, "encode_batch_fast") else self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int32) for e in encs]
+
     def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
+        return self._tok.decode([int(i) for i in ids])
 
 
 def load_tokenizer(spec: str):
@@ -75,3 +100,37 @@ def load_tokenizer(spec: str):
     if not Path(spec).exists():
         raise DataError(f"tokenizer {spec}: no such file or directory (use 'bytes' or a tokenizer.json / directory)")
     return HFTokenizer(spec)
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def train_bpe(texts, vocab_size: int, out_dir: str | Path) -> Path:
+    """Train a byte-level BPE on an iterator of documents; save it in the Hugging Face format.
+
+    The directory loads with `tokenizers.Tokenizer.from_file(DIR/tokenizer.json)`,
+    `transformers.AutoTokenizer.from_pretrained(DIR)` and zerotrain's `--tokenizer DIR`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise DataError(f"--vocab-size {vocab_size}: must be at least {256 + len(SPECIAL_TOKENS)}"
+                        " (256 byte tokens + the special tokens)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    eos, bos = SPECIAL_TOKENS
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos,
+        "unk_token": None, "pad_token": eos, "add_bos_token": False, "add_eos_token": False,
+        "model_max_length": 1_000_000_000}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": eos, "bos_token": bos, "pad_token": eos}, indent=2) + "\n")
+    return out

@@ -3,8 +3,14 @@
     zerotrain train ARGS            the driver in this process (one rank), same flags as launcher/train.py
     zerotrain launch -n N ARGS      the driver on N local ranks under the deepspeed launcher
     zerotrain demo                  build the offline demo mix and train `debug` on 2 CPU ranks
-    zerotrain params PRESET...      parameter counts and training FLOPs per token
+    zerotrain params [PRESET...] [--depth D] [--scaling-rule NAME --heads H] [--vocab-size V]
+                                    parameter counts and training FLOPs per token
+    zerotrain export RUN_DIR|CHECKPOINT --to DIR    a checkpoint as a Hugging Face Llama directory
     zerotrain profiles              the hardware profiles in ds_configs/
+    zerotrain prepare --data MIX.json --tokenizer T --out DIR     tokenize a mix into verified shards
+    zerotrain verify DIR            check a prepared shard directory, measure read speed
+    zerotrain data-bench --data MIX.json|DIR [--seq-len N --micro-batch N]    the loader alone, tokens/s
+    zerotrain tokenizer train --data MIX.json --vocab-size N --out DIR       byte-level BPE, HF format
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from pathlib import Path
 from launcher.errors import UsageError, fail
 
 TRAIN_PY = Path(__file__).resolve().parent / "train.py"
+DATA_COMMANDS = {"prepare": "prepare_main", "verify": "verify_main", "data-bench": "data_bench_main",
+                 "tokenizer": "tokenizer_main"}
 
 
 def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
@@ -33,21 +41,6 @@ def cmd_launch(argv: list[str]) -> None:
         raise UsageError(f"launch -n {argv[1]!r}: not an integer") from None
     cmd = deepspeed_command(nproc, argv[2:])
     os.execv(cmd[0], cmd)
-
-
-def cmd_params(argv: list[str]) -> None:
-    from modeling.model import PRESETS, count_params, flops_per_token, preset
-
-    names = argv or list(PRESETS)
-    print(f"{'preset':<14}{'layers':>7}{'dim':>6}{'heads':>6}{'kv':>4}{'total':>14}{'non-emb':>14}{'FLOPs/tok@2048':>16}")
-    for name in names:
-        try:
-            args = preset(name)
-        except KeyError as e:
-            raise UsageError(e.args[0]) from None
-        n = count_params(args)
-        print(f"{name:<14}{args.n_layers:>7}{args.dim:>6}{args.n_heads:>6}{args.n_kv_heads:>4}"
-              f"{n['total']:>14,}{n['non_embedding']:>14,}{flops_per_token(args, 2048):>16.3e}")
 
 
 def cmd_profiles(argv: list[str]) -> None:
@@ -77,11 +70,22 @@ def main(argv: list[str] | None = None) -> None:
 
             demo_main(rest)
         elif command == "params":
-            cmd_params(rest)
+            from launcher.model_spec import params_main
+
+            params_main(rest)
+        elif command == "export":
+            from launcher.export import main as export_main
+
+            export_main(rest)
         elif command == "profiles":
             cmd_profiles(rest)
+        elif command in DATA_COMMANDS:  # prepare, verify, data-bench, tokenizer: dataio/commands.py
+            import dataio.commands
+
+            getattr(dataio.commands, DATA_COMMANDS[command])(rest)
         else:
-            raise UsageError(f"unknown command {command!r} (train, launch, demo, params, profiles)")
+            raise UsageError(f"unknown command {command!r} (train, launch, demo, params, export, profiles,"
+                             f" {', '.join(DATA_COMMANDS)})")
     except UsageError as e:
         fail(str(e))
 

@@ -37,9 +37,26 @@ class RunConfig:
     resume: str = "auto"
     activation_checkpointing: bool | None = None  # None: the profile's
     log_every_steps: int = 1
+    log_data_every_steps: int = 100  # realised token share per source in metrics.jsonl; 0: never
+    packing: str | None = None  # None: best-fit (or greedy); see dataio/packing.py
+    # The model, instead of --model (see launcher/model_spec.py): the depth rule, a scaling rule, or HF weights.
+    depth: int | None = None
+    aspect_ratio: int | None = None  # None: 64 (dim = depth x aspect ratio)
+    head_dim: int | None = None  # None: 128 (dim is rounded to a multiple of it)
+    scaling_rule: str | None = None
+    heads: int | None = None
+    rules_file: str | None = None  # None: modeling/scaling_rules.yaml
+    init_from: str | None = None  # a Hugging Face Llama directory (safetensors)
+    qk_norm: bool | None = None  # None: off (or the rule's / the HF config's)
+    compile: bool | None = None  # None: off
 
     # Keys that may change between a run and its resume without counting as config drift.
-    RESUMABLE_CHANGES = ("max_steps", "save_every_steps", "resume", "log_every_steps", "out", "run_id")
+    RESUMABLE_CHANGES = ("max_steps", "save_every_steps", "resume", "log_every_steps", "out", "run_id",
+                         "log_data_every_steps")
+    # Keys added after 0.1: left out of the identity hash while unset, so earlier run ids still resume.
+    HASHED_ONLY_WHEN_SET = ("packing",
+                            "depth", "aspect_ratio", "head_dim", "scaling_rule", "heads", "rules_file", "init_from",
+                            "qk_norm", "compile")
 
     def validate(self) -> None:
         if self.data is None:
@@ -48,7 +65,7 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer, got {v!r}")
-        for name in ("save_every_steps", "warmup_steps", "seed"):
+        for name in ("save_every_steps", "warmup_steps", "seed", "log_data_every_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise UsageError(f"--{name.replace('_', '-')}: must be a non-negative integer, got {v!r}")
@@ -70,7 +87,8 @@ class RunConfig:
 
     def identity_hash(self) -> str:
         """Hash of what defines the training (not how long or where it runs)."""
-        d = {k: v for k, v in self.to_dict().items() if k not in self.RESUMABLE_CHANGES}
+        d = {k: v for k, v in self.to_dict().items()
+             if k not in self.RESUMABLE_CHANGES and not (k in self.HASHED_ONLY_WHEN_SET and v is None)}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -89,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="recipe JSON with the same keys as the flags; flags override it")
     for f in fields(RunConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.name == "activation_checkpointing":
+        if "bool" in str(f.type):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
             p.add_argument(flag, type=_arg_type(f), default=None, dest=f.name)
@@ -122,6 +140,9 @@ def resolve_config(argv: list[str] | None) -> RunConfig:
     ns = build_parser().parse_args(argv)
     values = load_recipe(ns.config) if ns.config else {}
     values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
+    from launcher.model_spec import rule_lr_defaults
+
+    values.update(rule_lr_defaults(values))  # a scaling rule's lr law, when --lr is not given
     cfg = RunConfig(**values)
     cfg.validate()
     return cfg

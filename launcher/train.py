@@ -6,6 +6,7 @@ anything is built or written (exit status 2, one line). See README.md for the fl
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -43,9 +44,10 @@ def single_process_env() -> None:
 
 def plan_run(cfg: RunConfig, world: int) -> dict:
     """Everything decided before any process touches disk or builds a model. Raises UsageError."""
-    from dataio.sources import parse_mix
+    from dataio.loader import dataloader_settings, open_data
+    from dataio.packing import check_packing
     from dataio.tokenizer import load_tokenizer
-    from modeling.model import preset
+    from launcher import model_spec
 
     why = None
     if cfg.profile == "auto":
@@ -55,16 +57,15 @@ def plan_run(cfg: RunConfig, world: int) -> dict:
     ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
     zt = profile.get("zerotrain", {})
     try:
-        specs = parse_mix(cfg.data)
         tokenizer = load_tokenizer(cfg.tokenizer)
+        data = open_data(cfg.data, tokenizer)  # a mix file or a prepared shard directory
+        loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
+        loader_settings["packing"] = check_packing(cfg.packing or "best-fit")
     except DataError as e:
         raise UsageError(str(e)) from None
-    try:
-        model_args = preset(cfg.model, vocab_size=tokenizer.vocab_size, max_seq_len=max(cfg.seq_len, 1))
-    except (KeyError, ValueError) as e:
-        raise UsageError(f"--model {cfg.model}: {e.args[0]}") from None
+    model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
 
-    run_id = cfg.run_id or f"{cfg.model}-{profile_name}-{cfg.identity_hash()}"
+    run_id = cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
     run_dir = Path(cfg.out) / run_id
     ckpt_dir = run_dir / "checkpoints"
     resume_from = None
@@ -82,6 +83,10 @@ def plan_run(cfg: RunConfig, world: int) -> dict:
         if meta["world_size"] != world:
             raise UsageError(f"checkpoint {resume_from}: saved by {meta['world_size']} ranks, this launch has {world};"
                              " resuming on another world size would replay or skip data")
+        if meta.get("loader_workers", 0) != loader_settings["workers"]:
+            raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
+                             f" per rank, this profile has {loader_settings['workers']}; the document order depends"
+                             " on it (set zerotrain.dataloader.workers back)")
         if meta["step"] >= cfg.max_steps:
             raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} >= --max-steps {cfg.max_steps}")
     saved = run_dir / "config.json"
@@ -92,20 +97,22 @@ def plan_run(cfg: RunConfig, world: int) -> dict:
         if drift:
             raise UsageError(f"config drift against {saved}: " + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}"
                              for k in drift) + "; start a new --run-id instead")
-    return dict(profile_name=profile_name, profile_why=why, profile=profile, ds_config=ds_config, specs=specs,
-                tokenizer=tokenizer, model_args=model_args, run_dir=run_dir, ckpt_dir=ckpt_dir,
+    return dict(profile_name=profile_name, profile_why=why, profile=profile, ds_config=ds_config, specs=data.specs,
+                data=data, loader_settings=loader_settings,
+                tokenizer=tokenizer, model_args=model_args, model_label=model_label, init_from=init_from,
+                run_dir=run_dir, ckpt_dir=ckpt_dir,
                 resume_from=resume_from, zerotrain=zt)
 
 
 def main(argv: list[str] | None = None) -> None:
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    from dataio.loader import MixedStream, PackedLoader
+    from dataio.loader import MODEL_KEYS, Batches, batch_digest, load_data
 
     try:
         cfg = resolve_config(argv)
         plan = plan_run(cfg, world)
-        stream = MixedStream(plan["specs"], plan["tokenizer"], rank, world, cfg.seed)
+        data = load_data(plan["data"])  # reads every source / verifies every shard: bad data stops here
     except (UsageError, DataError) as e:
         fail(str(e))
 
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
-    from modeling.model import Transformer, count_params, flops_per_token
+    from modeling.model import Transformer, count_params, flops_per_token, held_numel
 
     zt, ds_config, run_dir = plan["zerotrain"], plan["ds_config"], plan["run_dir"]
     deepspeed.init_distributed(dist_backend=zt.get("dist_backend") or get_accelerator().communication_backend_name())
@@ -150,25 +157,47 @@ def main(argv: list[str] | None = None) -> None:
             model = Transformer(args)
     else:
         model = Transformer(args)
+    if plan["init_from"] is not None and plan["resume_from"] is None:  # before deepspeed.initialize copies them
+        from modeling.hf import load_weights
+
+        load_weights(model, plan["init_from"])
+        say(f"initialised from {plan['init_from']}")
+    held = [None] * world
+    dist.all_gather_object(held, held_numel(model))
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None else zt.get("activation_checkpointing")
     model.activation_checkpointing = bool(ac)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            lr_scheduler=make_scheduler(cfg))
+    if cfg.compile:  # DeepSpeed compiles the module in place: parameter names do not change
+        engine.compile(backend=zt.get("compile_backend") or accel.get_compile_backend())
     n_params = count_params(args)
-    say(f"model {cfg.model}: {n_params['total'] / 1e6:.2f}M params ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"
+    say(f"model {plan['model_label']}: {n_params['total'] / 1e6:.2f}M params"
+        f" ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"
         f" profile {plan['profile_name']}, ZeRO-{ds_config['zero_optimization'].get('stage', 0)}, world {world},"
         f" batch {ds_config['train_micro_batch_size_per_gpu']} x {ds_config['gradient_accumulation_steps']} x {world}"
         f" x {cfg.seq_len} tokens")
+    say(f"parameters held per rank after construction: {', '.join(f'{n:,}' for n in held)} of {n_params['total']:,}"
+        + (", compiled with torch.compile" if cfg.compile else ""))
 
     # -- data -------------------------------------------------------------------------------
-    loader = PackedLoader(stream, cfg.seq_len, ds_config["train_micro_batch_size_per_gpu"])
+    from dataio.commands import describe_data
+
+    for line in describe_data(data, cfg.max_steps * ds_config["train_batch_size"] * cfg.seq_len):
+        say(line)
+    loader = Batches(data, rank, world, cfg.seed, cfg.seq_len, ds_config["train_micro_batch_size_per_gpu"],
+                     plan["loader_settings"], plan["loader_settings"]["packing"])
+    stop_possible = any(s.on_exhausted == "stop" for s in data.specs)
+    final_loader_state = None  # set when the data runs out: the state before the unfinished step
 
     # -- resume -----------------------------------------------------------------------------
     step, tokens_seen, elapsed_before = 0, 0, 0.0
     if plan["resume_from"] is not None:
         state = checkpoint.load(engine, plan["resume_from"])["zerotrain"]
         step, tokens_seen, elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
-        loader.load_state_dict(state["loader_states"][rank])
+        try:
+            loader.load_state_dict(state["loader_states"][rank])
+        except DataError as e:
+            fail(str(e))
         say(f"resumed from {plan['resume_from']} at step {step}")
     metrics_path = run_dir / "metrics.jsonl"
     if is_main and metrics_path.exists():  # drop steps logged after the checkpoint we resume from
@@ -177,10 +206,11 @@ def main(argv: list[str] | None = None) -> None:
 
     def save_checkpoint() -> Path:
         states = [None] * world
-        dist.all_gather_object(states, loader.state_dict())
+        dist.all_gather_object(states, final_loader_state or loader.state_dict())
         client_state = {"zerotrain": {"step": step, "tokens_seen": tokens_seen, "loader_states": states,
                                       "elapsed_s": elapsed_before + time.time() - t_start}}
-        meta = {"step": step, "tokens_seen": tokens_seen, "world_size": world, "run_id": run_dir.name}
+        meta = {"step": step, "tokens_seen": tokens_seen, "world_size": world, "run_id": run_dir.name,
+                "loader_workers": plan["loader_settings"]["workers"]}
         return checkpoint.save(engine, plan["ckpt_dir"], step, client_state, meta)
 
     # -- loop -------------------------------------------------------------------------------
@@ -199,13 +229,31 @@ def main(argv: list[str] | None = None) -> None:
         while step < cfg.max_steps:
             t0 = time.time()
             lr = engine.get_lr()[0]
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for _ in range(accum):
-                batch = {k: v.to(engine.device) for k, v in loader.next_batch().items()}
+            loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)  # NCCL needs it on the GPU
+            state_before = loader.state_dict() if stop_possible else None
+            try:
+                batches = [loader.next() for _ in range(accum)]  # every rank: the same count, or all stop
+            except DataError as e:  # a bad record met mid-stream (streamed sources), on any rank
+                print(f"zerotrain: error: {e}", file=sys.stderr, flush=True)
+                sys.exit(2)
+            ended = any(b is None for b in batches)
+            mine = torch.tensor([int(ended), 0 if ended else batch_digest(batches)], dtype=torch.int64,
+                                device=engine.device)
+            every = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            if any(int(t[0]) for t in every):
+                final_loader_state = state_before
+                say(f"data ran out before step {step + 1} (a source with on_exhausted: stop"
+                    f"{': ' + repr(loader.exhausted) if loader.exhausted else ' on another rank'}); stopping")
+                break
+            tokens_sha = hashlib.blake2b(b"".join(int(t[1]).to_bytes(8, "little") for t in every),
+                                         digest_size=8).hexdigest()
+            for batch in batches:
+                batch = {k: batch[k].to(engine.device) for k in MODEL_KEYS}
                 loss = engine(**batch)
                 engine.backward(loss)
                 engine.step()
-                loss_sum += loss.detach().double().cpu()
+                loss_sum += loss.detach().double()
             dist.all_reduce(loss_sum)
             loss_value = loss_sum.item() / (accum * world)
             step += 1
@@ -214,12 +262,20 @@ def main(argv: list[str] | None = None) -> None:
             if not math.isfinite(loss_value):
                 fail(f"step {step}: loss is {loss_value}; stopping. Last checkpoint: {last_saved or 'none'}", code=3)
             grad_norm = engine.get_global_grad_norm()
-            record = {"step": step, "loss": round(loss_value, 6), "lr": lr,
+            record = {"step": step, "loss": loss_value, "lr": lr, "tokens_sha": tokens_sha,
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
                       "tokens_seen": tokens_seen, "tokens_per_s": round(tokens_per_step / dt, 1),
                       "elapsed_s": round(elapsed_before + time.time() - t_start, 3)}
             if peak:
                 record["mfu"] = round(flops * tokens_per_step / dt / (peak * world), 5)
+            if cfg.log_data_every_steps and step % cfg.log_data_every_steps == 0:
+                per_source = torch.tensor(loader.tokens_per_source(), dtype=torch.float64, device=engine.device)
+                dist.all_reduce(per_source)
+                shares = (per_source / per_source.sum()).tolist()
+                record["data_shares"] = {s.name: round(x, 5) for s, x in zip(data.specs, shares)}
+                if is_main:
+                    bar.write(f"step {step}: token shares " + ", ".join(
+                        f"{s.name} {x:.2%} (weight {s.weight:.2%})" for s, x in zip(data.specs, shares)))
             if is_main:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
@@ -231,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     if bar is not None:
         bar.close()
     say(f"saved checkpoint {last_saved}")
+    if cfg.compile:
+        from torch._dynamo.utils import counters
+
+        say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")
     say(f"run directory: {run_dir.resolve()}")
 
 

@@ -4,23 +4,37 @@ Architecture choices, all of them:
 - token embedding -> n_layers x [RMSNorm -> grouped-query attention -> residual,
   RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> linear head (optionally tied);
 - rotary position embeddings computed from per-token ``position_ids`` (so packed rows whose
-  positions restart at 0 at every document get correct rotations);
-- attention never crosses a document boundary: document ids are derived from ``position_ids``
-  (a new document starts wherever the position is 0) and turned into a block-diagonal causal
-  mask for ``scaled_dot_product_attention``;
-- RMSNorm is computed in fp32; no biases anywhere.
+  positions restart at 0 at every document get correct rotations), in the Hugging Face
+  ``rotate_half`` layout, so q/k weights map to HF Llama without a permutation;
+- optional QK-norm: an RMSNorm over each head's query and key before the rotation (Qwen3's
+  placement, so such a model exports as ``Qwen3ForCausalLM``);
+- attention never crosses a document boundary. `DocumentLayout.from_positions` is the one place
+  boundaries are derived from ``position_ids`` (a document starts wherever the position is 0, and
+  at the start of every row): on a GPU with ``flash_attn`` installed as ``cu_seqlens`` for its
+  variable-length kernel, otherwise as a block-diagonal causal mask for
+  ``scaled_dot_product_attention``;
+- RMSNorm is computed in fp32; no biases anywhere; weights initialised in `init_weights` only.
 
-This file is the model only: no optimizer, no data, no DeepSpeed.
+This file is the model, its sizes (`ModelArgs`, `PRESETS`) and its arithmetic (`count_params`,
+`flops_per_token`): no optimizer, no data, no DeepSpeed (beyond gathering ZeRO-3 parameters in
+`init_weights`). Depth and heads-based size rules are in modeling/sizes.py, the Hugging Face
+conversion in modeling/hf.py.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:  # optional, GPU only: the variable-length kernel of flash-attn 2
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
 
 
 @dataclass(frozen=True)
@@ -29,7 +43,8 @@ class ModelArgs:
     n_layers: int = 4
     n_heads: int = 4
     n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
-    ffn_hidden: int | None = None  # None: 8/3 * dim rounded up to ffn_multiple_of
+    ffn_hidden: int | None = None  # None: ffn_mult x dim rounded up to ffn_multiple_of
+    ffn_mult: float = 8 / 3  # only used when ffn_hidden is None
     ffn_multiple_of: int = 64
     vocab_size: int = 258  # padded up to vocab_multiple_of in __post_init__
     vocab_multiple_of: int = 64
@@ -38,18 +53,30 @@ class ModelArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qk_norm: bool = False
 
     def __post_init__(self):
         def bad(msg):
             raise ValueError(f"model args: {msg}")
 
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "vocab_multiple_of"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
-                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        def positive_int(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                bad(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "vocab_multiple_of",
+                     "ffn_multiple_of"):
+            positive_int(name)
+        for name in ("rope_theta", "norm_eps", "init_std", "ffn_mult"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                bad(f"{name} must be a positive number, got {v!r}")
+        for name in ("tie_embeddings", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
-        if self.n_kv_heads <= 0:
-            bad(f"n_kv_heads must be positive, got {self.n_kv_heads}")
+        positive_int("n_kv_heads")
         if self.dim % self.n_heads:
             bad(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -57,9 +84,9 @@ class ModelArgs:
         if (self.dim // self.n_heads) % 2:
             bad(f"head dim {self.dim // self.n_heads} must be even for rotary embeddings")
         if self.ffn_hidden is None:
-            hidden = int(8 * self.dim / 3)
             m = self.ffn_multiple_of
-            object.__setattr__(self, "ffn_hidden", m * ((hidden + m - 1) // m))
+            object.__setattr__(self, "ffn_hidden", m * math.ceil(int(self.ffn_mult * self.dim) / m))
+        positive_int("ffn_hidden")
         padded = self.vocab_multiple_of * math.ceil(self.vocab_size / self.vocab_multiple_of)
         object.__setattr__(self, "vocab_size", padded)
 
@@ -71,13 +98,21 @@ class ModelArgs:
         return asdict(self)
 
 
-# Named presets. `debug` is what the tests and the demo train on 2 CPU cores.
+# Named presets: the shapes this toolkit's users train today (layers x dim). Head dim is 64 below
+# dim 1536 and 128 from there; the MLP is SwiGLU with 8/3 x dim hidden units (multiple of 64)
+# unless stated. `debug` is what the tests and the demo train on 2 CPU cores. The two `ws-`
+# presets are the dual 48 GB workstation configurations; their names are their total counts with
+# an untied 128,256-token vocabulary (the Llama 3 tokenizer): `zerotrain params --vocab-size 128256`.
 PRESETS: dict[str, ModelArgs] = {
     "debug": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
     "tiny": ModelArgs(dim=512, n_layers=12, n_heads=8),
     "small": ModelArgs(dim=768, n_layers=16, n_heads=12),
     "medium": ModelArgs(dim=1024, n_layers=24, n_heads=16),
+    "medium-large": ModelArgs(dim=1152, n_layers=20, n_heads=18),
     "large": ModelArgs(dim=1536, n_layers=24, n_heads=12),
+    "xlarge": ModelArgs(dim=1920, n_layers=32, n_heads=15),
+    "ws-760m": ModelArgs(dim=1024, n_layers=24, n_heads=16, ffn_hidden=5376),
+    "ws-1.3b": ModelArgs(dim=1536, n_layers=32, n_heads=12),
 }
 
 
@@ -85,6 +120,30 @@ def preset(name: str, **overrides) -> ModelArgs:
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
+
+
+def use_flash_varlen(x: torch.Tensor) -> bool:
+    """flash-attn's variable-length kernel: installed, on a GPU, in a 16-bit dtype (its requirements)."""
+    return flash_attn_varlen_func is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+class DocumentLayout(NamedTuple):
+    """Where the documents of a batch are, derived once per forward from the position ids.
+
+    Exactly one of the two forms is set: `mask` (B, 1, T, T) for scaled_dot_product_attention,
+    or `cu_seqlens` (n_docs + 1,) int32 over the flattened batch plus `max_seqlen` for
+    flash-attn's variable-length kernel.
+    """
+
+    mask: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+    @staticmethod
+    def from_positions(position_ids: torch.Tensor, varlen: bool) -> "DocumentLayout":
+        if varlen:
+            return DocumentLayout(None, *cu_seqlens(position_ids))
+        return DocumentLayout(mask=document_mask(position_ids))
 
 
 class RMSNorm(nn.Module):
@@ -108,24 +167,34 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtyp
 
 
 def apply_rotary(x, cos, sin):
-    # x: (B, n_heads, T, head_dim); cos/sin: (B, T, head_dim)
-    cos, sin = cos[:, None], sin[:, None]
+    # x: (B, T, n_heads, head_dim); cos/sin: (B, T, head_dim)
+    cos, sin = cos[:, :, None], sin[:, :, None]
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask (B, 1, T, T), True where attention is allowed.
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True where a document starts (position 0, or the first token of a row)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    return starts
 
-    A document starts wherever position_ids == 0; this is the one place where document
-    boundaries are turned into an attention mask.
-    """
-    doc_ids = torch.cumsum((position_ids == 0).int(), dim=-1)  # (B, T)
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, T, T), True where attention is allowed."""
+    doc_ids = torch.cumsum(document_starts(position_ids).int(), dim=-1)  # (B, T)
     T = position_ids.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
     return (same_doc & causal)[:, None]
+
+
+def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Document boundaries over the flattened (B*T) batch as (cu_seqlens int32, longest document)."""
+    starts = document_starts(position_ids).flatten().nonzero().flatten()
+    bounds = torch.cat([starts, starts.new_tensor([position_ids.numel()])])
+    return bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max())
 
 
 class Attention(nn.Module):
@@ -136,17 +205,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity()
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, docs: DocumentLayout):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, H, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, KV, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if docs.cu_seqlens is not None:  # flash-attn: documents laid end to end, GQA in the kernel
+            out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs.cu_seqlens,
+                                         docs.cu_seqlens, docs.max_seqlen, docs.max_seqlen, causal=True)
+            return self.o_proj(out.reshape(B, T, -1))  # out: (B*T, H, hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask)  # (B, H, T, hd)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -169,8 +245,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, docs: DocumentLayout):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,12 +274,12 @@ class Transformer(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.args.head_dim, self.args.rope_theta, x.dtype)
-        mask = document_mask(position_ids)
+        docs = DocumentLayout.from_positions(position_ids, varlen=use_flash_varlen(x))
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, mask)
+                x = layer(x, cos, sin, docs)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
@@ -223,7 +299,7 @@ def init_weights(model: Transformer) -> None:
     std = model.args.init_std
     resid_std = std / math.sqrt(2 * model.args.n_layers)
     for name, p in model.named_parameters():
-        with _gathered(p):
+        with gathered(p):
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -232,7 +308,8 @@ def init_weights(model: Transformer) -> None:
                 nn.init.normal_(p, mean=0.0, std=std)
 
 
-def _gathered(p):
+def gathered(p):
+    """Context in which a ZeRO-3 partitioned parameter is whole, and rank 0's writes to it are kept."""
     if hasattr(p, "ds_id"):  # a ZeRO-3 partitioned parameter
         import deepspeed
 
@@ -240,11 +317,16 @@ def _gathered(p):
     return contextlib.nullcontext()
 
 
+def held_numel(model: nn.Module) -> int:
+    """Parameter elements this rank holds: its ZeRO-3 partition (padding included), else everything."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+
+
 def count_params(args: ModelArgs) -> dict:
-    """Total and non-embedding parameter counts, and training FLOPs per token (6N + attention)."""
+    """Total and non-embedding parameter counts (norms included; a tied head counted once)."""
     attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
     mlp = 3 * args.dim * args.ffn_hidden
-    per_layer = attn + mlp + 2 * args.dim
+    per_layer = attn + mlp + 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
     embed = args.vocab_size * args.dim
     non_embedding = args.n_layers * per_layer + args.dim
     total = non_embedding + embed + (0 if args.tie_embeddings else embed)

@@ -1,0 +1,161 @@
+"""`make bench`: the benchmarks, printed as one table. Performance is measured here, never asserted
+in timed tests.
+
+To add a benchmark: write a function that returns a list of rows (dicts with the keys of
+COLUMNS) and append it to BENCHMARKS. `python benchmarks/run.py NAME...` runs only those.
+
+Data benchmarks (dataio): the demo mix (built offline by launcher/demo.py under runs/demo-data/)
+read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
+byte-level BPE trained on it; `zerotrain verify` speed; and packing efficiency, greedy (what
+we train with) against best-fit.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+COLUMNS = ("benchmark", "setting", "result", "target")
+SECONDS = float(os.environ.get("BENCH_SECONDS", "8"))
+
+
+def demo_mix() -> Path:
+    from launcher.demo import build_demo_data
+
+    return build_demo_data(REPO / "runs" / "demo-data")
+
+
+_WORK: dict = {}
+
+
+def workdir() -> Path:
+    if "dir" not in _WORK:
+        _WORK["dir"] = Path(tempfile.mkdtemp(prefix="zerotrain-bench-"))
+    return _WORK["dir"]
+
+
+def shards_dir(tokenizer: str = "bytes") -> Path:
+    from dataio.shards import prepare
+    from dataio.tokenizer import load_tokenizer
+
+    out = workdir() / f"shards-{Path(tokenizer).name}"
+    if not out.exists():
+        prepare(str(demo_mix()), load_tokenizer(tokenizer), out, shard_tokens=2_000_000, log=lambda *a: None)
+    return out
+
+
+def bpe_dir() -> Path:
+    out = workdir() / "bpe"
+    if not out.exists():
+        from dataio.loader import load_data, open_data
+        from dataio.tokenizer import ByteTokenizer, train_bpe
+
+        data = load_data(open_data(str(demo_mix()), ByteTokenizer()))
+        train_bpe((s.text(d) for s in data.stores for d in range(len(s))), 8192, out)
+    return out
+
+
+def loader_rows(label: str, data: str, tokenizer: str, target: float | None, packings=("best-fit",)) -> list[dict]:
+    from dataio.commands import bench
+
+    rows = []
+    for packing in packings:
+        for seq_len, micro in ((2048, 8), (256, 8)):
+            r = bench(data, tokenizer, seq_len, micro, seconds=SECONDS, progress=False, packing=packing)
+            shares = ", ".join(f"{s['name']} {s['share']:.1%}" for s in r["sources"])
+            rows.append({"benchmark": label, "setting": f"{packing}, seq {seq_len} x micro {micro}, 1 process",
+                         "result": f"{r['tokens_per_s'] / 1e6:.1f}M tokens/s, efficiency {r['efficiency']:.2%}"
+                                   f" ({shares})",
+                         "target": f">= {target / 1e6:.0f}M tokens/s" if target else ""})
+    return rows
+
+
+def bench_stream_bytes():
+    return loader_rows("loader: mix files, bytes tokenizer", str(demo_mix()), "bytes", 5e6, ("best-fit", "greedy"))
+
+
+def bench_shards():
+    return loader_rows("loader: prepared shards (uint16)", str(shards_dir()), "bytes", 20e6, ("best-fit", "greedy"))
+
+
+def bench_stream_bpe():
+    return loader_rows("loader: mix files, BPE 8192 (tokenizing)", str(demo_mix()), str(bpe_dir()), None)
+
+
+def bench_prepare_verify():
+    from dataio.shards import prepare, read_manifest, read_speed, verify
+    from dataio.tokenizer import ByteTokenizer
+
+    out = workdir() / "prepare-timed"
+    t0 = time.time()
+    prepare(str(demo_mix()), ByteTokenizer(), out, shard_tokens=2_000_000, log=lambda *a: None)
+    t_prep = time.time() - t0
+    m = read_manifest(out)
+    n = sum(s["tokens"] for s in m["sources"])
+    t0 = time.time()
+    results = verify(out, m, ByteTokenizer())
+    t_ver = time.time() - t0
+    mb = sum(r["bytes"] for r in results) / 1e6
+    tok_s, byte_s = read_speed(out, m, 2.0)
+    return [{"benchmark": "zerotrain prepare (bytes)", "setting": f"demo mix, {n / 1e6:.1f}M tokens",
+             "result": f"{t_prep:.1f}s ({n / t_prep / 1e6:.1f}M tokens/s)", "target": ""},
+            {"benchmark": "zerotrain verify", "setting": f"{len(results)} shards, {mb:.0f} MB, sha256 + checks",
+             "result": f"{t_ver:.2f}s ({mb / t_ver:.0f} MB/s)", "target": ""},
+            {"benchmark": "shard read speed (memmap)", "setting": "page cache warm",
+             "result": f"{tok_s / 1e6:,.0f}M tokens/s ({byte_s / 1e9:.1f} GB/s)", "target": ""}]
+
+
+def bench_packing():
+    """Greedy (ours) against best-fit, on the demo mix's documents in training order."""
+    import numpy as np
+
+    from dataio.loader import MixedStream, load_data, open_data
+    from dataio.packing import best_fit_efficiency, open_rows_for
+    from dataio.tokenizer import ByteTokenizer
+
+    data = load_data(open_data(str(demo_mix()), ByteTokenizer()))
+    stream = MixedStream(data, 0, 1, 1337)
+    lengths = np.concatenate([[len(d) + 1 for d in stream.next_documents(1 << 20)] for _ in range(8)])
+    rows = []
+    for seq_len in (256, 512, 1024, 2048):
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        crosses = starts // seq_len != (ends - 1) // seq_len
+        avoidable = float(np.mean(crosses & (lengths <= seq_len)))  # would fit in a row, split anyway
+        k = open_rows_for(seq_len)
+        eff, _ = best_fit_efficiency(lengths, seq_len, open_rows=k)
+        rows.append({"benchmark": f"packing efficiency, seq {seq_len}", "setting": f"{len(lengths):,} demo documents",
+                     "result": f"best-fit ({k} open rows) {eff:.2%}, no document that fits is cut; greedy 100.00%,"
+                               f" cuts {avoidable:.1%} of documents that would fit in one row", "target": ">= 99%"})
+    return rows
+
+
+BENCHMARKS = [bench_stream_bytes, bench_shards, bench_stream_bpe, bench_prepare_verify, bench_packing]
+
+
+def main(argv: list[str]) -> None:
+    chosen = [b for b in BENCHMARKS if not argv or b.__name__.removeprefix("bench_") in argv or b.__name__ in argv]
+    rows = []
+    try:
+        for b in chosen:
+            t0 = time.time()
+            rows.extend(b())
+            print(f"[{b.__name__}: {time.time() - t0:.0f}s]", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(_WORK.get("dir", ""), ignore_errors=True) if "dir" in _WORK else None
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in COLUMNS]
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(r[c]).ljust(w) for c, w in zip(COLUMNS, widths)) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,249 @@
+"""The data subcommands of `zerotrain`, and the data summary printed before training.
+
+    zerotrain prepare --data MIX.json --tokenizer T --out DIR    tokenize a mix into verified shards
+    zerotrain verify DIR [--tokenizer T]                         check a prepared directory, measure reads
+    zerotrain data-bench --data MIX|DIR [--seq-len --micro-batch --seconds]   loader tokens/s
+    zerotrain tokenizer train --data MIX.json --vocab-size N --out DIR        byte-level BPE (HF format)
+
+Bad input ends as exit status 2 with one line (launcher.errors.UsageError).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from dataio.errors import DataError
+from launcher.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _run(fn, argv):
+    try:
+        return fn(argv)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            v = int(float(text)) if "e" in text.lower() else int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+        return v
+    return parse
+
+
+# --------------------------------------------------------------------------------------------
+
+def prepare_main(argv):
+    p = _Parser(prog="zerotrain prepare", description="Tokenize a mix into shards + manifest.json.")
+    p.add_argument("--data", required=True, help="mix JSON")
+    p.add_argument("--tokenizer", default="bytes")
+    p.add_argument("--out", required=True, help="new directory to write")
+    p.add_argument("--shard-tokens", type=_positive("--shard-tokens"), default=100_000_000)
+    p.add_argument("--max-tokens-per-source", type=_positive("--max-tokens-per-source"), default=None,
+                   help="cap per source (for large hub datasets)")
+    a = p.parse_args(argv)
+
+    def go(_):
+        from dataio.shards import prepare, read_manifest, verify
+        from dataio.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(a.tokenizer)
+        t0 = time.time()
+        out = prepare(a.data, tok, a.out, a.shard_tokens, a.max_tokens_per_source)
+        manifest = read_manifest(out)
+        verify(out, manifest, tok)
+        n = sum(s["tokens"] for s in manifest["sources"])
+        print(f"prepared {out}: {len(manifest['shards'])} shards, {n:,} tokens, {manifest['dtype']},"
+              f" verified; {time.time() - t0:.1f}s")
+    _run(go, argv)
+
+
+def verify_main(argv):
+    p = _Parser(prog="zerotrain verify", description="Check a prepared directory and measure read speed.")
+    p.add_argument("dir")
+    p.add_argument("--tokenizer", default=None, help="also check the shards were made with this tokenizer")
+    p.add_argument("--seconds", type=float, default=2.0, help="how long to measure read speed")
+    a = p.parse_args(argv)
+
+    def go(_):
+        from dataio.shards import read_manifest, read_speed, verify
+        from dataio.tokenizer import load_tokenizer
+
+        root = Path(a.dir)
+        manifest = read_manifest(root)
+        t0 = time.time()
+        results = verify(root, manifest, load_tokenizer(a.tokenizer) if a.tokenizer else None)
+        dt = time.time() - t0
+        total = sum(r["bytes"] for r in results)
+        print(f"{'shard':<34}{'source':<14}{'documents':>12}{'tokens':>15}  sha256")
+        for sh in manifest["shards"]:
+            print(f"{sh['file']:<34}{sh['source']:<14}{sh['documents']:>12,}{sh['tokens']:>15,}"
+                  f"  {sh['sha256'][:16]} ok")
+        tok_s, byte_s = read_speed(root, manifest, a.seconds)
+        print(f"verified {len(results)} shards ({total / 1e6:.1f} MB) in {dt:.2f}s: schema, counts, offsets,"
+              f" token range, sha256 all match; tokenizer {manifest['tokenizer']['name']}")
+        print(f"read speed (memory-mapped, page cache as it is): {tok_s / 1e6:,.0f}M tokens/s, {byte_s / 1e9:.2f} GB/s")
+    _run(go, argv)
+
+
+def bench(data_path: str, tokenizer: str = "bytes", seq_len: int = 2048, micro_batch: int = 8,
+          seconds: float = 10.0, max_tokens: int | None = None, rank: int = 0, world: int = 1, seed: int = 1337,
+          workers: int = 0, progress: bool = True, packing: str = "best-fit") -> dict:
+    """Run the loader alone; tokens/s, load time, per-source shares and epochs."""
+    from dataio.loader import Batches, load_data, open_data
+    from dataio.tokenizer import load_tokenizer
+
+    t0 = time.time()
+    data = load_data(open_data(data_path, load_tokenizer(tokenizer)))
+    load_s = time.time() - t0
+    batches = Batches(data, rank, world, seed, seq_len, micro_batch, {"workers": workers}, packing)
+    first = batches.next()  # warm-up (and worker start-up) not timed
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=int(max_tokens) if max_tokens else None, unit="tok", unit_scale=True, desc="data-bench")
+    n_tok = n_rows = n_real = 0
+    t0 = time.time()
+    while True:
+        b = batches.next()
+        if b is None:
+            break
+        n_tok += b["input_ids"].numel()
+        n_real += b["real_tokens"]
+        n_rows += b["input_ids"].shape[0]
+        if bar is not None:
+            bar.update(b["input_ids"].numel())
+        dt = time.time() - t0
+        if (max_tokens and n_tok >= max_tokens) or (not max_tokens and dt >= seconds):
+            break
+    dt = time.time() - t0
+    if bar is not None:
+        bar.close()
+    per_source = batches.tokens_per_source()
+    sizes = data.source_tokens()
+    total = sum(per_source) or 1
+    sources = []
+    for spec, tok, (size, exact) in zip(data.specs, per_source, sizes):
+        sources.append({"name": spec.name, "weight": spec.weight, "share": tok / total, "tokens": tok,
+                        "epochs": tok / (size / world) if size else None})
+    del first
+    return {"tokens": n_tok, "seconds": dt, "tokens_per_s": n_tok / max(dt, 1e-9), "load_s": load_s,
+            "efficiency": n_real / max(1, n_tok), "rows": n_rows, "sources": sources,
+            "exhausted": batches.exhausted}
+
+
+def data_bench_main(argv):
+    p = _Parser(prog="zerotrain data-bench", description="Measure the data loader alone, in tokens/s.")
+    p.add_argument("--data", required=True, help="mix JSON or prepared directory")
+    p.add_argument("--tokenizer", default="bytes")
+    p.add_argument("--seq-len", type=_positive("--seq-len"), default=2048)
+    p.add_argument("--micro-batch", type=_positive("--micro-batch"), default=8)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--tokens", type=_positive("--tokens"), default=None, help="stop after this many tokens instead")
+    p.add_argument("--workers", type=int, default=0, help="background worker processes (as zerotrain.dataloader)")
+    p.add_argument("--packing", choices=("best-fit", "greedy"), default="best-fit")
+    p.add_argument("--world", type=_positive("--world"), default=1, help="pretend to be one rank of this many")
+    p.add_argument("--rank", type=int, default=0)
+    a = p.parse_args(argv)
+    if not 0 <= a.rank < a.world:
+        raise UsageError(f"--rank {a.rank}: must be in [0, --world {a.world})")
+
+    def go(_):
+        r = bench(a.data, a.tokenizer, a.seq_len, a.micro_batch, a.seconds, a.tokens, a.rank, a.world,
+                  workers=a.workers, packing=a.packing)
+        print(f"data-bench {a.data}: seq_len {a.seq_len} x micro_batch {a.micro_batch}, rank {a.rank}/{a.world},"
+              f" tokenizer {a.tokenizer}, workers {a.workers}, packing {a.packing}")
+        print(f"  load/verify {r['load_s']:.2f}s; {r['tokens']:,} tokens in {r['seconds']:.2f}s ="
+              f" {r['tokens_per_s'] / 1e6:.2f}M tokens/s; packing efficiency {r['efficiency']:.2%}"
+              " (real tokens / row slots)")
+        print(f"  {'source':<16}{'weight':>8}{'share':>8}{'tokens':>15}{'epochs':>9}")
+        for s in r["sources"]:
+            ep = f"{s['epochs']:.3f}" if s["epochs"] is not None else "?"
+            print(f"  {s['name']:<16}{s['weight']:>8.1%}{s['share']:>8.1%}{s['tokens']:>15,}{ep:>9}")
+        if r["exhausted"]:
+            print(f"  source {r['exhausted']!r} ran out (on_exhausted: stop)")
+    _run(go, argv)
+
+
+def tokenizer_main(argv):
+    if not argv or argv[0] != "train":
+        raise UsageError("usage: zerotrain tokenizer train --data MIX.json --vocab-size N --out DIR")
+    p = _Parser(prog="zerotrain tokenizer train", description="Train a byte-level BPE (Hugging Face format).")
+    p.add_argument("--data", required=True, help="mix JSON")
+    p.add_argument("--vocab-size", type=_positive("--vocab-size"), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-documents", type=_positive("--max-documents"), default=None,
+                   help="train on at most this many documents (spread over the sources by weight)")
+    a = p.parse_args(argv[1:])
+
+    def go(_):
+        from dataio.sources import load_text_source, open_streamed, parse_mix, record_text
+        from dataio.tokenizer import train_bpe
+
+        out = Path(a.out)
+        if out.exists() and any(out.iterdir()):
+            raise DataError(f"--out {out}: exists and is not empty")
+        mix = parse_mix(a.data)
+
+        def texts():
+            for spec in mix.sources:
+                limit = int(a.max_documents * spec.weight) + 1 if a.max_documents else None
+                if spec.streamed:
+                    for i, rec in enumerate(open_streamed(spec, 0, 1)):
+                        if limit and i >= limit:
+                            break
+                        t = record_text(spec, rec, lambda why: None)
+                        if t:
+                            yield t
+                else:
+                    store = load_text_source(spec)
+                    for d in range(min(len(store), limit or len(store))):
+                        yield store.text(d)
+        t0 = time.time()
+        train_bpe(texts(), a.vocab_size, out)
+        from dataio.tokenizer import HFTokenizer
+
+        tok = HFTokenizer(out)
+        print(f"trained byte-level BPE, vocab {tok.vocab_size}, eos {tok.eos_id}, bos {tok.bos_id},"
+              f" saved to {out} ({time.time() - t0:.1f}s)")
+    _run(go, argv)
+
+
+# --------------------------------------------------------------------------------------------
+# Before training
+# --------------------------------------------------------------------------------------------
+
+def describe_data(data, run_tokens: int) -> list[str]:
+    """Per source: weight, size, estimated epochs over the run, and repetition warnings."""
+    lines = [f"data: {data.kind} {data.path}, tokenizer {data.tokenizer.name}; this run reads {run_tokens:,} tokens"]
+    for spec, store, (size, exact) in zip(data.specs, data.stores, data.source_tokens()):
+        need = run_tokens * spec.weight
+        where = spec.hf or spec.path or spec.name
+        if size:
+            epochs = need / size
+            lines.append(f"  {spec.name:<14} weight {spec.weight:6.1%}  {'' if exact else '~'}{size:,} tokens"
+                         f"  ~{epochs:.2f} epochs over the run  ({where})")
+            if spec.on_exhausted == "stop" and epochs > 1:
+                lines.append(f"  WARNING: source {spec.name!r} runs out after ~{1 / epochs:.0%} of the run"
+                             " (on_exhausted: stop): training will stop there")
+            elif epochs > data.warn_epochs:
+                lines.append(f"  WARNING: source {spec.name!r} will repeat ~{epochs:.1f} times"
+                             f" (more than warn_epochs {data.warn_epochs:g})")
+        else:
+            lines.append(f"  {spec.name:<14} weight {spec.weight:6.1%}  size unknown (streamed)  ({where})")
+        if store is not None and (store.bad_records or store.empty_records):
+            lines.append(f"  note: source {spec.name!r}: skipped {store.bad_records} bad record(s)"
+                         f"{' (first: ' + store.first_bad + ')' if store.first_bad else ''},"
+                         f" {store.empty_records} empty")
+    return lines

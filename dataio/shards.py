@@ -1,0 +1,320 @@
+"""Prepared shards: a mix tokenized once into versioned binary files plus `manifest.json`.
+
+Layout of a prepared directory (format "zerotrain-shards", version 1):
+
+    manifest.json
+    SOURCE-00000.tokens.npy    1-D uint16 (vocab <= 65536) or uint32 token ids, documents
+                               back to back, no EOS (the packer adds it)
+    SOURCE-00000.offsets.npy   1-D int64, documents + 1 entries: document d is
+                               tokens[offsets[d]:offsets[d + 1]]
+
+The manifest records, per shard: file names, sha256 of both files, token and document counts,
+dtype, the tokenizer's sha256, and the source it came from; plus the tokenizer and the mix
+(weights and policies) it was made from. Files are standard `.npy` (read with
+`np.load(mmap_mode="r")`, `allow_pickle=False`): nothing is unpickled. Training memory-maps
+them; every check in `verify()` runs at start-up, per shard in parallel threads.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from dataio.errors import DataError
+from dataio.sources import DocStore, SourceSpec, _first_line, load_text_source, open_streamed, record_text
+from dataio.tokenizer import token_dtype
+
+FORMAT, VERSION = "zerotrain-shards", 1
+SHARD_KEYS = {"file", "offsets_file", "source", "sha256", "offsets_sha256", "tokens", "documents", "dtype",
+              "tokenizer_sha256"}
+FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.(tokens|offsets)\.npy$")
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# prepare
+# --------------------------------------------------------------------------------------------
+
+def iter_documents(spec: SourceSpec, tokenizer, max_tokens: int | None = None, store: DocStore | None = None):
+    """(token array, byte length) for every document of a source, in order; at most max_tokens."""
+    seen = 0
+    if spec.streamed:
+        ds = open_streamed(spec, 0, 1)
+        bad = []
+        texts = []
+
+        def on_bad(why):
+            if spec.bad_records == "stop":
+                raise DataError(f"{spec.where()}: streamed record: {why}")
+            bad.append(why)
+
+        def flush():
+            return tokenizer.encode_batch(texts)
+
+        for record in ds:
+            text = record_text(spec, record, on_bad)
+            if text:
+                texts.append(text)
+            if len(texts) >= 1024:
+                for t in flush():
+                    yield t
+                    seen += len(t)
+                    if max_tokens and seen >= max_tokens:
+                        return
+                texts = []
+        for t in flush():
+            yield t
+            seen += len(t)
+            if max_tokens and seen >= max_tokens:
+                return
+        return
+    store = store or load_text_source(spec)
+    for lo in range(0, len(store), 1024):
+        hi = min(len(store), lo + 1024)
+        if tokenizer.name == "bytes":
+            docs = [store.doc(d) for d in range(lo, hi)]
+        else:
+            docs = tokenizer.encode_batch([store.text(d) for d in range(lo, hi)])
+        for t in docs:
+            yield t
+            seen += len(t)
+            if max_tokens and seen >= max_tokens:
+                return
+
+
+def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_000_000,
+            max_tokens_per_source: int | None = None, log=print) -> Path:
+    """Tokenize every source of a mix into shards under `out` (written to a temporary directory
+    first, then renamed: an existing `out` is never touched)."""
+    from dataio.sources import parse_mix
+
+    mix = parse_mix(mix_path)
+    out = Path(out)
+    if out.exists():
+        raise DataError(f"--out {out}: already exists; prepare writes a new directory (pick another --out)")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    manifest = {"format": FORMAT, "version": VERSION, "created_by": "zerotrain prepare",
+                "tokenizer": {"name": tokenizer.name, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
+                              "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
+                "dtype": np.dtype(dtype).name,
+                "mix": {"path": str(mix_path), "warn_epochs": mix.warn_epochs,
+                        "sources": [s.to_dict() for s in mix.sources]},
+                "sources": [], "shards": []}
+    try:
+        for spec in mix.sources:
+            t0 = time.time()
+            store = None if spec.streamed else load_text_source(spec)
+            n_docs = n_tok = 0
+            pending, pending_tokens, k = [], 0, 0
+
+            def flush():
+                nonlocal pending, pending_tokens, k
+                if not pending:
+                    return
+                lengths = np.fromiter((len(t) for t in pending), np.int64, len(pending))
+                offsets = np.zeros(len(pending) + 1, np.int64)
+                np.cumsum(lengths, out=offsets[1:])
+                tokens = np.concatenate(pending).astype(dtype, copy=False)
+                base = f"{spec.name}-{k:05d}"
+                np.save(tmp / f"{base}.tokens.npy", tokens, allow_pickle=False)
+                np.save(tmp / f"{base}.offsets.npy", offsets, allow_pickle=False)
+                manifest["shards"].append({
+                    "file": f"{base}.tokens.npy", "offsets_file": f"{base}.offsets.npy", "source": spec.name,
+                    "sha256": _sha256(tmp / f"{base}.tokens.npy"),
+                    "offsets_sha256": _sha256(tmp / f"{base}.offsets.npy"),
+                    "tokens": int(len(tokens)), "documents": int(len(pending)), "dtype": np.dtype(dtype).name,
+                    "tokenizer_sha256": tokenizer.sha256})
+                pending, pending_tokens, k = [], 0, k + 1
+
+            for doc in iter_documents(spec, tokenizer, max_tokens_per_source, store):
+                if len(doc) == 0:
+                    continue
+                pending.append(doc)
+                pending_tokens += len(doc)
+                n_docs += 1
+                n_tok += len(doc)
+                if pending_tokens >= shard_tokens:
+                    flush()
+            flush()
+            if n_docs == 0:
+                raise DataError(f"{spec.where()}: holds no documents")
+            manifest["sources"].append({"name": spec.name, "documents": n_docs, "tokens": n_tok,
+                                        "bad_records": store.bad_records if store else 0})
+            dt = time.time() - t0
+            log(f"prepare: {spec.name}: {n_docs:,} documents, {n_tok:,} tokens in {k} shard(s)"
+                f" ({n_tok / max(dt, 1e-9) / 1e6:.1f}M tokens/s)")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# manifest and verification
+# --------------------------------------------------------------------------------------------
+
+def read_manifest(root: Path) -> dict:
+    where = f"shards {root}"
+    path = root / "manifest.json"
+    if not path.is_file():
+        raise DataError(f"{where}: no manifest.json (--data takes a mix .json file or a `zerotrain prepare` directory)")
+    try:
+        m = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: invalid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        found = m.get("format") if isinstance(m, dict) else None
+        raise DataError(f"{path}: not a zerotrain shard manifest (format {found!r})")
+    if m.get("version") != VERSION:
+        raise DataError(f"{path}: manifest version {m.get('version')!r}; this zerotrain reads version {VERSION}")
+    for key, kind in (("tokenizer", dict), ("mix", dict), ("sources", list), ("shards", list), ("dtype", str)):
+        if not isinstance(m.get(key), kind):
+            raise DataError(f"{path}: manifest field {key!r} missing or not a {kind.__name__}")
+    if m["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"{path}: dtype {m['dtype']!r} (expected uint16 or uint32)")
+    names = {s.get("name") for s in m["mix"].get("sources", []) if isinstance(s, dict)}
+    for i, sh in enumerate(m["shards"]):
+        if not isinstance(sh, dict) or set(sh) != SHARD_KEYS:
+            raise DataError(f"{path}: shard #{i} has the wrong fields (expected {', '.join(sorted(SHARD_KEYS))})")
+        for key in ("file", "offsets_file"):
+            if not isinstance(sh[key], str) or not FILE_NAME.match(sh[key]):
+                raise DataError(f"{path}: shard #{i}: {key} {sh[key]!r} is not a plain shard file name")
+        if sh["source"] not in names:
+            raise DataError(f"{path}: shard {sh['file']}: source {sh['source']!r} is not in the manifest's mix")
+        for key in ("tokens", "documents"):
+            if isinstance(sh[key], bool) or not isinstance(sh[key], int) or sh[key] < 0:
+                raise DataError(f"{path}: shard {sh['file']}: {key} must be a non-negative integer")
+    for name in names:
+        if not any(sh["source"] == name for sh in m["shards"]):
+            raise DataError(f"{path}: source {name!r} has no shards")
+    return m
+
+
+def manifest_specs(manifest: dict) -> tuple[SourceSpec, ...]:
+    fields = set(SourceSpec.__dataclass_fields__)
+    return tuple(SourceSpec(**{k: v for k, v in s.items() if k in fields}) for s in manifest["mix"]["sources"])
+
+
+def check_tokenizer(root: Path, manifest: dict, tokenizer) -> None:
+    want = manifest["tokenizer"]
+    if want.get("sha256") != tokenizer.sha256:
+        raise DataError(f"shards {root}: tokenized with {want.get('name')!r} (sha256 {str(want.get('sha256'))[:12]}),"
+                        f" but --tokenizer is {tokenizer.name!r} (sha256 {tokenizer.sha256[:12]});"
+                        " pass the same tokenizer")
+
+
+def _load_npy(path: Path, dtype: str, length: int, what: str) -> np.ndarray:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise DataError(f"{what}: file missing") from None
+    except (ValueError, OSError, EOFError) as e:
+        raise DataError(f"{what}: corrupt or truncated .npy file ({_first_line(e)})") from None
+    if arr.dtype != np.dtype(dtype) or arr.ndim != 1:
+        raise DataError(f"{what}: holds {arr.dtype} with shape {arr.shape}, manifest says 1-D {dtype}")
+    if len(arr) != length:
+        raise DataError(f"{what}: holds {len(arr):,} entries, manifest says {length:,}")
+    return arr
+
+
+def check_shard(root: Path, sh: dict, dtype: str, vocab_size: int, tokenizer_sha: str, hashes: bool = True) -> dict:
+    """Every check of one shard; raises DataError naming the shard. Returns what it measured."""
+    what = f"shard {root / sh['file']}"
+    if sh["dtype"] != dtype or sh["tokenizer_sha256"] != tokenizer_sha:
+        raise DataError(f"{what}: dtype/tokenizer in its manifest entry differ from the manifest's")
+    tokens = _load_npy(root / sh["file"], dtype, sh["tokens"], what)
+    owhat = f"shard {root / sh['offsets_file']}"
+    offsets = _load_npy(root / sh["offsets_file"], "int64", sh["documents"] + 1, owhat)
+    if offsets[0] != 0 or offsets[-1] != len(tokens) or (len(offsets) > 1 and np.any(np.diff(offsets) <= 0)):
+        raise DataError(f"{owhat}: document offsets are not increasing from 0 to {len(tokens):,}")
+    if hashes:
+        for file, key in ((sh["file"], "sha256"), (sh["offsets_file"], "offsets_sha256")):
+            got = _sha256(root / file)
+            if got != sh[key]:
+                raise DataError(f"shard {root / file}: sha256 mismatch (manifest {sh[key][:12]}...,"
+                                f" file {got[:12]}...); the file changed or is corrupt: prepare the data again")
+    top = int(tokens.max()) if len(tokens) else 0
+    if top >= vocab_size:
+        raise DataError(f"{what}: token id {top} >= the tokenizer's vocabulary size {vocab_size}")
+    return {"file": sh["file"], "tokens": len(tokens), "documents": len(offsets) - 1,
+            "bytes": (root / sh["file"]).stat().st_size + (root / sh["offsets_file"]).stat().st_size}
+
+
+def verify(root: Path, manifest: dict, tokenizer=None, hashes: bool = True, threads: int | None = None) -> list[dict]:
+    """All checks of all shards, in parallel threads; the first failing shard (manifest order) is reported."""
+    if tokenizer is not None:
+        check_tokenizer(root, manifest, tokenizer)
+    vocab = int(manifest["tokenizer"]["vocab_size"])
+    threads = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(check_shard, root, sh, manifest["dtype"], vocab,
+                               manifest["tokenizer"]["sha256"], hashes) for sh in manifest["shards"]]
+        results, first_error = [], None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except DataError as e:
+                first_error = first_error or e
+    if first_error:
+        raise first_error
+    by_source = {}
+    for sh in manifest["shards"]:
+        by_source.setdefault(sh["source"], [0, 0])
+        by_source[sh["source"]][0] += sh["tokens"]
+        by_source[sh["source"]][1] += sh["documents"]
+    for s in manifest["sources"]:
+        if by_source.get(s["name"]) != [s["tokens"], s["documents"]]:
+            raise DataError(f"{root / 'manifest.json'}: source {s['name']!r}: shard counts {by_source.get(s['name'])}"
+                            f" do not add up to the source's [{s['tokens']}, {s['documents']}]")
+    return results
+
+
+def load_stores(root: Path, manifest: dict) -> list[DocStore]:
+    """One DocStore of token ids per source, its chunks memory-mapped shards."""
+    stores = []
+    for spec in manifest_specs(manifest):
+        chunks, cid, starts, ends = [], [], [], []
+        for sh in manifest["shards"]:
+            if sh["source"] != spec.name:
+                continue
+            tokens = np.load(root / sh["file"], mmap_mode="r", allow_pickle=False)
+            offsets = np.load(root / sh["offsets_file"], allow_pickle=False)
+            chunks.append(tokens.view(np.ndarray))  # plain views: slicing a np.memmap is slow
+            cid.append(np.full(len(offsets) - 1, len(chunks) - 1, np.int32))
+            starts.append(offsets[:-1])
+            ends.append(offsets[1:])
+        stores.append(DocStore(name=spec.name, kind="tokens", chunks=chunks, chunk=np.concatenate(cid),
+                               start=np.concatenate(starts), end=np.concatenate(ends)))
+    return stores
+
+
+def read_speed(root: Path, manifest: dict, seconds: float = 3.0) -> tuple[float, float]:
+    """(tokens/s, bytes/s) reading shards through their memory maps (page cache as it is)."""
+    n_tok = n_bytes = 0
+    t0 = time.time()
+    while True:
+        for sh in manifest["shards"]:
+            arr = np.load(root / sh["file"], mmap_mode="r", allow_pickle=False)
+            for lo in range(0, len(arr), 1 << 24):
+                np.asarray(arr[lo:lo + (1 << 24)]).sum()
+            n_tok += len(arr)
+            n_bytes += arr.nbytes
+        if time.time() - t0 >= seconds:
+            break
+    dt = time.time() - t0
+    return n_tok / dt, n_bytes / dt

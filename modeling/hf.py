@@ -1,0 +1,248 @@
+"""The Hugging Face format: `config.json` <-> ModelArgs, `*.safetensors` <-> our parameters.
+
+Our parameter names are Hugging Face Llama's without the leading `model.` (`lm_head.weight`
+keeps its name) and the rotary layout is HF's `rotate_half` one, so the conversion is a rename:
+no permutation, no reshaping. A model with QK-norm is written as `Qwen3ForCausalLM` (Llama has
+no QK-norm; Qwen3 is Llama plus a per-head RMSNorm on q and k before the rotation, which is
+exactly ours). Tied embeddings are written HF's way: `tie_word_embeddings: true` and no
+`lm_head.weight` tensor.
+
+Reading a directory never unpickles: config.json through `json`, weights through
+`safetensors.safe_open`, one tensor at a time. A directory that holds only `pytorch_model.bin`
+pickles is refused. Errors are ValueError with a message naming the file and what is wrong.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from modeling.model import ModelArgs
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+
+
+# -- config.json ---------------------------------------------------------------------------------
+
+def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = None,
+              dtype: str = "float32") -> dict:
+    model_type = "qwen3" if args.qk_norm else "llama"
+    cfg = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,  # padded: ids past the tokenizer's are never produced
+        "max_position_embeddings": args.max_seq_len,
+        "rope_theta": args.rope_theta,  # transformers 4.x
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},  # transformers 5.x
+        "rms_norm_eps": args.norm_eps,
+        "tie_word_embeddings": args.tie_embeddings,
+        "initializer_range": args.init_std,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        cfg["mlp_bias"] = False
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=args.n_layers)
+    return cfg
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise ValueError(f"{hf_dir}: no such directory")
+    if not path.is_file():
+        raise ValueError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return cfg
+
+
+def args_from_config(cfg: dict, where: str) -> ModelArgs:
+    """ModelArgs for a Llama (or QK-norm Qwen3) config.json; refuses what our model cannot express."""
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"{where}: not a Llama model (model_type {model_type!r}, architectures {archs});"
+                         f" supported: {', '.join(ARCHITECTURES.values())}")
+    if archs and ARCHITECTURES[model_type] not in archs:
+        raise ValueError(f"{where}: architectures {archs} is not {ARCHITECTURES[model_type]}")
+
+    def unsupported(key, value):
+        raise ValueError(f"{where}: {key} {value!r} is not supported by this model")
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        unsupported("hidden_act", cfg["hidden_act"])
+    for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if cfg.get(key):
+            unsupported(key, cfg[key])
+    if cfg.get("quantization_config"):
+        unsupported("quantization_config", "(quantized weights)")
+    if cfg.get("pretraining_tp", 1) != 1:
+        unsupported("pretraining_tp", cfg["pretraining_tp"])
+    rope = cfg.get("rope_parameters") or {}
+    if cfg.get("rope_scaling"):
+        unsupported("rope_scaling", cfg["rope_scaling"])
+    if rope.get("rope_type", "default") != "default":
+        unsupported("rope_type", rope["rope_type"])
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in cfg:
+            raise ValueError(f"{where}: missing {key}")
+    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and isinstance(dim, int) and isinstance(heads, int) and heads and head_dim * heads != dim:
+        raise ValueError(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads ="
+                         f" {dim / heads:g}; this model needs them equal")
+    vocab = cfg["vocab_size"]
+    try:
+        return ModelArgs(
+            dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or heads, ffn_hidden=cfg["intermediate_size"],
+            vocab_size=vocab,
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            init_std=float(cfg.get("initializer_range", 0.02)), qk_norm=model_type == "qwen3")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+def hf_name(name: str) -> str:
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def our_name(hf: str) -> str:
+    return hf if hf == "lm_head.weight" else hf.removeprefix("model.")
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Our parameter names and shapes, built on the meta device (no memory)."""
+    from modeling.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: lm_head left out
+
+
+# -- weights -------------------------------------------------------------------------------------
+
+def weight_files(hf_dir: str | Path) -> dict[str, Path]:
+    """{HF tensor name: safetensors file} for a single-file or sharded directory."""
+    hf_dir = Path(hf_dir)
+    if (hf_dir / SINGLE_FILE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(hf_dir / SINGLE_FILE), framework="pt") as f:
+            return {k: hf_dir / SINGLE_FILE for k in f.keys()}
+    if (hf_dir / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((hf_dir / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{hf_dir / INDEX_FILE}: not a safetensors index (no weight_map)") from None
+        files = {k: hf_dir / v for k, v in weight_map.items()}
+        missing = sorted({str(p) for p in files.values() if not p.is_file()})
+        if missing:
+            raise ValueError(f"{hf_dir / INDEX_FILE}: shard {missing[0]} does not exist")
+        return files
+    pickles = sorted(p.name for p in hf_dir.glob("*.bin")) + sorted(p.name for p in hf_dir.glob("*.pt*"))
+    if pickles:
+        raise ValueError(f"{hf_dir}: holds only pickled weights ({pickles[0]}); zerotrain never unpickles"
+                         " untrusted files: convert them to safetensors first")
+    raise ValueError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def check_weights(hf_dir: str | Path, args: ModelArgs, hf_vocab: int) -> dict[str, Path]:
+    """Every tensor our model needs is there with the shape config.json implies (headers only).
+
+    `hf_vocab` is config.json's vocab_size; `args.vocab_size` is that padded up, and the embedding
+    and head tensors may have either length.
+    """
+    from safetensors import safe_open
+
+    files = weight_files(hf_dir)
+    want = expected_shapes(args)
+    hf_names = {hf_name(n) for n in want}
+    ignored = {k for k in files if k.endswith("rotary_emb.inv_freq") or (k == "lm_head.weight" and args.tie_embeddings)}
+    unexpected = sorted(set(files) - hf_names - ignored)
+    if unexpected:
+        raise ValueError(f"{hf_dir}: unexpected tensor {unexpected[0]} for this config")
+    missing = sorted(hf_names - set(files))
+    if missing:
+        raise ValueError(f"{hf_dir}: missing tensor {missing[0]}")
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as f:
+            for name, shape in want.items():
+                if files[hf_name(name)] != file:
+                    continue
+                got = tuple(f.get_slice(hf_name(name)).get_shape())
+                vocab_padded = name in ("embed_tokens.weight", "lm_head.weight") and got == (hf_vocab, *shape[1:])
+                if got != shape and not vocab_padded:
+                    raise ValueError(f"{hf_dir}: tensor {hf_name(name)} has shape {list(got)},"
+                                     f" config.json implies {list(shape)}")
+    return files
+
+
+@torch.no_grad()
+def load_weights(model, hf_dir: str | Path) -> None:
+    """Copy a checked HF directory's tensors into `model` (plain or ZeRO-3 partitioned).
+
+    A plain parameter is read by every rank. A ZeRO-3 partitioned one is gathered by all ranks
+    together, read and written by rank 0 only, and scattered back by DeepSpeed, so no rank holds
+    more than one full tensor at a time. A vocabulary that our padding made longer keeps its
+    initialised extra rows.
+    """
+    from safetensors import safe_open
+
+    from modeling.model import gathered
+
+    files = weight_files(hf_dir)
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    for name, param in model.named_parameters():
+        with gathered(param):
+            if rank0 or not hasattr(param, "ds_id"):
+                with safe_open(str(files[hf_name(name)]), framework="pt") as f:
+                    tensor = f.get_tensor(hf_name(name))
+                param[: tensor.shape[0]].copy_(tensor)
+
+
+def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs, dtype=torch.float32) -> dict:
+    """Our (consolidated) state dict under HF names, contiguous, in `dtype`; tied lm_head dropped."""
+    want = expected_shapes(args)
+    extra = sorted(set(state_dict) - set(want) - {"lm_head.weight"})
+    missing = sorted(set(want) - set(state_dict))
+    if extra or missing:
+        raise ValueError(f"state dict does not match the model config: "
+                         f"{'unexpected ' + extra[0] if extra else 'missing ' + missing[0]}")
+    return {hf_name(n): state_dict[n].detach().to(dtype).contiguous() for n in want}
+
+
+def save(out_dir: str | Path, state_dict: dict[str, torch.Tensor], args: ModelArgs, bos_id=None, eos_id=None,
+         dtype: torch.dtype = torch.float32) -> None:
+    """config.json + model.safetensors for our state dict (names as in Transformer.state_dict())."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(state_dict, args, dtype)
+    save_file(dict(sorted(tensors.items())), str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+    cfg = hf_config(args, bos_id, eos_id, dtype=str(dtype).removeprefix("torch."))
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,154 @@
+"""Bad data: exit status 2 and one line naming the source/shard and record, run directory untouched.
+
+Bad records inside a healthy source follow the mix's `bad_records` policy: "stop" (the default)
+is the error above; "skip" drops and counts them.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, launch
+from dataio.loader import load_data, open_data
+from dataio.tokenizer import ByteTokenizer
+from test_bad_input import snapshot
+
+
+def mix_of(tmp_path, source: dict, extra=None) -> str:
+    p = tmp_path / "mix.json"
+    p.write_text(json.dumps({"sources": [{"name": "bad", "weight": 1, **source}], **(extra or {})}))
+    return str(p)
+
+
+def write(p, data: bytes):
+    p.write_bytes(data)
+    return p.name
+
+
+def prepared(tmp_path, mix_path) -> str:
+    out = tmp_path / "shards"
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path), "--out", str(out),
+                           "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return str(out)
+
+
+def tamper_bytes(tmp_path, mix_path):
+    d = prepared(tmp_path, mix_path)
+    f = sorted((tmp_path / "shards").glob("notes-*.tokens.npy"))[1]
+    raw = bytearray(f.read_bytes())
+    raw[-5] = (raw[-5] + 1) % 100  # same size, valid header, one token changed
+    f.write_bytes(bytes(raw))
+    return ["--data", d], f"shard {f}: sha256 mismatch"
+
+
+def truncate_shard(tmp_path, mix_path):
+    d = prepared(tmp_path, mix_path)
+    f = sorted((tmp_path / "shards").glob("prose-*.tokens.npy"))[0]
+    f.write_bytes(f.read_bytes()[:1000])
+    return ["--data", d], f"shard {f}: corrupt or truncated"
+
+
+def manifest_count(tmp_path, mix_path):
+    d = prepared(tmp_path, mix_path)
+    m = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    m["shards"][0]["tokens"] += 1
+    (tmp_path / "shards" / "manifest.json").write_text(json.dumps(m))
+    return ["--data", d], f"shard {tmp_path / 'shards' / m['shards'][0]['file']}: holds"
+
+
+def wrong_tokenizer(tmp_path, mix_path):
+    d = prepared(tmp_path, mix_path)
+    tok = tmp_path / "tok"
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "tokenizer", "train", "--data", str(mix_path),
+                           "--vocab-size", "300", "--out", str(tok)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return ["--data", d, "--tokenizer", str(tok)], "tokenized with 'bytes'"
+
+
+CASES = {
+    "empty source": (lambda t, m: ["--data", mix_of(t, {"path": write(t / "e.jsonl", b"")})],
+                     "e.jsonl is empty: holds no documents"),
+    "only blank lines": (lambda t, m: ["--data", mix_of(t, {"path": write(t / "e.txt", b"\n\n\n  \n")})],
+                         "holds no documents"),
+    "missing path": (lambda t, m: ["--data", mix_of(t, {"path": "nowhere.jsonl"})], "nowhere.jsonl does not exist"),
+    "non-UTF-8 text file": (lambda t, m: ["--data", mix_of(t, {"path": write(
+        t / "n.txt", b"first paragraph\n\nsecond \xff\xfe paragraph\nline two\n\nthird")})],
+        "n.txt paragraph 2 (line 3): not valid UTF-8"),
+    "non-UTF-8 jsonl": (lambda t, m: ["--data", mix_of(t, {"path": write(
+        t / "n.jsonl", b'{"text": "ok"}\n{"text": "bad \xff"}\n')})], "n.jsonl line 2: not valid UTF-8"),
+    "record without text field": (lambda t, m: ["--data", mix_of(t, {"path": write(
+        t / "r.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')})], "r.jsonl record 3: no 'text' value"),
+    "non-numeric weight": (lambda t, m: ["--data", str(_json(t / "w.json", {"sources": [
+        {"name": "x", "path": str(m.parent / "prose.jsonl"), "weight": "0.5"}]}))],
+        "source 'x': weight must be a positive number, got '0.5'"),
+    "unknown policy": (lambda t, m: ["--data", mix_of(t, {"path": str(m.parent / "prose.jsonl")},
+                                                      {"on_exhausted": "loop"})],
+                       "on_exhausted must be restart or stop, got 'loop'"),
+    "manifest hash mismatch": tamper_bytes,
+    "corrupt shard file": truncate_shard,
+    "manifest count wrong": manifest_count,
+    "shards from another tokenizer": wrong_tokenizer,
+    "bad dataloader settings": (lambda t, m: ["--profile", str(_json(t / "p.json", {
+        **json.loads((REPO / "ds_configs" / "cpu.json").read_text()),
+        "zerotrain": {"dataloader": {"workers": -1}}}))], "zerotrain.dataloader.workers must be an integer"),
+}
+
+
+def _json(p, obj):
+    p.write_text(json.dumps(obj))
+    return p
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_data_exits_2_with_one_line(case, tmp_path, mix_path):
+    run = tmp_path / "runs" / "r1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    before = snapshot(run.parent)
+    if isinstance(CASES[case], tuple):
+        extra, expected = CASES[case][0](tmp_path, mix_path), CASES[case][1]
+    else:  # builds prepared shards, then breaks them
+        extra, expected = CASES[case](tmp_path, mix_path)
+    args = ["--data", str(mix_path), "--out", str(run.parent), "--run-id", "r1", "--max-steps", "2", *extra]
+    proc = launch("python", args)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("zerotrain: error:"), proc.stderr[-2000:]
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert snapshot(run.parent) == before
+
+
+def test_skip_policy_drops_and_counts_bad_records(tmp_path):
+    (tmp_path / "n.txt").write_bytes(b"first paragraph\n\nsecond \xff paragraph\n\nthird one\n")
+    (tmp_path / "r.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n{"text": ""}\n{"text": "d"}\n')
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"bad_records": "skip", "sources": [
+        {"name": "txt", "path": "n.txt", "weight": 1}, {"name": "js", "path": "r.jsonl", "weight": 1}]}))
+    data = load_data(open_data(str(mix), ByteTokenizer()))
+    txt, js = data.stores
+    assert [txt.text(i) for i in range(len(txt))] == ["first paragraph", "third one"] and txt.bad_records == 1
+    assert "paragraph 2" in txt.first_bad
+    assert [js.text(i) for i in range(len(js))] == ["a", "d"] and js.bad_records == 1 and js.empty_records == 1
+    from dataio.commands import describe_data
+
+    lines = describe_data(data, 10_000)
+    assert any("skipped 1 bad record(s)" in ln and "'txt'" in ln for ln in lines)
+
+
+def test_verify_command_checks_and_measures(tmp_path, mix_path):
+    d = prepared(tmp_path, mix_path)
+    ok = subprocess.run([sys.executable, "-m", "launcher.cli", "verify", d, "--seconds", "0.2"],
+                        capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr
+    assert "sha256 all match" in ok.stdout and "tokens/s" in ok.stdout
+    f = sorted((tmp_path / "shards").glob("*.offsets.npy"))[0]
+    arr = np.load(f)
+    arr[1] = arr[2]  # a zero-length document: offsets no longer strictly increasing
+    np.save(f, arr)
+    bad = subprocess.run([sys.executable, "-m", "launcher.cli", "verify", d], capture_output=True, text=True, cwd=REPO)
+    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
+    assert bad.returncode == 2 and len(lines) == 1 and f"shard {f}" in lines[0], bad.stderr

@@ -1,0 +1,69 @@
+"""`zerotrain tokenizer train` (byte-level BPE in the Hugging Face format), HF-tokenized mixes and
+prepared shards, and the mixes shipped in dataio/mixes/."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from dataio.loader import load_data, make_loader, open_data
+from dataio.sources import parse_mix
+from dataio.tokenizer import HFTokenizer
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, mix_path):
+    out = tmp_path_factory.mktemp("tok") / "bpe"
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "tokenizer", "train", "--data", str(mix_path),
+                           "--vocab-size", "400", "--out", str(out)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def test_trained_tokenizer_loads_in_transformers_and_round_trips(trained, mix_path):
+    from transformers import AutoTokenizer
+
+    ours = HFTokenizer(trained)
+    theirs = AutoTokenizer.from_pretrained(str(trained))
+    text = "the model reads every token of the packed row, ünïcödé too"
+    assert ours.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.decode(ours.encode(text)) == text  # byte-level: lossless
+    assert theirs.eos_token == "<|endoftext|>" and ours.eos_id == theirs.eos_token_id
+    assert 258 < ours.vocab_size <= 400  # a tiny corpus can saturate below the asked-for size
+    assert len(ours.encode("the model reads")) < len("the model reads")  # merges were learnt
+
+
+def test_hf_tokenized_mix_and_shards_give_the_same_stream(trained, mix_path, tmp_path):
+    tok = HFTokenizer(trained)
+    shards = tmp_path / "shards"
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path), "--tokenizer",
+                           str(trained), "--out", str(shards)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["sha256"] == tok.sha256
+    assert all(sh["tokenizer_sha256"] == tok.sha256 and len(sh["sha256"]) == 64 for sh in manifest["shards"])
+    a = make_loader(load_data(open_data(str(mix_path), tok)), 0, 2, 9, 96, 3)
+    b = make_loader(load_data(open_data(str(shards), tok)), 0, 2, 9, 96, 3)
+    for _ in range(30):  # same documents, same order, same packing: tokenizing on the fly == prepared
+        x, y = a.next_batch(), b.next_batch()
+        assert np.array_equal(x["input_ids"], y["input_ids"])
+    assert x["input_ids"].max() < tok.vocab_size
+
+
+def test_shipped_mixes_validate():
+    mix = parse_mix(REPO / "dataio" / "mixes" / "web-edu-pdf-med.json")
+    shares = {s.name: round(s.weight, 6) for s in mix.sources}
+    assert shares == {"fineweb-edu": 0.45, "cosmopedia": 0.25, "finepdfs": 0.20, "medqa-usmle": 0.10}
+    assert all(s.hf and s.streamed for s in mix.sources)
+    qa = mix.sources[-1]
+    from dataio.sources import record_text
+
+    record = {"question": "Q?", "options": {"A": "a", "B": "b", "C": "c", "D": "d"}, "answer_idx": "B",
+              "answer": "b"}
+    assert record_text(qa, record, pytest.fail) == "Question: Q?\nA. a\nB. b\nC. c\nD. d\nAnswer: B. b"
+    problems = []
+    assert record_text(qa, {"question": "Q?"}, problems.append) is None and "options" in problems[0]
+    demo = json.loads((REPO / "dataio" / "mixes" / "demo.json").read_text())
+    assert [(s["name"], s["weight"]) for s in demo["sources"]] == [("docs", 0.7), ("code", 0.3)]

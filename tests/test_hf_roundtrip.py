@@ -1,0 +1,149 @@
+"""Hugging Face format, in-process: our logits against the real `transformers` classes, the byte
+round trip, import from a directory `transformers` itself wrote, and what a bad directory gets."""
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from modeling import hf
+from modeling.model import ModelArgs, Transformer
+
+
+def random_configs(n: int, seed: int = 0):
+    """Random small shapes covering GQA/MHA/MQA, tied/untied, QK-norm, unpadded vocab, rope theta."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        head_dim = rng.choice([8, 16])
+        n_heads = rng.choice([2, 4, 6])
+        n_kv = rng.choice([h for h in (1, 2, 3, n_heads) if n_heads % h == 0])
+        out.append(dict(dim=head_dim * n_heads, n_layers=rng.choice([1, 2, 3]), n_heads=n_heads, n_kv_heads=n_kv,
+                        ffn_hidden=rng.choice([40, 96, 130]), vocab_size=rng.choice([100, 128, 200]),
+                        rope_theta=rng.choice([10000.0, 500000.0]), norm_eps=rng.choice([1e-5, 1e-6]),
+                        tie_embeddings=i % 2 == 1, qk_norm=i % 3 == 2, max_seq_len=64))
+    return out
+
+
+CONFIGS = random_configs(6) + [dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=130, tie_embeddings=True)]
+
+
+def build(kw, seed=0):
+    args = ModelArgs(**kw)
+    torch.manual_seed(seed)
+    model = Transformer(args).eval()
+    with torch.no_grad():  # norms away from 1 so that a mixed-up norm weight shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return args, model
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: f"h{kw['n_heads']}kv{kw['n_kv_heads']}"
+                         f"{'-tied' if kw['tie_embeddings'] else ''}{'-qknorm' if kw.get('qk_norm') else ''}")
+def test_exported_model_logits_match_transformers(kw, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    args, model = build(kw)
+    hf.save(tmp_path, model.state_dict(), args, bos_id=1, eos_id=2)
+    theirs, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    expected = "Qwen3ForCausalLM" if args.qk_norm else "LlamaForCausalLM"
+    assert type(theirs).__name__ == expected
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert theirs.config.tie_word_embeddings == args.tie_embeddings
+    assert theirs.config.vocab_size == args.vocab_size and args.vocab_size % 64 == 0
+    x = torch.randint(0, kw["vocab_size"], (2, 23))
+    with torch.no_grad():
+        ours, their_logits = model(x), theirs.eval()(x).logits
+    assert ours.shape == their_logits.shape
+    assert torch.allclose(ours, their_logits, atol=1e-4, rtol=0), (ours - their_logits).abs().max()
+
+
+@pytest.mark.parametrize("kw", CONFIGS[:3])
+def test_export_import_export_is_byte_identical(kw, tmp_path):
+    args, model = build(kw, seed=5)
+    hf.save(tmp_path / "a", model.state_dict(), args)
+    cfg = hf.read_config(tmp_path / "a")
+    args_back = hf.args_from_config(cfg, "a")
+    assert args_back == args
+    hf.check_weights(tmp_path / "a", args_back, cfg["vocab_size"])
+    torch.manual_seed(99)  # different init: every tensor must come from the file
+    again = Transformer(args_back)
+    hf.load_weights(again, tmp_path / "a")
+    hf.save(tmp_path / "b", again.state_dict(), args_back)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(a[k].dtype == b[k].dtype and a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "config.json").read_text() == (tmp_path / "b" / "config.json").read_text()
+
+
+def test_import_from_a_directory_transformers_wrote(tmp_path):
+    """A real LlamaForCausalLM.save_pretrained directory, unpadded vocab (100 -> our 128)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, vocab_size=100, rope_theta=50000.0, rms_norm_eps=1e-5)
+    theirs = LlamaForCausalLM(cfg).eval()
+    theirs.save_pretrained(tmp_path)
+    raw = hf.read_config(tmp_path)
+    args = hf.args_from_config(raw, str(tmp_path))
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.ffn_hidden, args.vocab_size) == (48, 6, 2, 80, 128)
+    hf.check_weights(tmp_path, args, raw["vocab_size"])
+    ours = Transformer(args).eval()
+    hf.load_weights(ours, tmp_path)
+    x = torch.randint(0, 100, (2, 17))
+    with torch.no_grad():
+        assert torch.allclose(ours(x)[..., :100], theirs(x).logits, atol=1e-4, rtol=0)
+
+
+def test_sharded_safetensors_directory_is_read(tmp_path):
+    args, model = build(CONFIGS[0])
+    hf.save(tmp_path / "one", model.state_dict(), args)
+    tensors = load_file(tmp_path / "one" / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    out = tmp_path / "sharded"
+    out.mkdir()
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, out / file, metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    (out / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+    hf.check_weights(out, args, args.vocab_size)
+    loaded = Transformer(args)
+    hf.load_weights(loaded, out)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters()))
+
+
+def _llama_dir(tmp_path, **config_changes):
+    args, model = build(CONFIGS[0])
+    hf.save(tmp_path, model.state_dict(), args)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(config_changes)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: _llama_dir(d, model_type="gpt2", architectures=["GPT2LMHeadModel"]), "not a Llama model"),
+    (lambda d: _llama_dir(d, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
+    (lambda d: _llama_dir(d, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (lambda d: _llama_dir(d, head_dim=4), "head_dim 4 differs from hidden_size / num_attention_heads = 16"),
+    (lambda d: _llama_dir(d, num_key_value_heads=3), "n_heads 4 is not divisible by n_kv_heads 3"),
+    (lambda d: _llama_dir(d, intermediate_size=12), "has shape"),
+    (lambda d: _llama_dir(d, num_hidden_layers=9), "missing tensor model.layers."),
+    (lambda d: (_llama_dir(d), (d / "model.safetensors").rename(d / "pytorch_model.bin"))[0],
+     "holds only pickled weights (pytorch_model.bin); zerotrain never unpickles"),
+    (lambda d: d, "no config.json"),
+])
+def test_bad_hf_directories_are_refused(tmp_path, change, message):
+    directory = change(tmp_path)
+    with pytest.raises(ValueError) as e:
+        raw = hf.read_config(directory)
+        args = hf.args_from_config(raw, str(directory))
+        hf.check_weights(directory, args, raw["vocab_size"])
+    assert message in str(e.value)

@@ -1,0 +1,111 @@
+"""How the flags pick the model (launcher/model_spec.py), `zerotrain params` and `zerotrain export`'s
+bad input. In-process; what reaches the user is the UsageError's one line (exit 2 via fail)."""
+import pytest
+
+from launcher.cli import main as cli
+from launcher.config import RunConfig, resolve_config
+from launcher.errors import UsageError
+from launcher.model_spec import resolve
+from modeling.model import count_params, preset
+
+
+def spec(**kw):
+    return resolve(RunConfig(data="mix.json", **kw), vocab_size=258)
+
+
+def test_each_way_of_picking_the_model():
+    args, label, hf_dir = spec()
+    assert label == "debug" and args == preset("debug", vocab_size=258, max_seq_len=256) and hf_dir is None
+    args, label, _ = spec(depth=12, seq_len=512)
+    assert label == "d12" and (args.n_layers, args.dim, args.n_heads, args.max_seq_len) == (12, 768, 6, 512)
+    args, label, _ = spec(depth=4, aspect_ratio=32, head_dim=64, qk_norm=True)
+    assert (args.dim, args.n_heads, args.qk_norm) == (128, 2, True)
+    args, label, _ = spec(scaling_rule="enoki", heads=8)
+    assert label == "enoki-h8" and (args.n_layers, args.dim, args.ffn_hidden) == (6, 512, 2048)
+    assert args.vocab_size == 320  # 258 padded to a multiple of 64
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(model="small", depth=4), "--model small and --depth: give one way to pick the model"),
+    (dict(depth=4, scaling_rule="enoki", heads=4), "--depth and --scaling-rule: give one way"),
+    (dict(heads=4), "--heads: only used with --scaling-rule"),
+    (dict(aspect_ratio=32), "--aspect-ratio: only used with --depth"),
+    (dict(scaling_rule="enoki"), "--scaling-rule enoki: needs --heads H"),
+    (dict(scaling_rule="nope", heads=4), "--scaling-rule nope: unknown scaling rule 'nope'; known: enoki, qwen3"),
+    (dict(scaling_rule="enoki", heads=1), "--scaling-rule enoki --heads 1: heads 1 gives 3 * 1 // 4 = 0 layers"),
+    (dict(depth=1), "--depth 1: depth 1 x aspect ratio 64 = 64 is 0.5 heads of 128, not a whole head"),
+    (dict(depth=3, head_dim=30, aspect_ratio=20), "--depth 3: model args: head dim 30"),  # fine: 30 is even
+    (dict(depth=3, head_dim=15, aspect_ratio=10), "--depth 3: model args: head dim 15 must be even"),
+    (dict(model="enormous"), "--model enormous: unknown model preset 'enormous'"),
+    (dict(init_from="/nonexistent/llama"), "--init-from /nonexistent/llama: no such directory"),
+    (dict(init_from="/tmp", qk_norm=True), "--qk-norm and --init-from: the Hugging Face config.json decides"),
+])
+def test_model_flag_errors_name_the_flag(kw, message):
+    if message.endswith("head dim 30"):
+        assert spec(**kw)[0].head_dim == 30
+        return
+    with pytest.raises(UsageError) as e:
+        spec(**kw)
+    assert message in str(e.value)
+
+
+def test_scaling_rule_lr_law_applies_only_without_lr(tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("mine:\n  head_dim: 64\n  layers_per_head: [1, 2]\n  mlp_ratio: 3\n"
+                     "  lr: {a: 2.0, b: 1.0e+5, d: -0.5}\n")
+    base = ["--data", "mix.json", "--scaling-rule", "mine", "--heads", "8", "--rules-file", str(rules)]
+    cfg = resolve_config(base)
+    args, label, _ = resolve(cfg, 258)
+    p = count_params(args)["non_embedding"]
+    assert (args.n_layers, args.dim) == (4, 512)
+    assert cfg.lr == pytest.approx(2.0 * (1e5 + p) ** -0.5) and cfg.min_lr == pytest.approx(cfg.lr / 10)
+    assert resolve_config(base + ["--lr", "1e-3"]).lr == 1e-3
+    assert resolve_config(["--data", "mix.json", "--scaling-rule", "enoki", "--heads", "8"]).lr == 3e-3  # no law
+
+
+def test_new_flags_leave_earlier_run_ids_alone():
+    # the identity hashes of the foundation commit (launcher/config.py at f7f5f05): auto run ids still resume
+    assert RunConfig(data="mix.json").identity_hash() == "cea5eb6e"
+    assert RunConfig(data="mix.json", model="small", lr=1e-3).identity_hash() == "7a3aa8e4"
+    assert RunConfig(data="mix.json", depth=12).identity_hash() != RunConfig(data="mix.json", depth=16).identity_hash()
+
+
+def test_params_prints_counts_for_presets_and_rules(capsys):
+    cli(["params", "ws-760m", "ws-1.3b", "--vocab-size", "128256"])
+    out = capsys.readouterr().out
+    assert "759,743,488" in out and "1,300,071,936" in out
+    cli(["params", "--depth", "12", "--scaling-rule", "qwen3", "--heads", "4"])
+    out = capsys.readouterr().out
+    for args in (spec(depth=12)[0], spec(scaling_rule="qwen3", heads=4)[0]):
+        assert f"{count_params(args)['non_embedding']:,}" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["params", "enormous"], "params enormous: unknown model preset"),
+    (["params", "--depth", "1"], "--depth 1: depth 1 x aspect ratio 64"),
+    (["params", "--heads", "4"], "--heads: only used with --scaling-rule"),
+    (["export", "/nonexistent/run", "--to", "x"], "export /nonexistent/run: no such file or directory"),
+    (["export", "."], "export: the following arguments are required: --to"),
+    (["export", "{tmp}", "--to", "{tmp}/out"], "neither a run directory nor a complete zerotrain checkpoint"),
+    (["export", "{tmp}/run", "--to", "{tmp}/out"], "the run has no complete checkpoint"),
+])
+def test_params_and_export_bad_input_exit_2_with_one_line(argv, message, tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints" / "global_step5").mkdir(parents=True)  # never completed: no marker
+    with pytest.raises(SystemExit) as e:
+        cli([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("zerotrain: error:")
+    assert message in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_installed_command_finds_the_model_package(tmp_path):
+    """`zerotrain params` through the console script, away from the checkout: `modeling` is a package."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([str(Path(sys.executable).parent / "zerotrain"), "params", "debug"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "869,504" in proc.stdout

@@ -1,0 +1,82 @@
+"""Exact resumption: 2 ranks, the real `deepspeed` launcher, ZeRO-3, CPU fp32.
+
+A run 0 -> N, and the same run stopped at k (its run directory as it was at step k: checkpoint k,
+metrics up to k) then continued with `--resume auto` k -> N, see exactly the same token ids at
+every step (`tokens_sha`: a digest of every rank's input_ids and position_ids for the step) and
+bit-identical losses. Once for a mix read from the source files, once for prepared shards read
+by a background DataLoader worker (whose read-ahead must not leak into the saved state).
+"""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, launch, read_metrics
+
+N, K = 6, 3
+COMMON = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--lr", "3e-3",
+          "--warmup-steps", "1", "--log-data-every-steps", "2"]
+
+
+def profile(tmp_path, workers: int) -> str:
+    p = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    assert p["zero_optimization"]["stage"] == 3
+    p["zerotrain"]["dataloader"] = {"workers": workers}
+    path = tmp_path / f"cpu-w{workers}.json"
+    path.write_text(json.dumps(p))
+    return str(path)
+
+
+def stop_at(run, k: int, into):
+    """The run directory as a run stopped after step k would have left it."""
+    shutil.copytree(run, into)
+    for tag in (into / "checkpoints").iterdir():
+        if tag.is_dir() and tag.name != f"global_step{k}":
+            shutil.rmtree(tag)
+    (into / "checkpoints" / "latest").write_text(f"global_step{k}")  # DeepSpeed's own pointer
+    lines = (into / "metrics.jsonl").read_text().splitlines()
+    (into / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= k))
+
+
+@pytest.mark.parametrize("source", ["mix", "shards"])
+def test_stop_and_resume_sees_the_same_tokens_and_losses(source, tmp_path, mix_path):
+    data, workers = str(mix_path), 0
+    if source == "shards":
+        data, workers = str(tmp_path / "shards"), 1
+        prep = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path),
+                               "--out", data, "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
+        assert prep.returncode == 0, prep.stderr
+    args = ["--profile", profile(tmp_path, workers), "--data", data, *COMMON]
+    full = launch("deepspeed", args + ["--out", str(tmp_path / "a"), "--run-id", "r", "--max-steps", str(N),
+                                       "--save-every-steps", str(K)])
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    stop_at(tmp_path / "a" / "r", K, tmp_path / "b" / "r")
+    resumed = launch("deepspeed", args + ["--out", str(tmp_path / "b"), "--run-id", "r", "--max-steps", str(N),
+                                          "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'b' / 'r' / 'checkpoints' / f'global_step{K}'} at step {K}" in resumed.stdout
+
+    a, b = read_metrics(tmp_path / "a" / "r"), read_metrics(tmp_path / "b" / "r")
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, N + 1))
+    assert [m["tokens_sha"] for m in a] == [m["tokens_sha"] for m in b]
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # full-precision floats, compared exactly
+    assert len({m["tokens_sha"] for m in a}) == N  # every step saw new data
+    assert a[-1]["data_shares"] == b[-1]["data_shares"]
+    assert abs(a[-1]["data_shares"]["prose"] - 0.7) < 0.05
+
+
+def test_resume_on_another_world_size_is_refused(tmp_path, mix_path):
+    """A 2-rank checkpoint resumed by 1 rank: refused before anything is written."""
+    out = tmp_path / "runs"
+    run = out / "r" / "checkpoints" / "global_step2"
+    run.mkdir(parents=True)
+    (run / "zerotrain.json").write_text(json.dumps({"step": 2, "tokens_seen": 1, "world_size": 2, "run_id": "r",
+                                                    "loader_workers": 0}))
+    before = sorted(p.name for p in (out / "r").rglob("*"))
+    proc = launch("python", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *COMMON,
+                             "--max-steps", "4"])
+    assert proc.returncode == 2
+    assert "saved by 2 ranks, this launch has 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (out / "r").rglob("*")) == before
