@@ -6,8 +6,8 @@ COLUMNS) and append it to BENCHMARKS. `python benchmarks/run.py NAME...` runs on
 
 Data benchmarks (dataio): the demo mix (built offline by launcher/demo.py under runs/demo-data/)
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
-byte-level BPE trained on it; `zerotrain verify` speed; and packing efficiency, greedy (what
-we train with) against best-fit.
+byte-level BPE trained on it; `zerotrain verify` speed; and packing efficiency, best-fit (the
+default) against greedy.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from launcher.errors import UsageError
+from launcher.errors import UsageError, read_json_object
 
 
 @dataclass
@@ -36,7 +36,6 @@ class RunConfig:
     save_every_steps: int = 0  # 0: only at the end
     resume: str = "auto"
     activation_checkpointing: bool | None = None  # None: the profile's
-    log_every_steps: int = 1
     log_data_every_steps: int = 100  # realised token share per source in metrics.jsonl; 0: never
     packing: str | None = None  # None: best-fit (or greedy); see dataio/packing.py
     # The model, instead of --model (see launcher/model_spec.py): the depth rule, a scaling rule, or HF weights.
@@ -51,7 +50,7 @@ class RunConfig:
     compile: bool | None = None  # None: off
 
     # Keys that may change between a run and its resume without counting as config drift.
-    RESUMABLE_CHANGES = ("max_steps", "save_every_steps", "resume", "log_every_steps", "out", "run_id",
+    RESUMABLE_CHANGES = ("max_steps", "save_every_steps", "resume", "out", "run_id",
                          "log_data_every_steps")
     # Keys added after 0.1: left out of the identity hash while unset, so earlier run ids still resume.
     HASHED_ONLY_WHEN_SET = ("packing",
@@ -120,12 +119,7 @@ def load_recipe(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"recipe {path}: no such file")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"recipe {path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"recipe {path}: expected a JSON object")
+    raw = read_json_object(p, f"recipe {path}")
     known = {f.name for f in fields(RunConfig)}
     recipe = {}
     for k, v in raw.items():

@@ -11,7 +11,7 @@ import copy
 import json
 from pathlib import Path
 
-from launcher.errors import UsageError
+from launcher.errors import UsageError, read_json_object
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -32,10 +32,7 @@ def load_profile(spec: str) -> tuple[str, dict]:
             raise UsageError(f"--profile {spec}: unknown profile; known: {', '.join(list_profiles())}, auto, or a path")
     if not path.is_file():
         raise UsageError(f"--profile {spec}: no such file")
-    try:
-        profile = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"profile {path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    profile = read_json_object(path, f"profile {path}")
     validate_profile(profile, f"profile {path}")
     return name, profile
 
