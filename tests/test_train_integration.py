@@ -103,3 +103,16 @@ def test_two_nodes_from_a_hostfile_on_loopback(tmp_path, mix_path):
     assert json.loads((out / "mn" / "config.json").read_text())["world_size"] == 2
     assert [m["step"] for m in read_metrics(out / "mn")] == [1, 2]
     assert (out / "mn" / "checkpoints" / "global_step2" / "zerotrain.json").is_file()
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, mix_path):
+    out = tmp_path / "runs"
+    # An absurd learning rate blows the weights up after the first update, so step 2's loss is NaN.
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", "--seq-len", "64", "--micro-batch", "2",
+            "--lr", "1e12", "--min-lr", "0", "--warmup-steps", "0", "--max-steps", "6", "--save-every-steps", "1"]
+    proc = launch("python", args)
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"step 2: loss is (nan|inf); stopping\. Last checkpoint: .*global_step1", proc.stderr)
+    assert [m["step"] for m in read_metrics(out / "r")] == [1]
+    tags = sorted(p.name for p in (out / "r" / "checkpoints").glob("global_step*"))
+    assert tags == ["global_step1"]
