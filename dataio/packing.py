@@ -229,21 +229,6 @@ def to_torch(batch: dict) -> dict:
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 
-def collate(rows: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-    """Rows of (token ids, position ids) -> tensors; labels -100 at every position 0."""
-    input_ids = torch.tensor([r[0] for r in rows], dtype=torch.long)  # (B, T)
-    position_ids = torch.tensor([r[1] for r in rows], dtype=torch.long)  # (B, T)
-    labels = input_ids.masked_fill(position_ids == 0, -100)
-    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
-
-
-def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Cumulative document lengths over the flattened batch (for variable-length attention kernels)."""
-    starts = (position_ids.flatten() == 0).nonzero().flatten()
-    bounds = torch.cat([starts, torch.tensor([position_ids.numel()], device=position_ids.device)])
-    return bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max())
-
-
 def best_fit_efficiency(lengths, seq_len: int, open_rows: int = 64) -> tuple[float, int]:
     """(efficiency, rows) of best-fit packing without splitting documents that fit in a row.
 

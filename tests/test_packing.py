@@ -1,8 +1,8 @@
 import numpy as np
 import torch
 
-from dataio.packing import Packer, best_fit_efficiency, collate, cu_seqlens, to_torch
-from modeling.model import document_mask
+from dataio.packing import Packer, best_fit_efficiency, to_torch
+from modeling.model import cu_seqlens, document_mask
 
 
 def docs_source(docs):
@@ -43,11 +43,6 @@ def test_labels_mask_document_starts_and_cu_seqlens():
     cu, max_len = cu_seqlens(batch["position_ids"])  # derived from positions alone: the same
     assert cu.tolist() == batch["cu_seqlens"].tolist() and max_len == batch["max_seqlen"]
     assert packer.carry.tolist() == [3, 9]  # the rest of the split document comes next
-
-
-def test_collate_rows():
-    batch = collate([([1, 2, 9, 3], [0, 1, 2, 0])])
-    assert batch["labels"].tolist() == [[-100, 2, 9, -100]]
 
 
 def test_document_mask_is_block_diagonal_causal():
