@@ -13,8 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from dataio.errors import DataError
-from launcher.errors import UsageError
+from dataio.errors import DataError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,13 +97,15 @@ def verify_main(argv):
 
 def bench(data_path: str, tokenizer: str = "bytes", seq_len: int = 2048, micro_batch: int = 8,
           seconds: float = 10.0, max_tokens: int | None = None, rank: int = 0, world: int = 1, seed: int = 1337,
-          workers: int = 0, progress: bool = True, packing: str = "best-fit") -> dict:
-    """Run the loader alone; tokens/s, load time, per-source shares and epochs."""
-    from dataio.loader import Batches, load_data, open_data
+          workers: int = 0, progress: bool = True, packing: str = "best-fit", piece_len: int | None = None) -> dict:
+    """Run the loader alone; tokens/s, load time, per-source shares and epochs.
+    piece_len: as in training, default_piece_len(seq_len) when None."""
+    from dataio.loader import Batches, default_piece_len, load_data, open_data
     from dataio.tokenizer import load_tokenizer
 
     t0 = time.time()
-    data = load_data(open_data(data_path, load_tokenizer(tokenizer)))
+    data = load_data(open_data(data_path, load_tokenizer(tokenizer)), piece_len or default_piece_len(seq_len),
+                     world, workers)
     load_s = time.time() - t0
     batches = Batches(data, rank, world, seed, seq_len, micro_batch, {"workers": workers}, packing)
     first = batches.next()  # warm-up (and worker start-up) not timed
@@ -155,13 +156,15 @@ def data_bench_main(argv):
     p.add_argument("--packing", choices=("best-fit", "greedy"), default="best-fit")
     p.add_argument("--world", type=_positive("--world"), default=1, help="pretend to be one rank of this many")
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--piece-len", type=_positive("--piece-len"), default=None,
+                   help="cut documents longer than this into pieces (default 8 x --seq-len, as in training)")
     a = p.parse_args(argv)
     if not 0 <= a.rank < a.world:
         raise UsageError(f"--rank {a.rank}: must be in [0, --world {a.world})")
 
     def go(_):
         r = bench(a.data, a.tokenizer, a.seq_len, a.micro_batch, a.seconds, a.tokens, a.rank, a.world,
-                  workers=a.workers, packing=a.packing)
+                  workers=a.workers, packing=a.packing, piece_len=a.piece_len)
         print(f"data-bench {a.data}: seq_len {a.seq_len} x micro_batch {a.micro_batch}, rank {a.rank}/{a.world},"
               f" tokenizer {a.tokenizer}, workers {a.workers}, packing {a.packing}")
         print(f"  load/verify {r['load_s']:.2f}s; {r['tokens']:,} tokens in {r['seconds']:.2f}s ="
@@ -225,15 +228,22 @@ def tokenizer_main(argv):
 # --------------------------------------------------------------------------------------------
 
 def describe_data(data, run_tokens: int) -> list[str]:
-    """Per source: weight, size, estimated epochs over the run, and repetition warnings."""
-    lines = [f"data: {data.kind} {data.path}, tokenizer {data.tokenizer.name}; this run reads {run_tokens:,} tokens"]
+    """Per source: weight, size, estimated epochs over the run, its documents (count, mean and max
+    length) and the pieces cut from them, and warnings (repetition, a .txt file with few documents)."""
+    bound = f"pieces of {data.piece_len:,}" if data.piece_len else "no piece bound"
+    lines = [f"data: {data.kind} {data.path}, tokenizer {data.tokenizer.name}, {bound}; this run reads"
+             f" {run_tokens:,} tokens"]
     for spec, store, (size, exact) in zip(data.specs, data.stores, data.source_tokens()):
         need = run_tokens * spec.weight
         where = spec.hf or spec.path or spec.name
+        if spec.path and spec.path.endswith(".txt"):
+            where += f", sample_by {spec.sample_by}"  # the default is "paragraph": show what applied
         if size:
             epochs = need / size
             lines.append(f"  {spec.name:<14} weight {spec.weight:6.1%}  {'' if exact else '~'}{size:,} tokens"
                          f"  ~{epochs:.2f} epochs over the run  ({where})")
+            if store is not None:
+                lines.append(" " * 17 + _documents_line(data, store))
             if spec.on_exhausted == "stop" and epochs > 1:
                 lines.append(f"  WARNING: source {spec.name!r} runs out after ~{1 / epochs:.0%} of the run"
                              " (on_exhausted: stop): training will stop there")
@@ -242,8 +252,30 @@ def describe_data(data, run_tokens: int) -> list[str]:
                              f" (more than warn_epochs {data.warn_epochs:g})")
         else:
             lines.append(f"  {spec.name:<14} weight {spec.weight:6.1%}  size unknown (streamed)  ({where})")
+            lines.append(" " * 17 + "documents not counted, none cut into pieces (streamed: read in order;"
+                         " `zerotrain prepare` first to cut them)")
+        if store is not None and store.note:
+            lines.append(f"  WARNING: source {spec.name!r}: {store.note}")
         if store is not None and (store.bad_records or store.empty_records):
             lines.append(f"  note: source {spec.name!r}: skipped {store.bad_records} bad record(s)"
                          f"{' (first: ' + store.first_bad + ')' if store.first_bad else ''},"
                          f" {store.empty_records} empty")
     return lines
+
+
+def _documents_line(data, store) -> str:
+    """e.g. "1 document of 300,000 tokens, cut into 147 pieces of 2,048"."""
+    unit = "tokens" if store.kind == "tokens" or data.tokenizer.name == "bytes" else "bytes (before tokenizing)"
+    n, total = store.documents, int(store.lengths.sum())
+    line = (f"1 document of {total:,} {unit}" if n == 1 else
+            f"{n:,} documents, mean {total / n:,.0f} / max {store.longest:,} {unit}")
+    if not store.cut_documents:
+        return line + (f"; none longer than {store.piece_len:,}, none cut" if store.piece_len else "")
+    pieces = len(store) - (n - store.cut_documents)
+    what = "cut" if n == 1 else f"{store.cut_documents:,} cut"
+    line += f", {what} into {pieces:,} pieces of {store.piece_len:,}"
+    if store.piece_len != data.piece_len:  # make_pieces cut finer so every rank (and worker) gets a piece
+        across = f"{data.world} rank(s)" + (f" x {data.workers} data worker(s)" if data.workers else "")
+        asked = f"the bound {data.piece_len:,} leaves" if data.piece_len else "whole documents leave"
+        line += f" ({asked} fewer pieces than {across}: cut finer so each gets one)"
+    return line

@@ -31,7 +31,8 @@ import torch
 
 from dataio.errors import DataError
 from dataio.packing import make_packer, to_torch
-from dataio.sources import DocStore, Mix, SourceSpec, load_text_source, open_streamed, parse_mix, record_text
+from dataio.sources import (DocStore, Mix, SourceSpec, default_piece_len, load_text_source, make_pieces,  # noqa: F401
+                            open_streamed, parse_mix, record_text)
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
@@ -47,9 +48,13 @@ class Data:
     path: str
     specs: tuple[SourceSpec, ...]
     tokenizer: object
-    stores: list  # DocStore per source, or None for a streamed source
+    stores: list  # DocStore per source (its documents cut into pieces), or None for a streamed source
     warn_epochs: float = 4.0
     manifest: dict = field(default_factory=dict)
+    piece_len: int | None = None  # the piece bound asked for (load_data); a source may be cut finer
+    world: int = 1  # ranks, and data workers per rank (0: none), the pieces were made for
+    workers: int = 0
+    eval_stores: list | None = None  # held-out DocStores per source (dataio/holdout.py), None: no holdout
 
     @property
     def weights(self) -> list[float]:
@@ -87,15 +92,42 @@ def open_data(path: str, tokenizer) -> Data:
                 warn_epochs=mix.warn_epochs)
 
 
-def load_data(data: Data) -> Data:
-    """Read every local source (or verify and map every shard); all checks happen here."""
+def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers: int = 0,
+              holdout: tuple[int, int] | None = None) -> Data:
+    """Read every local source (or verify and map every shard), cut long documents into pieces,
+    and check that every source can be split across the ranks; all checks happen here, before
+    any model is built, and give the same result on every rank (nothing depends on the rank).
+
+    piece_len: the piece bound in the loader's units (tokens for shards, bytes for text; see
+    dataio.sources); the driver passes `--piece-len` or `default_piece_len(seq_len)`; None: no
+    bound (documents are cut only where a source has fewer than world x workers of them).
+    world, workers: the ranks and the data workers per rank (the profile's zerotrain.dataloader
+    workers, 0 for none) that the documents will be split across, as in `Batches`.
+    """
     if data.kind == "shards":
         from dataio import shards
 
         shards.verify(Path(data.path), data.manifest, data.tokenizer)
-        data.stores = shards.load_stores(Path(data.path), data.manifest)
+        stores = shards.load_stores(Path(data.path), data.manifest)
     else:
-        data.stores = [None if s.streamed else load_text_source(s) for s in data.specs]
+        stores = [None if s.streamed else load_text_source(s) for s in data.specs]
+    if holdout is not None:  # (seed, eval_tokens): whole documents held out for evaluation, before any cutting
+        from dataio.holdout import split_holdout
+
+        stores, data.eval_stores = split_holdout(stores, data.specs, *holdout, data.tokenizer)
+    return cut_data(data, stores, piece_len, world, workers)
+
+
+def cut_data(data: Data, stores: list, piece_len: int | None, world: int, workers: int = 0) -> Data:
+    """`data` with `stores` (uncut, None for streamed sources) cut into pieces for world x workers."""
+    if piece_len is not None and (isinstance(piece_len, bool) or not isinstance(piece_len, int) or piece_len < 1):
+        raise DataError(f"piece length: must be a positive integer, got {piece_len!r}")
+    parts = world * max(1, workers)
+    across = f"{world} rank{'s' if world > 1 else ''}" + (f" x {workers} data worker(s)" if workers else "")
+    # Byte-tokenizer shards hold UTF-8 bytes: cut them where the text itself would be cut.
+    utf8 = data.kind == "mix" or data.tokenizer.name == "bytes"
+    data.stores = [None if st is None else make_pieces(st, piece_len, parts, utf8, across) for st in stores]
+    data.piece_len, data.world, data.workers = piece_len, world, workers
     return data
 
 
@@ -103,8 +135,16 @@ def load_data(data: Data) -> Data:
 # One source on one rank
 # --------------------------------------------------------------------------------------------
 
+PENDING = -1  # the "epoch" of a span of pending documents (IndexedSource: left over from a world-size change)
+
+
 class IndexedSource:
-    """A local source's documents on this rank, visited in a seeded permutation per epoch."""
+    """A local source's documents on this rank, visited in a seeded permutation per epoch.
+
+    After a resume on another world size (dataio.reshard) it first visits `pending`: documents
+    (global ids) of the old ranks' unfinished epochs dealt to this part; its own schedule then
+    continues from (epoch, pos), which the re-split sets to the end of an epoch.
+    """
 
     def __init__(self, store: DocStore, spec: SourceSpec, tokenizer, index: int, rank: int, world: int, seed: int):
         self.store, self.spec, self.tokenizer = store, spec, tokenizer
@@ -115,6 +155,7 @@ class IndexedSource:
         self.direct = store.kind == "tokens" or tokenizer.name == "bytes"  # bytes are the tokens
         self.lengths = store.lengths[self.ids] if self.direct else None
         self.epoch, self.pos = 0, 0
+        self.pending, self.pending_pos = np.zeros(0, np.int64), 0
         self._orders: dict[int, np.ndarray] = {}
         self._blocks: dict[tuple[int, int], list] = {}  # (epoch, block) -> token arrays (HF tokenizers)
 
@@ -131,8 +172,13 @@ class IndexedSource:
         return self._orders[epoch]
 
     def _spans(self, k: int):
-        """(epoch, start, stop) runs covering the next k documents (fewer if "stop" runs out)."""
+        """(epoch, start, stop) runs covering the next k documents (fewer if "stop" runs out);
+        epoch PENDING: positions in `pending`, which comes first."""
         epoch, pos, spans = self.epoch, self.pos, []
+        if k > 0 and self.pending_pos < len(self.pending):
+            take = min(k, len(self.pending) - self.pending_pos)
+            spans.append((PENDING, self.pending_pos, self.pending_pos + take))
+            k -= take
         while k > 0:
             if pos >= self.n:
                 if self.spec.on_exhausted == "stop":
@@ -149,17 +195,22 @@ class IndexedSource:
             if (epoch, b) not in self._blocks:
                 if len(self._blocks) > 8:
                     self._blocks.pop(next(iter(self._blocks)))
-                docs = self.ids[self.order(epoch)[b * TOKEN_BLOCK:(b + 1) * TOKEN_BLOCK]]
+                docs = self._doc_ids(epoch, b * TOKEN_BLOCK, (b + 1) * TOKEN_BLOCK)
                 self._blocks[(epoch, b)] = self.tokenizer.encode_batch([self.store.text(int(d)) for d in docs])
             block = self._blocks[(epoch, b)]
             lo, hi = max(start, b * TOKEN_BLOCK) - b * TOKEN_BLOCK, min(stop, (b + 1) * TOKEN_BLOCK) - b * TOKEN_BLOCK
             out.extend(block[lo:hi])
         return out
 
+    def _doc_ids(self, epoch: int, a: int, b: int) -> np.ndarray:
+        return self.pending[a:b] if epoch == PENDING else self.ids[self.order(epoch)[a:b]]
+
     def peek_lengths(self, k: int) -> np.ndarray:
         parts = []
         for epoch, a, b in self._spans(k):
-            if self.direct:
+            if self.direct and epoch == PENDING:
+                parts.append(self.store.lengths[self.pending[a:b]])
+            elif self.direct:
                 parts.append(self.lengths[self.order(epoch)[a:b]])
             else:
                 parts.append(np.fromiter((len(t) for t in self._tokenized(epoch, a, b)), np.int64, b - a))
@@ -169,16 +220,27 @@ class IndexedSource:
         out = []
         for epoch, a, b in self._spans(k):
             if self.direct:
-                d = self.ids[self.order(epoch)[a:b]]
+                d = self._doc_ids(epoch, a, b)
                 chunks, store = self.store.chunks, self.store
                 out.extend(chunks[c][s:e] for c, s, e in zip(store.chunk[d].tolist(), store.start[d].tolist(),
                                                               store.end[d].tolist()))
             else:
                 out.extend(self._tokenized(epoch, a, b))
-            self.epoch, self.pos = epoch, b
+            if epoch == PENDING:
+                self.pending_pos = b
+            else:
+                self.epoch, self.pos = epoch, b
         return out
 
+    def remaining(self) -> np.ndarray:
+        """Global ids of the documents this part has still to visit before its next epoch starts:
+        what is left of `pending`, then of the current epoch. What a world-size change re-splits."""
+        rest = self.ids[self.order(self.epoch)[self.pos:]] if self.pos < self.n else np.zeros(0, np.int64)
+        return np.concatenate([self.pending[self.pending_pos:], rest])
+
     def state_dict(self) -> dict:
+        if self.pending_pos < len(self.pending):  # only after a world-size change: older states stay as they were
+            return {"epoch": self.epoch, "pos": self.pos, "pending": self.pending[self.pending_pos:]}
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
@@ -186,6 +248,13 @@ class IndexedSource:
             raise DataError(f"{self.spec.where()}: the checkpoint's loader saw {state['n']} documents on this rank,"
                             f" the data now has {self.n}; the source changed since the checkpoint")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        pending = np.asarray(state.get("pending", ()), np.int64)
+        if len(pending) and (pending.min() < 0 or pending.max() >= len(self.store)):
+            raise DataError(f"{self.spec.where()}: the checkpoint's loader state names documents beyond the"
+                            f" {len(self.store)} the source has; the source changed since the checkpoint")
+        self.pending, self.pending_pos = pending, 0
+        # Cached tokenized blocks of the old pending list are keyed by its positions: drop them.
+        self._blocks = {key: v for key, v in self._blocks.items() if key[0] != PENDING}
 
 
 class StreamedSource:
@@ -194,6 +263,8 @@ class StreamedSource:
     def __init__(self, spec: SourceSpec, tokenizer, rank: int, world: int):
         self.spec, self.tokenizer = spec, tokenizer
         self.ds = open_streamed(spec, rank, world)
+        self.world = world
+        self._fresh_epoch = False  # set when an epoch restarts; cleared by its first document
         self._initial = copy.deepcopy(self.ds.state_dict())
         self.epoch, self.bad_records = 0, 0
         self._it = None
@@ -222,9 +293,14 @@ class StreamedSource:
         if not texts:  # the stream ended
             if self.spec.on_exhausted == "stop":
                 return False
+            if self._fresh_epoch:  # a whole epoch without one document: restarting would loop forever
+                raise DataError(f"{self.spec.where()}: this rank's share of the stream holds no documents"
+                                f" ({self.world} ranks); use fewer ranks or `zerotrain prepare` the source")
             self.epoch += 1
             self._it, self._resume = None, None
+            self._fresh_epoch = True
             return self._pull_block()
+        self._fresh_epoch = False
         block = [before, self.tokenizer.encode_batch(texts), 0]
         if self._resume is not None:
             block[2] = self._resume[1]
@@ -338,7 +414,12 @@ class MixedStream:
 
 
 class PackedLoader:
-    """micro_batch rows of seq_len tokens per call; None once a "stop" source has run out."""
+    """micro_batch rows of seq_len tokens per call; None once a "stop" source has run out.
+
+    `carried`: documents (token arrays, EOS not included) that go to the packer before anything
+    new from the stream. Only a resume on another world size fills it, with what other ranks'
+    packers held (their tokens were counted by the stream when taken; they are not counted again).
+    """
 
     def __init__(self, stream: MixedStream, seq_len: int, micro_batch: int, eos_id: int, stop_possible: bool = True,
                  packing: str = "best-fit"):
@@ -346,24 +427,37 @@ class PackedLoader:
         self.packer = make_packer(packing, seq_len, eos_id, micro_batch, stream_may_end=stop_possible)
         self.stop_possible = stop_possible
         self.exhausted: str | None = None
+        self.carried: deque = deque()
+
+    def _next_documents(self, need: int) -> list:
+        out = []
+        while self.carried and need > 0:
+            out.append(self.carried.popleft())
+            need -= len(out[-1]) + 1
+        return out + self.stream.next_documents(need) if need > 0 else out
 
     def next_batch(self):
         if self.exhausted:
             return None
         before = self.state_dict() if self.stop_possible else None
         try:
-            return to_torch(self.packer.next_batch(self.stream.next_documents))
+            take = self._next_documents if self.carried else self.stream.next_documents
+            return to_torch(self.packer.next_batch(take))
         except Exhausted as e:
             self.load_state_dict(before)  # the partial batch is not consumed
             self.exhausted = str(e)
             return None
 
     def state_dict(self) -> dict:
-        return {"stream": self.stream.state_dict(), "packer": self.packer.state_dict()}
+        state = {"stream": self.stream.state_dict(), "packer": self.packer.state_dict()}
+        if self.carried:  # only after a world-size change: older states stay as they were
+            state["carried"] = [d.astype(np.int32) for d in self.carried]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["stream"])
         self.packer.load_state_dict(state["packer"])
+        self.carried = deque(np.asarray(d, np.int64) for d in state.get("carried", ()))
 
 
 def make_loader(data: Data, rank: int, world: int, seed: int, seq_len: int, micro_batch: int,
@@ -427,11 +521,46 @@ class _WorkerBatches(torch.utils.data.IterableDataset):
             loader.load_state_dict(self.states[w])
         while True:
             batch = loader.next_batch()
-            yield batch, w, loader.state_dict(), loader.exhausted
+            yield batch, w, _pending_as_count(loader.state_dict()), loader.exhausted
 
 
 def _as_is(item):
     return item  # batches are tensors already; states stay numpy (the default would convert them)
+
+
+def _pending_as_count(state: dict) -> dict:
+    """A worker's loader state with each source's pending documents (dataio.reshard) replaced by
+    how many are left. After a world-size change there can be millions of them; the list only
+    ever shrinks from the front, so Batches rebuilds it from the one it loaded (_pending_back)
+    instead of receiving it again with every batch."""
+    sources = state["stream"]["sources"]
+    if not any("pending" in s for s in sources):
+        return state
+    sources = [{**{k: v for k, v in s.items() if k != "pending"}, "pending_left": len(s["pending"])}
+               if "pending" in s else s for s in sources]
+    return {**state, "stream": {**state["stream"], "sources": sources}}
+
+
+def _pending_arrays(state: dict) -> dict:
+    """A loaded part's state with its pending documents as numpy arrays (converted once)."""
+    sources = [{**s, "pending": np.asarray(s["pending"], np.int64)} if "pending" in s else s
+               for s in state["stream"]["sources"]]
+    return {**state, "stream": {**state["stream"], "sources": sources}}
+
+
+def _pending_back(state: dict, loaded: dict) -> dict:
+    """Undo _pending_as_count with the part's state as it was loaded (pending as numpy arrays)."""
+    sources = state["stream"]["sources"]
+    if not any("pending_left" in s for s in sources):
+        return state
+    out = []
+    for s, at_load in zip(sources, loaded["stream"]["sources"]):
+        if "pending_left" in s:
+            full = at_load["pending"]
+            s = {**{k: v for k, v in s.items() if k != "pending_left"},
+                 "pending": full[len(full) - s["pending_left"]:]}
+        out.append(s)
+    return {**state, "stream": {**state["stream"], "sources": out}}
 
 
 class Batches:
@@ -442,6 +571,7 @@ class Batches:
     consumed round-robin; each batch carries its worker's state, so `state_dict()` is exactly
     the state after the last batch handed out, however far the workers have read ahead.
     The number of workers is part of the data order: a resume with another count is refused.
+    A resume on another world size loads states re-split by dataio.reshard.
     """
 
     def __init__(self, data: Data, rank: int, world: int, seed: int, seq_len: int, micro_batch: int,
@@ -451,6 +581,7 @@ class Batches:
         self.args = (data, rank, world, seed, seq_len, micro_batch, packing)
         self.exhausted: str | None = None
         self._states = None
+        self._loaded = None  # the parts' states as loaded, pending documents as arrays (_pending_back)
         self._it = None
         if self.workers == 0:
             self.loader = make_loader(*self.args)
@@ -478,7 +609,7 @@ class Batches:
         if exhausted:
             self.exhausted = exhausted
             return None
-        self._states[w] = state
+        self._states[w] = _pending_back(state, self._loaded[w]) if self._loaded else state
         return batch
 
     def state_dict(self) -> dict:
@@ -499,10 +630,14 @@ class Batches:
             raise DataError(f"checkpoint: its loader used {state['workers']} worker(s) per rank, this run has"
                             f" {self.workers}; the document order depends on it (set zerotrain.dataloader.workers"
                             f" back to {state['workers']})")
+        if len(state["parts"]) != max(1, self.workers):
+            raise DataError(f"checkpoint: its loader state has {len(state['parts'])} part(s) for"
+                            f" {self.workers} worker(s); the checkpoint is damaged")
         if self.workers == 0:
             self.loader.load_state_dict(state["parts"][0])
         else:
-            self._states = list(state["parts"])
+            self._states = [_pending_arrays(p) for p in state["parts"]]
+            self._loaded = list(self._states)
             self._it = None
 
     def tokens_per_source(self) -> list[int]:

@@ -13,6 +13,12 @@ dtype, the tokenizer's sha256, and the source it came from; plus the tokenizer a
 (weights and policies) it was made from. Files are standard `.npy` (read with
 `np.load(mmap_mode="r")`, `allow_pickle=False`): nothing is unpickled. Training memory-maps
 them; every check in `verify()` runs at start-up, per shard in parallel threads.
+
+Shards hold whole documents: the manifest's counts and hashes describe what `prepare` wrote.
+Long documents are cut into pieces at load (`dataio.loader.load_data`, `dataio.sources.cut_pieces`),
+in tokens, with the same bound and rules as a mix (byte-tokenizer shards only at UTF-8 character
+starts, so a byte-tokenized mix and its shards give the same pieces and the same stream); the
+pieces are index arrays over the memory-mapped shards, and nothing about them is written here.
 """
 from __future__ import annotations
 

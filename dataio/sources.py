@@ -16,10 +16,37 @@ A mix file is JSON (examples in dataio/mixes/):
 A source has exactly one of `path` (a local .jsonl / .json / .parquet / .arrow / .txt file, or a
 directory written by `datasets.save_to_disk`) or `hf` (a hub dataset, always streamed with
 `datasets` `streaming=True`; optional `config`, `split`). Documents are the `text_field` column
-("text" by default), or `template` rendered with `str.format_map` on each record. Text files are
-split into documents at blank lines (`sample_by` "paragraph", the default), per line ("line"), or
-taken whole ("document"). Relative paths resolve against the mix file. `"streaming": true` reads a
-local file through the same streaming path as a hub dataset (no random access, no shuffling).
+("text" by default), or `template` rendered with `str.format_map` on each record. Relative paths
+resolve against the mix file. `"streaming": true` reads a local file through the same streaming
+path as a hub dataset (no random access, no shuffling).
+
+`sample_by` (.txt files): "paragraph" (the default) splits at blank lines, "line" makes every line
+a document (what `datasets`' own text loader does), "document" takes the file whole. The default
+stays "paragraph": prose, poetry and source code keep their context across line breaks, where
+"line" would silently cut it at every newline (a Python file would become one-line documents).
+A file with one record per line and no blank lines is one document under "paragraph": it still
+trains (long documents are cut into pieces, below), and the summary printed before training warns
+and suggests `"sample_by": "line"`. Changing this default would also change what existing mix
+files mean.
+
+Long documents are cut into pieces before the documents are split across ranks (`make_pieces`,
+`cut_pieces`; pure index arithmetic on a DocStore, no text is copied). A document longer than
+the piece bound `piece_len` is cut every `piece_len` units from its start (the last piece is
+shorter), and each piece is a document of its own: its own EOS, positions restarting at 0,
+attention never crossing into the next piece. Units are what the loader counts: tokens for
+prepared shards, bytes for text. With a Hugging Face tokenizer a text source is still cut in
+bytes of its UTF-8 text, before tokenizing (a piece of N bytes is roughly N/4 tokens), so a mix
+and its prepared shards give the same stream under such a tokenizer only where nothing was cut.
+Text (and byte-tokenizer shards) is cut only at UTF-8 character starts: a cut that falls inside
+a character moves back to its first byte, so a text piece may be up to 3 bytes longer or shorter
+than the bound. The default bound, `default_piece_len(seq_len)`, is 8 x seq_len: the packer
+already restarts positions at every row, so a cut at a multiple of seq_len costs one EOS per
+piece, while a long document no longer comes as one block of thousands of consecutive rows and
+every rank gets a share of it. When a source would still have fewer pieces than the stream has
+parts (ranks x data workers per rank), it is cut finer, deterministically (bound ceil(total /
+parts), else total // parts), so that every part gets at least one piece; the summary says so.
+Only a source with fewer units (characters) than parts is refused. The bound is part of the
+data's identity: another bound gives other documents.
 
 Weights are shares of TOKENS (not documents); they need not sum to 1. See dataio.loader.
 
@@ -171,7 +198,8 @@ class DocStore:
 
     `kind` is "text" (UTF-8 bytes) or "tokens" (token ids, from prepared shards). Chunks are
     numpy views of Arrow buffers, of the memory-mapped text file, or of memory-mapped shards:
-    nothing is copied per document.
+    nothing is copied per document. After `make_pieces` the entries are pieces (each a document
+    for the loader) and `whole_documents` / `whole_max` describe the documents they came from.
     """
     name: str
     kind: str
@@ -182,6 +210,11 @@ class DocStore:
     bad_records: int = 0
     first_bad: str = ""
     empty_records: int = 0
+    note: str = ""  # the reader's warning for the summary (a .txt file that gave few documents)
+    whole_documents: int | None = None  # documents before cutting into pieces (None: never cut)
+    whole_max: int = 0  # the longest document before cutting
+    cut_documents: int = 0  # documents that were cut into pieces
+    piece_len: int | None = None  # the bound the pieces were cut at (None: not cut)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -189,6 +222,18 @@ class DocStore:
     @property
     def lengths(self) -> np.ndarray:
         return self.end - self.start
+
+    @property
+    def documents(self) -> int:
+        """Documents of the source, counted before any cutting into pieces."""
+        return len(self) if self.whole_documents is None else self.whole_documents
+
+    @property
+    def longest(self) -> int:
+        """The longest document's length (before cutting), in the store's units."""
+        if self.whole_documents is not None:
+            return self.whole_max
+        return int(self.lengths.max()) if len(self) else 0
 
     def doc(self, d: int) -> np.ndarray:
         return self.chunks[self.chunk[d]][self.start[d]:self.end[d]]
@@ -419,7 +464,25 @@ def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
             keep[j] = False
             pos = max(int(ends[j]), at + 1)
     idx = np.flatnonzero(keep)
-    return _finish(spec, str(p), "text", [data], [np.zeros(len(idx), np.int32)], [starts[idx]], [ends[idx]], bad, 0)
+    store = _finish(spec, str(p), "text", [data], [np.zeros(len(idx), np.int32)], [starts[idx]], [ends[idx]], bad, 0)
+    if len(store) < FEW_DOCUMENTS:
+        store.note = _few_documents_note(spec, p, data, len(store))
+    return store
+
+
+FEW_DOCUMENTS = 10  # a .txt file that yields fewer is named in the summary, with a sample_by hint
+
+
+def _few_documents_note(spec: SourceSpec, p: Path, data: np.ndarray, n: int) -> str:
+    """e.g. "b.txt: 1 document (sample_by paragraph: no blank lines found); use sample_by line? (3,000 lines)"."""
+    note = f"{p.name}: {n} document{'' if n == 1 else 's'} (sample_by {spec.sample_by}"
+    if spec.sample_by != "paragraph":
+        return note + ")"
+    note += ": no blank lines found)" if n == 1 else ")"
+    step = 1 << 26  # count newlines in slices: a whole-file comparison would allocate the file's size again
+    lines = sum(int(np.count_nonzero(data[i:i + step] == 10)) for i in range(0, len(data), step))
+    lines += bool(len(data)) and data[-1] != 10  # a last line without its newline
+    return note + (f"; use sample_by line? ({lines:,} lines)" if lines > n else "")
 
 
 def _decode_all(raw) -> None:
@@ -435,6 +498,81 @@ def _finish(spec, file, kind, chunks, chunk_ids, starts, ends, bad: BadRecords, 
         why = f" ({bad.count} bad records skipped, first: {bad.first})" if bad.count else ""
         raise DataError(f"{spec.where()}: {file} holds no documents{why}")
     return store
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces: long documents cut before the split across ranks (see the module docstring)
+# --------------------------------------------------------------------------------------------
+
+PIECE_ROWS = 8  # the default piece bound, in rows of seq_len
+
+
+def default_piece_len(seq_len: int) -> int:
+    """The piece bound used when none is given: 8 rows of seq_len (in the loader's units)."""
+    return PIECE_ROWS * seq_len
+
+
+def cut_pieces(store: DocStore, piece_len: int, utf8: bool) -> DocStore:
+    """A new DocStore over the same chunks in which every document of `store` (an uncut store)
+    longer than piece_len is cut at start + k * piece_len. Nothing is copied: only the
+    chunk/start/end arrays change. With utf8 (text, or byte-tokenizer shards) a cut that falls
+    inside a character moves back to the character's first byte, so every piece is valid UTF-8;
+    cuts that then coincide (bounds under 4 bytes) make one piece, not an empty one."""
+    if piece_len < 1:
+        raise DataError(f"source {store.name!r}: piece length must be a positive integer, got {piece_len!r}")
+    lengths = store.lengths
+    counts = np.maximum(1, -(-lengths // piece_len))  # pieces per document
+    n = int(counts.sum())
+    first = np.cumsum(counts) - counts  # index of each document's first piece
+    doc = np.repeat(np.arange(len(store)), counts)
+    offset = (np.arange(n) - np.repeat(first, counts)) * piece_len  # of each piece from its document's start
+    if utf8 and n > len(store):
+        inner = np.flatnonzero(offset > 0)
+        chunk_of = store.chunk[doc[inner]]
+        for c in np.unique(chunk_of):
+            idx, data = inner[chunk_of == c], store.chunks[c]
+            for _ in range(3):  # a UTF-8 character is at most 4 bytes: at most 3 steps back
+                at = store.start[doc[idx]] + offset[idx]
+                idx = idx[(np.asarray(data[at]) & 0xC0) == 0x80]  # continuation bytes are 0b10xxxxxx
+                if not len(idx):
+                    break
+                offset[idx] -= 1
+        # Never behind the previous cut of the same document (only invalid UTF-8 could ask for it):
+        # a running maximum within each cut document (documents renumbered so doc * span fits).
+        cut = np.flatnonzero(counts[doc] > 1)
+        nth = np.cumsum(counts > 1)[doc[cut]]
+        span = int(lengths.max()) + 1
+        offset[cut] = np.maximum.accumulate(offset[cut] + nth * span) - nth * span
+    start = store.start[doc] + offset
+    end = np.empty(n, np.int64)
+    end[:-1] = start[1:]
+    end[first + counts - 1] = store.end
+    keep = end > start
+    return DocStore(name=store.name, kind=store.kind, chunks=store.chunks, chunk=store.chunk[doc][keep],
+                    start=start[keep], end=end[keep], bad_records=store.bad_records, first_bad=store.first_bad,
+                    empty_records=store.empty_records, note=store.note, whole_documents=len(store),
+                    whole_max=store.longest, cut_documents=int((counts > 1).sum()), piece_len=piece_len)
+
+
+def make_pieces(store: DocStore, piece_len: int | None, parts: int, utf8: bool, across: str) -> DocStore:
+    """`store` cut at piece_len (None: no bound) and, when that leaves fewer pieces than `parts`
+    (the ranks x data workers its documents are split across), cut finer (below) so that every
+    part gets at least one piece. Deterministic in (store, piece_len, parts). Only a source with
+    fewer than `parts` units (characters, for text) is refused: "cannot be split across {across}"."""
+    out = store if piece_len is None else cut_pieces(store, piece_len, utf8)
+    total = int(store.lengths.sum())
+    # Finer bounds, tried in order: ceil(total / parts) (no sliver of a last piece when one
+    # document is cut), total // parts (always enough pieces: sum(ceil(len / b)) >= total / b),
+    # 1 (when multi-byte characters merged cuts: one piece per character).
+    for finer in (-(-total // parts), total // parts, 1):
+        if len(out) >= parts or finer < 1:
+            break
+        out = cut_pieces(store, finer, utf8)
+    if len(out) < parts:
+        unit = "bytes" if store.kind == "text" else "tokens"
+        raise DataError(f"source {store.name!r}: {store.documents} document(s) of {total:,} {unit} in all"
+                        f" cannot be split across {across}; add data or use fewer ranks")
+    return out
 
 
 # --------------------------------------------------------------------------------------------

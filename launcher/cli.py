@@ -15,32 +15,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-from pathlib import Path
 
 from launcher.errors import UsageError, fail
 
-TRAIN_PY = Path(__file__).resolve().parent / "train.py"
 DATA_COMMANDS = {"prepare": "prepare_main", "verify": "verify_main", "data-bench": "data_bench_main",
                  "tokenizer": "tokenizer_main"}
-
-
-def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
-    exe = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    return [exe, "--num_gpus", str(nproc), str(TRAIN_PY), *train_args]
-
-
-def cmd_launch(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] not in ("-n", "--nproc"):
-        raise UsageError("usage: zerotrain launch -n N [train flags]")
-    try:
-        nproc = int(argv[1])
-    except ValueError:
-        raise UsageError(f"launch -n {argv[1]!r}: not an integer") from None
-    cmd = deepspeed_command(nproc, argv[2:])
-    os.execv(cmd[0], cmd)
 
 
 def cmd_profiles(argv: list[str]) -> None:
@@ -64,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
 
             train_main(rest)
         elif command == "launch":
-            cmd_launch(rest)
+            from launcher.launch import launch_main
+
+            launch_main(rest)
         elif command == "demo":
             from launcher.demo import main as demo_main
 

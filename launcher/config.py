@@ -1,8 +1,14 @@
 """The run configuration: one typed dataclass, filled from defaults < recipe JSON < command line.
 
-Flag names use dashes (`--seq-len`), recipe keys may use dashes or underscores. Unknown recipe
-keys are refused, never ignored. The batch triple is resolved later, against the profile and the
-world size (launcher.profiles.resolve_batch).
+Every field carries metadata (litgpt / torchtitan habit): its `--help` text and its `kind`:
+- "identity": defines the training; hashed into the run id; changing it on resume is drift;
+- "identity-when-set": the same, but left out of the hash while unset (fields added after 0.1,
+  so the run ids of earlier runs, and so their resumes, stay valid);
+- "run": how long, where, how often, how watched (steps, cadence, logging, budgets, mirror):
+  may change on resume and never changes the run id.
+`--help` is generated from this table. Flag names use dashes (`--seq-len`), recipe keys may use
+dashes or underscores. Unknown recipe keys are refused, never ignored. The batch triple is
+resolved later, against the profile and the world size (launcher.profiles.resolve_batch).
 """
 from __future__ import annotations
 
@@ -10,68 +16,98 @@ import argparse
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from launcher.errors import UsageError, read_json_object
 
+IDENTITY, IDENTITY_WHEN_SET, RUN = "identity", "identity-when-set", "run"
+
+
+def opt(default, help: str, kind: str = IDENTITY):
+    return field(default=default, metadata={"help": help, "kind": kind})
+
 
 @dataclass
 class RunConfig:
-    profile: str = "cpu"
-    model: str = "debug"
-    data: str | None = None
-    tokenizer: str = "bytes"
-    seq_len: int = 256
-    micro_batch: int | None = None  # None: the profile's
-    grad_accum: int | None = None  # None: the profile's, or derived from global_batch_tokens
-    global_batch_tokens: int | None = None
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    max_steps: int = 100
-    seed: int = 1337
-    out: str = "runs"
-    run_id: str | None = None  # None: derived from the config, so the same command resumes
-    save_every_steps: int = 0  # 0: only at the end
-    resume: str = "auto"
-    activation_checkpointing: bool | None = None  # None: the profile's
-    log_data_every_steps: int = 100  # realised token share per source in metrics.jsonl; 0: never
-    packing: str | None = None  # None: best-fit (or greedy); see dataio/packing.py
-    # The model, instead of --model (see launcher/model_spec.py): the depth rule, a scaling rule, or HF weights.
-    depth: int | None = None
-    aspect_ratio: int | None = None  # None: 64 (dim = depth x aspect ratio)
-    head_dim: int | None = None  # None: 128 (dim is rounded to a multiple of it)
-    scaling_rule: str | None = None
-    heads: int | None = None
-    rules_file: str | None = None  # None: modeling/scaling_rules.yaml
-    init_from: str | None = None  # a Hugging Face Llama directory (safetensors)
-    qk_norm: bool | None = None  # None: off (or the rule's / the HF config's)
-    compile: bool | None = None  # None: off
+    profile: str = opt("cpu", "hardware profile: a name in ds_configs/, a JSON path, or auto")
+    model: str | None = opt(None, "a named preset (modeling.model.PRESETS); default debug when no other way to"
+                                  " pick the model is given (--depth, --scaling-rule, --init-from)")
+    data: str | None = opt(None, "a mix JSON file (dataio/sources.py) or a prepared shard directory")
+    tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json")
+    seq_len: int = opt(256, "tokens per packed row")
+    micro_batch: int | None = opt(None, "rows per rank per forward (default: the profile's)")
+    grad_accum: int | None = opt(None, "micro-batches per optimizer step (default: the profile's, or derived"
+                                       " from --global-batch-tokens)")
+    global_batch_tokens: int | None = opt(None, "tokens per optimizer step over all ranks")
+    lr: float = opt(3e-3, "peak learning rate")
+    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    max_steps: int = opt(100, "optimizer steps of the whole run", RUN)
+    seed: int = opt(1337, "seed of the model init and the data order")
+    out: str = opt("runs", "directory holding run directories", RUN)
+    run_id: str | None = opt(None, "run directory name (default: derived from the config, so the same command"
+                                   " resumes)", RUN)
+    save_every_steps: int = opt(0, "save a checkpoint every N steps (0: only at the end)", RUN)
+    resume: str = opt("auto", "auto (newest verified checkpoint of the run, local then mirror), never, or a"
+                              " checkpoint path", RUN)
+    activation_checkpointing: bool | None = opt(None, "recompute activations in backward (default: the profile's)")
+    log_data_every_steps: int = opt(100, "log the realised token share per source every N steps (0: never)", RUN)
+    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/packing.py", IDENTITY_WHEN_SET)
+    depth: int | None = opt(None, "the depth rule: dim = depth x aspect ratio", IDENTITY_WHEN_SET)
+    aspect_ratio: int | None = opt(None, "with --depth (default 64)", IDENTITY_WHEN_SET)
+    head_dim: int | None = opt(None, "with --depth (default 128)", IDENTITY_WHEN_SET)
+    scaling_rule: str | None = opt(None, "a rule in --rules-file, with --heads", IDENTITY_WHEN_SET)
+    heads: int | None = opt(None, "with --scaling-rule", IDENTITY_WHEN_SET)
+    rules_file: str | None = opt(None, "scaling rules YAML (default modeling/scaling_rules.yaml)", IDENTITY_WHEN_SET)
+    init_from: str | None = opt(None, "a Hugging Face Llama directory (safetensors) to start from", IDENTITY_WHEN_SET)
+    qk_norm: bool | None = opt(None, "RMSNorm on queries and keys (default off)", IDENTITY_WHEN_SET)
+    compile: bool | None = opt(None, "torch.compile the model (default off)", IDENTITY_WHEN_SET)
+    # --- long runs (README "Long runs") ---
+    save_every_hours: float | None = opt(None, "also save every H hours of wall clock (whichever comes first)", RUN)
+    keep_last: int = opt(0, "keep the newest K complete checkpoints (0: all); never the best one", RUN)
+    mirror: str | None = opt(None, "copy each checkpoint in the background to DIR/RUN_ID/checkpoints/", RUN)
+    eval_every_steps: int = opt(0, "evaluate every N steps (0: never); needs --eval-tokens or --eval-data", RUN)
+    eval_tokens: int | None = opt(None, "tokens per evaluation; without --eval-data they are held out of the"
+                                        " training mix (deterministic from the seed)", IDENTITY_WHEN_SET)
+    eval_data: str | None = opt(None, "a mix file to evaluate on instead of a held-out slice", RUN)
+    early_stop_patience: int | None = opt(None, "stop after P evaluations without a new best", RUN)
+    max_hours: float | None = opt(None, "stop (after saving) at the last step that fits in H hours, over resumes",
+                                  RUN)
+    total_tokens: int | None = opt(None, "stop (after saving) at the last step within N training tokens", RUN)
+    budget_usd: float | None = opt(None, "stop (after saving) before spending B dollars; needs --gpu-hour-usd", RUN)
+    gpu_hour_usd: float | None = opt(None, "price of one GPU-hour; cost = price x world size x hours", RUN)
+    on_spike: str = opt("warn", "on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint",
+                        RUN)
+    piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from"
+                                      " --seq-len)", IDENTITY_WHEN_SET)
 
-    # Keys that may change between a run and its resume without counting as config drift.
-    RESUMABLE_CHANGES = ("max_steps", "save_every_steps", "resume", "out", "run_id",
-                         "log_data_every_steps")
-    # Keys added after 0.1: left out of the identity hash while unset, so earlier run ids still resume.
-    HASHED_ONLY_WHEN_SET = ("packing",
-                            "depth", "aspect_ratio", "head_dim", "scaling_rule", "heads", "rules_file", "init_from",
-                            "qk_norm", "compile")
+    @classmethod
+    def kind(cls, name: str) -> str:
+        return cls.__dataclass_fields__[name].metadata["kind"]
 
     def validate(self) -> None:
         if self.data is None:
             raise UsageError("--data: a mix file is required (see dataio/sources.py for its format)")
-        for name in ("seq_len", "max_steps", "micro_batch", "grad_accum", "global_batch_tokens"):
+        for name in ("seq_len", "max_steps", "micro_batch", "grad_accum", "global_batch_tokens", "eval_tokens",
+                     "early_stop_patience", "total_tokens", "piece_len"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer, got {v!r}")
-        for name in ("save_every_steps", "warmup_steps", "seed", "log_data_every_steps"):
+                raise UsageError(f"{flag(name)}: must be a positive integer, got {v!r}")
+        for name in ("save_every_steps", "warmup_steps", "seed", "log_data_every_steps", "keep_last",
+                     "eval_every_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise UsageError(f"--{name.replace('_', '-')}: must be a non-negative integer, got {v!r}")
+                raise UsageError(f"{flag(name)}: must be a non-negative integer, got {v!r}")
         for name in ("lr", "min_lr"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise UsageError(f"--{name.replace('_', '-')}: must be a non-negative number, got {v!r}")
+                raise UsageError(f"{flag(name)}: must be a non-negative number, got {v!r}")
+        for name in ("save_every_hours", "max_hours", "budget_usd", "gpu_hour_usd"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise UsageError(f"{flag(name)}: must be a positive number, got {v!r}")
         if self.lr == 0 or self.min_lr > self.lr:
             raise UsageError(f"--lr {self.lr} / --min-lr {self.min_lr}: need 0 <= min-lr <= lr and lr > 0")
         if self.grad_accum is not None and self.global_batch_tokens is not None:
@@ -80,15 +116,59 @@ class RunConfig:
             raise UsageError(f"--resume {self.resume}: no such checkpoint (use auto, never or a checkpoint path)")
         if self.run_id is not None and (not self.run_id or "/" in self.run_id or self.run_id.startswith(".")):
             raise UsageError(f"--run-id {self.run_id!r}: must be a plain directory name")
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise UsageError(f"--out {self.out}: exists and is not a directory")
+        if self.budget_usd is not None and self.gpu_hour_usd is None:
+            raise UsageError(f"--budget-usd {self.budget_usd}: needs --gpu-hour-usd (the price of one GPU-hour)")
+        if self.eval_every_steps and self.eval_tokens is None and self.eval_data is None:
+            raise UsageError(f"--eval-every-steps {self.eval_every_steps}: no eval data; give --eval-tokens T"
+                             " (held out of the training mix) or --eval-data MIX.json")
+        if self.early_stop_patience is not None and not self.eval_every_steps:
+            raise UsageError(f"--early-stop-patience {self.early_stop_patience}: needs --eval-every-steps")
+        if self.eval_data is not None and not Path(self.eval_data).exists():
+            raise UsageError(f"--eval-data {self.eval_data}: no such file or directory")
+        if self.on_spike not in ("warn", "stop", "rollback"):
+            raise UsageError(f"--on-spike {self.on_spike!r}: must be warn, stop or rollback")
+        if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
+            raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
+
+    def warnings(self) -> list[str]:
+        out = []
+        if self.warmup_steps >= self.max_steps:
+            out.append(f"--warmup-steps {self.warmup_steps} >= --max-steps {self.max_steps}: the learning rate never"
+                       " reaches its peak and never decays")
+        return out
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def identity(self) -> dict:
+        """What defines the training (not how long, where, or how it is watched): hashed, and drift-checked."""
+        d = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            kind = f.metadata["kind"]
+            if kind == RUN or (kind == IDENTITY_WHEN_SET and v is None):
+                continue
+            d[f.name] = v
+        if d.get("model") is None:  # no default value (so a conflict can be seen), but "debug" for the hash
+            d["model"] = "debug"
+        if self.eval_data is not None:  # with --eval-data nothing is held out: eval_tokens does not train
+            d.pop("eval_tokens", None)
+        return d
+
     def identity_hash(self) -> str:
-        """Hash of what defines the training (not how long or where it runs)."""
-        d = {k: v for k, v in self.to_dict().items()
-             if k not in self.RESUMABLE_CHANGES and not (k in self.HASHED_ONLY_WHEN_SET and v is None)}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
+
+    def drift(self, saved_run: dict) -> list[str]:
+        """Identity fields that differ from a saved config.json's "run" section, as 'key old -> new'."""
+        old = RunConfig(**{k: v for k, v in saved_run.items() if k in self.__dataclass_fields__}).identity()
+        new = self.identity()
+        return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -102,14 +182,17 @@ def _arg_type(f):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="zerotrain train", description="Train a decoder-only LM with DeepSpeed.")
+    p = _OneLineParser(prog="zerotrain train", description="Train a decoder-only LM with DeepSpeed.",
+                       epilog="Exit status: 0 finished, 2 bad input, 3 diverged, 4 early stop, 5 budget reached,"
+                              " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed.")
     p.add_argument("--config", help="recipe JSON with the same keys as the flags; flags override it")
     for f in fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
+        kind = {IDENTITY: "", IDENTITY_WHEN_SET: "", RUN: " [may change on resume]"}[f.metadata["kind"]]
+        help_text = f.metadata["help"].replace("%", "%%") + kind
         if "bool" in str(f.type):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            p.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            p.add_argument(flag, type=_arg_type(f), default=None, dest=f.name)
+            p.add_argument(flag(f.name), type=_arg_type(f), default=None, dest=f.name, help=help_text)
     # Injected by the deepspeed launcher (and older torch launchers); the env var is what we use.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -130,13 +213,22 @@ def load_recipe(path: str) -> dict:
     return recipe
 
 
+def config_from(values: dict) -> RunConfig:
+    """A validated RunConfig from keyword values (the Python API: same names and checks as the flags)."""
+    known = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UsageError(f"unknown setting {unknown[0]!r} (see `zerotrain train --help`)")
+    from launcher.model_spec import rule_lr_defaults
+
+    values = {**values, **rule_lr_defaults(values)}  # a scaling rule's lr law, when --lr is not given
+    cfg = RunConfig(**values)
+    cfg.validate()
+    return cfg
+
+
 def resolve_config(argv: list[str] | None) -> RunConfig:
     ns = build_parser().parse_args(argv)
     values = load_recipe(ns.config) if ns.config else {}
     values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
-    from launcher.model_spec import rule_lr_defaults
-
-    values.update(rule_lr_defaults(values))  # a scaling rule's lr law, when --lr is not given
-    cfg = RunConfig(**values)
-    cfg.validate()
-    return cfg
+    return config_from(values)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 import sysconfig
 import time
@@ -61,11 +60,11 @@ def build_demo_data(out: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    from launcher.cli import deepspeed_command
+    from launcher.launch import deepspeed_command, run_preserving_exit_code
 
     out = Path(os.environ.get("ZEROTRAIN_DEMO_DIR", "runs"))
     mix = build_demo_data(out / "demo-data")
     run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")  # a fresh run each time; earlier ones are kept
     cmd = deepspeed_command(2, ["--data", str(mix), "--out", str(out), "--run-id", run_id, *DEMO_FLAGS, *argv])
     print("+", " ".join(cmd), flush=True)
-    sys.exit(subprocess.call(cmd))
+    sys.exit(run_preserving_exit_code(cmd))

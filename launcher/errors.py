@@ -1,15 +1,33 @@
-"""Bad input ends as exit status 2 and one line naming the input and what is wrong."""
+"""Errors and exit codes of the driver.
+
+The exception types live in `dataio.errors` (a module with no imports, so every package can use
+them); they are re-exported here. Exit codes are chosen only in `launcher.train.main()` and
+`launcher.cli.main()` from the table below (also in README.md, "Long runs").
+"""
 import json
 import os
 import sys
 from pathlib import Path
 
+from dataio.errors import DataError, UsageError, ZerotrainError  # noqa: F401  (re-exported)
 
-class UsageError(Exception):
-    """A wrong config, profile, hostfile, mix or data file. str(e) is the one line shown."""
+# Exit status of `zerotrain train` / `launch`: a scheduler can tell every way a run ends apart.
+EXIT_OK = 0            # finished: --max-steps reached, or a "stop" data source ran out
+EXIT_CRASH = 1         # an unexpected error (a traceback)
+EXIT_USAGE = 2         # bad input: config, profile, mix, data, checkpoint to resume (nothing written)
+EXIT_DIVERGED = 3      # non-finite loss or grad norm, or a loss spike with --on-spike stop
+EXIT_EARLY_STOP = 4    # --early-stop-patience: validation loss stopped improving (checkpoint saved)
+EXIT_BUDGET = 5        # --max-hours / --total-tokens / --budget-usd reached (checkpoint saved)
+EXIT_SIGNAL = 6        # SIGTERM / SIGINT: stopped at a step boundary, checkpoint saved; resume with --resume auto
+EXIT_SAVE_FAILED = 7   # a checkpoint could not be written (disk full, I/O error): the previous one is intact
+EXIT_SIGNAL_HARD = 130  # a second signal: exited at once, nothing saved
 
 
-def fail(message: str, code: int = 2) -> "NoReturn":  # noqa: F821
+class CheckpointError(ZerotrainError):
+    """A checkpoint save failed on some rank; every rank raises it (exit EXIT_SAVE_FAILED)."""
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> "NoReturn":  # noqa: F821
     """Print one line (rank 0 only, so a 2-rank launch does not say it twice) and exit."""
     if os.environ.get("RANK", "0") == "0":
         print(f"zerotrain: error: {message}", file=sys.stderr, flush=True)

@@ -34,7 +34,7 @@ def resolve(cfg, vocab_size: int) -> tuple:
     sources = _given(cfg, ("depth", "scaling_rule", "init_from"))
     if len(sources) > 1:
         raise UsageError(f"{_flag(sources[0])} and {_flag(sources[1])}: give one way to pick the model")
-    if sources and cfg.model != "debug":
+    if sources and cfg.model is not None:
         raise UsageError(f"--model {cfg.model} and {_flag(sources[0])}: give one way to pick the model")
     for name in DEPTH_ONLY:
         if getattr(cfg, name) is not None and cfg.depth is None:
@@ -77,11 +77,12 @@ def resolve(cfg, vocab_size: int) -> tuple:
         except ValueError as e:
             raise UsageError(f"--scaling-rule {cfg.scaling_rule} --heads {cfg.heads}: {e}") from None
         return args, f"{cfg.scaling_rule}-h{cfg.heads}", None
+    name = cfg.model or "debug"
     try:
-        args = preset(cfg.model, **common)
+        args = preset(name, **common)
     except (KeyError, ValueError) as e:
-        raise UsageError(f"--model {cfg.model}: {e.args[0]}") from None
-    return args, cfg.model, None
+        raise UsageError(f"--model {name}: {e.args[0]}") from None
+    return args, name, None
 
 
 def _safe(path: str) -> str:

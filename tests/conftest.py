@@ -66,4 +66,33 @@ def free_port() -> int:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The effective per-step history (a resume appends; see launcher/metrics.py)."""
+    from launcher.metrics import read_metrics as effective
+
+    return effective(run_dir)
+
+
+def write_few_documents_mix(root: Path) -> Path:
+    """Three sources a new user brings: one huge .txt document (no blank lines), a jsonl of three
+    documents and a parquet table. Neither of the first two can be split across 2 ranks whole."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root.mkdir(parents=True, exist_ok=True)
+    lines = synthetic_docs(6000, seed=3, min_words=3, max_words=12)
+    (root / "one.txt").write_text("\n".join(lines) + "\n")  # ~300 KB, one document by paragraphs
+    with open(root / "few.jsonl", "w") as f:
+        for doc in synthetic_docs(3, seed=4, min_words=2000, max_words=3000):
+            f.write(json.dumps({"text": doc}) + "\n")
+    pq.write_table(pa.table({"text": synthetic_docs(300, seed=5)}), root / "table.parquet")
+    mix = root / "mix.json"
+    mix.write_text(json.dumps({"sources": [
+        {"name": "one", "path": "one.txt", "weight": 0.5},
+        {"name": "few", "path": "few.jsonl", "weight": 0.3},
+        {"name": "table", "path": "table.parquet", "weight": 0.2}]}))
+    return mix
+
+
+@pytest.fixture(scope="session")
+def few_docs_mix(tmp_path_factory) -> Path:
+    return write_few_documents_mix(tmp_path_factory.mktemp("fewdocs"))

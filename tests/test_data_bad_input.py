@@ -152,3 +152,18 @@ def test_verify_command_checks_and_measures(tmp_path, mix_path):
     bad = subprocess.run([sys.executable, "-m", "launcher.cli", "verify", d], capture_output=True, text=True, cwd=REPO)
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.returncode == 2 and len(lines) == 1 and f"shard {f}" in lines[0], bad.stderr
+
+
+def test_a_source_too_small_for_the_ranks_is_one_line_before_the_loader(tmp_path):
+    """load_data refuses a source that cannot give every rank (x data worker) a piece; the
+    data-bench command (which pretends to be one of --world ranks) shows the line the driver prints."""
+    mix = mix_of(tmp_path, {"path": write(tmp_path / "t.txt", b"abc\n")})
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "data-bench", "--data", mix, "--world", "4",
+                           "--seconds", "0.1"], capture_output=True, text=True, cwd=REPO)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].endswith("source 'bad': 1 document(s) of 3 bytes in all cannot be split across 4 ranks;"
+                             " add data or use fewer ranks"), lines[0]
+    ok = subprocess.run([sys.executable, "-m", "launcher.cli", "data-bench", "--data", mix, "--world", "3",
+                         "--seconds", "0.1"], capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr[-2000:]  # 3 characters, 3 ranks: one piece each

@@ -6,8 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataio.loader import Batches, load_data, make_loader, open_data, plain
+from dataio.errors import DataError
+from dataio.loader import Batches, Data, cut_data, load_data, make_loader, open_data, plain
 from dataio.packing import PACKINGS, make_packer
+from dataio.sources import DocStore, SourceSpec
 from dataio.tokenizer import ByteTokenizer
 
 ALPHABETS = {"short": "abcdefgh", "long": "0123456789", "mid": "!#$%&()*+"}
@@ -146,6 +148,62 @@ def test_every_token_of_every_document_appears_exactly_once(packing, lengths, se
         for d in served:
             if 0 < len(d) < seq_len and all(t in seg_of for t in d.tolist()):
                 assert len({seg_of[t] for t in d.tolist()}) == 1
+
+
+class IdTokens:
+    """Token ids that are neither bytes nor text: document k is 1000 (k + 1) + arange(length)."""
+    name, eos_id = "ids", 0
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=10),
+       piece_len=st.one_of(st.none(), st.integers(1, 120)), world=st.integers(1, 4), seq_len=st.integers(4, 48),
+       micro=st.integers(1, 3))
+def test_cut_documents_every_token_exactly_once_across_ranks(packing, lengths, piece_len, world, seq_len, micro):
+    """Documents cut into pieces (load_data's cut), split across `world` ranks, each rank read to
+    its end (on_exhausted stop): every token of every document is emitted, held by the packer
+    or left untaken, exactly once over all ranks, and every piece is a document of its own."""
+    lengths = np.asarray(lengths, np.int64)
+    tokens = np.concatenate([1000 * (k + 1) + np.arange(n) for k, n in enumerate(lengths)])
+    end = np.cumsum(lengths)
+    store = DocStore(name="s", kind="tokens", chunks=[tokens], chunk=np.zeros(len(lengths), np.int32),
+                     start=end - lengths, end=end)
+    data = Data(kind="shards", path="(memory)", specs=(SourceSpec(name="s", weight=1.0, on_exhausted="stop"),),
+                tokenizer=IdTokens(), stores=[])
+    if int(lengths.sum()) < world:
+        with pytest.raises(DataError, match="cannot be split across"):
+            cut_data(data, [store], piece_len, world)
+        return
+    pieces = cut_data(data, [store], piece_len, world).stores[0]
+    piece_of = np.repeat(np.arange(len(pieces)), pieces.lengths)  # token (in document order) -> its piece
+    assert np.array_equal(np.concatenate([pieces.doc(i) for i in range(len(pieces))]), tokens)
+    seen = []
+    for rank in range(world):
+        loader = make_loader(data, rank, world, 1, seq_len, micro, packing)
+        rows = []
+        while (b := loader.next_batch()) is not None:
+            rows.append((b["input_ids"].ravel(), b["position_ids"].ravel(), b["labels"].ravel()))
+        src = loader.stream.sources[0]
+        assert src.n >= 1 and src.epoch == 0  # every rank had work; no piece was served twice
+        ids, pos, lab = (np.concatenate([r[i].numpy() for r in rows]) if rows else np.zeros(0, np.int64)
+                         for i in range(3))
+        held = buffered_tokens(loader.packer)
+        untaken = [pieces.doc(int(d)) for d in src.ids[src.order(0)[src.pos:]]]
+        mine = np.concatenate([ids[ids != 0], held[held != 0], *untaken])
+        rank_tokens = np.concatenate([pieces.doc(int(d)) for d in src.ids])
+        assert np.array_equal(np.sort(mine), np.sort(rank_tokens))  # this rank's pieces, exactly once
+        seen.append(mine)
+        # A piece is a document: its first token opens a segment (position 0, no label), and a
+        # segment's tokens are consecutive tokens of one piece.
+        body = ids != 0
+        piece_ids = piece_of[np.searchsorted(tokens, ids[body])]
+        first = ids[body] == tokens[pieces.start[piece_ids]]
+        assert np.all(pos[body][first] == 0) and np.all(lab[body][first] == -100)
+        seg = np.cumsum(pos == 0)[body]
+        for s_id in np.unique(seg):
+            assert len(np.unique(piece_ids[seg == s_id])) == 1 and np.all(np.diff(ids[body][seg == s_id]) == 1)
+    assert np.array_equal(np.sort(np.concatenate(seen)), tokens)  # ranks: disjoint, together everything
 
 
 @pytest.mark.parametrize("packing", PACKINGS)

@@ -67,3 +67,26 @@ def test_shipped_mixes_validate():
     assert record_text(qa, {"question": "Q?"}, problems.append) is None and "options" in problems[0]
     demo = json.loads((REPO / "dataio" / "mixes" / "demo.json").read_text())
     assert [(s["name"], s["weight"]) for s in demo["sources"]] == [("docs", 0.7), ("code", 0.3)]
+
+
+def test_hf_tokenized_text_is_cut_in_bytes_before_tokenizing(trained, tmp_path):
+    """With a Hugging Face tokenizer a text source is cut in bytes of its UTF-8 text (at character
+    starts) before tokenizing; the summary labels its lengths as bytes."""
+    from dataio.commands import describe_data
+
+    tok = HFTokenizer(trained)
+    text = "\n".join(f"line {i}: the model reads ünïcödé, €uro and 😀 too" for i in range(400))
+    (tmp_path / "one.txt").write_text(text + "\n")
+    (tmp_path / "mix.json").write_text(json.dumps({"sources": [{"name": "one", "path": "one.txt", "weight": 1}]}))
+    data = load_data(open_data(str(tmp_path / "mix.json"), tok), 1000, 2)
+    one = data.stores[0]
+    assert one.documents == 1 and len(one) == -(-len(text.encode()) // 1000) and one.lengths.max() <= 1003
+    assert "".join(one.text(i) for i in range(len(one))) == text  # every piece decodes: cut at character starts
+    lines = describe_data(data, 10_000)
+    assert any(ln.strip().startswith(f"1 document of {len(text.encode()):,} bytes (before tokenizing), cut into"
+                                     f" {len(one)} pieces of 1,000") for ln in lines)
+    for rank in range(2):
+        loader = make_loader(data, rank, 2, 3, 64, 2)
+        ids = np.concatenate([loader.next_batch()["input_ids"].numpy().ravel() for _ in range(20)])
+        assert ids.max() < tok.vocab_size
+        assert len(loader.stream.sources[0].ids) == len(range(rank, len(one), 2))  # every rank has pieces

@@ -1,0 +1,144 @@
+"""`manifest.json`: where, with what and how each launch of a run ran.
+
+One file per run directory, written by rank 0 only, atomically (a temporary file renamed over
+the old one, so a kill leaves the previous version). The top level describes the run as first
+launched: run id, config hash, profile, seed, package versions, zerotrain's git commit (when the
+source tree is a git checkout), hosts, world size, start time. `segments` holds one entry per
+launch, the first included: time, hosts, world size, the checkpoint it resumed from, versions
+and commit (an upgrade between resumes shows), and, once `record_end` ran, when and how it ended.
+A segment without `ended` was killed (kill -9, node loss) or crashed before it could say so.
+`zerotrain runs` reads it with `read_manifest`.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from launcher.guards import StopReason
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+PACKAGES = ("zerotrain", "deepspeed", "torch", "transformers", "datasets")
+SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the zerotrain source tree (a checkout or site-packages)
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages a run depends on (None: not installed)."""
+    versions = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def git_commit(root: Path = SOURCE_ROOT) -> dict | None:
+    """{"commit", "dirty"} of the zerotrain checkout at `root`; None if it is not one (an installed
+    wheel, no git binary, a broken repository): a manifest never fails for want of git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        # An installed copy inside some other repository (a venv in a project) is not our checkout.
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return None
+        return {"commit": git("rev-parse", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def read_manifest(run_dir: Path) -> dict | None:
+    """The manifest of `run_dir`, or None if there is none or it is not readable JSON."""
+    try:
+        data = json.loads((Path(run_dir) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("segments"), list) else None
+
+
+def write_or_extend(run_dir: Path, *, run_id: str, config_hash: str, profile: str, seed: int, world_size: int,
+                    hosts: list[str], resumed_from: str | None, rank0_only: bool = True) -> dict | None:
+    """Start the manifest of a new run, or append a segment for this launch to an existing one.
+
+    `hosts`: the hostnames of every rank (gathered by the caller; duplicates are fine).
+    `resumed_from`: the checkpoint this launch loads, None for a fresh start (a relaunch that
+    found no checkpoint still appends a segment). With `rank0_only` (the default) only the
+    process with RANK 0 writes and the others return None, so every rank may call it.
+    Returns the manifest as written.
+    """
+    if rank0_only and not _is_rank0():
+        return None
+    run_dir = Path(run_dir)
+    segment = {"started": now_iso(), "hosts": sorted(set(hosts)), "world_size": world_size,
+               "from_checkpoint": None if resumed_from is None else str(resumed_from),
+               "config_hash": config_hash, "versions": package_versions(), "git": git_commit(),
+               "pid": os.getpid()}
+    manifest = read_manifest(run_dir)
+    if manifest is None:
+        bad = run_dir / MANIFEST
+        if bad.exists():  # unreadable: keep it for a human, never stop a run over it
+            bad.replace(run_dir / (MANIFEST + ".unreadable"))
+            print(f"zerotrain: warning: {bad} was not readable JSON; kept as {MANIFEST}.unreadable,"
+                  " starting a new one", file=sys.stderr, flush=True)
+        manifest = {"format": FORMAT, "run_id": run_id, "config_hash": config_hash, "profile": profile,
+                    "seed": seed, "versions": segment["versions"], "git": segment["git"],
+                    "hosts": segment["hosts"], "world_size": world_size, "started": segment["started"],
+                    "segments": []}
+    manifest["segments"].append(segment)
+    _write_atomic(run_dir / MANIFEST, manifest)
+    return manifest
+
+
+def record_end(run_dir: Path, reason: StopReason | str, step: int, rank0_only: bool = True) -> dict | None:
+    """Close the current (last) segment: when it ended, at which step, and why (a StopReason's
+    kind, message and exit code, or a plain kind string)."""
+    if rank0_only and not _is_rank0():
+        return None
+    manifest = read_manifest(run_dir)
+    if manifest is None or not manifest["segments"]:
+        return None  # nothing to close (the manifest was never written); not worth failing a run over
+    if isinstance(reason, StopReason):
+        end = {"reason": reason.kind, "message": reason.message, "exit_code": reason.exit_code}
+    else:
+        end = {"reason": str(reason)}
+    manifest["segments"][-1].update(ended=now_iso(), end_step=step, **{f"end_{k}": v for k, v in end.items()})
+    _write_atomic(Path(run_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def _is_rank0() -> bool:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except ImportError:
+        pass
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _write_atomic(path: Path, data: dict) -> None:
+    """Write to a temporary file in the same directory, fsync, rename over `path`: a reader or a
+    kill at any moment sees the old manifest or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open(), not mkstemp: keep the umask's mode
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,727 @@
+"""The training run as an object: `run(cfg) -> RunResult` builds a `Trainer` from a frozen `RunPlan`.
+
+    plan_run(cfg, world)   everything decided before any process touches disk or builds a model
+    Trainer(plan)          process group, run directory, model, engine, data, components, resume
+    Trainer.train()        the loop: a list of calls to small components
+
+The components (each its own module, unit-tested without a process group where possible):
+launcher/checkpoint.py (when to save, completion, verification, rotation, best, mirror),
+launcher/evaluate.py (all-rank evaluation), launcher/guards.py (signals, spikes, budgets, early
+stop), launcher/metrics.py (sinks), launcher/manifest.py (who ran what, when).
+
+Per step there are two small collectives besides DeepSpeed's own: before the step, an
+all-gather of (data ended?, data error?, batch digest) so every rank agrees to step or stop; after
+it, one all-reduce of (loss sum, stop flags) that also carries the decisions only rank 0 may make
+(its clock: save-by-hours, time and money budgets) and any rank's signal flag. Every decision is
+therefore taken on the same values on every rank, at the same step.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dataio.errors import DataError
+from launcher import checkpoint
+from launcher.config import RunConfig, config_from
+from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_OK, EXIT_SAVE_FAILED, EXIT_SIGNAL,
+                             CheckpointError, UsageError)
+
+# DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+EVAL_TOKENS_DEFAULT = 65536  # --eval-data without --eval-tokens: tokens per evaluation
+ROLLBACKS_MAX = 3  # --on-spike rollback gives up (exit 3) after this many rollbacks in one run
+
+
+def single_process_env() -> None:
+    """Plain `python launcher/train.py` or a notebook: become rank 0 of a world of 1."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The resolved run: config, profile, DeepSpeed dict, data, model, run directory, resume point."""
+    cfg: RunConfig
+    world: int
+    rank: int
+    profile_name: str
+    profile_why: str | None
+    ds_config: dict
+    zt: dict  # the profile's "zerotrain" section
+    data: object  # dataio.loader.Data, loaded and checked
+    eval_rows: dict | None  # per source, the packed rows every evaluation runs (dataio/holdout.py)
+    loader_settings: dict
+    tokenizer: object
+    model_args: object
+    model_label: str
+    init_from: str | None
+    run_dir: Path
+    resume_from: Path | None
+    resume_meta: dict | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def mirror_ckpt_dir(self) -> Path | None:
+        return Path(self.cfg.mirror) / self.run_dir.name / "checkpoints" if self.cfg.mirror else None
+
+
+@dataclass
+class RunResult:
+    """How a run ended. `exit_code` is what `zerotrain train` exits with (launcher/errors.py)."""
+    run_dir: Path
+    step: int
+    tokens_seen: int
+    stop: str  # finished | data-exhausted | budget | signal | early-stop | diverged | save-failed
+    message: str
+    exit_code: int
+    last_checkpoint: Path | None = None
+    best_checkpoint: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> list[dict]:
+        from launcher.metrics import read_metrics
+
+        return read_metrics(self.run_dir)
+
+
+class StopRun(Exception):
+    """Raised inside the loop to end the run with a RunResult-worthy reason."""
+
+    def __init__(self, stop: str, message: str, exit_code: int, save: bool):
+        super().__init__(message)
+        self.stop, self.message, self.exit_code, self.save = stop, message, exit_code, save
+
+
+class QuietExit(Exception):
+    """Another rank met a data error and says so; this rank leaves without a second message."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning: nothing is written and nothing is built
+# ------------------------------------------------------------------------------------------------
+
+def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
+    """Everything decided before any process touches disk or builds a model. Raises UsageError/DataError."""
+    from dataio.loader import dataloader_settings, load_data, open_data
+    from dataio.packing import check_packing
+    from dataio.tokenizer import load_tokenizer
+    from launcher import model_spec
+    from launcher.profiles import detect_profile, load_profile, resolve_ds_config
+
+    why = None
+    profile_spec = cfg.profile
+    if profile_spec == "auto":
+        profile_spec, why = detect_profile()
+    profile_name, profile = load_profile(profile_spec)
+    ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
+    zt = profile.get("zerotrain", {})
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    data = open_data(cfg.data, tokenizer)  # a mix file or a prepared shard directory
+    loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
+    loader_settings["packing"] = check_packing(cfg.packing or "best-fit")
+    model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
+
+    run_id = cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
+    run_dir = Path(cfg.out) / run_id
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"run directory {run_dir}: exists and is not a directory")
+    if cfg.mirror is not None:
+        checkpoint.check_mirror(cfg.mirror, run_dir, run_id)
+    ckpt_dir = run_dir / "checkpoints"
+    mirror_ckpt = Path(cfg.mirror) / run_id / "checkpoints" if cfg.mirror else None
+    resume_from = None
+    if cfg.resume == "auto":
+        resume_from = checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=_say_rank0(rank))
+    elif cfg.resume != "never":
+        resume_from = Path(cfg.resume)
+        if not (resume_from / checkpoint.MARKER).is_file():
+            raise UsageError(f"--resume {cfg.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
+        problem = checkpoint.verify(resume_from)
+        if problem:
+            raise UsageError(f"--resume {cfg.resume}: {problem}")
+    elif checkpoint.complete_checkpoints(ckpt_dir):
+        raise UsageError(f"--resume never: {run_dir} already holds checkpoints; pick another --run-id")
+    meta = None
+    if resume_from is not None:
+        meta = checkpoint.read_meta(resume_from)
+        if meta["world_size"] != world:
+            raise UsageError(f"checkpoint {resume_from}: saved by {meta['world_size']} ranks, this launch has {world};"
+                             " resuming on another world size would replay or skip data")
+        if meta.get("loader_workers", 0) != loader_settings["workers"]:
+            raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
+                             f" per rank, this profile has {loader_settings['workers']}; the document order depends"
+                             " on it (set zerotrain.dataloader.workers back)")
+        if meta["step"] >= cfg.max_steps:
+            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} >= --max-steps {cfg.max_steps}")
+    saved = run_dir / "config.json"
+    if saved.is_file() and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
+        drift = cfg.drift(json.loads(saved.read_text())["run"])
+        if drift:
+            raise UsageError(f"config drift against {saved}: " + ", ".join(drift) + "; start a new --run-id instead")
+    from launcher.guards import Budget
+
+    Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
+        ds_config["train_batch_size"] * cfg.seq_len)
+    from dataio.sources import default_piece_len
+
+    piece_len = cfg.piece_len or default_piece_len(cfg.seq_len)
+    if saved.is_file() and "piece_len" not in json.loads(saved.read_text())["run"]:
+        piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
+    # Reads every source / verifies every shard, cuts pieces: bad data stops here, identically on every rank.
+    holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
+    data = load_data(data, piece_len, world, loader_settings["workers"], holdout)
+    eval_rows = None
+    if cfg.eval_every_steps:
+        from dataio.holdout import holdout_rows, mix_rows
+
+        if cfg.eval_data is not None:
+            eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer)), cfg.seq_len, cfg.eval_tokens
+                                 or EVAL_TOKENS_DEFAULT)
+        else:
+            eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.seq_len)
+        if not eval_rows:
+            raise UsageError(f"--eval-every-steps {cfg.eval_every_steps}: no eval data (every source is streamed);"
+                             " give --eval-data MIX.json")
+    return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
+                   zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
+                   model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
+                   resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()))
+
+
+def _say_rank0(rank: int):
+    return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer
+# ------------------------------------------------------------------------------------------------
+
+class Trainer:
+    """Built once from a RunPlan; `train()` runs the loop and returns a RunResult."""
+
+    def __init__(self, plan: RunPlan):
+        import deepspeed
+        import torch
+        import torch.distributed as dist
+        from deepspeed.accelerator import get_accelerator
+
+        self.plan, self.cfg = plan, plan.cfg
+        self.world, self.rank, self.is_main = plan.world, plan.rank, plan.rank == 0
+        self.say = _say_rank0(plan.rank)
+        self.torch, self.dist = torch, dist
+        accel = get_accelerator()
+        if not dist.is_initialized():  # a notebook's second run() reuses the process group
+            deepspeed.init_distributed(dist_backend=plan.zt.get("dist_backend") or accel.communication_backend_name())
+        if accel.device_name() != "cpu":
+            accel.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        elif "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks on this node
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        if plan.profile_why:
+            self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
+        for w in plan.warnings:
+            self.say(f"zerotrain: warning: {w}")
+        self.lock = self._take_lock()
+        self._write_run_dir()
+        self.engine = self._build_engine(deepspeed, accel)
+        self.loader = self._build_data()
+        self.checkpointer = checkpoint.Checkpointer(
+            plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=self.cfg.save_every_steps,
+            save_every_hours=self.cfg.save_every_hours, keep_last=self.cfg.keep_last,
+            mirror=Path(self.cfg.mirror) if self.cfg.mirror else None, say=self.say)
+        self.step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
+        self.last_saved: Path | None = None
+        self.final_loader_state = None  # set when the data runs out: the state before the unfinished step
+        from launcher.metrics import MetricsLogger
+
+        self.metrics = MetricsLogger(plan.run_dir, self.is_main)
+        from launcher.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
+
+        cfg = self.cfg
+        self.spikes = SpikeDetector()
+        self.budget = Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, self.world)
+        self.early = EarlyStopping(cfg.early_stop_patience) if cfg.early_stop_patience else None
+        self.signals = SignalStop()
+        self.evaluator = None
+        if plan.eval_rows:
+            from launcher.evaluate import Evaluator
+
+            self.evaluator = Evaluator(plan.eval_rows, self.rank, self.world,
+                                       plan.ds_config["train_micro_batch_size_per_gpu"])
+        self.best: dict | None = self.read_best()
+        self.rollbacks = 0
+        if plan.resume_from is not None:
+            self._resume(plan.resume_from)
+
+    # -- building ---------------------------------------------------------------------------------
+    def _take_lock(self):
+        """Rank 0 takes the run directory's lock; every rank learns the verdict (one line, exit 2)."""
+        verdict = [None]
+        lock = None
+        if self.is_main:
+            try:
+                lock = checkpoint.RunLock(self.plan.run_dir, say=self.say)
+                lock.acquire()
+            except UsageError as e:
+                verdict[0] = str(e)
+        self.dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise UsageError(verdict[0])
+        return lock
+
+    def _write_run_dir(self) -> None:
+        plan = self.plan
+        hosts = self._hosts()  # a collective: every rank, outside the rank-0 branch
+        if self.is_main:
+            plan.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            resolved = {"run": self.cfg.to_dict(), "run_id": plan.run_dir.name, "profile": plan.profile_name,
+                        "world_size": self.world, "model": plan.model_args.to_dict(),
+                        "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
+                        "identity_hash": self.cfg.identity_hash()}
+            _write_atomic(plan.run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+            _write_atomic(plan.run_dir / "ds_config.json", json.dumps(plan.ds_config, indent=2) + "\n")
+            from launcher import manifest
+
+            manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
+                                     profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
+                                     hosts=hosts, resumed_from=str(plan.resume_from or "") or None)
+        self.dist.barrier()
+
+    def _hosts(self) -> list[str]:
+        hosts = [None] * self.world
+        self.dist.all_gather_object(hosts, socket.gethostname())
+        return sorted(set(hosts))
+
+    def _build_engine(self, deepspeed, accel):
+        from launcher.schedule import make_scheduler
+        from modeling.model import Transformer, count_params, held_numel
+
+        torch, plan, cfg = self.torch, self.plan, self.cfg
+        torch.manual_seed(cfg.seed)
+        ds_config, args = plan.ds_config, plan.model_args
+        if ds_config["zero_optimization"].get("stage", 0) == 3:
+            # No rank ever holds the full model. The dtype comes from the config's bf16/fp16 sections:
+            # do not pass dtype= here, DeepSpeed 0.19 turns an explicit float32 into bfloat16 on CPU
+            # (an operator-precedence slip in Init._set_dtype), which made fp32 runs 8x slower.
+            with deepspeed.zero.Init(config_dict_or_path=ds_config):
+                model = Transformer(args)
+        else:
+            model = Transformer(args)
+        if plan.init_from is not None and plan.resume_from is None:  # before deepspeed.initialize copies them
+            from modeling.hf import load_weights
+
+            load_weights(model, plan.init_from)
+            self.say(f"initialised from {plan.init_from}")
+        held = [None] * self.world
+        self.dist.all_gather_object(held, held_numel(model))
+        ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
+            else plan.zt.get("activation_checkpointing")
+        model.activation_checkpointing = bool(ac)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                               lr_scheduler=make_scheduler(cfg))
+        if cfg.compile:  # DeepSpeed compiles the module in place: parameter names do not change
+            engine.compile(backend=plan.zt.get("compile_backend") or accel.get_compile_backend())
+        n_params = count_params(args)
+        self.say(f"model {plan.model_label}: {n_params['total'] / 1e6:.2f}M params"
+                 f" ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"
+                 f" profile {plan.profile_name}, ZeRO-{ds_config['zero_optimization'].get('stage', 0)},"
+                 f" world {self.world}, batch {ds_config['train_micro_batch_size_per_gpu']} x"
+                 f" {ds_config['gradient_accumulation_steps']} x {self.world} x {cfg.seq_len} tokens")
+        self.say(f"parameters held per rank after construction: {', '.join(f'{n:,}' for n in held)}"
+                 f" of {n_params['total']:,}" + (", compiled with torch.compile" if cfg.compile else ""))
+        return engine
+
+    def _build_data(self):
+        from dataio.commands import describe_data
+        from dataio.loader import Batches
+
+        plan, cfg = self.plan, self.cfg
+        for line in describe_data(plan.data, cfg.max_steps * plan.ds_config["train_batch_size"] * cfg.seq_len):
+            self.say(line)
+        return Batches(plan.data, self.rank, self.world, cfg.seed, cfg.seq_len,
+                       plan.ds_config["train_micro_batch_size_per_gpu"], plan.loader_settings,
+                       plan.loader_settings["packing"])
+
+    def _resume(self, tag_dir: Path, load_loader: bool = True) -> None:
+        state = checkpoint.load(self.engine, tag_dir)["zerotrain"]
+        self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
+        if load_loader:
+            self.loader.load_state_dict(state["loader_states"][self.rank])
+        guards = state.get("guards", {})
+        if "spike" in guards:
+            self.spikes.load_state_dict(guards["spike"])
+        if self.early is not None and guards.get("early_stop"):
+            self.early.load_state_dict(guards["early_stop"])
+        self.budget.resume(self.elapsed_before, state.get("gpu_seconds"))
+        self.last_saved = tag_dir
+        self.checkpointer.note_loaded(self.step)
+        self.metrics.event("resume", self.step, checkpoint=str(tag_dir))
+        self.say(f"resumed from {tag_dir} at step {self.step}")
+
+    # -- one step ---------------------------------------------------------------------------------
+    def next_batches(self):
+        """This step's micro-batches on every rank, or a StopRun / QuietExit agreed by all ranks."""
+        from dataio.loader import batch_digest
+
+        torch, dist = self.torch, self.dist
+        accum = self.plan.ds_config["gradient_accumulation_steps"]
+        state_before = self.loader.state_dict() if self.stop_possible else None
+        error = None
+        try:
+            batches = [self.loader.next() for _ in range(accum)]  # every rank: the same count, or all stop
+        except DataError as e:  # a bad record met mid-stream (streamed sources), on any rank
+            error, batches = e, []
+        ended = error is None and any(b is None for b in batches)
+        digest = 0 if (ended or error) else batch_digest(batches)
+        mine = torch.tensor([int(ended), int(error is not None), digest], dtype=torch.int64, device=self.engine.device)
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        if error is not None:
+            error.any_rank = True  # this rank met it: it prints the run's one line, whatever its rank (exit 2)
+            raise error
+        if any(int(t[1]) for t in every):
+            raise QuietExit()
+        if any(int(t[0]) for t in every):
+            self.final_loader_state = state_before
+            raise StopRun("data-exhausted", f"data ran out before step {self.step + 1} (a source with on_exhausted:"
+                          f" stop{': ' + repr(self.loader.exhausted) if self.loader.exhausted else ' on another rank'})",
+                          EXIT_OK, save=True)
+        tokens_sha = hashlib.blake2b(b"".join(int(t[2]).to_bytes(8, "little") for t in every),
+                                     digest_size=8).hexdigest()
+        return batches, tokens_sha
+
+    def train_step(self, batches) -> float:
+        """Forward, backward and optimizer step over the micro-batches; returns the rank-mean loss sum."""
+        from dataio.loader import MODEL_KEYS
+
+        loss_sum = self.torch.zeros((), dtype=self.torch.float64, device=self.engine.device)
+        for batch in batches:
+            batch = {k: batch[k].to(self.engine.device) for k in MODEL_KEYS}
+            loss = self.engine(**batch)
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += loss.detach().double()
+        return loss_sum * (_test_spike_factor(self.rank, self.step + 1) if not self.rollbacks else 1.0)
+
+    def agree_after_step(self, loss_sum, rank0_flags: list[float]):
+        """One all-reduce: the loss, any rank's signal, and rank 0's clock decisions."""
+        torch = self.torch
+        flags = [float(self.signals.requested is not None)] + (rank0_flags if self.is_main else [0.0] * len(rank0_flags))
+        vec = torch.tensor([0.0, *flags], dtype=torch.float64, device=self.engine.device)
+        vec[0] = loss_sum
+        self.dist.all_reduce(vec)
+        accum = self.plan.ds_config["gradient_accumulation_steps"]
+        values = vec.tolist()
+        return values[0] / (accum * self.world), [v > 0 for v in values[1:]]
+
+    def signal_seen(self) -> bool:
+        """Any rank signalled? (one tiny all-reduce; called after an evaluation or a save)."""
+        flag = self.torch.tensor([float(self.signals.requested is not None)], dtype=self.torch.float64,
+                                 device=self.engine.device)
+        self.dist.all_reduce(flag)
+        return flag.item() > 0
+
+    # -- saving -----------------------------------------------------------------------------------
+    def save(self) -> Path:
+        states = [None] * self.world
+        self.dist.all_gather_object(states, self.final_loader_state or self.loader.state_dict())
+        client_state = {"zerotrain": {"step": self.step, "tokens_seen": self.tokens_seen, "loader_states": states,
+                                      "elapsed_s": self.elapsed(),
+                                      "gpu_seconds": self.budget.gpu_seconds(self.elapsed()),
+                                      "guards": self.guard_states()}}
+        meta = {"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world,
+                "run_id": self.plan.run_dir.name, "loader_workers": self.plan.loader_settings["workers"]}
+        t0 = time.time()
+        self.last_saved = self.checkpointer.save(self.engine, self.step, client_state, meta)
+        self.last_save_s = time.time() - t0
+        self.save_seconds += self.last_save_s
+        return self.last_saved
+
+    def guard_states(self) -> dict:
+        return {"spike": self.spikes.state_dict(),
+                "early_stop": self.early.state_dict() if self.early is not None else None}
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.time() - self.t_start
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def train(self) -> RunResult:
+        cfg, plan = self.cfg, self.plan
+        self.stop_possible = any(s.on_exhausted == "stop" for s in plan.data.specs)
+        self.signals.install()
+        self.save_seconds = self.last_save_s = 0.0
+        self.t_start = time.time()
+        tokens_per_step = plan.ds_config["train_batch_size"] * cfg.seq_len
+        logger = StepLogger(self, tokens_per_step)
+        try:
+            stop = self._loop(tokens_per_step, logger)
+            logger.close()
+            if stop.save and self.last_saved != self.plan.ckpt_dir / checkpoint.tag_for(self.step):
+                try:
+                    self.save()
+                except CheckpointError as e:
+                    stop = StopRun("save-failed", str(e), EXIT_SAVE_FAILED, save=False)
+            self.checkpointer.wait()  # pending hashing and mirror copies
+        finally:
+            self.signals.restore()
+            logger.close()
+        self.metrics.event("stop", self.step, reason=stop.stop, message=stop.message)
+        self.metrics.close()
+        if self.is_main:
+            from launcher import manifest
+
+            manifest.record_end(plan.run_dir, stop.stop, self.step)
+        # Nobody exits before rank 0's last write: DeepSpeed's launcher SIGTERMs the other ranks as
+        # soon as one exits non-zero (codes 3-7 are non-zero by design).
+        self.dist.barrier()
+        if stop.exit_code in (EXIT_DIVERGED, EXIT_SAVE_FAILED):  # failures: one line on stderr, as for bad input
+            if self.is_main:
+                print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)
+        else:
+            self.say(f"{stop.message}; saved checkpoint {self.last_saved}" if stop.save else stop.message)
+        self.say(f"run directory: {plan.run_dir.resolve()}")
+        return RunResult(run_dir=plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.stop,
+                         message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved)
+
+    def _loop(self, tokens_per_step: int, logger) -> StopRun:
+        cfg = self.cfg
+        try:
+            while self.step < cfg.max_steps:
+                t0 = time.time()
+                lr = self.engine.get_lr()[0]
+                batches, tokens_sha = self.next_batches()
+                loss_sum = self.train_step(batches)
+                step_time = time.time() - t0
+                save_hours = self.checkpointer.hours_due(time.time()) if self.is_main else False
+                budget_why = self.budget.exceeded_after_next(self.elapsed(), step_time, self.tokens_seen
+                                                             + tokens_per_step, tokens_per_step,
+                                                             reserve_s=self.last_save_s)
+                loss, (signalled, save_hours, over_budget) = self.agree_after_step(
+                    loss_sum, [float(save_hours), float(budget_why is not None)])
+                self.step += 1
+                self.tokens_seen += tokens_per_step
+                self.check_finite(loss)
+                if self.on_spike(loss, tokens_sha):
+                    continue  # rolled back to the last good checkpoint: the loop goes on from there
+                val = self.maybe_evaluate()
+                logger.log(loss, lr, tokens_sha, time.time() - t0, val)
+                last = self.step >= cfg.max_steps
+                new_best = val is not None and self.note_best(val["val_loss"])
+                if (self.checkpointer.due(self.step, save_hours, last) and not last) or new_best:
+                    self.save()
+                if new_best:
+                    self.checkpointer.mark_best(checkpoint.tag_for(self.step), self.step, val["val_loss"])
+                if val is not None or self.last_saved == self.plan.ckpt_dir / checkpoint.tag_for(self.step):
+                    signalled = signalled or self.signal_seen()  # a signal during the evaluation or the save
+                if signalled:
+                    raise StopRun("signal", f"stopped by {self.signals.requested or 'a signal on another rank'}"
+                                  f" at step {self.step}; resume with --resume auto", EXIT_SIGNAL, save=True)
+                if over_budget:
+                    raise StopRun("budget", f"budget reached at step {self.step}:"
+                                  f" {budget_why or 'rank 0 clock (--max-hours / --budget-usd)'}", EXIT_BUDGET,
+                                  save=True)
+                if self.early is not None and self.early.should_stop:
+                    raise StopRun("early-stop", f"early stop at step {self.step}: {self.early.message()}",
+                                  EXIT_EARLY_STOP, save=True)
+            return StopRun("finished", f"reached --max-steps {cfg.max_steps}", EXIT_OK, save=True)
+        except StopRun as s:
+            return s
+        except CheckpointError as e:
+            return StopRun("save-failed", str(e), EXIT_SAVE_FAILED, save=False)
+
+    def read_best(self) -> dict | None:
+        """best.json as rank 0 sees it, on every rank (the decision to save a new best is collective)."""
+        best = [checkpoint.read_best(self.plan.ckpt_dir) if self.is_main else None]
+        self.dist.broadcast_object_list(best, src=0)
+        return best[0]
+
+    # -- evaluation, best, spikes -----------------------------------------------------------------
+    def maybe_evaluate(self) -> dict | None:
+        """Every rank evaluates (ZeRO-3 gathers parameters inside each forward: nobody may skip one)."""
+        if self.evaluator is None or self.step % self.cfg.eval_every_steps:
+            return None
+        t0 = time.time()
+        val = self.evaluator.evaluate(self.engine, device=self.engine.device)
+        val.pop("val_tokens", None)
+        val["eval_s"] = round(time.time() - t0, 3)
+        return val
+
+    def note_best(self, val_loss: float) -> bool:
+        """A new lowest validation loss? (also feeds --early-stop-patience)"""
+        if self.early is not None:
+            self.early.update(val_loss)
+        if math.isfinite(val_loss) and (self.best is None or val_loss < self.best["val_loss"]):
+            self.best = {"step": self.step, "val_loss": val_loss}
+            return True
+        return False
+
+    def on_spike(self, loss: float, tokens_sha: str) -> bool:
+        """--on-spike: warn, stop (exit 3) or roll back; True when the loop was rolled back."""
+        if not self.spikes.update(loss):
+            return False
+        what = f"loss spike at step {self.step}: {self.spikes.explain()}"
+        if self.cfg.on_spike == "warn":
+            self.say(f"zerotrain: warning: {what}")
+            return False
+        if self.cfg.on_spike == "stop":
+            raise StopRun("diverged", f"{what}; stopping (--on-spike stop). Last checkpoint: {self.last_saved or 'none'}",
+                          EXIT_DIVERGED, save=False)
+        if self.last_saved is None or self.rollbacks >= ROLLBACKS_MAX:
+            why = "no checkpoint to roll back to" if self.last_saved is None else f"{ROLLBACKS_MAX} rollbacks already"
+            raise StopRun("diverged", f"{what}; {why}; stopping. Last checkpoint: {self.last_saved or 'none'}",
+                          EXIT_DIVERGED, save=False)
+        self.rollback(what)
+        return True
+
+    def rollback(self, what: str) -> None:
+        """Reload the last good checkpoint, keep the data where it is: the window that spiked is skipped."""
+        spiked_at, tag = self.step, self.last_saved
+        first_skipped = checkpoint.read_meta(tag)["step"] + 1
+        self.rollbacks += 1
+        spikes = self.spikes.state_dict()  # the detector keeps what it learnt (spike steps never enter it)
+        self.checkpointer.wait()
+        state = checkpoint.load(self.engine, tag)["zerotrain"]
+        self.spikes.load_state_dict(spikes)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.checkpointer.note_loaded(self.step)
+        self.checkpointer.discard_after(self.step)  # rank 0: no later tag of the abandoned timeline survives
+        self.best = self.read_best()
+        window = {"spike_at_step": spiked_at, "rolled_back_to": str(tag), "skipped_steps": [first_skipped, spiked_at],
+                  "why": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if self.is_main:
+            path = self.plan.run_dir / "rollbacks.json"
+            done = json.loads(path.read_text()) if path.is_file() else []
+            _write_atomic(path, json.dumps(done + [window], indent=2) + "\n")
+        self.metrics.event("rollback", self.step, **window)
+        self.say(f"zerotrain: warning: {what}; rolled back to {tag} (step {self.step}); the data of steps"
+                 f" {first_skipped}-{spiked_at} is skipped (recorded in rollbacks.json)")
+
+    def check_finite(self, loss: float) -> None:
+        grad_norm = self.engine.get_global_grad_norm()
+        bad = None if math.isfinite(loss) else f"loss is {loss}"
+        if bad is None and grad_norm is not None and not math.isfinite(float(grad_norm)):
+            bad = f"gradient norm is {float(grad_norm)}"
+        if bad:
+            # Nothing of this step is logged or saved; the last checkpoint is the last good state.
+            raise StopRun("diverged", f"step {self.step}: {bad}; stopping. Last checkpoint:"
+                          f" {self.last_saved or 'none'}", EXIT_DIVERGED, save=False)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        self.checkpointer.close()
+        self.loader.close()
+
+
+class StepLogger:
+    """metrics.jsonl record and progress bar for one step (rank 0 writes; all ranks join collectives)."""
+
+    def __init__(self, trainer: Trainer, tokens_per_step: int):
+        from modeling.model import flops_per_token
+
+        self.t, self.tokens_per_step = trainer, tokens_per_step
+        self.flops = flops_per_token(trainer.plan.model_args, trainer.cfg.seq_len)
+        self.peak = trainer.plan.zt.get("peak_flops_per_device")
+        self.bar = None
+        if trainer.is_main:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=trainer.cfg.max_steps, initial=trainer.step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stdout)
+
+    def log(self, loss: float, lr: float, tokens_sha: str, dt: float, val: dict | None = None) -> None:
+        t, cfg = self.t, self.t.cfg
+        grad_norm = t.engine.get_global_grad_norm()
+        record = {"step": t.step, "loss": loss, "lr": lr, "tokens_sha": tokens_sha,
+                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "tokens_seen": t.tokens_seen, "tokens_per_s": round(self.tokens_per_step / dt, 1),
+                  "elapsed_s": round(t.elapsed(), 3)}
+        if val is not None:
+            record.update(val)
+            if self.bar is not None:
+                self.bar.write(f"step {t.step}: val_loss {val['val_loss']:.4f} " + ", ".join(
+                    f"{k} {v:.4f}" for k, v in val["val_loss_per_source"].items()))
+        if self.peak:
+            record["mfu"] = round(self.flops * self.tokens_per_step / dt / (self.peak * t.world), 5)
+        if cfg.log_data_every_steps and t.step % cfg.log_data_every_steps == 0:
+            per_source = t.torch.tensor(t.loader.tokens_per_source(), dtype=t.torch.float64, device=t.engine.device)
+            t.dist.all_reduce(per_source)
+            shares = (per_source / per_source.sum()).tolist()
+            specs = t.plan.data.specs
+            record["data_shares"] = {s.name: round(x, 5) for s, x in zip(specs, shares)}
+            if self.bar is not None:
+                self.bar.write(f"step {t.step}: token shares " + ", ".join(
+                    f"{s.name} {x:.2%} (weight {s.weight:.2%})" for s, x in zip(specs, shares)))
+        t.metrics.log(record)
+        if self.bar is not None:
+            post = {"loss": f"{loss:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+            spend = t.budget.spend_usd(t.elapsed())
+            if spend is not None:
+                post["usd"] = f"{spend:.2f}"
+            self.bar.set_postfix(post)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _test_spike_factor(rank: int, step: int) -> float:
+    """Test hook: ZEROTRAIN_TEST_SPIKE="RANK:FIRST-LAST:FACTOR" multiplies the loss that rank reports
+    for those steps (the detector's input only; not again after a rollback), so a spike can be planted on
+    one rank."""
+    spec = os.environ.get("ZEROTRAIN_TEST_SPIKE")
+    if not spec:
+        return 1.0
+    r, steps, factor = spec.split(":")
+    first, last = (int(x) for x in steps.split("-"))
+    return float(factor) if int(r) == rank and first <= step <= last else 1.0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# The one entry: the CLI (launcher/train.py) and the notebook call this
+# ------------------------------------------------------------------------------------------------
+
+def run(cfg: RunConfig | dict) -> RunResult:
+    """Plan, build and train one run in this process (one rank of a launch, or a world of 1).
+
+    Raises UsageError / DataError (bad input: nothing was written) — the CLI turns them into
+    exit status 2. A run that ends otherwise returns a RunResult whose exit_code says how.
+    """
+    if isinstance(cfg, dict):
+        cfg = config_from(cfg)
+    single_process_env()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    plan = plan_run(cfg, world, rank)
+    trainer = Trainer(plan)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

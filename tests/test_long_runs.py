@@ -1,0 +1,202 @@
+"""Runs that survive: signals, kill -9, corrupted checkpoints, rotation, mirror, evaluation and the
+best checkpoint, budgets, spike rollback and a failed save — end to end with the real `deepspeed`
+launcher on 2 CPU ranks (ZeRO-3, gloo). The policy logic itself is unit-tested without a process
+group in test_checkpointer.py and test_guards.py; here each launch serves several assertions.
+
+Every interrupted run is compared with one uninterrupted reference run of the same flags: the
+effective per-step history (launcher.metrics.read_metrics) must have the same token digests and
+bit-identical losses at every step.
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, TRAIN_PY, free_port, launch, read_metrics
+
+N = 10
+FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
+         "--log-data-every-steps", "0", "--max-steps", str(N)]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def deepspeed_cmd(args):
+    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(TRAIN_PY), *args]
+
+
+def zerotrain_launch_cmd(args):
+    return [str(BIN / "zerotrain"), "launch", "-n", "2", *args]
+
+
+def popen(cmd, env_extra=None):
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env={**os.environ, **ENV, **(env_extra or {})}, start_new_session=True)
+
+
+def wait_for_step(run_dir: Path, step: int, proc, timeout=240) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            return
+        if any(m["step"] >= step for m in read_metrics(run_dir)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never logged")
+
+
+def same_history(a, b):
+    assert [m["step"] for m in a] == [m["step"] for m in b] == list(range(1, N + 1))
+    assert [m["tokens_sha"] for m in a] == [m["tokens_sha"] for m in b]
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]  # full-precision floats, compared exactly
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mix_path):
+    """One uninterrupted run 0 -> N: the history every interrupted run must reproduce."""
+    out = tmp_path_factory.mktemp("ref")
+    proc = launch("deepspeed", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(out / "r")
+
+
+def test_sigterm_saves_once_and_resumes_exactly_with_eval_best_rotation_and_mirror(tmp_path, mix_path, reference):
+    out, mirror = tmp_path / "runs", tmp_path / "mirror"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS, "--save-every-steps", "2",
+            "--keep-last", "1", "--mirror", str(mirror), "--eval-every-steps", "2", "--eval-tokens", "3000"]
+    run = out / "r"
+    # SIGTERM reaches only `zerotrain launch` (as from a scheduler), during a slowed-down evaluation
+    proc = popen(zerotrain_launch_cmd(args), {"ZEROTRAIN_TEST_SLOW_MIRROR": "1"})
+    wait_for_step(run, 5, proc)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 6, text[-3000:]  # stopped by a signal, checkpoint saved: rank 0's code survives
+    assert "Traceback" not in text
+    stopped = read_metrics(run)[-1]["step"]
+    assert 5 <= stopped < N
+    ckpts = run / "checkpoints"
+    assert (ckpts / f"global_step{stopped}" / "zerotrain.json").is_file()
+    events = read_metrics(run, events=True)
+    assert events[-1]["event"] == "stop" and events[-1]["reason"] == "signal"
+
+    resumed = launch("deepspeed", args)  # continues to N; config unchanged
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {ckpts / f'global_step{stopped}'} at step {stopped}" in resumed.stdout
+    history = read_metrics(run)
+    same_history(history, reference)  # eval, rotation and the mirror do not touch the training
+
+    # evaluation every 2 steps on a held-out slice, best checkpoint kept through rotation
+    evals = {m["step"]: m["val_loss"] for m in history if "val_loss" in m}
+    assert sorted(evals) == list(range(2, N + 1, 2))
+    assert all(set(m["val_loss_per_source"]) == {"prose", "notes"} for m in history if "val_loss" in m)
+    best_step = min(evals, key=evals.get)
+    best = json.loads((ckpts / "best.json").read_text())
+    assert best["step"] == best_step and best["tag"] == f"global_step{best_step}"
+    complete = sorted(p.name for p in ckpts.glob("global_step*") if (p / "zerotrain.json").is_file())
+    assert complete == sorted({f"global_step{N}", f"global_step{best_step}"})  # keep-last 1, plus the best
+    # the mirror holds verified copies of the tags
+    from launcher.checkpoint import verify
+
+    mirrored = mirror / "r" / "checkpoints"
+    assert (mirrored / f"global_step{N}" / "zerotrain.json").is_file()
+    assert verify(mirrored / f"global_step{N}") is None
+    assert json.loads((mirrored / "best.json").read_text())["step"] == best_step
+    assert not list(mirrored.glob("*.tmp*"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [s.get("end_reason") for s in manifest["segments"]] == ["signal", "finished"]
+    assert not (run / "run.lock").exists()
+
+
+def test_kill_minus_9_at_random_moments_then_resume_reaches_the_same_losses(tmp_path, mix_path, reference):
+    """8 kills of the whole process group (some in the middle of a slowed save), each followed by a
+    resume; then a corrupted newest checkpoint: resume falls back to the previous one and says so."""
+    out = tmp_path / "runs"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS, "--save-every-steps", "1"]
+    run = out / "r"
+    rng = random.Random(7)
+    kills = 0
+    while kills < 8:
+        proc = popen(deepspeed_cmd(args), {"ZEROTRAIN_TEST_SLOW_SAVE": "0.3"})
+        done = read_metrics(run)[-1]["step"] if read_metrics(run) else 0
+        if done >= N - 1:
+            proc.wait(timeout=240)
+            break
+        wait_for_step(run, done + 1, proc)
+        time.sleep(rng.uniform(0.0, 0.8))  # lands in a step, a save or the marker write
+        if proc.poll() is not None:
+            break
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        complete = [p for p in (run / "checkpoints").glob("global_step*") if (p / "zerotrain.json").is_file()]
+        from launcher.checkpoint import verify
+
+        assert all(verify(p) is None for p in complete)  # a marker only ever names a whole checkpoint
+    assert kills == 8
+    # corrupt one byte of the newest complete checkpoint: the resume must fall back, and say so
+    from launcher.checkpoint import complete_checkpoints
+
+    newest = complete_checkpoints(run / "checkpoints")[-1]
+    victim = sorted(newest.glob("*optim_states.pt"))[0]
+    blob = bytearray(victim.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    final = launch("deepspeed", args)
+    assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+    assert f"checkpoint {newest}" in final.stdout and "falling back" in final.stdout
+    same_history(read_metrics(run), reference)
+
+
+def test_spike_on_one_rank_rolls_back_every_rank_then_a_full_disk_fails_one_save_cleanly(tmp_path, mix_path):
+    """A spike planted in rank 1's loss for steps 32-34: all ranks roll back to step 30 together and
+    skip the same data window; later rank 1's save at step 40 hits ENOSPC: exit 7, one line, the
+    previous checkpoint intact."""
+    out = tmp_path / "runs"
+    run = out / "r"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS[:-1], "50",
+            "--save-every-steps", "10", "--on-spike", "rollback"]
+    t0 = time.time()
+    proc = launch("deepspeed", args, env_extra={"ZEROTRAIN_TEST_SPIKE": "1:32-34:20",
+                                                "ZEROTRAIN_TEST_FAIL_SAVE": "1:40"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 7, text[-3000:]
+    assert "Traceback" not in proc.stderr and time.time() - t0 < 180
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("zerotrain: error:")]
+    assert len(errors) == 1 and "global_step40 failed on rank 1" in errors[0], errors
+    assert "No space left on device" in errors[0] and "global_step30 is intact" in errors[0]
+    rollbacks = json.loads((run / "rollbacks.json").read_text())
+    assert len(rollbacks) == 1 and rollbacks[0]["skipped_steps"] == [31, 34]
+    assert rollbacks[0]["rolled_back_to"].endswith("global_step30")
+    history = read_metrics(run)
+    assert [m["step"] for m in history] == list(range(1, 41))
+    assert max(m["loss"] for m in history) < 20  # the spiking records were superseded after the rollback
+    from launcher.checkpoint import complete_checkpoints, verify
+
+    complete = complete_checkpoints(run / "checkpoints")
+    assert complete[-1].name == "global_step30" and verify(complete[-1]) is None
+    assert not (run / "checkpoints" / "global_step40" / "zerotrain.json").exists()
+
+
+def test_budgets_stop_at_a_step_boundary_save_and_resume_with_a_larger_budget(tmp_path, mix_path):
+    out = tmp_path / "runs"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS[:-1], "400"]
+    first = launch("python", args + ["--max-hours", "0.0005"])  # 1.8 s of training
+    assert first.returncode == 5, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "budget reached" in first.stdout + first.stderr
+    step = read_metrics(out / "r")[-1]["step"]
+    assert 0 < step < 400 and (out / "r" / "checkpoints" / f"global_step{step}" / "zerotrain.json").is_file()
+    # money: 1 GPU at $3600/hour is $1/s; a budget of $1.5 more than was spent stops again
+    second = launch("python", args + ["--budget-usd", "4.0", "--gpu-hour-usd", "3600"])
+    assert second.returncode == 5, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "budget-usd" in second.stdout + second.stderr
+    step2 = read_metrics(out / "r")[-1]["step"]
+    assert step < step2 < 400
+    third = launch("python", args[:-1] + [str(step2 + 3)])
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
+    assert [m["step"] for m in read_metrics(out / "r")] == list(range(1, step2 + 4))
