@@ -32,15 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e))
     except QuietExit:  # another rank met a data error and printed it
         sys.exit(EXIT_USAGE)
-    report_exit(code)
     sys.exit(code)
-
-
-def report_exit(code: int) -> None:
-    """For `zerotrain launch`: DeepSpeed's launcher exits 1 when it forwards SIGTERM, losing our code."""
-    path = os.environ.get("ZEROTRAIN_EXIT_FILE")
-    if path and os.environ.get("RANK", "0") == "0":
-        Path(path).write_text(f"{code}\n")
 
 
 if __name__ == "__main__":

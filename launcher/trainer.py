@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import time
@@ -164,8 +165,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     if resume_from is not None:
         meta = checkpoint.read_meta(resume_from)
         if meta["world_size"] != world:
-            raise UsageError(f"checkpoint {resume_from}: saved by {meta['world_size']} ranks, this launch has {world};"
-                             " resuming on another world size would replay or skip data")
+            ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
         if meta.get("loader_workers", 0) != loader_settings["workers"]:
             raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
                              f" per rank, this profile has {loader_settings['workers']}; the document order depends"
@@ -207,6 +207,32 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
                    resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()))
 
 
+def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, data, saved_ds: Path) -> dict:
+    """The DeepSpeed dict for resuming a checkpoint saved by another number of ranks.
+
+    Model and optimizer go through DeepSpeed's universal checkpoint (launcher/universal.py,
+    converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
+    epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
+    """
+    from dataio.reshard import check_reshard
+    from launcher import universal
+
+    universal.check_supported(ds_config, tag_dir)
+    check_reshard(data, meta["world_size"], world)
+    saved = json.loads(saved_ds.read_text()) if saved_ds.is_file() else None
+    global_batch = saved["train_batch_size"] if saved else ds_config["train_batch_size"]
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    if global_batch % (micro * world):
+        raise UsageError(f"checkpoint {tag_dir}: its global batch of {global_batch} rows cannot be kept on {world}"
+                         f" rank(s) x micro-batch {micro}; pick a --micro-batch that divides {global_batch // world}"
+                         if global_batch % world == 0 else
+                         f"checkpoint {tag_dir}: its global batch of {global_batch} rows is not divisible by {world}"
+                         " ranks")
+    ds_config = {**ds_config, "gradient_accumulation_steps": global_batch // (micro * world),
+                 "train_batch_size": global_batch}
+    return universal.ds_config_for_universal(ds_config)
+
+
 def _say_rank0(rank: int):
     return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
@@ -241,6 +267,14 @@ class Trainer:
         for w in plan.warnings:
             self.say(f"zerotrain: warning: {w}")
         self.lock = self._take_lock()
+        self.universal_dir = None
+        if plan.resume_from is not None and plan.resume_meta["world_size"] != self.world:
+            from launcher import universal
+
+            self.universal_dir = universal.convert_on_rank0(
+                plan.resume_from, out_dir=plan.ckpt_dir / "universal" / plan.resume_from.name)
+            self.say(f"converted {plan.resume_from} (saved by {plan.resume_meta['world_size']} ranks) to a universal"
+                     f" checkpoint for {self.world} rank(s): {self.universal_dir}")
         self._write_run_dir()
         self.engine = self._build_engine(deepspeed, accel)
         self.loader = self._build_data()
@@ -362,10 +396,27 @@ class Trainer:
                        plan.loader_settings["packing"])
 
     def _resume(self, tag_dir: Path, load_loader: bool = True) -> None:
-        state = checkpoint.load(self.engine, tag_dir)["zerotrain"]
+        if self.universal_dir is not None:
+            from launcher import universal
+
+            state = universal.load(self.engine, self.universal_dir)["zerotrain"]
+            # DeepSpeed keeps applying load_universal to every later load_checkpoint of this engine;
+            # a rollback reloads one of our own (same-world) tags. 0.19 reads this only in load_checkpoint.
+            self.engine._config.load_universal_checkpoint = False
+        else:
+            state = checkpoint.load(self.engine, tag_dir)["zerotrain"]
         self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
+        states = state["loader_states"]
+        if len(states) != self.world:  # saved by another number of ranks: re-split what was left
+            from dataio.reshard import reshard_loader_states
+
+            plan = self.plan
+            states = reshard_loader_states(plan.data, states, self.world, self.cfg.seed, self.cfg.seq_len,
+                                           plan.ds_config["train_micro_batch_size_per_gpu"],
+                                           plan.loader_settings["packing"])
+            self.say(f"data: {len(state['loader_states'])} ranks' loader states re-split over {self.world}")
         if load_loader:
-            self.loader.load_state_dict(state["loader_states"][self.rank])
+            self.loader.load_state_dict(states[self.rank])
         guards = state.get("guards", {})
         if "spike" in guards:
             self.spikes.load_state_dict(guards["spike"])
@@ -452,6 +503,10 @@ class Trainer:
                 "run_id": self.plan.run_dir.name, "loader_workers": self.plan.loader_settings["workers"]}
         t0 = time.time()
         self.last_saved = self.checkpointer.save(self.engine, self.step, client_state, meta)
+        if self.universal_dir is not None:  # the conversion is not needed once this world has saved
+            if self.is_main:
+                shutil.rmtree(self.universal_dir.parent, ignore_errors=True)
+            self.universal_dir = None
         self.last_save_s = time.time() - t0
         self.save_seconds += self.last_save_s
         return self.last_saved
@@ -490,6 +545,7 @@ class Trainer:
             from launcher import manifest
 
             manifest.record_end(plan.run_dir, stop.stop, self.step)
+            report_exit(stop.exit_code)
         # Nobody exits before rank 0's last write: DeepSpeed's launcher SIGTERMs the other ranks as
         # soon as one exits non-zero (codes 3-7 are non-zero by design).
         self.dist.barrier()
@@ -685,6 +741,14 @@ class StepLogger:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def report_exit(code: int) -> None:
+    """For `zerotrain launch` (launcher/launch.py): DeepSpeed's launcher exits 1 when it forwards
+    SIGTERM or when a rank exits non-zero, losing our code; rank 0 leaves it in ZEROTRAIN_EXIT_FILE."""
+    path = os.environ.get("ZEROTRAIN_EXIT_FILE")
+    if path:
+        Path(path).write_text(f"{code}\n")
 
 
 def _test_spike_factor(rank: int, step: int) -> float:

@@ -1,0 +1,46 @@
+"""Resume on another world size (issue 7, section 5): 2 -> 1 -> 2 ranks under the real launchers,
+ZeRO-2 and ZeRO-3. Model and optimizer go through DeepSpeed's universal checkpoint, the data
+re-splits what was left of the epoch: the loss continues (no jump back to the initial loss,
+DeepSpeed issue #6691), the global batch stays the same, and no document is repeated.
+The exact equality of weights and Adam state across the change is test_universal.py's."""
+import json
+
+import pytest
+
+from conftest import REPO, launch, read_metrics
+
+FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
+         "--log-data-every-steps", "0", "--save-every-steps", "4"]
+
+
+def profile(tmp_path, stage: int) -> str:
+    p = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    p["zero_optimization"]["stage"] = stage
+    path = tmp_path / f"cpu-zero{stage}.json"
+    path.write_text(json.dumps(p))
+    return str(path)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_to_one_to_two_ranks(stage, tmp_path, mix_path):
+    out = tmp_path / "runs"
+    args = ["--profile", profile(tmp_path, stage), "--data", str(mix_path), "--out", str(out), "--run-id", "r",
+            *FLAGS]
+    first = launch("deepspeed", args + ["--max-steps", "8"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    one = launch("python", args + ["--max-steps", "12"])  # the same run on 1 rank
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    assert "converted" in one.stdout and "universal" in one.stdout and "re-split over 1" in one.stdout
+    assert json.loads((out / "r" / "ds_config.json").read_text())["gradient_accumulation_steps"] == 2
+    two = launch("deepspeed", args + ["--max-steps", "16"])  # and back on 2
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "re-split over 2" in two.stdout
+    history = read_metrics(out / "r")
+    assert [m["step"] for m in history] == list(range(1, 17))
+    assert [m["tokens_seen"] for m in history] == [k * 4 * 64 for k in range(1, 17)]  # global batch kept
+    losses = [m["loss"] for m in history]
+    initial = losses[0]
+    for k in (8, 12):  # right after each change the loss continues where it was, not from scratch
+        assert losses[k] < initial - 0.5 and abs(losses[k] - losses[k - 1]) < 0.5, losses
+    assert len({m["tokens_sha"] for m in history}) == 16  # no step saw the same data again
+    assert not (out / "r" / "checkpoints" / "universal").exists()  # removed once the new world saved
