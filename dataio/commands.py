@@ -228,15 +228,17 @@ def tokenizer_main(argv):
 # --------------------------------------------------------------------------------------------
 
 def describe_data(data, run_tokens: int) -> list[str]:
-    """Per source: weight, size, estimated epochs over the run, its documents (count, mean and max
-    length) and the pieces cut from them, and warnings (repetition, a .txt file with few documents)."""
+    """Per source: weight, size (tokens), its files, estimated epochs over the run, its documents
+    (count, mean and max length) and the pieces cut from them, and warnings (repetition, a .txt file
+    with few documents)."""
     bound = f"pieces of {data.piece_len:,}" if data.piece_len else "no piece bound"
     lines = [f"data: {data.kind} {data.path}, tokenizer {data.tokenizer.name}, {bound}; this run reads"
              f" {run_tokens:,} tokens"]
     for spec, store, (size, exact) in zip(data.specs, data.stores, data.source_tokens()):
         need = run_tokens * spec.weight
-        where = spec.hf or spec.path or spec.name
-        if spec.path and spec.path.endswith(".txt"):
+        where = spec.location() + _files_part(data, spec, store)
+        files = store.files if data.kind == "mix" and store is not None else spec.paths
+        if files and str(files[0]).endswith(".txt"):
             where += f", sample_by {spec.sample_by}"  # the default is "paragraph": show what applied
         if size:
             epochs = need / size
@@ -261,6 +263,19 @@ def describe_data(data, run_tokens: int) -> list[str]:
                          f"{' (first: ' + store.first_bad + ')' if store.first_bad else ''},"
                          f" {store.empty_records} empty")
     return lines
+
+
+def _files_part(data, spec, store) -> str:
+    """", 14 files" (the data files read; shards: the shard files); "" for a hub stream."""
+    if store is not None:
+        n, what = len(store.files), "shard file" if data.kind == "shards" else "file"
+    elif spec.hf is None or spec.local_hf:  # a local source read as a stream: its files, found again (cheap)
+        from dataio.sources import find_files
+
+        n, what = len(find_files(spec).files), "file"
+    else:
+        return ""
+    return f", {n:,} {what}{'' if n == 1 else 's'}"
 
 
 def _documents_line(data, store) -> str:

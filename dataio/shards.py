@@ -9,8 +9,10 @@ Layout of a prepared directory (format "zerotrain-shards", version 1):
                                tokens[offsets[d]:offsets[d + 1]]
 
 The manifest records, per shard: file names, sha256 of both files, token and document counts,
-dtype, the tokenizer's sha256, and the source it came from; plus the tokenizer and the mix
-(weights and policies) it was made from. Files are standard `.npy` (read with
+dtype, the tokenizer's sha256, and the source it came from; per source its documents, tokens,
+bad records and the number of data files it was read from (null when streamed); plus the
+tokenizer and the mix (weights and policies) it was made from. `prepare` reads every source
+form a mix takes (a glob, a directory of shards, an `hf` snapshot directory: dataio.sources). Files are standard `.npy` (read with
 `np.load(mmap_mode="r")`, `allow_pickle=False`): nothing is unpickled. Training memory-maps
 them; every check in `verify()` runs at start-up, per shard in parallel threads.
 
@@ -159,9 +161,11 @@ def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_0
             if n_docs == 0:
                 raise DataError(f"{spec.where()}: holds no documents")
             manifest["sources"].append({"name": spec.name, "documents": n_docs, "tokens": n_tok,
-                                        "bad_records": store.bad_records if store else 0})
+                                        "bad_records": store.bad_records if store else 0,
+                                        "files": len(store.files) if store else None})
             dt = time.time() - t0
-            log(f"prepare: {spec.name}: {n_docs:,} documents, {n_tok:,} tokens in {k} shard(s)"
+            read = f"{len(store.files):,} file(s)" if store else "the stream"
+            log(f"prepare: {spec.name}: {n_docs:,} documents, {n_tok:,} tokens from {read} in {k} shard(s)"
                 f" ({n_tok / max(dt, 1e-9) / 1e6:.1f}M tokens/s)")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         tmp.rename(out)
@@ -212,8 +216,10 @@ def read_manifest(root: Path) -> dict:
 
 
 def manifest_specs(manifest: dict) -> tuple[SourceSpec, ...]:
+    """The mix's sources as recorded (a list of paths comes back from JSON as a list: made a tuple)."""
     fields = set(SourceSpec.__dataclass_fields__)
-    return tuple(SourceSpec(**{k: v for k, v in s.items() if k in fields}) for s in manifest["mix"]["sources"])
+    return tuple(SourceSpec(**{k: tuple(v) if k == "path" and isinstance(v, list) else v
+                               for k, v in s.items() if k in fields}) for s in manifest["mix"]["sources"])
 
 
 def check_tokenizer(root: Path, manifest: dict, tokenizer) -> None:
@@ -294,10 +300,11 @@ def load_stores(root: Path, manifest: dict) -> list[DocStore]:
     """One DocStore of token ids per source, its chunks memory-mapped shards."""
     stores = []
     for spec in manifest_specs(manifest):
-        chunks, cid, starts, ends = [], [], [], []
+        chunks, cid, starts, ends, files = [], [], [], [], []
         for sh in manifest["shards"]:
             if sh["source"] != spec.name:
                 continue
+            files.append(sh["file"])
             tokens = np.load(root / sh["file"], mmap_mode="r", allow_pickle=False)
             offsets = np.load(root / sh["offsets_file"], allow_pickle=False)
             chunks.append(tokens.view(np.ndarray))  # plain views: slicing a np.memmap is slow
@@ -305,7 +312,7 @@ def load_stores(root: Path, manifest: dict) -> list[DocStore]:
             starts.append(offsets[:-1])
             ends.append(offsets[1:])
         stores.append(DocStore(name=spec.name, kind="tokens", chunks=chunks, chunk=np.concatenate(cid),
-                               start=np.concatenate(starts), end=np.concatenate(ends)))
+                               start=np.concatenate(starts), end=np.concatenate(ends), files=tuple(files)))
     return stores
 
 

@@ -9,16 +9,40 @@ A mix file is JSON (examples in dataio/mixes/):
      "sources": [
        {"name": "web",  "weight": 0.7, "path": "data/web.jsonl"},
        {"name": "code", "weight": 0.3, "path": "data/code.txt", "sample_by": "paragraph"},
+       {"name": "pdfs", "weight": 0.2, "path": ["pdfs/*.jsonl.gz", "more-pdfs/"]},
+       {"name": "fw",   "weight": 0.5, "hf": "/nvme/fineweb-edu", "config": "sample-10BT"},
        {"name": "edu",  "weight": 0.5, "hf": "HuggingFaceFW/fineweb-edu", "config": "sample-10BT"},
        {"name": "qa",   "weight": 0.1, "hf": "GBaker/MedQA-USMLE-4-options",
         "template": "Question: {question}\\nAnswer: {answer}"}]}
 
-A source has exactly one of `path` (a local .jsonl / .json / .parquet / .arrow / .txt file, or a
-directory written by `datasets.save_to_disk`) or `hf` (a hub dataset, always streamed with
-`datasets` `streaming=True`; optional `config`, `split`). Documents are the `text_field` column
-("text" by default), or `template` rendered with `str.format_map` on each record. Relative paths
-resolve against the mix file. `"streaming": true` reads a local file through the same streaming
-path as a hub dataset (no random access, no shuffling).
+A source has exactly one of `path` or `hf`; its data files, however many, are ONE source with
+one weight, its documents split across ranks over the whole source:
+
+- `path`: a file, a glob, a directory, or a list of these (relative to the mix file). Files are
+  .parquet, .arrow, .jsonl / .json / .ndjson (also compressed: .jsonl.gz, .bz2, .xz, .zst) or
+  .txt, one format per source. A glob (`*`, `?`, `[...]`, `**` for any depth) is expanded by
+  `datasets`' own resolver (`datasets.data_files.resolve_pattern`, as in `load_dataset(...,
+  data_files=GLOB)`: hidden files are skipped); a directory holds the files `load_dataset(DIR)`
+  would take for `split` (datasets' file-name conventions: `train-*`, `test/`, ...; otherwise all
+  its data files), or is a `datasets.save_to_disk` directory. Non-data files (README.md, images)
+  are ignored; the files found are de-duplicated and sorted, so the order is deterministic.
+- `hf`: a hub dataset name (`owner/name`, streamed with `datasets` `streaming=True`) or a local
+  directory: a hub snapshot as `huggingface-cli download` / `snapshot_download` leave it, read
+  like `load_dataset(DIR, config, data_dir=..., data_files=...)` (its README.md configs apply),
+  with `split` (default "train"). Offline (`HF_HUB_OFFLINE=1` or `HF_DATASETS_OFFLINE=1`) a hub
+  name is read from its snapshot in the Hugging Face hub cache if one is there (datasets alone
+  would only look in its own Arrow cache), else from datasets' Arrow cache of an earlier
+  `load_dataset`; nothing is downloaded.
+
+Local sources (`path`, `hf` directories) are read file by file with `datasets.load_dataset`
+(the file's builder: parquet, json, arrow, csv), which converts each file once into its Arrow
+cache (`HF_DATASETS_CACHE`, default ~/.cache/huggingface/datasets: room for the uncompressed
+text is needed there) and memory-maps it; documents are views of those mapped buffers, so a
+source far larger than RAM costs a few bytes of index per document. .txt files are memory-mapped
+by our own reader (below). One file at a time also means every error names its file.
+`"streaming": true` reads a local source through the streamed path of a hub dataset instead (no
+random access, no shuffling, size unknown). Documents are the `text_field` column ("text" by
+default), or `template` rendered with `str.format_map` on each record.
 
 `sample_by` (.txt files): "paragraph" (the default) splits at blank lines, "line" makes every line
 a document (what `datasets`' own text loader does), "document" takes the file whole. The default
@@ -52,11 +76,17 @@ Weights are shares of TOKENS (not documents); they need not sum to 1. See dataio
 
 Loading never unpickles: local files go through `datasets`' Arrow readers or our own text
 reader, and hub sources through `datasets` streaming.
+
+The layers, for whoever adds a record kind: `parse_mix` (the JSON) -> `find_files` (a local
+source's files, by datasets) -> `load_text_source` (each file's Arrow table -> `_docstore_from_table`,
+which turns records into document text: `text_field` or `template`) -> one DocStore per source.
+Streamed sources: `open_streamed` -> records -> `record_text`.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,20 +95,30 @@ import numpy as np
 
 from dataio.errors import DataError
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".arrow": "arrow"}
+# The datasets builder that reads each data file format (.txt: our own reader, see _load_txt).
+BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".txt": "text", ".parquet": "parquet",
+            ".arrow": "arrow"}
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # json lines only: datasets decompresses them
+# Files a directory or glob is searched for: datasets' tabular and text formats. Anything else
+# (README.md, LICENSE, images) is not data and is skipped, as load_dataset(DIR) skips it; a .csv
+# next to parquet shards is found, so it is refused as a second format rather than dropped.
+DATA_EXTENSIONS = [".arrow", ".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".parquet", ".txt", ".xml", ".lance"]
+GLOB_CHARS = "*?["
+SAVED = "save_to_disk"  # the "format" of a directory written by datasets' save_to_disk
 SOURCE_KEYS = {"name", "path", "hf", "config", "split", "text_field", "template", "weight", "sample_by",
-               "on_exhausted", "bad_records", "streaming"}
+               "on_exhausted", "bad_records", "streaming", "data_dir", "data_files"}
 MIX_KEYS = {"description", "sources", "on_exhausted", "bad_records", "warn_epochs"}
 ON_EXHAUSTED = ("restart", "stop")
 BAD_RECORDS = ("stop", "skip")
+HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
 
 
 @dataclass(frozen=True)
 class SourceSpec:
     name: str
     weight: float  # normalised: the weights of a mix sum to 1
-    path: str | None = None
-    hf: str | None = None
+    path: str | tuple[str, ...] | None = None  # absolute file / glob / directory; a tuple when the mix gave a list
+    hf: str | None = None  # a hub name, or an absolute local directory (a snapshot)
     config: str | None = None
     split: str = "train"
     text_field: str = "text"
@@ -87,13 +127,31 @@ class SourceSpec:
     on_exhausted: str = "restart"
     bad_records: str = "stop"
     streaming: bool = False
+    data_dir: str | None = None  # with hf, as in load_dataset
+    data_files: str | list | dict | None = None  # with hf, as in load_dataset (relative to the dataset)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """`path` as a tuple of entries (files, globs, directories); () for an hf source."""
+        if self.path is None:
+            return ()
+        return (self.path,) if isinstance(self.path, str) else tuple(self.path)
+
+    @property
+    def local_hf(self) -> bool:
+        """An `hf` source that is a local directory (parse_mix made it absolute; hub names never are)."""
+        return self.hf is not None and os.path.isabs(self.hf)
 
     @property
     def streamed(self) -> bool:
-        return self.hf is not None or self.streaming
+        return self.streaming or (self.hf is not None and not self.local_hf)
 
     def where(self) -> str:
         return f"source {self.name!r}"
+
+    def location(self) -> str:
+        """What the mix named, for messages and the summary."""
+        return self.hf or ", ".join(self.paths) or self.name
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,39 +211,216 @@ def parse_mix(mix_path: str | Path) -> Mix:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
             raise DataError(f"{at}: weight must be a positive number, got {w!r}")
         if ("path" in src) == ("hf" in src):
-            raise DataError(f"{at}: give exactly one of 'path' (local file or directory) or 'hf' (hub dataset)")
-        for key in ("path", "hf", "config", "split", "text_field", "template"):
+            raise DataError(f"{at}: give exactly one of 'path' (local files: a file, glob, directory or list)"
+                            " or 'hf' (a hub dataset name or a local dataset directory)")
+        for key in ("hf", "config", "split", "text_field", "template", "data_dir"):
             if key in src and not (isinstance(src[key], str) and src[key]):
                 raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
         if "template" in src and "text_field" in src:
             raise DataError(f"{at}: give text_field or template, not both")
-        if "hf" in src and not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", src["hf"]):
-            raise DataError(f"{at}: hf must be a hub dataset name like 'owner/name', got {src['hf']!r}")
-        path = None
-        if "path" in src:
-            p = Path(src["path"])
-            p = p if p.is_absolute() else mix_path.parent / p
-            if not p.exists():
-                raise DataError(f"{at}: data file {p} does not exist")
-            if p.is_file() and p.suffix not in BUILDERS:
-                raise DataError(f"{at}: unsupported file type {p.suffix!r} (use {', '.join(BUILDERS)})")
-            path = str(p)
+        path = _parse_path(src["path"], mix_path, at) if "path" in src else None
+        hf = _parse_hf(src["hf"], mix_path, at) if "hf" in src else None
+        for key in ("data_dir", "data_files"):
+            if key in src and hf is None:
+                raise DataError(f"{at}: {key} goes with 'hf' (a dataset directory or hub name); 'path' takes the"
+                                " files themselves (a glob, a directory or a list)")
+        if "data_dir" in src and (os.path.isabs(src["data_dir"]) or ".." in Path(src["data_dir"]).parts):
+            raise DataError(f"{at}: data_dir must be a directory inside the dataset, got {src['data_dir']!r}")
+        if "data_files" in src and not _data_files_ok(src["data_files"]):
+            raise DataError(f"{at}: data_files must be a pattern, a list of patterns, or an object of"
+                            f" split -> pattern(s), got {src['data_files']!r}")
         sample_by = _choice(src.get("sample_by", "paragraph"), ("paragraph", "line", "document"), "sample_by", at)
         streaming = src.get("streaming", False)
         if not isinstance(streaming, bool):
             raise DataError(f"{at}: streaming must be true or false, got {streaming!r}")
-        if streaming and path and Path(path).suffix == ".txt":
+        if streaming and any(not _has_glob(e) and file_format(e) == "text" for e in (path or ())):
             raise DataError(f"{at}: streaming applies to jsonl/parquet/arrow/hub sources, not .txt")
         specs.append(SourceSpec(
-            name=name, weight=float(w), path=path, hf=src.get("hf"), config=src.get("config"),
-            split=src.get("split", "train"), text_field=src.get("text_field", "text"), template=src.get("template"),
-            sample_by=sample_by, streaming=streaming,
+            name=name, weight=float(w), path=path[0] if isinstance(src.get("path"), str) else path, hf=hf,
+            config=src.get("config"), split=src.get("split", "train"), text_field=src.get("text_field", "text"),
+            template=src.get("template"), sample_by=sample_by, streaming=streaming, data_dir=src.get("data_dir"),
+            data_files=src.get("data_files"),
             on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
             bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at)))
     total = sum(s.weight for s in specs)
     specs = tuple(SourceSpec(**{**s.to_dict(), "weight": s.weight / total}) for s in specs)
     return Mix(path=str(mix_path), sources=specs, warn_epochs=float(warn_epochs),
                description=raw.get("description", ""))
+
+
+def _has_glob(entry: str) -> bool:
+    return any(c in entry for c in GLOB_CHARS)
+
+
+def file_format(name: str) -> str | None:
+    """The builder for a data file name ("parquet", "arrow", "json", "text"), or None if unsupported.
+    Compressed json lines (x.jsonl.gz) are "json"; other compressed files are unsupported."""
+    base = name.lower()
+    compressed = base.endswith(COMPRESSED)
+    if compressed:
+        base = base[:base.rindex(".")]
+    fmt = BUILDERS.get(os.path.splitext(base)[1])
+    return fmt if fmt == "json" or not compressed else None
+
+
+def _parse_path(value, mix_path: Path, at: str) -> tuple[str, ...]:
+    """`path` as absolute entries. Entries without a glob must exist (a supported file or a directory);
+    globs are expanded when the source is read (find_files), by datasets."""
+    entries = value if isinstance(value, list) else [value]
+    if not entries or not all(isinstance(e, str) and e for e in entries):
+        raise DataError(f"{at}: path must be a file, glob or directory (or a non-empty list of them), got {value!r}")
+    out = []
+    for e in entries:
+        p = Path(e).expanduser()
+        p = Path(os.path.abspath(p if p.is_absolute() else mix_path.parent / p))
+        if not _has_glob(e):
+            if not p.exists():
+                raise DataError(f"{at}: data file {p} does not exist")
+            if p.is_file() and file_format(p.name) is None:
+                raise DataError(f"{at}: unsupported file type {''.join(p.suffixes[-2:]) or p.name!r}"
+                                f" (use {', '.join(BUILDERS)}; json lines may be compressed: {', '.join(COMPRESSED)})")
+        out.append(str(p))
+    return tuple(out)
+
+
+def _parse_hf(value: str, mix_path: Path, at: str) -> str:
+    """A local directory (relative to the mix file; returned absolute) or a hub dataset name."""
+    p = Path(value).expanduser()
+    p = p if p.is_absolute() else mix_path.parent / p
+    if p.is_dir():
+        return os.path.abspath(p)
+    if value.startswith((".", "/", "~")) or value.count("/") > 1:
+        raise DataError(f"{at}: hf {value!r}: no such directory ({os.path.abspath(p)})")
+    if not HUB_NAME.fullmatch(value):
+        raise DataError(f"{at}: hf must be a hub dataset name like 'owner/name' or a local directory, got {value!r}")
+    return value
+
+
+def _data_files_ok(value) -> bool:
+    def patterns(v):
+        return (isinstance(v, str) and bool(v)) or (isinstance(v, list) and bool(v) and
+                                                    all(isinstance(x, str) and x for x in v))
+    if isinstance(value, dict):
+        return bool(value) and all(isinstance(k, str) and k and patterns(v) for k, v in value.items())
+    return patterns(value)
+
+
+# --------------------------------------------------------------------------------------------
+# A local source's data files, found by datasets
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """A local source's data files (sorted) and how each is read.
+
+    fmt: the datasets builder that reads every file ("parquet", "json", "arrow", "csv", ...),
+    "text" (our .txt reader) or SAVED (save_to_disk directories, read with load_from_disk).
+    dataset: for an `hf` directory, the directory handed to `load_dataset` with the source's
+    config (its README configs apply to every file); None: the builder `fmt` reads each file.
+    """
+    files: tuple[str, ...]
+    fmt: str
+    dataset: str | None = None
+
+
+def find_files(spec: SourceSpec) -> SourceFiles:
+    """The files of a local source (`path`, or an `hf` directory): globs and directories resolved
+    by datasets, de-duplicated and sorted; one format. Nothing is read. DataError (one line) else."""
+    if spec.local_hf:
+        return _dataset_dir_files(spec)
+    found = set()
+    for entry in spec.paths:
+        found.update(_expand(spec, entry))
+    files = tuple(sorted(found))
+    by_format: dict[str, list[str]] = {}
+    for f in files:
+        fmt = SAVED if os.path.isdir(f) else file_format(f)
+        if fmt is None:
+            raise DataError(f"{spec.where()}: {f}: unsupported file type (use {', '.join(BUILDERS)};"
+                            f" json lines may be compressed: {', '.join(COMPRESSED)})")
+        by_format.setdefault(fmt, []).append(f)
+    if len(by_format) > 1:
+        kinds = ", ".join(f"{len(v)} {k} (e.g. {v[0]})" for k, v in by_format.items())
+        raise DataError(f"{spec.where()}: {spec.location()} holds files of more than one format: {kinds};"
+                        " one format per source (make one source per format, or narrow the path)")
+    return SourceFiles(files, next(iter(by_format)))
+
+
+def _saved_dataset(p: Path) -> bool:
+    """A directory written by datasets' save_to_disk (a Dataset or a DatasetDict)."""
+    return (p / "state.json").is_file() or (p / "dataset_dict.json").is_file()
+
+
+def _expand(spec: SourceSpec, entry: str) -> list[str]:
+    """One `path` entry as files: itself, a glob's matches, or a directory's data files."""
+    from datasets.data_files import DataFilesList, get_data_patterns, resolve_pattern
+
+    if _has_glob(entry):
+        try:  # datasets' own globbing (fsspec; `**` for any depth; hidden files skipped)
+            return resolve_pattern(entry, base_path="", allowed_extensions=DATA_EXTENSIONS)
+        except FileNotFoundError:
+            raise DataError(f"{spec.where()}: path {entry} matches no data file") from None
+    p = Path(entry)
+    if not p.exists():
+        raise DataError(f"{spec.where()}: data file {p} does not exist")
+    if p.is_file() or _saved_dataset(p):
+        return [entry]
+    # A directory of data files: the files load_dataset(DIR) takes for the split (datasets' naming
+    # conventions tell splits apart: train-*.parquet, test/, ...; without them every file is "train").
+    try:
+        patterns = {str(k): v for k, v in get_data_patterns(str(p)).items()}
+    except Exception:  # datasets raises EmptyDatasetError (a FileNotFoundError) for a directory of no data files
+        patterns = {}
+    if spec.split not in patterns:
+        if not patterns:
+            raise DataError(f"{spec.where()}: directory {p} holds no data files ({', '.join(BUILDERS)})")
+        raise DataError(f"{spec.where()}: directory {p} has no split {spec.split!r} (its files name the splits"
+                        f" {', '.join(map(str, patterns))}); set \"split\" in the mix")
+    try:
+        return list(DataFilesList.from_patterns(patterns[spec.split], base_path=str(p),
+                                                allowed_extensions=DATA_EXTENSIONS))
+    except FileNotFoundError:
+        raise DataError(f"{spec.where()}: directory {p} holds no data files ({', '.join(BUILDERS)})") from None
+
+
+def _dataset_dir_files(spec: SourceSpec) -> SourceFiles:
+    """An `hf` directory: the split's files as load_dataset(DIR, config, data_dir=, data_files=) sees them."""
+    d = Path(spec.hf)
+    if _saved_dataset(d):
+        return SourceFiles((spec.hf,), SAVED)
+    datasets = _quiet_datasets()
+    try:
+        builder = datasets.load_dataset_builder(spec.hf, spec.config, **dataset_dir_args(spec.hf, spec))
+    except Exception as e:  # no data files, an unknown config, a bad data_dir: datasets' own words
+        raise DataError(f"{spec.where()}: cannot open {spec.hf}: {_first_line(e)}") from None
+    splits = {str(k): v for k, v in (builder.config.data_files or {}).items()}
+    if spec.split not in splits:
+        given = f" with data_files {spec.data_files!r}" if spec.data_files else ""
+        raise DataError(f"{spec.where()}: {spec.hf}{given} has no split {spec.split!r}"
+                        f" (splits: {', '.join(splits) or 'none'}); set \"split\" in the mix")
+    return SourceFiles(tuple(sorted(splits[spec.split])), builder.name, spec.hf)
+
+
+def dataset_dir_args(directory: str, spec: SourceSpec) -> dict:
+    """data_dir / data_files for load_dataset(directory, spec.config, ...): the source's own, or else
+    those of the README config it names (or the default one). datasets infers the file format
+    from the README's FIRST config, so a snapshot holding only the chosen config's files (as
+    `huggingface-cli download --include 'sample/10BT/*' --include README.md` leaves it) would
+    fail with "no data files" unless the chosen config's files are handed over."""
+    if spec.data_dir is not None or spec.data_files is not None:
+        return {"data_dir": spec.data_dir, "data_files": spec.data_files}
+    readme = Path(directory) / "README.md"
+    if not readme.is_file():
+        return {}
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(readme).data)
+    except Exception:  # a card datasets cannot parse either: let load_dataset say so
+        return {}
+    chosen = configs.get(spec.config or configs.get_default_config_name() or "")
+    return {"data_files": chosen["data_files"]} if chosen and chosen.get("data_files") else {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,8 +433,9 @@ class DocStore:
 
     `kind` is "text" (UTF-8 bytes) or "tokens" (token ids, from prepared shards). Chunks are
     numpy views of Arrow buffers, of the memory-mapped text file, or of memory-mapped shards:
-    nothing is copied per document. After `make_pieces` the entries are pieces (each a document
-    for the loader) and `whole_documents` / `whole_max` describe the documents they came from.
+    nothing is copied per document. A source of several files holds their documents in file
+    order (`files`, sorted). After `make_pieces` the entries are pieces (each a document for the
+    loader) and `whole_documents` / `whole_max` describe the documents they came from.
     """
     name: str
     kind: str
@@ -215,6 +451,7 @@ class DocStore:
     whole_max: int = 0  # the longest document before cutting
     cut_documents: int = 0  # documents that were cut into pieces
     piece_len: int | None = None  # the bound the pieces were cut at (None: not cut)
+    files: tuple = ()  # the files the documents were read from, in order (shards: the shard files)
 
     def __len__(self) -> int:
         return len(self.start)
@@ -243,7 +480,7 @@ class DocStore:
 
 
 class BadRecords:
-    """Counts bad records of one source and applies its policy (stop: DataError; skip: count)."""
+    """Counts bad records of one file and applies its source's policy (stop: DataError; skip: count)."""
 
     def __init__(self, spec: SourceSpec, file: str):
         self.spec, self.file, self.count, self.first = spec, file, 0, ""
@@ -253,7 +490,7 @@ class BadRecords:
         if self.spec.bad_records == "stop":
             raise DataError(msg + " (set \"bad_records\": \"skip\" in the mix to skip and count such records)")
         self.count += 1
-        self.first = self.first or f"{record}: {why}"
+        self.first = self.first or f"{Path(self.file).name} {record}: {why}"
 
 
 def _quiet_datasets():
@@ -270,51 +507,102 @@ def _first_line(e: Exception) -> str:
 
 
 def load_text_source(spec: SourceSpec) -> DocStore:
-    """All documents of a local (not streamed) source, validated; bad records per the policy."""
-    p = Path(spec.path)
+    """All documents of a local (not streamed) source, file by file, validated; bad records per the
+    policy. Errors name the file (one line)."""
+    found = find_files(spec)
+    parts = [_read_file(spec, found, f, alone=len(found.files) == 1) for f in found.files]
+    return _merge(spec, found.files, parts)
+
+
+def _read_file(spec: SourceSpec, found: SourceFiles, f: str, alone: bool) -> DocStore:
+    """One file's documents (an empty store for an empty file of a multi-file source)."""
+    p = Path(f)
     if p.is_file() and p.stat().st_size == 0:
-        raise DataError(f"{spec.where()}: {p} is empty: holds no documents")
-    if p.suffix == ".txt":
+        if alone:
+            raise DataError(f"{spec.where()}: {p} is empty: holds no documents")
+        return _finish(spec, f, "text", [], [], [], [], BadRecords(spec, f), 0)
+    if found.fmt == "text":
         return _load_txt(spec, p)
     datasets = _quiet_datasets()
     try:
-        if p.is_dir():
-            ds = datasets.load_from_disk(str(p))
+        if found.fmt == SAVED:
+            ds = datasets.load_from_disk(f)
             if isinstance(ds, datasets.DatasetDict):
                 if spec.split not in ds:
                     raise DataError(f"{spec.where()}: {p} has no split {spec.split!r} (splits: {', '.join(ds)})")
                 ds = ds[spec.split]
-        elif p.suffix in (".jsonl", ".json") and (bad_lines := _non_utf8_lines(p)):
+        elif found.fmt == "json" and (bad_lines := _non_utf8_lines(p)):
             return _jsonl_without(spec, p, bad_lines)
+        elif found.dataset is not None:  # one file of an hf directory, under its config
+            ds = datasets.load_dataset(found.dataset, spec.config, data_files={spec.split: [f]}, split=spec.split)
         else:
-            ds = datasets.load_dataset(BUILDERS[p.suffix], data_files=str(p), split="train")
+            ds = datasets.load_dataset(found.fmt, data_files=[f], split="train")
     except DataError:
         raise
     except Exception as e:  # datasets wraps parser errors in many types
         raise DataError(f"{spec.where()}: cannot read {p}: {_locate_jsonl_problem(p) or _first_line(e)}") from None
-    return _docstore_from_table(spec, ds.data.table if hasattr(ds.data, "table") else ds.data, str(p))
+    # Not ds.data.table.combine_chunks() or ds["text"]: both would copy the text into memory.
+    return _docstore_from_table(spec, ds.data.table if hasattr(ds.data, "table") else ds.data, f)
+
+
+def _merge(spec: SourceSpec, files: tuple, parts: list[DocStore]) -> DocStore:
+    """One DocStore of the files' documents, in file order (their chunks side by side)."""
+    if len(parts) == 1:
+        store = parts[0]
+    else:
+        offsets = np.cumsum([0] + [len(p.chunks) for p in parts])
+        notes = [p.note for p in parts if p.note]
+        note = notes[0] + (f" (and {len(notes) - 1} more file(s) like it)" if len(notes) > 1 else "") if notes else ""
+        store = DocStore(
+            name=spec.name, kind="text", chunks=[c for p in parts for c in p.chunks],
+            chunk=np.concatenate([p.chunk + o for p, o in zip(parts, offsets)]).astype(np.int32),
+            start=np.concatenate([p.start for p in parts]), end=np.concatenate([p.end for p in parts]),
+            bad_records=sum(p.bad_records for p in parts), empty_records=sum(p.empty_records for p in parts),
+            first_bad=next((p.first_bad for p in parts if p.first_bad), ""), note=note)
+    store.files = tuple(files)
+    if len(store) == 0:
+        what = str(files[0]) if len(files) == 1 else f"its {len(files)} files ({spec.location()})"
+        why = f" ({store.bad_records} bad records skipped, first: {store.first_bad})" if store.bad_records else ""
+        raise DataError(f"{spec.where()}: {what} holds no documents{why}")
+    return store
+
+
+def _open_bytes(p: Path):
+    """A binary file object of the file's content, decompressed (x.jsonl.gz) by fsspec."""
+    import fsspec
+
+    return fsspec.open(str(p), "rb", compression="infer").open()
 
 
 def _non_utf8_lines(p: Path) -> list[tuple[int, int, int]]:
-    """(line number, start, end) of every line that is not valid UTF-8 (one C pass when none is)."""
-    raw = p.read_bytes()
-    try:
-        raw.decode("utf-8")
-        return []
-    except UnicodeDecodeError:
-        pass
-    out, start = [], 0
-    for lineno, line in enumerate(raw.split(b"\n"), 1):
+    """(line number, start, end) of every line that is not valid UTF-8 (in the decompressed bytes).
+    Read in blocks: memory stays flat however large the file; lines are looked at only on failure."""
+    import codecs
+
+    with _open_bytes(p) as f:
+        decoder = codecs.getincrementaldecoder("utf-8")()
         try:
-            line.decode("utf-8")
+            while block := f.read(1 << 24):
+                decoder.decode(block)
+            decoder.decode(b"", final=True)
+            return []
         except UnicodeDecodeError:
-            out.append((lineno, start, start + len(line)))
-        start += len(line) + 1
+            pass
+    out, start = [], 0
+    with _open_bytes(p) as f:
+        for lineno, line in enumerate(f, 1):
+            body = line[:-1] if line.endswith(b"\n") else line
+            try:
+                body.decode("utf-8")
+            except UnicodeDecodeError:
+                out.append((lineno, start, start + len(body)))
+            start += len(line)
     return out
 
 
 def _jsonl_without(spec: SourceSpec, p: Path, bad_lines) -> DocStore:
-    """`datasets` would silently replace invalid bytes: apply the bad-record policy instead."""
+    """`datasets` would silently replace invalid bytes: apply the bad-record policy instead.
+    (Rare: only a file with such lines comes here, and it is parsed in memory.)"""
     import io
 
     import pyarrow.json as pj
@@ -322,7 +610,9 @@ def _jsonl_without(spec: SourceSpec, p: Path, bad_lines) -> DocStore:
     bad = BadRecords(spec, str(p))
     for lineno, _, _ in bad_lines:
         bad(f"line {lineno}", "not valid UTF-8")
-    raw, keep, pos = p.read_bytes(), [], 0
+    with _open_bytes(p) as f:
+        raw = f.read()
+    keep, pos = [], 0
     for _, a, b in bad_lines:
         keep.append(raw[pos:a])
         pos = b + 1
@@ -339,38 +629,50 @@ def _jsonl_without(spec: SourceSpec, p: Path, bad_lines) -> DocStore:
 
 def _locate_jsonl_problem(p: Path) -> str | None:
     """On a failed json load, find the first bad line ourselves so the message can name it."""
-    if p.suffix not in (".jsonl", ".json") or not p.is_file():
+    if file_format(p.name) != "json" or not p.is_file():
         return None
-    with open(p, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return f"line {lineno}: not valid UTF-8 (byte {e.start})"
-            try:
-                json.loads(text)
-            except json.JSONDecodeError as e:
-                if lineno == 1 and p.suffix == ".json":
-                    return None  # a single JSON document, not jsonl
-                return f"line {lineno}: invalid JSON ({e.msg})"
+    single = p.name.lower().split(".")[-1] == "json"  # one JSON document, not json lines
+    try:
+        with _open_bytes(p) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return f"line {lineno}: not valid UTF-8 (byte {e.start})"
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as e:
+                    if lineno == 1 and single:
+                        return None
+                    return f"line {lineno}: invalid JSON ({e.msg})"
+    except OSError as e:  # a corrupt .gz
+        return _first_line(e)
     return None
+
+
+def _text_column(spec: SourceSpec, table, bad: BadRecords, file: str):
+    """The document text of every record of one file's table, as an Arrow string column:
+    `text_field` itself (zero-copy), or `template` rendered. The place to add a record kind."""
+    import pyarrow as pa
+
+    if spec.template is not None:
+        return render_template_column(spec, table, bad)
+    if spec.text_field not in table.column_names:
+        raise DataError(f"{spec.where()}: {file} has no field {spec.text_field!r}"
+                        f" (fields: {', '.join(table.column_names)})")
+    column = table.column(spec.text_field)
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise DataError(f"{spec.where()}: {file} field {spec.text_field!r} holds {column.type}, not text")
+    return column
 
 
 def _docstore_from_table(spec: SourceSpec, table, file: str) -> DocStore:
     import pyarrow as pa
 
     bad = BadRecords(spec, file)
-    if spec.template is not None:
-        column = render_template_column(spec, table, bad)
-    else:
-        if spec.text_field not in table.column_names:
-            raise DataError(f"{spec.where()}: {file} has no field {spec.text_field!r}"
-                            f" (fields: {', '.join(table.column_names)})")
-        column = table.column(spec.text_field)
-        if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
-            raise DataError(f"{spec.where()}: {file} field {spec.text_field!r} holds {column.type}, not text")
+    column = _text_column(spec, table, bad, file)
     chunks, chunk_ids, starts, ends, base = [], [], [], [], 0
     for arr in column.chunks:
         n = len(arr)
@@ -383,8 +685,9 @@ def _docstore_from_table(spec: SourceSpec, table, file: str) -> DocStore:
         keep = np.ones(n, bool)
         if arr.null_count:
             nulls = np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))
-            for j in nulls[:1] if spec.bad_records == "stop" else nulls:
-                bad(f"record {base + int(j) + 1}", f"no {spec.text_field!r} value")
+            if spec.template is None:  # a template's failures were reported (and counted) as it rendered
+                for j in nulls[:1] if spec.bad_records == "stop" else nulls:
+                    bad(f"record {base + int(j) + 1}", f"no {spec.text_field!r} value")
             keep[nulls] = False
         lengths = offsets[1:] - offsets[:-1]
         keep &= lengths > 0
@@ -394,18 +697,26 @@ def _docstore_from_table(spec: SourceSpec, table, file: str) -> DocStore:
         starts.append(offsets[:-1][idx])
         ends.append(offsets[1:][idx])
         base += n
-    empty = base - bad.count - sum(len(s) for s in starts)
+    empty = base - int(sum(c.null_count for c in column.chunks)) - sum(len(s) for s in starts)
     return _finish(spec, file, "text", chunks, chunk_ids, starts, ends, bad, empty)
 
 
+RENDER_BATCH = 8192  # records rendered per batch: a template source is not held as Python objects at once
+
+
 def render_template_column(spec: SourceSpec, table, bad: BadRecords):
-    """`template` rendered for every record (small instruction/QA sets: done once at load)."""
+    """`template` rendered for every record (small instruction/QA sets: the rendered text is held
+    in memory; the records are turned into Python dicts a batch at a time)."""
     import pyarrow as pa
 
-    out = []
-    for i, record in enumerate(table.to_pylist()):
-        out.append(render_template(spec, record, lambda why: bad(f"record {i + 1}", why)))
-    return pa.chunked_array([pa.array(out, type=pa.large_string())])
+    out, n = [], 0
+    for batch in table.to_batches(max_chunksize=RENDER_BATCH):
+        texts = []
+        for record in batch.to_pylist():
+            n += 1
+            texts.append(render_template(spec, record, lambda why, i=n: bad(f"record {i}", why)))
+        out.append(pa.array(texts, type=pa.large_string()))
+    return pa.chunked_array(out, type=pa.large_string())
 
 
 def render_template(spec: SourceSpec, record: dict, on_bad) -> str | None:
@@ -419,8 +730,10 @@ def render_template(spec: SourceSpec, record: dict, on_bad) -> str | None:
 
 
 def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
-    """Our own reader: memory-mapped, split with a C regex, UTF-8 checked per document."""
+    """Our own reader: memory-mapped, split with a C regex, UTF-8 checked in blocks; the document
+    bounds are kept as 8-byte integers (not Python objects), so memory stays ~16 bytes a document."""
     import mmap
+    from array import array
 
     bad = BadRecords(spec, str(p))
     try:
@@ -429,45 +742,55 @@ def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
     except OSError as e:
         raise DataError(f"{spec.where()}: cannot read {p}: {e.strerror}") from None
     sep = {"paragraph": rb"\n(?:[ \t\r]*\n)+", "line": rb"\r?\n", "document": None}[spec.sample_by]
-    if sep is None:
-        bounds = [(0, len(raw))]
-    else:
-        bounds, pos = [], 0
+    starts_a, ends_a = array("q", [0]), array("q")
+    if sep is not None:
         for m in re.finditer(sep, raw):
-            bounds.append((pos, m.start()))
-            pos = m.end()
-        end = len(raw)
-        while end > pos and raw[end - 1:end] in (b"\n", b"\r"):  # the file's final newline is no text
-            end -= 1
-        bounds.append((pos, end))
-    starts = np.fromiter((b[0] for b in bounds), np.int64, len(bounds))
-    ends = np.fromiter((b[1] for b in bounds), np.int64, len(bounds))
+            ends_a.append(m.start())
+            starts_a.append(m.end())
+    end = len(raw)
+    while sep is not None and end > starts_a[-1] and raw[end - 1:end] in (b"\n", b"\r"):
+        end -= 1  # the file's final newline is no text
+    ends_a.append(end)
+    starts, ends = np.frombuffer(starts_a, np.int64), np.frombuffer(ends_a, np.int64)
     keep = ends > starts
     # Whitespace-only pieces (e.g. a trailing newline) are not documents.
     for j in np.flatnonzero(keep & (ends - starts < 8)):
         if not raw[starts[j]:ends[j]].strip():
             keep[j] = False
-    # UTF-8: one C-speed pass over the whole file; only on failure find the offending document.
     data = np.frombuffer(raw, np.uint8) if len(raw) else np.zeros(0, np.uint8)
     pos = 0
-    while pos < len(raw):
-        try:
-            bytes(raw[pos:]).decode("utf-8") if pos else _decode_all(raw)
-            break
-        except UnicodeDecodeError as e:
-            at = pos + e.start
-            j = int(np.searchsorted(ends, at, side="right"))
-            j = min(j, len(bounds) - 1)
-            what = {"paragraph": "paragraph", "line": "line", "document": "document"}[spec.sample_by]
-            line = raw[:at].count(b"\n") + 1
-            bad(f"{what} {j + 1} (line {line})", f"not valid UTF-8 (byte {at})")
-            keep[j] = False
-            pos = max(int(ends[j]), at + 1)
+    while (at := _first_invalid_utf8(raw, pos)) is not None:  # only on failure find the offending document
+        j = min(int(np.searchsorted(ends, at, side="right")), len(ends) - 1)
+        what = {"paragraph": "paragraph", "line": "line", "document": "document"}[spec.sample_by]
+        line = raw[:at].count(b"\n") + 1
+        bad(f"{what} {j + 1} (line {line})", f"not valid UTF-8 (byte {at})")
+        keep[j] = False
+        pos = max(int(ends[j]), at + 1)
     idx = np.flatnonzero(keep)
     store = _finish(spec, str(p), "text", [data], [np.zeros(len(idx), np.int32)], [starts[idx]], [ends[idx]], bad, 0)
     if len(store) < FEW_DOCUMENTS:
         store.note = _few_documents_note(spec, p, data, len(store))
     return store
+
+
+UTF8_BLOCK = 1 << 24  # bytes decoded at a time when checking a .txt file
+
+
+def _first_invalid_utf8(raw, pos: int) -> int | None:
+    """The offset of the first byte at or after `pos` that is not valid UTF-8, or None; decoded a
+    block at a time (a whole-file decode would hold the file twice more in memory)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    while pos < len(raw):
+        block = raw[pos:pos + UTF8_BLOCK]
+        held = len(decoder.getstate()[0])  # bytes of a character begun in the previous block
+        try:
+            decoder.decode(block, final=pos + len(block) >= len(raw))
+        except UnicodeDecodeError as e:  # e.start counts from the held bytes
+            return pos - held + e.start
+        pos += len(block)
+    return None
 
 
 FEW_DOCUMENTS = 10  # a .txt file that yields fewer is named in the summary, with a sample_by hint
@@ -485,19 +808,12 @@ def _few_documents_note(spec: SourceSpec, p: Path, data: np.ndarray, n: int) -> 
     return note + (f"; use sample_by line? ({lines:,} lines)" if lines > n else "")
 
 
-def _decode_all(raw) -> None:
-    memoryview(raw).tobytes().decode("utf-8")
-
-
 def _finish(spec, file, kind, chunks, chunk_ids, starts, ends, bad: BadRecords, empty: int) -> DocStore:
+    """One file's DocStore (possibly empty: _merge decides whether the source has documents)."""
     cat = (lambda parts, dt: np.concatenate(parts).astype(dt, copy=False) if parts else np.zeros(0, dt))
-    store = DocStore(name=spec.name, kind=kind, chunks=chunks, chunk=cat(chunk_ids, np.int32),
-                     start=cat(starts, np.int64), end=cat(ends, np.int64), bad_records=bad.count,
-                     first_bad=bad.first, empty_records=empty)
-    if len(store) == 0:
-        why = f" ({bad.count} bad records skipped, first: {bad.first})" if bad.count else ""
-        raise DataError(f"{spec.where()}: {file} holds no documents{why}")
-    return store
+    return DocStore(name=spec.name, kind=kind, chunks=chunks, chunk=cat(chunk_ids, np.int32),
+                    start=cat(starts, np.int64), end=cat(ends, np.int64), bad_records=bad.count,
+                    first_bad=bad.first, empty_records=empty, files=(file,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -551,7 +867,8 @@ def cut_pieces(store: DocStore, piece_len: int, utf8: bool) -> DocStore:
     return DocStore(name=store.name, kind=store.kind, chunks=store.chunks, chunk=store.chunk[doc][keep],
                     start=start[keep], end=end[keep], bad_records=store.bad_records, first_bad=store.first_bad,
                     empty_records=store.empty_records, note=store.note, whole_documents=len(store),
-                    whole_max=store.longest, cut_documents=int((counts > 1).sum()), piece_len=piece_len)
+                    whole_max=store.longest, cut_documents=int((counts > 1).sum()), piece_len=piece_len,
+                    files=store.files)
 
 
 def make_pieces(store: DocStore, piece_len: int | None, parts: int, utf8: bool, across: str) -> DocStore:
@@ -584,16 +901,54 @@ def open_streamed(spec: SourceSpec, rank: int, world: int):
     datasets = _quiet_datasets()
     from datasets.distributed import split_dataset_by_node
 
+    what = spec.location()
     try:
         if spec.hf is not None:
-            ds = datasets.load_dataset(spec.hf, spec.config, split=spec.split, streaming=True)
+            where = spec.hf
+            if spec.local_hf:
+                found = _dataset_dir_files(spec)  # checks the split; names the builder
+                if found.fmt in ("text", SAVED):
+                    raise DataError(f"{spec.where()}: streaming applies to jsonl/parquet/arrow data files and hub"
+                                    f" datasets, not to {'.txt files' if found.fmt == 'text' else 'save_to_disk'}")
+            else:
+                where = hub_location(spec.hf)
+                what = f"hub dataset {spec.hf!r}" + (f" (local snapshot {where})" if where != spec.hf else "")
+            args = dataset_dir_args(where, spec) if os.path.isdir(where) else {
+                "data_dir": spec.data_dir, "data_files": spec.data_files}
+            ds = datasets.load_dataset(where, spec.config, split=spec.split, streaming=True, **args)
         else:
-            p = Path(spec.path)
-            ds = datasets.load_dataset(BUILDERS[p.suffix], data_files=str(p), split="train", streaming=True)
+            found = find_files(spec)
+            if found.fmt in ("text", SAVED):
+                raise DataError(f"{spec.where()}: streaming applies to jsonl/parquet/arrow data files and hub"
+                                f" datasets, not to {'.txt files' if found.fmt == 'text' else 'save_to_disk'}")
+            # The files in our sorted order; datasets gives each rank whole files when their number
+            # divides by the ranks, else every rank reads all and keeps its share of the records.
+            ds = datasets.load_dataset(found.fmt, data_files=list(found.files), split="train", streaming=True)
+    except DataError:
+        raise
     except Exception as e:
-        what = f"hub dataset {spec.hf!r}" if spec.hf else spec.path
-        raise DataError(f"{spec.where()}: cannot open {what} for streaming: {_first_line(e)}") from None
+        hint = ""
+        if spec.hf is not None and not spec.local_hf and datasets.config.HF_HUB_OFFLINE:
+            hint = (f"; offline, it must be in the local Hugging Face cache: `huggingface-cli download --repo-type"
+                    f" dataset {spec.hf}` on a machine with network (or point hf at a downloaded directory)")
+        raise DataError(f"{spec.where()}: cannot open {what} for streaming: {_first_line(e)}{hint}") from None
     return split_dataset_by_node(ds, rank=rank, world_size=world) if world > 1 else ds
+
+
+def hub_location(name: str) -> str:
+    """Where a hub dataset is read from: offline (HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1), its
+    snapshot in the Hugging Face hub cache when one is there (`huggingface-cli download`; datasets
+    by itself, offline, looks only in its own Arrow cache); otherwise the name itself (datasets
+    streams it from the hub, or offline from its Arrow cache of an earlier load_dataset)."""
+    datasets = _quiet_datasets()
+    if not datasets.config.HF_HUB_OFFLINE:
+        return name
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, repo_type="dataset", local_files_only=True)
+    except Exception:  # not in the hub cache: datasets' own cache may still have it
+        return name
 
 
 def record_text(spec: SourceSpec, record: dict, on_bad) -> str | None:

@@ -2,6 +2,8 @@
 
     zerotrain train ARGS            the driver in this process (one rank), same flags as launcher/train.py
     zerotrain launch -n N ARGS      the driver on N local ranks under the deepspeed launcher
+    zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- ARGS   checked multi-node launch
+    zerotrain slurm [--nodes N --gpus-per-node G --max-requeues K --dry-run ...] -- ARGS    sbatch script with requeue
     zerotrain demo                  build the offline demo mix and train `debug` on 2 CPU ranks
     zerotrain params [PRESET...] [--depth D] [--scaling-rule NAME --heads H] [--vocab-size V]
                                     parameter counts and training FLOPs per token
@@ -11,6 +13,8 @@
     zerotrain verify DIR            check a prepared shard directory, measure read speed
     zerotrain data-bench --data MIX.json|DIR [--seq-len N --micro-batch N]    the loader alone, tokens/s
     zerotrain tokenizer train --data MIX.json --vocab-size N --out DIR       byte-level BPE, HF format
+    zerotrain report RUN_DIR [--compare RUN_DIR2 ...]   plots + report.md in RUN_DIR/report/
+    zerotrain runs [OUT]            the run directories under OUT (default runs): status, steps, losses
 """
 from __future__ import annotations
 
@@ -19,8 +23,25 @@ import sys
 
 from launcher.errors import UsageError, fail
 
-DATA_COMMANDS = {"prepare": "prepare_main", "verify": "verify_main", "data-bench": "data_bench_main",
-                 "tokenizer": "tokenizer_main"}
+import importlib
+
+# command -> (module, function): each function takes the argument list and is also the Python API.
+# One line per command (litgpt's __main__.py habit); the usage text is this module's docstring.
+COMMANDS = {
+    "train": ("launcher.train", "main"),
+    "launch": ("launcher.launch", "launch_main"),
+    "slurm": ("launcher.launch", "slurm_main"),
+    "demo": ("launcher.demo", "main"),
+    "params": ("launcher.model_spec", "params_main"),
+    "export": ("launcher.export", "main"),
+    "profiles": ("launcher.cli", "cmd_profiles"),
+    "prepare": ("dataio.commands", "prepare_main"),
+    "verify": ("dataio.commands", "verify_main"),
+    "data-bench": ("dataio.commands", "data_bench_main"),
+    "tokenizer": ("dataio.commands", "tokenizer_main"),
+    "report": ("launcher.report", "report_main"),
+    "runs": ("launcher.report", "runs_main"),
+}
 
 
 def cmd_profiles(argv: list[str]) -> None:
@@ -39,35 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, rest = argv[0], argv[1:]
     try:
-        if command == "train":
-            from launcher.train import main as train_main
-
-            train_main(rest)
-        elif command == "launch":
-            from launcher.launch import launch_main
-
-            launch_main(rest)
-        elif command == "demo":
-            from launcher.demo import main as demo_main
-
-            demo_main(rest)
-        elif command == "params":
-            from launcher.model_spec import params_main
-
-            params_main(rest)
-        elif command == "export":
-            from launcher.export import main as export_main
-
-            export_main(rest)
-        elif command == "profiles":
-            cmd_profiles(rest)
-        elif command in DATA_COMMANDS:  # prepare, verify, data-bench, tokenizer: dataio/commands.py
-            import dataio.commands
-
-            getattr(dataio.commands, DATA_COMMANDS[command])(rest)
-        else:
-            raise UsageError(f"unknown command {command!r} (train, launch, demo, params, export, profiles,"
-                             f" {', '.join(DATA_COMMANDS)})")
+        if command not in COMMANDS:
+            raise UsageError(f"unknown command {command!r} ({', '.join(COMMANDS)})")
+        module, function = COMMANDS[command]
+        getattr(importlib.import_module(module), function)(rest)
     except UsageError as e:
         fail(str(e))
 

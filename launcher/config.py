@@ -81,6 +81,19 @@ class RunConfig:
                         RUN)
     piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from"
                                       " --seq-len)", IDENTITY_WHEN_SET)
+    # --- observability (issue 10, section 3; launcher/metrics.py) ---
+    log: str | None = opt(None, "metrics sinks besides metrics.jsonl, comma-separated: tensorboard"
+                                " (RUN_DIR/tensorboard/), wandb (offline unless an API key is set)", RUN)
+    wandb_project: str | None = opt(None, "with --log wandb: the W&B project (default zerotrain)", RUN)
+    wandb_entity: str | None = opt(None, "with --log wandb: the W&B entity (default: your default entity)", RUN)
+    wandb_group: str | None = opt(None, "with --log wandb: the W&B group", RUN)
+    wandb_name: str | None = opt(None, "with --log wandb: the W&B display name (default: the run id; the W&B run"
+                                       " id is always the run id)", RUN)
+    # --- optimizers (issue 11; launcher/optimizers.py) ---
+    optimizer: str | None = opt(None, "adamw (default: the profile's), muon, lion, adamw-decaying-wd, ademamix, or"
+                                      " module.path:ClassName (README \"Optimizers\")", IDENTITY_WHEN_SET)
+    optimizer_args: dict | None = opt(None, "the optimizer's hyper-parameters as a JSON object, e.g."
+                                            " '{\"weight_decay\": 0.0}'", IDENTITY_WHEN_SET)
 
     @classmethod
     def kind(cls, name: str) -> str:
@@ -131,6 +144,14 @@ class RunConfig:
             raise UsageError(f"--on-spike {self.on_spike!r}: must be warn, stop or rollback")
         if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
+        from launcher.optimizers import check_optimizer  # issue 11: normalised, so `adamw` keeps the default's id
+
+        self.optimizer, self.optimizer_args = check_optimizer(self.optimizer, self.optimizer_args)
+        from launcher.metrics import WANDB_RESERVED, parse_sinks  # issue 10: observability
+
+        if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
+            raise UsageError(f"--run-id {self.run_id!r}: --log wandb uses it as the W&B run id, which cannot"
+                             f" contain any of {WANDB_RESERVED}")
 
     def warnings(self) -> list[str]:
         out = []

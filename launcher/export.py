@@ -1,10 +1,11 @@
-"""`zerotrain export RUN_DIR|CHECKPOINT --to DIR [--dtype float32|bfloat16]`.
+"""`zerotrain export RUN_DIR|CHECKPOINT --to DIR [--dtype float32|bfloat16] [--best]`.
 
 Writes a Hugging Face directory that `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
 loads as `LlamaForCausalLM` (`Qwen3ForCausalLM` for a QK-norm model): `config.json`,
 `model.safetensors`, and the tokenizer files when the run's tokenizer is a Hugging Face one.
 
-RUN_DIR means its newest complete checkpoint. The weights are the fp32 master weights, put
+RUN_DIR means its newest complete checkpoint that verifies; with --best the one
+checkpoints/best.json names (the lowest validation loss: the one users ship). The weights are the fp32 master weights, put
 together by DeepSpeed's own consolidation (`deepspeed.utils.zero_to_fp32`) from every rank's
 ZeRO-1/2/3 partition files in this one CPU process: no launch at the original world size. The
 model's shape comes from RUN_DIR/config.json, written by the driver. The checkpoint's files are
@@ -31,16 +32,36 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"export: {message}")
 
 
-def find_checkpoint(source: Path) -> tuple[Path, Path]:
-    """(checkpoint tag directory, run directory) for a run directory or a checkpoint directory."""
+def find_checkpoint(source: Path, best: bool = False) -> tuple[Path, Path]:
+    """(checkpoint tag directory, run directory) for a run directory or a checkpoint directory.
+
+    A run directory means its newest complete checkpoint that verifies (checksums in the marker),
+    or with `best` the one checkpoints/best.json names (the lowest validation loss).
+    """
     if (source / checkpoint.MARKER).is_file():
+        if best:
+            raise UsageError(f"export {source} --best: give the run directory, not a checkpoint")
+        problem = checkpoint.verify(source)
+        if problem:
+            raise UsageError(f"export {source}: {problem}")
         return source, source.parent.parent
     if (source / "checkpoints").is_dir():
+        if best:
+            marked = checkpoint.read_best(source / "checkpoints")
+            if marked is None:
+                raise UsageError(f"export {source} --best: no checkpoints/best.json (the run never evaluated;"
+                                 " train with --eval-every-steps)")
+            tag = source / "checkpoints" / marked["tag"]
+            problem = checkpoint.verify(tag) if (tag / checkpoint.MARKER).is_file() else "not complete"
+            if problem:
+                raise UsageError(f"export {source} --best: {tag}: {problem}")
+            return tag, source
         done = checkpoint.complete_checkpoints(source / "checkpoints")
         if not done:
             raise UsageError(f"export {source}: the run has no complete checkpoint"
                              f" (no checkpoints/*/{checkpoint.MARKER})")
-        return done[-1], source
+        tag = checkpoint.find_resume(source / "checkpoints", say=lambda *a: None)
+        return tag, source
     if source.exists():
         raise UsageError(f"export {source}: neither a run directory nor a complete zerotrain checkpoint")
     raise UsageError(f"export {source}: no such file or directory")
@@ -83,7 +104,7 @@ def copy_tokenizer(name: str, out: Path, tokenizer) -> list[str]:
     return copied
 
 
-def export(source: Path, out: Path, dtype: str = "float32") -> dict:
+def export(source: Path, out: Path, dtype: str = "float32", best: bool = False) -> dict:
     import torch
 
     from dataio.errors import DataError
@@ -91,7 +112,7 @@ def export(source: Path, out: Path, dtype: str = "float32") -> dict:
     from modeling import hf
     from modeling.model import ModelArgs
 
-    tag_dir, run_dir = find_checkpoint(source)
+    tag_dir, run_dir = find_checkpoint(source, best)
     saved = run_dir / "config.json"
     if not saved.is_file():
         raise UsageError(f"export {source}: no {saved} (the model's shape is read from it)")
@@ -129,8 +150,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("source", help="a run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("--to", required=True, help="the Hugging Face directory to write (new or empty)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="tensor dtype in model.safetensors")
+    p.add_argument("--best", action="store_true", help="the checkpoint checkpoints/best.json names (lowest val loss)")
     ns = p.parse_args(argv)
-    done = export(Path(ns.source), Path(ns.to), ns.dtype)
+    done = export(Path(ns.source), Path(ns.to), ns.dtype, ns.best)
     arch = "Qwen3ForCausalLM" if done["args"].qk_norm else "LlamaForCausalLM"
     print(f"exported {done['checkpoint']} -> {ns.to} ({arch}, {ns.dtype})")
     print("tokenizer: " + (", ".join(done["tokenizer_files"]) if done["tokenizer_files"] else

@@ -1,13 +1,30 @@
-"""`zerotrain launch -n N [train flags]`: the driver on N local ranks under DeepSpeed's launcher.
+"""Launch surfaces: `zerotrain launch` (local ranks or a hostfile), `zerotrain slurm`, and the
+profile rule under `accelerate launch`.
+
+    zerotrain launch -n N [train flags]
+        the driver on N local ranks under DeepSpeed's launcher
+    zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- [train flags]
+        checks first (launcher/hostfile.py): the hostfile line by line, the world size against the
+        profile's `zerotrain.hardware` (--force to override), with ssh each host's reachability and
+        zerotrain version (--skip-host-checks); then DeepSpeed's runner with the profile's
+        `zerotrain.env` for every rank (an environment file over ssh, the environment with --no_ssh)
+    zerotrain slurm [--nodes N --gpus-per-node G --time T ...] [--max-requeues K] [--dry-run] -- [train flags]
+        renders launcher/slurm/train.sbatch and submits it with sbatch (or prints it, --dry-run)
 
 DeepSpeed's launcher (deepspeed/launcher/launch.py) forwards SIGTERM/SIGINT to its children,
 gives them 30 s, kills them, and then exits 1 itself, so the driver's documented exit code (6:
 stopped by a signal, checkpoint saved) would be lost. Rank 0 therefore also writes its exit code
 to a file named by ZEROTRAIN_EXIT_FILE, and this command exits with that code when it exists.
+When ZEROTRAIN_EXIT_FILE is set for this command itself (the Slurm script does, per node), the
+code it exits with is written there too.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -16,17 +33,27 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.errors import UsageError
+from launcher.errors import EXIT_SIGNAL, UsageError
 
+REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = Path(__file__).resolve().parent / "train.py"
+SBATCH_TEMPLATE = Path(__file__).resolve().parent / "slurm" / "train.sbatch"
+# Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (launcher.trainer
+# single_process_env) and must not hand them to the ranks of a launch it starts.
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+USAGE = ("usage: zerotrain launch -n N [train flags]\n"
+         "       zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- [train flags]")
+
+
+def deepspeed_exe() -> str:
+    return shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
 
 
 def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
-    exe = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    return [exe, "--num_gpus", str(nproc), str(TRAIN_PY), *train_args]
+    return [deepspeed_exe(), "--num_gpus", str(nproc), str(TRAIN_PY), *train_args]
 
 
-def run_preserving_exit_code(cmd: list[str]) -> int:
+def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None) -> int:
     """Run a launcher command, pass our SIGTERM/SIGINT on to it, return rank 0's own exit code.
 
     The `deepspeed` runner (deepspeed/launcher/runner.py) installs no signal handler for a local
@@ -34,14 +61,27 @@ def run_preserving_exit_code(cmd: list[str]) -> int:
     gets a process group of its own and a signal goes to the whole group (every rank handles it at
     its next step boundary; launch.py's own forward arrives within SignalStop's grace window), and
     we wait until nothing of the group is left.
+
+    `env`: the environment (default ours). `relay`: a callable given the output as it arrives
+    (a notebook cell shows what is written to sys.stdout, not to file descriptor 1); by default
+    the output goes straight to our stdout/stderr.
     """
+    env = dict(os.environ if env is None else env)
+    outer_exit_file = env.get("ZEROTRAIN_EXIT_FILE")
     with tempfile.TemporaryDirectory(prefix="zerotrain-exit-") as tmp:
         exit_file = Path(tmp) / "exit_code"
-        proc = subprocess.Popen(cmd, env={**os.environ, "ZEROTRAIN_EXIT_FILE": str(exit_file)},
-                                start_new_session=True)
+        pipe = subprocess.PIPE if relay is not None else None
+        proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file)}, start_new_session=True,
+                                stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
         forward = lambda signum, frame: _signal_group(proc.pid, signum)  # noqa: E731
-        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        old = {}
         try:
+            old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        except ValueError:  # not the main thread: signals cannot be forwarded from here
+            pass
+        try:
+            if relay is not None:
+                _relay_output(proc.stdout, relay)
             code = proc.wait()
             deadline = time.time() + 60  # launch.py gives the ranks 30 s after a signal
             while _group_alive(proc.pid) and time.time() < deadline:
@@ -51,10 +91,23 @@ def run_preserving_exit_code(cmd: list[str]) -> int:
                 signal.signal(s, handler)
         if exit_file.is_file():
             try:
-                return int(exit_file.read_text().strip())
+                code = int(exit_file.read_text().strip())
             except ValueError:
                 pass
-        return code if code >= 0 else 128 - code
+        code = code if code >= 0 else 128 - code
+    if outer_exit_file:
+        Path(outer_exit_file).write_text(f"{code}\n")
+    return code
+
+
+def _relay_output(stream, relay) -> None:
+    # Chunks, not lines: a progress bar redraws with carriage returns and no newline.
+    fd = stream.fileno()
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        relay(chunk.decode("utf-8", errors="replace"))
 
 
 def _signal_group(pgid: int, signum: int) -> None:
@@ -75,12 +128,260 @@ def _group_alive(pgid: int) -> bool:
 
 
 def launch_main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] not in ("-n", "--nproc"):
-        raise UsageError("usage: zerotrain launch -n N [train flags]")
+    if argv[:1] in (["-n"], ["--nproc"]):
+        if len(argv) < 2:
+            raise UsageError(USAGE)
+        try:
+            nproc = int(argv[1])
+        except ValueError:
+            raise UsageError(f"launch -n {argv[1]!r}: not an integer") from None
+        if nproc < 1:
+            raise UsageError(f"launch -n {nproc}: must be at least 1")
+        sys.exit(run_preserving_exit_code(deepspeed_command(nproc, argv[2:])))
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):
+        raise UsageError(USAGE)
+    plan = plan_hostfile_launch(argv)
+    for line in plan.messages:
+        print(line, flush=True)
+    with tempfile.TemporaryDirectory(prefix="zerotrain-env-") as tmp:  # mode 0700: only we can read it
+        env = {**os.environ, **plan.rank_env}
+        if plan.env_file is not None:
+            # DS_ENV_FILE is joined to ~ and . by the runner; an absolute path makes both this file.
+            path = Path(tmp) / ".deepspeed_env"
+            from launcher.hostfile import write_deepspeed_env
+
+            write_deepspeed_env(path, plan.env_file)
+            env["DS_ENV_FILE"] = str(path)
+        # The runner reads the file when it starts; it is removed when the launch ends.
+        code = run_preserving_exit_code(plan.cmd, env=env)
+    sys.exit(code)
+
+
+class HostfileLaunch:
+    """What `zerotrain launch --hostfile` will run, decided before anything starts."""
+
+    def __init__(self, cmd, rank_env, env_file, messages):
+        self.cmd: list[str] = cmd
+        self.rank_env: dict[str, str] = rank_env  # into the runner's own environment (local ranks)
+        self.env_file: dict[str, str] | None = env_file  # exported to every node over ssh, or None
+        self.messages: list[str] = messages
+
+
+def deepspeed_args(flags: list[str]) -> argparse.Namespace:
+    """DeepSpeed's runner flags, parsed by the runner's own parser (one line on an error)."""
+    from deepspeed.launcher.runner import parse_args
+
+    err = io.StringIO()
     try:
-        nproc = int(argv[1])
-    except ValueError:
-        raise UsageError(f"launch -n {argv[1]!r}: not an integer") from None
-    if nproc < 1:
-        raise UsageError(f"launch -n {nproc}: must be at least 1")
-    sys.exit(run_preserving_exit_code(deepspeed_command(nproc, argv[2:])))
+        with contextlib.redirect_stderr(err):
+            return parse_args(flags + [str(TRAIN_PY)])
+    except SystemExit:
+        why = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
+        raise UsageError(f"launch: deepspeed flags {' '.join(flags)}: "
+                         + (why[-1].split("error:", 1)[1].strip() if why else "not understood")) from None
+
+
+def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> HostfileLaunch:
+    """Every check of `zerotrain launch --hostfile`, in order; raises a one-line UsageError."""
+    from launcher import hostfile
+    from launcher.config import resolve_config
+    from launcher.profiles import load_profile
+
+    if "--" not in argv:
+        raise UsageError("launch --hostfile: put the train flags after -- (zerotrain launch --hostfile H"
+                         " [deepspeed flags] -- [train flags])")
+    i = argv.index("--")
+    ours, train_args = argv[:i], argv[i + 1:]
+    force, skip_hosts = "--force" in ours, "--skip-host-checks" in ours
+    ds_flags = [a for a in ours if a not in ("--force", "--skip-host-checks")]
+    ds = deepspeed_args(ds_flags)
+    hosts = hostfile.parse_hostfile(ds.hostfile)
+    active = hostfile.active_hosts(hosts, ds.include, ds.exclude, ds.num_nodes, ds.num_gpus)
+    if ds.no_ssh and not 0 <= ds.node_rank < len(active):
+        raise UsageError(f"launch --no_ssh: --node_rank {ds.node_rank} is not a node of {ds.hostfile}"
+                         f" (0 to {len(active) - 1})")
+    slots = [len(s) for s in active.values()]
+    messages = [f"launch: {len(active)} node(s) ({', '.join(f'{h}:{n}' for h, n in zip(active, slots))}),"
+                f" world {sum(slots)}"]
+    cfg = resolve_config(train_args)  # the driver's own validation of the train flags, before any node starts
+    env, passed = {}, []
+    if cfg.profile == "auto":
+        messages.append("launch: --profile auto: each node picks its profile; no world-size check, no profile"
+                        " environment")
+    else:
+        name, profile = load_profile(cfg.profile)
+        if force:
+            messages.append(f"launch: --force: world size not checked against profile {name}")
+        else:
+            hostfile.check_world(name, profile, slots)
+        env, passed, missing = hostfile.rank_env(profile, f"profile {name}")
+        messages.append("launch: " + hostfile.describe_env(env, passed, missing))
+    ssh_mode = not ds.no_ssh and (len(active) > 1 or ds.force_multi)
+    if ssh_mode and check_hosts_over_ssh and not skip_hosts:
+        hostfile.check_hosts(list(active), ds.ssh_port)
+        messages.append(f"launch: {len(active)} host(s) reachable over ssh, all running {hostfile.version_line()}")
+    extra = []
+    if ssh_mode and passed and ds.log_level in ("debug", "info") and not any(a.startswith("--log_level") for a in ours):
+        # The runner logs its whole pdsh command, exports (secrets) included, at info level.
+        extra = ["--log_level=warning"]
+    cmd = [deepspeed_exe(), *ds_flags, *extra, str(TRAIN_PY), *train_args]
+    if ssh_mode:
+        return HostfileLaunch(cmd, {}, env, messages)
+    return HostfileLaunch(cmd, env, None, messages)
+
+
+# -- accelerate ------------------------------------------------------------------------------
+
+def profile_from_accelerate(values: dict, environ=None) -> dict:
+    """Under `accelerate launch` with a `deepspeed_config_file`, that file is the profile.
+
+    accelerate hands the file to the ranks as ACCELERATE_DEEPSPEED_CONFIG_FILE. A --profile (flag
+    or recipe) naming another file is refused, naming both; one naming the same file is fine.
+    Returns the values to override ({"profile": NAME} for a file in ds_configs/, so the run id is
+    the one `--profile NAME` gives; else the file's absolute path), or {} outside accelerate.
+    """
+    from launcher.profiles import PROFILE_DIR
+
+    environ = os.environ if environ is None else environ
+    path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or path == "none":
+        return {}
+    where = f"accelerate's deepspeed_config_file {path} (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{where}: no such file (a path in the accelerate config is relative to where"
+                         " `accelerate launch` runs)")
+    file = file.resolve()
+    shipped = file.parent == PROFILE_DIR.resolve()
+    given = values.get("profile")
+    if given is not None:
+        given_file = Path(given) if given.endswith(".json") or Path(given).is_file() else PROFILE_DIR / f"{given}.json"
+        if given == "auto" or given_file.resolve() != file:
+            raise UsageError(f"--profile {given} and {where}: two different profiles; drop --profile (under"
+                             " accelerate the config file decides)")
+    return {"profile": file.stem if shipped else str(file)}
+
+
+# -- Slurm -----------------------------------------------------------------------------------
+
+class _SlurmParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"slurm: {message}")
+
+
+def slurm_parser() -> argparse.ArgumentParser:
+    p = _SlurmParser(prog="zerotrain slurm", description="Render launcher/slurm/train.sbatch and submit it.",
+                     usage="zerotrain slurm [options] -- [train flags]")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (one srun task each)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node = slots per hostfile line")
+    p.add_argument("--time", default="24:00:00", help="wall-clock limit of one job (sbatch --time)")
+    p.add_argument("--job-name", default="zerotrain")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--account", default=None)
+    p.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per node")
+    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
+                   help="one more #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)")
+    p.add_argument("--max-requeues", type=int, default=3,
+                   help="requeue after a stop by signal (exit 6) at most this many times (0: never)")
+    p.add_argument("--signal-seconds", type=int, default=120,
+                   help="SIGTERM this many seconds before the time limit (#SBATCH --signal=B:TERM@S)")
+    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--python", default=sys.executable, help="the Python of the zerotrain install on the nodes")
+    p.add_argument("--workdir", default=None, help="logs, hostfiles and exit codes (default OUT/slurm)")
+    p.add_argument("--force", action="store_true", help="skip the world-size check against the profile")
+    p.add_argument("--dry-run", action="store_true", help="print the script and the commands; submit nothing")
+    return p
+
+
+def render_sbatch(ns: argparse.Namespace, train_args: list[str], workdir: Path) -> str:
+    q = shlex.quote
+    extra = [f"#SBATCH --gpus-per-node={ns.gpus_per_node}"] if ns.accelerator_gpus else []
+    extra += [f"#SBATCH --partition={ns.partition}"] if ns.partition else []
+    extra += [f"#SBATCH --account={ns.account}"] if ns.account else []
+    extra += [f"#SBATCH --cpus-per-task={ns.cpus_per_task}"] if ns.cpus_per_task else []
+    extra += [f"#SBATCH {a}" for a in ns.sbatch_arg]
+    values = {
+        "JOB_NAME": ns.job_name, "NODES": str(ns.nodes), "TIME": ns.time, "SIGNAL_SECONDS": str(ns.signal_seconds),
+        "OUTPUT": str(workdir / "%x-%j.out"), "EXTRA_SBATCH": "\n".join(extra),
+        "PYTHON": q(ns.python), "REPO": q(str(REPO)), "CWD": q(str(Path.cwd())), "WORKDIR": q(str(workdir)),
+        "GPUS_PER_NODE": str(ns.gpus_per_node), "MASTER_PORT": str(ns.master_port),
+        "MAX_REQUEUES": str(ns.max_requeues), "EXIT_SIGNAL": str(EXIT_SIGNAL),
+        "LAUNCH_ARGS": " ".join(["--force"] if ns.force else []),
+        "TRAIN_ARGS": " ".join(q(a) for a in train_args),
+    }
+    text = SBATCH_TEMPLATE.read_text()
+    for key, value in values.items():
+        text = text.replace(f"@@{key}@@", value)
+    return text
+
+
+def node_commands(ns: argparse.Namespace, train_args: list[str], workdir: Path, hosts: list[str],
+                  job_dir: str) -> list[str]:
+    """The command each node's srun task runs (what the script's srun line expands to)."""
+    cmds = []
+    for rank, _ in enumerate(hosts):
+        argv = [ns.python, "-m", "launcher.cli", "launch", "--hostfile", f"{job_dir}/hostfile", "--no_ssh",
+                "--node_rank", str(rank), "--master_addr", hosts[0], "--master_port", str(ns.master_port),
+                *(["--force"] if ns.force else []), "--", *train_args, "--resume", "auto"]
+        cmds.append(f"ZEROTRAIN_EXIT_FILE={job_dir}/exit.{rank} " + shlex.join(argv))
+    return cmds
+
+
+def slurm_main(argv: list[str]) -> None:
+    from launcher import hostfile
+    from launcher.config import resolve_config
+    from launcher.profiles import load_profile
+
+    i = argv.index("--") if "--" in argv else len(argv)
+    ns, train_args = slurm_parser().parse_args(argv[:i]), argv[i + 1:]
+    for name in ("nodes", "gpus_per_node", "signal_seconds", "master_port"):
+        if getattr(ns, name) < 1:
+            raise UsageError(f"slurm --{name.replace('_', '-')}: must be at least 1, got {getattr(ns, name)}")
+    if ns.max_requeues < 0:
+        raise UsageError(f"slurm --max-requeues: must be 0 or more, got {ns.max_requeues}")
+    if any(a == "--resume" or a.startswith("--resume=") for a in train_args):
+        raise UsageError("slurm: --resume: the script always resumes with --resume auto (a requeued job continues"
+                         " its run); drop it")
+    cfg = resolve_config(train_args + ["--resume", "auto"])  # the driver's checks, before anything is queued
+    ns.accelerator_gpus = True
+    if cfg.profile != "auto":
+        name, profile = load_profile(cfg.profile)
+        ns.accelerator_gpus = profile.get("zerotrain", {}).get("hardware", {}).get("accelerator") != "cpu"
+        if not ns.force:
+            hostfile.check_world(name, profile, [ns.gpus_per_node] * ns.nodes)
+    workdir = Path(ns.workdir or Path(cfg.out) / "slurm").resolve()
+    script = render_sbatch(ns, train_args, workdir)
+    if ns.dry_run:
+        print(script, end="" if script.endswith("\n") else "\n")
+        print("# --- what it would run ---")
+        print(f"sbatch {workdir}/{ns.job_name}.sbatch")
+        hosts = allocated_hosts() or [f"<node {n}>" for n in range(ns.nodes)]
+        job_dir = f"{workdir}/job-{os.environ.get('SLURM_JOB_ID', '<job id>')}-r{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+        print(f"# hostfile {job_dir}/hostfile:")
+        for host in hosts:
+            print(f"#   {host} slots={ns.gpus_per_node}")
+        for rank, cmd in enumerate(node_commands(ns, train_args, workdir, hosts, job_dir)):
+            print(f"# node {rank} ({hosts[rank]}), srun task:\n{cmd}")
+        print(f"# after a stop by signal (node 0 exits {EXIT_SIGNAL}) and fewer than {ns.max_requeues} requeues"
+              " so far (SLURM_RESTART_COUNT): scontrol requeue $SLURM_JOB_ID")
+        return
+    if shutil.which("sbatch") is None:
+        raise UsageError("slurm: no sbatch command here (not a Slurm login node?); --dry-run prints the script")
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / f"{ns.job_name}.sbatch"
+    path.write_text(script)
+    proc = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise UsageError(f"slurm: sbatch {path} failed: {(proc.stderr.strip().splitlines() or ['no message'])[-1]}")
+    print(proc.stdout.strip())
+    print(f"script {path}; logs {workdir}/{ns.job_name}-<job id>.out")
+
+
+def allocated_hosts() -> list[str]:
+    """The hostnames of the current Slurm allocation (scontrol show hostnames), [] outside one."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist or shutil.which("scontrol") is None:
+        return []
+    proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    return proc.stdout.split() if proc.returncode == 0 else []

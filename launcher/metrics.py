@@ -5,11 +5,65 @@ appended, never rewritten. A resume, or a rollback after a loss spike, appends a
 (`{"event": "resume" | "rollback", "step": k, ...}`) and then re-logs steps after k: `read_metrics`
 gives the effective history (a later record for a step replaces the earlier one; an event at
 step k drops what was logged after k before it). Only rank 0 writes.
+
+`--log tensorboard,wandb` adds sinks (each optional, combinable; `parse_sinks` checks the names):
+- tensorboard: event files in RUN_DIR/tensorboard/, one scalar per numeric key of the record, its
+  name the metrics.jsonl key (a nested dict gives `key/sub`, e.g. `data_shares/prose`), x = step.
+- wandb: a W&B run whose id is the zerotrain run id (resume="allow": a resumed run continues it),
+  files under RUN_DIR/wandb/, the same scalars. Online only when credentials exist; otherwise
+  offline (`wandb sync` uploads later), so wandb never asks for a key, terminal or not.
+Both import their package only when asked for. A sink that cannot start warns and is left out:
+metrics.jsonl keeps everything, and a watcher's trouble never stops a multi-week run.
+
+Also here: `step_measurements`, what the Trainer adds to each step's record about time and memory.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import netrc
+import os
+import sys
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from launcher.errors import UsageError
+
+SINKS = ("jsonl", "tensorboard", "wandb")
+SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # sink -> the package it imports
+WANDB_RESERVED = ":;,#?/'"  # characters W&B refuses in a run id (wandb_settings.validate_run_id)
+GIB = 2 ** 30
+
+
+def parse_sinks(spec: str | None) -> list[str]:
+    """`--log a,b` as sink names, jsonl always first. UsageError (one line) for an unknown name or a
+    sink whose package is not installed, so a typo is caught before anything is built."""
+    if isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):  # a recipe may give a list
+        spec = ",".join(spec)
+    if spec is not None and not isinstance(spec, str):
+        raise UsageError(f"--log {spec!r}: expected sink names separated by commas, e.g. tensorboard,wandb")
+    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    for name in names:
+        if name not in SINKS:
+            raise UsageError(f"--log {spec}: unknown sink {name!r} (choose from {', '.join(SINKS)})")
+        package = SINK_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            raise UsageError(f"--log {name}: the {package} package is not installed (pip install {package})")
+    return ["jsonl"] + [n for n in dict.fromkeys(names) if n != "jsonl"]
+
+
+def scalars(record: dict, prefix: str = "") -> dict[str, float]:
+    """The numeric values of a step record, nested dicts flattened as `key/sub` (the step itself,
+    strings such as tokens_sha, and None are left out)."""
+    out = {}
+    for key, value in record.items():
+        if key == "step" and not prefix:
+            continue
+        if isinstance(value, dict):
+            out.update(scalars(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[prefix + key] = float(value)
+    return out
 
 
 class JsonlSink:
@@ -24,11 +78,125 @@ class JsonlSink:
         self.file.close()
 
 
-class MetricsLogger:
-    """`log(record)` for step records, `event(kind, step, **info)` for resumes, rollbacks and stops."""
+class TensorBoardSink:
+    """Scalars in RUN_DIR/tensorboard/. After a resume or rollback at step k the writer is reopened
+    with purge_step=k+1: TensorBoard then hides what the abandoned timeline logged after k, so it
+    shows the same effective history as `read_metrics`."""
 
-    def __init__(self, run_dir: Path, is_main: bool):
-        self.sinks = [JsonlSink(run_dir / "metrics.jsonl")] if is_main else []
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.writer, self.purge_step = log_dir, None, None
+
+    def write(self, record: dict) -> None:
+        if "event" in record:
+            if record["event"] in ("resume", "rollback"):
+                self.close()
+                self.purge_step = record["step"] + 1
+            return
+        if self.writer is None:  # opened at the first step, so a purge step from a resume is known
+            from torch.utils.tensorboard import SummaryWriter
+
+            # flush_secs: a person watching a live run sees new steps within 10 s (default 120 s)
+            self.writer = SummaryWriter(str(self.log_dir), purge_step=self.purge_step, flush_secs=10)
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def wandb_credentials() -> bool:
+    """Whether W&B has an API key without asking: WANDB_API_KEY, an identity token file, or a
+    ~/.netrc (or $NETRC) entry for WANDB_BASE_URL's host (where `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    try:
+        return netrc.netrc(os.environ.get("NETRC") or None).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_mode() -> tuple[str, str | None]:
+    """(mode for wandb.init, a note to print or None). WANDB_MODE is honoured, except that a mode
+    that would go online without credentials becomes offline: wandb would prompt for a key."""
+    mode = os.environ.get("WANDB_MODE") or "online"
+    if mode in ("offline", "dryrun", "disabled") or wandb_credentials():
+        return mode, None
+    return "offline", ("no W&B API key (WANDB_API_KEY or `wandb login`): logging offline; upload later with"
+                       " `wandb sync RUN_DIR/wandb/offline-run-*`")
+
+
+class WandbSink:
+    """One W&B run per zerotrain run (id = run id, resume="allow"), files under RUN_DIR/wandb/.
+
+    W&B cannot rewrite steps it already holds: after a resume or rollback to step k, steps up to the
+    highest one it has keep their first values there (metrics.jsonl and TensorBoard show the new
+    ones); later steps continue normally."""
+
+    def __init__(self, run_dir: Path, cfg, say):
+        import wandb
+
+        self.say = say
+        mode, note = wandb_mode()
+        if note:
+            say(f"zerotrain: note: {note}")
+        config_path = run_dir / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else cfg.to_dict()
+        kwargs = dict(project=getattr(cfg, "wandb_project", None) or "zerotrain",
+                      entity=getattr(cfg, "wandb_entity", None), group=getattr(cfg, "wandb_group", None),
+                      name=getattr(cfg, "wandb_name", None) or run_dir.name, id=run_dir.name, resume="allow",
+                      dir=str(run_dir), config=config)
+        try:
+            self.run = wandb.init(mode=mode, **kwargs)
+        except Exception as e:  # online: network down, key refused. W&B's errors have no common base
+            if mode == "offline":
+                raise
+            say(f"zerotrain: warning: --log wandb: could not start an online W&B run ({_one_line(e)});"
+                " logging offline")
+            self.run = wandb.init(mode="offline", **kwargs)
+        # The highest step W&B already has: an online resume tells; offline, our own file does.
+        self.last_step = max(self.run.step - 1, _highest_logged_step(run_dir / "metrics.jsonl"))
+        self.warned_overlap = False
+
+    def write(self, record: dict) -> None:
+        if "event" in record:
+            if record["event"] == "stop":
+                self.run.summary["stop_reason"] = record.get("reason")
+            elif record["step"] < self.last_step and not self.warned_overlap:
+                self.warned_overlap = True
+                self.say(f"zerotrain: note: W&B keeps its values for steps {record['step'] + 1}-{self.last_step}"
+                         " (it cannot rewrite them); metrics.jsonl and TensorBoard have this timeline's")
+            return
+        if record["step"] <= self.last_step:
+            return
+        self.run.log(scalars(record), step=record["step"])
+        self.last_step = record["step"]
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """`log(record)` for step records, `event(kind, step, **info)` for resumes, rollbacks and stops.
+
+    `MetricsLogger(run_dir, is_main, cfg)`: rank 0 (is_main) writes metrics.jsonl and the sinks
+    named by `cfg.log`; other ranks write nothing. Without cfg: metrics.jsonl only."""
+
+    def __init__(self, run_dir: Path, is_main: bool, cfg=None, say=None):
+        run_dir = Path(run_dir)
+        say = say or (lambda message: print(message, flush=True))
+        self.sinks = []
+        if not is_main:
+            return
+        self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        for name in parse_sinks(getattr(cfg, "log", None))[1:]:
+            try:
+                self.sinks.append(TensorBoardSink(run_dir / "tensorboard") if name == "tensorboard"
+                                  else WandbSink(run_dir, cfg, say))
+            except Exception as e:  # see the module docstring: a watcher never stops the run
+                say(f"zerotrain: warning: --log {name}: could not start ({_one_line(e)}); metrics.jsonl only")
 
     def log(self, record: dict) -> None:
         for sink in self.sinks:
@@ -65,3 +233,44 @@ def read_metrics(run_dir: Path, events: bool = False) -> list[dict]:
         steps[record["step"]] = record
     history = [steps[s] for s in sorted(steps)]
     return seen_events if events else history
+
+
+def _highest_logged_step(path: Path) -> int:
+    """The highest step ever written to metrics.jsonl, abandoned timelines included (0 if none)."""
+    highest = 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "event" not in record and isinstance(record.get("step"), int):
+                highest = max(highest, record["step"])
+    return highest
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:300]
+
+
+# -- per-step measurements (the Trainer adds these to each step's record) -------------------------
+
+def step_measurements(step_s: float, data_wait_s: float, accelerator=None) -> dict:
+    """Time and memory of one step on this rank (rank 0's go into metrics.jsonl):
+
+    step_s        wall time of the step: fetching the batches, forward, backward, optimizer
+                  (not the evaluation or the save that may follow it)
+    data_wait_s   the part of step_s spent waiting for the data loader
+    peak_rss_gib  peak resident memory of this process since it started (getrusage; host RAM,
+                  the figure that matters on a CPU node)
+    peak_mem_gib  on an accelerator only: its max_memory_allocated since the process started
+                  (torch.cuda.max_memory_allocated on a GPU)
+    """
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+    out = {"step_s": round(step_s, 4), "data_wait_s": round(data_wait_s, 4), "peak_rss_gib": round(rss / GIB, 3)}
+    if accelerator is not None and accelerator.device_name() != "cpu":
+        out["peak_mem_gib"] = round(accelerator.max_memory_allocated() / GIB, 3)
+    return out

@@ -114,7 +114,7 @@ def resolve_batch(profile: dict, micro: int | None, accum: int | None, global_to
 
 
 def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
-    """The exact dict for deepspeed.initialize: batch numbers and optimizer lr filled in.
+    """The exact dict for deepspeed.initialize: batch numbers and the optimizer (launcher/optimizers.py) filled in.
 
     The LR schedule is not in it: it is launcher.schedule's, handed to deepspeed.initialize.
     """
@@ -123,7 +123,8 @@ def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     micro, accum, train = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens,
                                         cfg.seq_len, world, where)
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
-    ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    ds["optimizer"].setdefault("params", {})["lr"] = cfg.lr
+    from launcher.optimizers import resolve_ds_optimizer
+
+    ds = resolve_ds_optimizer(ds, cfg, where)  # --optimizer: the section DeepSpeed builds, or none for a client one
     ds.pop("scheduler", None)
     return ds

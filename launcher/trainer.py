@@ -32,6 +32,7 @@ from pathlib import Path
 from dataio.errors import DataError
 from launcher import checkpoint
 from launcher.config import RunConfig, config_from
+from launcher.metrics import step_measurements
 from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_OK, EXIT_SAVE_FAILED, EXIT_SIGNAL,
                              CheckpointError, UsageError)
 
@@ -287,7 +288,7 @@ class Trainer:
         self.final_loader_state = None  # set when the data runs out: the state before the unfinished step
         from launcher.metrics import MetricsLogger
 
-        self.metrics = MetricsLogger(plan.run_dir, self.is_main)
+        self.metrics = MetricsLogger(plan.run_dir, self.is_main, self.cfg, say=self.say)  # --log sinks (issue 10)
         from launcher.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
 
         cfg = self.cfg
@@ -437,10 +438,12 @@ class Trainer:
         accum = self.plan.ds_config["gradient_accumulation_steps"]
         state_before = self.loader.state_dict() if self.stop_possible else None
         error = None
+        t_data = time.time()
         try:
             batches = [self.loader.next() for _ in range(accum)]  # every rank: the same count, or all stop
         except DataError as e:  # a bad record met mid-stream (streamed sources), on any rank
             error, batches = e, []
+        self.data_wait = time.time() - t_data
         ended = error is None and any(b is None for b in batches)
         digest = 0 if (ended or error) else batch_digest(batches)
         mine = torch.tensor([int(ended), int(error is not None), digest], dtype=torch.int64, device=self.engine.device)
@@ -509,6 +512,7 @@ class Trainer:
             self.universal_dir = None
         self.last_save_s = time.time() - t0
         self.save_seconds += self.last_save_s
+        self.saves += 1
         return self.last_saved
 
     def guard_states(self) -> dict:
@@ -524,6 +528,7 @@ class Trainer:
         self.stop_possible = any(s.on_exhausted == "stop" for s in plan.data.specs)
         self.signals.install()
         self.save_seconds = self.last_save_s = 0.0
+        self.saves = 0
         self.t_start = time.time()
         tokens_per_step = plan.ds_config["train_batch_size"] * cfg.seq_len
         logger = StepLogger(self, tokens_per_step)
@@ -539,7 +544,8 @@ class Trainer:
         finally:
             self.signals.restore()
             logger.close()
-        self.metrics.event("stop", self.step, reason=stop.stop, message=stop.message)
+        self.metrics.event("stop", self.step, reason=stop.stop, message=stop.message, saves=self.saves,
+                           save_blocked_s=round(self.save_seconds, 3))
         self.metrics.close()
         if self.is_main:
             from launcher import manifest
@@ -579,7 +585,7 @@ class Trainer:
                 if self.on_spike(loss, tokens_sha):
                     continue  # rolled back to the last good checkpoint: the loop goes on from there
                 val = self.maybe_evaluate()
-                logger.log(loss, lr, tokens_sha, time.time() - t0, val)
+                logger.log(loss, lr, tokens_sha, step_time, val)
                 last = self.step >= cfg.max_steps
                 new_best = val is not None and self.note_best(val["val_loss"])
                 if (self.checkpointer.due(self.step, save_hours, last) and not last) or new_best:
@@ -693,9 +699,12 @@ class StepLogger:
     """metrics.jsonl record and progress bar for one step (rank 0 writes; all ranks join collectives)."""
 
     def __init__(self, trainer: Trainer, tokens_per_step: int):
+        from deepspeed.accelerator import get_accelerator
+
         from modeling.model import flops_per_token
 
         self.t, self.tokens_per_step = trainer, tokens_per_step
+        self.accel = get_accelerator()
         self.flops = flops_per_token(trainer.plan.model_args, trainer.cfg.seq_len)
         self.peak = trainer.plan.zt.get("peak_flops_per_device")
         self.bar = None
@@ -712,6 +721,7 @@ class StepLogger:
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_seen": t.tokens_seen, "tokens_per_s": round(self.tokens_per_step / dt, 1),
                   "elapsed_s": round(t.elapsed(), 3)}
+        record.update(step_measurements(dt, t.data_wait, self.accel))
         if val is not None:
             record.update(val)
             if self.bar is not None:

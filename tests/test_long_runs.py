@@ -201,3 +201,33 @@ def test_budgets_stop_at_a_step_boundary_save_and_resume_with_a_larger_budget(tm
     third = launch("python", args[:-1] + [str(step2 + 3)])
     assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
     assert [m["step"] for m in read_metrics(out / "r")] == list(range(1, step2 + 4))
+
+
+def test_early_stop_keeps_and_exports_the_best_checkpoint(tmp_path, mix_path):
+    """Evaluated on uniformly random characters, the validation loss rises as the model learns the
+    training text: the best checkpoint is an early one, the run stops after P evaluations without
+    improvement (exit 4), and `zerotrain export RUN --best` exports that best one."""
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789!#%&()*+,-./:;<=>?@[]^_{|}~"
+    (tmp_path / "noise.jsonl").write_text("".join(
+        json.dumps({"text": "".join(rng.choice(alphabet) for _ in range(300))}) + "\n" for _ in range(40)))
+    (tmp_path / "eval.json").write_text(json.dumps({"sources": [{"name": "noise", "path": "noise.jsonl",
+                                                                  "weight": 1}]}))
+    out = tmp_path / "runs"
+    proc = launch("python", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS[:-1], "60",
+                             "--eval-data", str(tmp_path / "eval.json"), "--eval-tokens", "4000",
+                             "--eval-every-steps", "2", "--early-stop-patience", "3", "--keep-last", "1"])
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "early stop" in proc.stdout
+    history = read_metrics(out / "r")
+    evals = {m["step"]: m["val_loss"] for m in history if "val_loss" in m}
+    best_step = min(evals, key=evals.get)
+    assert max(evals) == best_step + 3 * 2 < 60  # three evaluations without a new best, then stop
+    best = json.loads((out / "r" / "checkpoints" / "best.json").read_text())
+    assert best["step"] == best_step
+    assert (out / "r" / "checkpoints" / best["tag"] / "zerotrain.json").is_file()  # rotation kept it
+    exported = subprocess.run([str(BIN / "zerotrain"), "export", str(out / "r"), "--best", "--to",
+                               str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO)
+    assert exported.returncode == 0, exported.stderr
+    assert f"exported {out / 'r' / 'checkpoints' / best['tag']}" in exported.stdout
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -1,0 +1,347 @@
+"""`finetune()`: train or fine-tune from a notebook cell (or any Python caller), in this process.
+
+    from launcher import finetune
+    result = finetune(model="hf/llama-dir" | "runs/RUN" | "debug", data="mix.json" | "docs.jsonl",
+                      max_steps=200, lr=2e-5, seq_len=1024, micro_batch=4)
+    result.run_dir, result.metrics          # the run directory, metrics.jsonl's records
+    result.export("hf-out")                  # a Hugging Face Llama directory (launcher/export.py)
+    result.generate("Question: ...", max_new_tokens=64)   # greedy, with the trained weights
+
+Keyword arguments are the driver's flags (launcher/config.py RunConfig: same names with
+underscores, same defaults except `profile="auto"`, same validation and error lines), plus:
+- `model=`: a Hugging Face Llama directory (`--init-from`; its tokenizer.json is the tokenizer
+  unless `tokenizer=` is given, and without one `tokenizer=` is required), a zerotrain run
+  directory (its best checkpoint, else its newest complete one, exported once to
+  OUT/.base-models/RUN-TAG and used as `--init-from`; the run's tokenizer), or a preset name.
+- `data=`: a mix JSON file or a prepared shard directory as for the driver; a single data file
+  (.jsonl, .parquet, .txt, .arrow) is wrapped into a one-source mix (OUT/.mixes/).
+- `launch=True, gpus=N`: the same job under the `deepspeed` launcher on N local ranks, as a
+  subprocess whose output is streamed here; the recipe is written to RUN_DIR/recipe.json.
+
+Without `launch`, the run is a world of 1 in this process (launcher.trainer.run sets the
+distributed environment itself; a second call reuses the process group), so it can be called
+again with another model or data. Bad input raises one UsageError / DataError carrying the line
+the CLI prints; a run that diverges or cannot save raises RunFailed; nothing calls sys.exit.
+
+`from launcher import finetune` gives this module, which is callable as the function: a module
+and a function of the same name in one package cannot both be `launcher.finetune` (importing the
+module rebinds the package attribute to it), so the module answers the call itself.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import socket
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dataio.errors import UsageError, ZerotrainError
+from launcher.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE
+
+DATA_FILE_SUFFIXES = (".jsonl", ".parquet", ".txt", ".arrow")
+FINETUNE_DEFAULTS = {"profile": "auto"}  # a notebook runs on whatever this machine has
+
+
+class RunFailed(ZerotrainError):
+    """The run ended with an error after it started (diverged, checkpoint write failed, crashed);
+    `.result` is the FinetuneResult (its run directory holds the last good checkpoint)."""
+
+    def __init__(self, message: str, result: "FinetuneResult"):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class FinetuneResult:
+    """A finished run: where it is, how it ended, and its trained weights."""
+    run_dir: Path
+    stop: str  # finished | data-exhausted | budget | signal | early-stop | diverged | save-failed
+    exit_code: int
+    message: str
+    checkpoint: Path | None  # the last complete checkpoint: the trained weights
+    _model: tuple | None = field(default=None, repr=False)
+
+    @property
+    def metrics(self) -> list[dict]:
+        from launcher.metrics import read_metrics
+
+        return read_metrics(self.run_dir)
+
+    def export(self, out: str | Path, dtype: str = "float32") -> Path:
+        """The trained weights as a Hugging Face Llama directory (`zerotrain export`)."""
+        from launcher import export
+
+        if self.checkpoint is None:
+            raise UsageError(f"export {self.run_dir}: the run has no complete checkpoint")
+        done = export.export(self.checkpoint, Path(out), dtype)
+        print(f"exported {done['checkpoint']} -> {out}")
+        return Path(out)
+
+    def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
+        """Greedy continuation of `prompt` by the trained weights (CPU); the new text only."""
+        if self.checkpoint is None:
+            raise UsageError(f"generate: {self.run_dir} has no complete checkpoint")
+        if self._model is None:
+            self._model = load_model(self.checkpoint)
+        return greedy(*self._model, prompt, max_new_tokens)
+
+
+def finetune(model: str | Path | None = None, data: str | Path | None = None, *, launch: bool = False,
+             gpus: int | None = None, **flags) -> FinetuneResult:
+    """Train `model` on `data` with the driver's flags as keyword arguments (see the module docstring)."""
+    from launcher.config import config_from
+
+    try:
+        # None means "not given", as for a flag left out; paths may come as Path objects
+        values = {**FINETUNE_DEFAULTS, **{k: str(v) if isinstance(v, Path) else v for k, v in flags.items()
+                                          if v is not None}}
+        out = Path(values.get("out", "runs"))
+        if data is not None:
+            values["data"] = data_spec(data, out)
+        if model is not None:
+            values.update(model_values(model, values, out))
+        cfg = config_from(values)
+        if launch:
+            return _launch(cfg, gpus)
+        if gpus not in (None, 1):
+            raise UsageError(f"gpus={gpus}: this process is one rank; more than one needs launch=True")
+        from launcher.trainer import run
+
+        result = run(cfg)
+    except UsageError as e:  # DataError too: the CLI's one line, without the driver's stack under it
+        raise e.with_traceback(None) from None
+    finally:
+        gc.collect()  # the engine of this run is unreachable now: give its memory back before the next
+    done = FinetuneResult(run_dir=Path(result.run_dir), stop=result.stop, exit_code=result.exit_code,
+                          message=result.message, checkpoint=result.last_checkpoint or _newest(result.run_dir))
+    if result.exit_code in (EXIT_DIVERGED, EXIT_SAVE_FAILED):
+        raise RunFailed(result.message, done)
+    return done
+
+
+# -- model= and data= --------------------------------------------------------------------------
+
+def model_values(model: str | Path, values: dict, out: Path) -> dict:
+    """The flags `model=` stands for: {"model": preset} or {"init_from": HF dir[, "tokenizer": ...]}."""
+    from modeling.model import PRESETS
+
+    where = f"model {model}"
+    path = Path(model).expanduser()
+    given = [k for k in ("init_from", "depth", "scaling_rule", "model") if values.get(k) is not None]
+    if given:
+        raise UsageError(f"model= and {given[0]}=: give one way to pick the model")
+    if path.is_dir():
+        if (path / "checkpoints").is_dir() or _run_config(path) is not None:
+            hf_dir, tokenizer = base_from_run(path, out)
+            return {"init_from": str(hf_dir), **({} if values.get("tokenizer") else {"tokenizer": tokenizer})}
+        if (path / "config.json").is_file():  # model_spec checks it is a Llama directory with safetensors
+            if values.get("tokenizer"):
+                return {"init_from": str(path)}
+            if not (path / "tokenizer.json").is_file():
+                raise UsageError(f"{where}: no tokenizer.json in the directory; give tokenizer= ('bytes' or a"
+                                 " tokenizer.json / directory)")
+            return {"init_from": str(path), "tokenizer": str(path)}
+        raise UsageError(f"{where}: neither a Hugging Face Llama directory (no config.json) nor a zerotrain run"
+                         " directory (no checkpoints/)")
+    if path.exists():
+        raise UsageError(f"{where}: a file; expected a Hugging Face Llama directory, a zerotrain run directory or"
+                         f" a preset ({', '.join(PRESETS)})")
+    if str(model) in PRESETS:
+        return {"model": str(model)}
+    raise UsageError(f"{where}: no such directory, and not a preset ({', '.join(PRESETS)})")
+
+
+def _run_config(run_dir: Path) -> dict | None:
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and "run" in saved and "model" in saved else None
+
+
+def best_or_newest(run_dir: Path) -> tuple[Path, str]:
+    """(checkpoint, why): the run's best checkpoint (checkpoints/best.json) if it is complete, else its newest."""
+    from launcher import checkpoint
+    from launcher.export import find_checkpoint
+
+    best = checkpoint.read_best(run_dir / "checkpoints")
+    if best is not None:
+        tag = run_dir / "checkpoints" / best["tag"]
+        if (tag / checkpoint.MARKER).is_file():
+            return tag, f"best, val_loss {best.get('val_loss')}"
+    tag, _ = find_checkpoint(run_dir)
+    return tag, "newest" + (f"; best.json names {best['tag']}, which is not complete" if best else "")
+
+
+def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
+    """A run's chosen checkpoint as a Hugging Face directory under OUT/.base-models (exported once),
+    and the tokenizer to train with. The directory must outlive this call: every resume of the
+    fine-tune re-reads --init-from, and its path is part of the fine-tune's run id."""
+    from launcher.export import export
+
+    saved = _run_config(run_dir)
+    if saved is None:
+        raise UsageError(f"model {run_dir}: a run directory without a readable config.json")
+    tag, why = best_or_newest(run_dir)
+    hf_dir = out / ".base-models" / f"{run_dir.resolve().name}-{tag.name}"
+    if not ((hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file()):
+        hf_dir.parent.mkdir(parents=True, exist_ok=True)
+        export(tag, hf_dir)
+    print(f"model {run_dir}: checkpoint {tag.name} ({why}) as {hf_dir}")
+    tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").is_file() else saved.get("tokenizer", "bytes")
+    return hf_dir, tokenizer
+
+
+def data_spec(data: str | Path, out: Path) -> str:
+    """What the driver's --data gets: a mix file or shard directory as is; a single data file wrapped
+    into a one-source mix (at a path fixed by the file's own path, so the run id stays the same).
+
+    Hook for supervised fine-tuning records (prompt/response, chat): once dataio reads them from a
+    source, a .jsonl of such records goes through here unchanged; if the source needs a key to say
+    so, add it to `source` below.
+    """
+    path = Path(data).expanduser()
+    if path.suffix not in DATA_FILE_SUFFIXES or not path.is_file():
+        return str(data)  # a mix, a shard directory, or a missing path: the driver's own checks and lines
+    source = {"name": path.stem, "path": str(path.resolve()), "weight": 1.0}
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+    mix = out / ".mixes" / f"{path.stem}-{digest}.json"
+    text = json.dumps({"sources": [source]}, indent=2) + "\n"
+    if not mix.is_file() or mix.read_text() != text:
+        mix.parent.mkdir(parents=True, exist_ok=True)
+        mix.write_text(text)
+    return str(mix)
+
+
+def _newest(run_dir) -> Path | None:
+    from launcher import checkpoint
+
+    done = checkpoint.complete_checkpoints(Path(run_dir) / "checkpoints")
+    return done[-1] if done else None
+
+
+# -- launch=True -------------------------------------------------------------------------------
+
+def _launch(cfg, gpus: int | None) -> FinetuneResult:
+    """The same run under the deepspeed launcher on `gpus` local ranks; output streamed here."""
+    from launcher.launch import RANK_VARS, TRAIN_PY, deepspeed_exe, run_preserving_exit_code
+    from launcher.trainer import plan_run
+
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < 1:
+            raise UsageError("launch=True: no GPU found here; give gpus=N (N CPU ranks work too, slowly)")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise UsageError(f"gpus={gpus!r}: must be a positive integer")
+    plan = plan_run(cfg, world=gpus, rank=0)  # every check the ranks will make, before anything starts
+    recipe = {k: v for k, v in cfg.to_dict().items() if v is not None}
+    recipe["run_id"] = plan.run_dir.name  # fixed, so the ranks' run directory is the one planned here
+    if cfg.profile == "auto":
+        recipe["profile"] = plan.profile_name  # the ranks do not detect again
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    recipe_path = plan.run_dir / "recipe.json"
+    recipe_path.write_text(json.dumps(recipe, indent=2) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [deepspeed_exe(), "--num_gpus", str(gpus), "--master_port", str(port), str(TRAIN_PY),
+           "--config", str(recipe_path)]
+    print(f"launching {gpus} rank(s): {' '.join(cmd)}", flush=True)
+    tail = []
+
+    def relay(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        tail.append(text)
+        del tail[:-50]
+
+    env = {k: v for k, v in __import__("os").environ.items() if k not in RANK_VARS}
+    code = run_preserving_exit_code(cmd, env=env, relay=relay)
+    lines = "".join(tail).splitlines()
+    errors = [ln.removeprefix("zerotrain: error: ") for ln in lines if ln.startswith("zerotrain: error: ")]
+    stops = {0: "finished", 3: "diverged", 4: "early-stop", 5: "budget", 6: "signal", 7: "save-failed"}
+    result = FinetuneResult(run_dir=plan.run_dir, stop=stops.get(code, "crashed"), exit_code=code,
+                            message=errors[-1] if errors else f"exit {code}", checkpoint=_newest(plan.run_dir))
+    if code == EXIT_USAGE:
+        raise UsageError(result.message)
+    if code not in stops or code in (EXIT_DIVERGED, EXIT_SAVE_FAILED):
+        raise RunFailed(result.message if errors else f"the launched run exited {code}; its output is above", result)
+    return result
+
+
+# -- generation --------------------------------------------------------------------------------
+
+def load_model(source: str | Path, tokenizer: str | None = None):
+    """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
+    checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json)."""
+    import torch
+
+    from dataio.tokenizer import load_tokenizer
+    from launcher import checkpoint
+    from launcher.export import consolidated_state_dict, find_checkpoint
+    from modeling import hf
+    from modeling.model import ModelArgs, Transformer
+
+    source = Path(source)
+    if (source / checkpoint.MARKER).is_file() or (source / "checkpoints").is_dir():
+        tag, run_dir = find_checkpoint(source)
+        saved = _run_config(run_dir)
+        if saved is None:
+            raise UsageError(f"generate {source}: no readable {run_dir / 'config.json'}")
+        model = Transformer(ModelArgs(**saved["model"]))
+        state = consolidated_state_dict(tag)
+        missing = set(model.load_state_dict(state, strict=False).missing_keys)
+        if missing - ({"lm_head.weight"} if model.args.tie_embeddings else set()):
+            raise UsageError(f"generate {tag}: the checkpoint lacks {sorted(missing)[0]}")
+        tok = load_tokenizer(tokenizer or saved.get("tokenizer", "bytes"))
+    else:
+        try:
+            cfg = hf.read_config(source)
+            model = Transformer(hf.args_from_config(cfg, f"generate {source}"))
+            hf.check_weights(source, model.args, cfg["vocab_size"])
+            hf.load_weights(model, source)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if tokenizer is None and not (source / "tokenizer.json").is_file():
+            raise UsageError(f"generate {source}: no tokenizer.json in the directory; give tokenizer=")
+        tok = load_tokenizer(tokenizer or str(source))
+    model.eval()
+    return model, tok
+
+
+def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
+    """The most likely next token, again and again, until EOS or `max_new_tokens` (no cache: the
+    models here are small and so are the prompts)."""
+    import torch
+
+    ids = list(tokenizer.encode(prompt))
+    if not ids:
+        raise UsageError("generate: the prompt encodes to no tokens")
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            window = (ids + new)[-model.args.max_seq_len:]
+            logits = model(torch.tensor([window]))[0, -1, :tokenizer.vocab_size]  # padded vocab rows never win
+            token = int(logits.argmax())
+            if token == tokenizer.eos_id:
+                break
+            new.append(token)
+    return tokenizer.decode(new)
+
+
+def generate(model: str | Path, prompt: str, max_new_tokens: int = 64, tokenizer: str | None = None) -> str:
+    """Greedy continuation by a checkpoint, run directory or Hugging Face directory (e.g. before fine-tuning)."""
+    return greedy(*load_model(model, tokenizer), prompt, max_new_tokens)
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs) -> FinetuneResult:
+        return finetune(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

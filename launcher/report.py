@@ -1,0 +1,544 @@
+"""What a person reads about runs: `zerotrain report RUN_DIR` and `zerotrain runs [OUT]`.
+
+    report_main(argv)   RUN_DIR/report/: PNG plots (matplotlib, Agg) and report.md; --compare overlays runs
+    runs_main(argv)     one line per run directory under OUT: status, steps, losses, tokens, last checkpoint
+
+Only files are read (nothing is imported from torch or DeepSpeed, so both are quick on a login
+node while the run trains): metrics.jsonl through `read_metrics`, config.json, manifest.json,
+checkpoints/*/zerotrain.json and best.json, and the run directory's lock (launcher/checkpoint.py).
+A run's status: running while a live process holds the lock; otherwise how the last launch ended
+(manifest segments' end_reason, else the last "stop" event): finished, stopped (why), failed (why);
+a last launch that never recorded an end was killed or crashed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher import checkpoint
+from launcher.config import _OneLineParser
+from launcher.errors import UsageError
+from launcher.manifest import read_manifest
+from launcher.metrics import read_metrics
+
+RUN_FILES = ("metrics.jsonl", "config.json", "manifest.json")  # any one of them makes a run directory
+# end reasons (launcher/guards.py STOP_KINDS) -> status; any other reason is "stopped (reason)"
+STATUS_OF = {"finished": "finished", "data-exhausted": "finished (data exhausted)",
+             "diverged": "failed (diverged)", "save-failed": "failed (checkpoint write failed)"}
+
+
+@dataclass
+class Run:
+    path: Path
+    history: list[dict]  # the effective per-step records (read_metrics)
+    events: list[dict]  # resume / rollback / stop records, in order
+    config: dict | None  # config.json
+    manifest: dict | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def series(self, key: str, x: str = "step") -> tuple[list, list]:
+        """(x values, values) of the records that carry a number under `key` ("a/b": record["a"]["b"])."""
+        xs, ys = [], []
+        for record in self.history:
+            value = record
+            for part in key.split("/"):
+                value = value.get(part) if isinstance(value, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and record.get(x) is not None:
+                xs.append(record[x])
+                ys.append(value)
+        return xs, ys
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in RUN_FILES)
+
+
+def load_run(path: str | Path) -> Run:
+    """A run directory's files; UsageError (one line) if `path` is not one."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(f"{path}: no such run directory")
+    if not is_run_dir(p):
+        raise UsageError(f"{path}: not a zerotrain run directory (none of {', '.join(RUN_FILES)} in it)")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None  # a run killed before writing it still has metrics to show
+    return Run(p, read_metrics(p), read_metrics(p, events=True), config if isinstance(config, dict) else None,
+               read_manifest(p))
+
+
+# -- status and summary ---------------------------------------------------------------------------
+
+def lock_holder(run_dir: Path) -> dict | None:
+    """The live process holding the run's lock ({"host", "pid", ...}), or None."""
+    lock = checkpoint.RunLock(run_dir, say=lambda *a: None)  # not acquired: only its staleness test is used
+    holder, age = lock._holder()
+    if holder is None:
+        return None
+    return holder if lock._stale(holder, age) is None else None
+
+
+def run_status(run: Run) -> str:
+    holder = lock_holder(run.path)
+    if holder is not None:
+        return f"running (pid {holder.get('pid')} on {holder.get('host')})"
+    segments = (run.manifest or {}).get("segments") or []
+    if segments and "ended" not in segments[-1]:
+        return "failed (killed or crashed: no end recorded)"
+    reason = segments[-1].get("end_reason") if segments else None
+    if reason is None:
+        stops = [e for e in run.events if e.get("event") == "stop"]
+        reason = stops[-1].get("reason") if stops else None
+    if reason is None:
+        return "unknown (no launch recorded)"
+    return STATUS_OF.get(reason, f"stopped ({reason})")
+
+
+def summarize(run: Run) -> dict:
+    """The numbers report.md and `zerotrain runs` show (None where the run has no record of it)."""
+    h = run.history
+    last = h[-1] if h else {}
+    evals = [(r["step"], r["val_loss"]) for r in h if isinstance(r.get("val_loss"), (int, float))]
+    best = checkpoint.read_best(run.path / "checkpoints")
+    if best is None and evals:
+        step, loss = min(evals, key=lambda e: e[1])
+        best = {"step": step, "val_loss": loss, "tag": None}
+    tps = run.series("tokens_per_s")[1]
+    mfu = run.series("mfu")[1]
+    waits = [r["data_wait_s"] / r["step_s"] for r in h if r.get("step_s") and r.get("data_wait_s") is not None]
+    stops = [e for e in run.events if e.get("event") == "stop"]
+    ckpts = checkpoint.complete_checkpoints(run.path / "checkpoints")
+    losses = run.series("loss")[1]
+    return {
+        "run": run.name, "path": str(run.path), "status": run_status(run),
+        "step": last.get("step", 0), "max_steps": ((run.config or {}).get("run") or {}).get("max_steps"),
+        "tokens": last.get("tokens_seen"), "last_loss": last.get("loss"),
+        "last_loss_mean10": statistics.fmean(losses[-10:]) if losses else None,
+        "best_val_loss": best and best["val_loss"], "best_step": best and best["step"],
+        "best_tag": best and best.get("tag"),
+        "last_val_loss": evals[-1][1] if evals else None, "last_val_step": evals[-1][0] if evals else None,
+        "tokens_per_s_median": statistics.median(tps) if tps else None,
+        "tokens_per_s_p10": _quantile(tps, 0.1), "tokens_per_s_p90": _quantile(tps, 0.9),
+        "mfu_median": statistics.median(mfu) if mfu else None,
+        "elapsed_s": last.get("elapsed_s"),
+        "evals": len(evals), "eval_s": sum(r.get("eval_s") or 0 for r in h),
+        "saves": sum(e.get("saves") or 0 for e in stops), "save_s": sum(e.get("save_blocked_s") or 0 for e in stops),
+        "peak_rss_gib": max(run.series("peak_rss_gib")[1], default=None),
+        "peak_mem_gib": max(run.series("peak_mem_gib")[1], default=None),
+        "data_wait_median": statistics.median(waits) if waits else None,
+        "last_checkpoint": ckpts[-1].name if ckpts else None,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    i = q * (len(s) - 1)
+    lo = math.floor(i)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (i - lo)
+
+
+# -- plots ----------------------------------------------------------------------------------------
+# Each drawer draws every run on one matplotlib Axes and returns False when no run has its data.
+
+def _label(run_label: str, what: str, many: bool) -> str:
+    return f"{run_label}: {what}" if many else what
+
+
+def _smooth(values: list[float]) -> list[float]:
+    """An exponential moving average (window ~2% of the run): the trend through a noisy loss."""
+    alpha = 2 / (max(2, len(values) // 50) + 1)
+    out, avg = [], values[0]
+    for v in values:
+        avg = alpha * v + (1 - alpha) * avg
+        out.append(avg)
+    return out
+
+
+def _loss(ax, runs, labels, x: str) -> bool:
+    many = len(runs) > 1
+    drawn = False
+    for i, run in enumerate(runs):
+        xs, loss = run.series("loss", x)
+        if xs:
+            noisy = len(xs) > 50
+            ax.plot(xs, loss, color=f"C{i}", lw=0.8, alpha=0.3 if noisy else 1.0,
+                    label=None if noisy else _label(labels[i], "train", many))
+            if noisy:
+                ax.plot(xs, _smooth(loss), color=f"C{i}", lw=1.8, label=_label(labels[i], "train (smoothed)", many))
+            drawn = True
+        vx, val = run.series("val_loss", x)
+        if vx:
+            ax.plot(vx, val, "o--", color=f"C{i}", ms=4, lw=1.2, mec="black", mew=0.5,
+                    label=_label(labels[i], "validation", many))
+            drawn = True
+        if x == "step":  # where the history was resumed or rolled back
+            for e in run.events:
+                if e.get("event") in ("resume", "rollback"):
+                    ax.axvline(e["step"], color=f"C{i}", ls=":", lw=1)
+                    ax.annotate(e["event"], (e["step"], 1), xycoords=("data", "axes fraction"), rotation=90,
+                                va="top", ha="right", fontsize=7, color=f"C{i}")
+    ax.set_ylabel("loss")
+    return drawn
+
+
+def _loss_steps(ax, runs, labels):
+    ax.set_title("loss vs steps")
+    ax.set_xlabel("step")
+    return _loss(ax, runs, labels, "step")
+
+
+def _loss_tokens(ax, runs, labels):
+    from matplotlib.ticker import EngFormatter
+
+    ax.set_title("loss vs tokens")
+    ax.set_xlabel("tokens seen")
+    ax.xaxis.set_major_formatter(EngFormatter())
+    return _loss(ax, runs, labels, "tokens_seen")
+
+
+def _simple(key: str, title: str, ylabel: str, median_line: bool = False):
+    def draw(ax, runs, labels):
+        many = len(runs) > 1
+        drawn = False
+        for i, run in enumerate(runs):
+            xs, ys = run.series(key)
+            if not xs:
+                continue
+            ax.plot(xs, ys, color=f"C{i}", lw=1, label=labels[i] if many else None)
+            if median_line:
+                m = statistics.median(ys)
+                ax.axhline(m, color=f"C{i}", ls="--", lw=1, label=_label(labels[i], f"median {_num(m)}", many))
+            drawn = True
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        return drawn
+    return draw
+
+
+def _throughput(ax, runs, labels):
+    from matplotlib.ticker import EngFormatter
+
+    drawn = _simple("tokens_per_s", "throughput", "tokens / s (all ranks)", median_line=True)(ax, runs, labels)
+    ax.yaxis.set_major_formatter(EngFormatter())
+    ax.set_ylim(bottom=0)
+    return drawn
+
+
+def _grad_norm(ax, runs, labels):
+    drawn = _simple("grad_norm", "gradient norm", "global grad norm")(ax, runs, labels)
+    values = [v for run in runs for v in run.series("grad_norm")[1] if v > 0]
+    if values and max(values) / min(values) > 50:  # early steps dwarf the rest on a linear axis
+        ax.set_yscale("log")
+    return drawn
+
+
+def _shares(ax, runs, labels):
+    from matplotlib.ticker import PercentFormatter
+
+    many = len(runs) > 1
+    drawn = False
+    styles = ["-", "--", "-.", ":"]
+    for i, run in enumerate(runs):
+        specs = (run.config or {}).get("sources") or []
+        logged = {s for r in run.history for s in (r.get("data_shares") or {})}
+        sources = [s["name"] for s in specs if s.get("name") in logged] + sorted(logged - {s.get("name") for s in specs})
+        total = sum(s.get("weight") or 0 for s in specs) or 1
+        weights = {s.get("name"): (s.get("weight") or 0) / total for s in specs}
+        for j, source in enumerate(sources):
+            xs, ys = run.series(f"data_shares/{source}")
+            color = f"C{j}"
+            ax.plot(xs, ys, color=color, ls=styles[i % len(styles)], marker="." if len(xs) < 30 else None,
+                    label=_label(labels[i], source, many))
+            if source in weights and i == 0:
+                ax.axhline(weights[source], color=color, lw=0.8, alpha=0.5, ls=(0, (1, 3)))
+            drawn = True
+    ax.set_title("token share per source (dotted: target weight)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of tokens seen")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    return drawn
+
+
+def _memory(ax, runs, labels):
+    many = len(runs) > 1
+    drawn = False
+    for i, run in enumerate(runs):
+        for key, what, ls in (("peak_mem_gib", "accelerator peak allocated", "-"), ("peak_rss_gib", "host peak RSS", "--")):
+            xs, ys = run.series(key)
+            if xs:
+                ax.plot(xs, ys, color=f"C{i}", ls=ls, lw=1.2, label=_label(labels[i], what, many))
+                drawn = True
+    ax.set_title("peak memory (rank 0)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("GiB")
+    ax.set_ylim(bottom=0)
+    return drawn
+
+
+def _data_wait(ax, runs, labels):
+    from matplotlib.ticker import PercentFormatter
+
+    many = len(runs) > 1
+    drawn = False
+    for i, run in enumerate(runs):
+        pts = [(r["step"], r["data_wait_s"] / r["step_s"]) for r in run.history
+               if r.get("step_s") and r.get("data_wait_s") is not None]
+        if pts:
+            ax.plot(*zip(*pts), color=f"C{i}", lw=1, label=labels[i] if many else None)
+            drawn = True
+    ax.set_title("time waiting for data")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of step time")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_ylim(bottom=0)
+    return drawn
+
+
+PLOTS = [  # file name, drawer
+    ("loss_vs_steps.png", _loss_steps),
+    ("loss_vs_tokens.png", _loss_tokens),
+    ("throughput.png", _throughput),
+    ("lr.png", _simple("lr", "learning rate", "lr")),
+    ("grad_norm.png", _grad_norm),
+    ("data_shares.png", _shares),
+    ("memory.png", _memory),
+    ("data_wait.png", _data_wait),
+]
+
+
+def write_plots(runs: list[Run], out: Path) -> list[str]:
+    """One PNG per plot that has data, plus overview.png with all of them; returns the file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a login node
+    import matplotlib.pyplot as plt
+
+    labels = _labels(runs)
+    written = []
+    for name, draw in PLOTS:
+        (out / name).unlink(missing_ok=True)  # a plot this run no longer has must not linger
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+        if draw(ax, runs, labels):
+            _finish(ax)
+            fig.tight_layout()
+            fig.savefig(out / name)
+            written.append(name)
+        plt.close(fig)
+    (out / "overview.png").unlink(missing_ok=True)
+    if written:
+        cols = 2
+        rows = math.ceil(len(written) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(14, 4 * rows), dpi=90, squeeze=False)
+        drawers = dict(PLOTS)
+        for ax, name in zip(axes.flat, written):
+            drawers[name](ax, runs, labels)
+            _finish(ax)
+        for ax in list(axes.flat)[len(written):]:
+            ax.set_visible(False)
+        fig.suptitle("run " + " vs ".join(labels))
+        fig.tight_layout()
+        fig.savefig(out / "overview.png")
+        plt.close(fig)
+        written.insert(0, "overview.png")
+    return written
+
+
+def _finish(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    if ax.get_xlabel() == "step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5 on short runs
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def _labels(runs: list[Run]) -> list[str]:
+    names = [r.name for r in runs]
+    return names if len(set(names)) == len(names) else [str(r.path) for r in runs]
+
+
+# -- report.md ------------------------------------------------------------------------------------
+
+def write_report(runs: list[Run], out: Path) -> Path:
+    """out/report.md and out/*.png for runs[0], the other runs overlaid; returns report.md's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    plots = write_plots(runs, out) if any(r.history for r in runs) else []
+    run = runs[0]
+    s = summarize(run)
+    cfg = run.config or {}
+    lines = [f"# Run {run.name}", ""]
+    if cfg:
+        model = cfg.get("model") or {}
+        preset = cfg.get("run", {}).get("model")
+        lines.append(f"model {model.get('n_layers', '?')} layers x {model.get('dim', '?')}"
+                     + (f" ({preset})" if preset else "") + f", profile {cfg.get('profile')}, world size"
+                     f" {cfg.get('world_size')},"
+                     f" seq len {cfg.get('run', {}).get('seq_len')}, config hash {cfg.get('identity_hash')}")
+        lines.append("")
+    lines += [f"**Status: {s['status']}**", ""]
+    if not run.history:
+        lines += ["No steps logged yet.", ""]
+    else:
+        lines += _summary_table(s)
+    lines += _segments(run) + _events(run)
+    if len(runs) > 1:
+        lines += ["## Compared runs", "", "| run | status | steps | tokens | final loss | best val loss (step) |"
+                  " median tokens/s |", "|---|---|---|---|---|---|---|"]
+        for r in runs:
+            t = summarize(r)
+            lines.append(f"| {r.name} | {t['status']} | {t['step']} | {_tokens(t['tokens'])} | {_num(t['last_loss'])}"
+                         f" | {_num(t['best_val_loss'])} ({t['best_step'] if t['best_step'] is not None else '-'})"
+                         f" | {_num(t['tokens_per_s_median'])} |")
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots] + [""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _summary_table(s: dict) -> list[str]:
+    rows = [("steps", f"{s['step']}" + (f" of {s['max_steps']}" if s["max_steps"] else "")),
+            ("tokens seen", _tokens(s["tokens"])),
+            ("final train loss", f"{_num(s['last_loss'])} (mean of the last {min(10, s['step'])} steps"
+                                 f" {_num(s['last_loss_mean10'])})")]
+    if s["best_val_loss"] is not None:
+        where = f"step {s['best_step']}" + (f", checkpoint {s['best_tag']}" if s["best_tag"] else "")
+        rows.append(("best validation loss", f"{_num(s['best_val_loss'])} ({where})"))
+        rows.append(("last validation loss", f"{_num(s['last_val_loss'])} (step {s['last_val_step']})"))
+    if s["tokens_per_s_median"] is not None:
+        rows.append(("throughput", f"median {_num(s['tokens_per_s_median'])} tokens/s; 10th-90th percentile"
+                                   f" {_num(s['tokens_per_s_p10'])}-{_num(s['tokens_per_s_p90'])}"))
+    if s["mfu_median"] is not None:
+        rows.append(("MFU", f"median {s['mfu_median']:.1%} of the profile's peak"))
+    elapsed = s["elapsed_s"]
+    if elapsed:
+        rows.append(("training wall time", _duration(elapsed) + " (over all launches)"))
+        rows.append(("evaluations", f"{s['evals']}, {_duration(s['eval_s'])} ({s['eval_s'] / elapsed:.1%})"))
+        rows.append(("checkpoint saves", f"{s['saves']}, {_duration(s['save_s'])} blocking the loop"
+                                         f" ({s['save_s'] / elapsed:.1%}; launches that ended without a stop"
+                                         " record are not counted)"))
+    if s["data_wait_median"] is not None:
+        rows.append(("waiting for data", f"median {s['data_wait_median']:.1%} of step time"))
+    if s["peak_mem_gib"] is not None:
+        rows.append(("peak accelerator memory (rank 0)", f"{s['peak_mem_gib']:.2f} GiB"))
+    if s["peak_rss_gib"] is not None:
+        rows.append(("peak host memory, RSS (rank 0)", f"{s['peak_rss_gib']:.2f} GiB"))
+    rows.append(("last checkpoint", s["last_checkpoint"] or "none"))
+    return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+
+
+def _segments(run: Run) -> list[str]:
+    segments = (run.manifest or {}).get("segments") or []
+    if not segments:
+        return []
+    lines = ["## Launches (manifest.json)", "", "| # | started | ended | world | hosts | from checkpoint | end |",
+             "|---|---|---|---|---|---|---|"]
+    for i, seg in enumerate(segments, 1):
+        end = (f"{seg.get('end_reason')} at step {seg.get('end_step')}" if "ended" in seg
+               else "no end recorded (killed or crashed)")
+        frm = Path(seg["from_checkpoint"]).name if seg.get("from_checkpoint") else "-"
+        lines.append(f"| {i} | {seg.get('started')} | {seg.get('ended', '-')} | {seg.get('world_size')} |"
+                     f" {', '.join(seg.get('hosts') or [])} | {frm} | {end} |")
+    return lines + [""]
+
+
+def _events(run: Run) -> list[str]:
+    if not run.events:
+        return []
+    lines = ["## Resumes, rollbacks and stops (metrics.jsonl)", ""]
+    for e in run.events:
+        kind, step = e.get("event"), e.get("step")
+        if kind == "resume":
+            lines.append(f"- step {step}: resumed from {e.get('checkpoint')}")
+        elif kind == "rollback":
+            lines.append(f"- step {step}: rolled back ({e.get('why')}); data of steps"
+                         f" {'-'.join(str(x) for x in e.get('skipped_steps') or [])} skipped")
+        elif kind == "stop":
+            lines.append(f"- step {step}: stopped, {e.get('reason')}: {e.get('message')}")
+        else:
+            lines.append(f"- step {step}: {kind}")
+    return lines + [""]
+
+
+# -- number formatting ----------------------------------------------------------------------------
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 1e4:
+        return _tokens(v)
+    return f"{v:.4g}"
+
+
+def _tokens(n) -> str:
+    if n is None:
+        return "-"
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+# -- the commands -----------------------------------------------------------------------------------
+
+def report_main(argv: list[str]) -> None:
+    p = _OneLineParser(prog="zerotrain report", description="Plots and a summary of a run, in RUN_DIR/report/.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay these runs on the plots")
+    p.add_argument("--out", help="write here instead of RUN_DIR/report/")
+    ns = p.parse_args(argv)
+    runs = [load_run(d) for d in (ns.run_dir, *ns.compare)]
+    out = Path(ns.out) if ns.out else runs[0].path / "report"
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    path = write_report(runs, out)
+    plots = sorted(p.name for p in out.glob("*.png"))
+    print(f"wrote {path}" + (f" and {len(plots)} plots: {', '.join(plots)}" if plots else " (no steps logged yet)"))
+
+
+def runs_main(argv: list[str]) -> None:
+    p = _OneLineParser(prog="zerotrain runs", description="The run directories under OUT and how each stands.")
+    p.add_argument("out", nargs="?", default="runs", metavar="OUT", help="directory holding run directories (runs)")
+    p.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
+    ns = p.parse_args(argv)
+    root = Path(ns.out)
+    if not root.is_dir():
+        raise UsageError(f"{ns.out}: no such directory")
+    dirs = [d for d in root.iterdir() if is_run_dir(d)]
+    dirs.sort(key=lambda d: max((d / f).stat().st_mtime for f in RUN_FILES if (d / f).is_file()))  # newest last
+    summaries = [summarize(load_run(d)) for d in dirs]
+    if ns.json:
+        for s in summaries:
+            print(json.dumps(s))
+        return
+    if not summaries:
+        print(f"no run directories in {root}")
+        return
+    header = ("run", "status", "steps", "last loss", "best val (step)", "tokens", "last checkpoint")
+    rows = [(s["run"], s["status"], f"{s['step']}" + (f"/{s['max_steps']}" if s["max_steps"] else ""),
+             _num(s["last_loss"]),
+             f"{_num(s['best_val_loss'])} ({s['best_step']})" if s["best_val_loss"] is not None else "-",
+             _tokens(s["tokens"]), s["last_checkpoint"] or "-") for s in summaries]
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())

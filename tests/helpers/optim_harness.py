@@ -1,0 +1,319 @@
+"""Test harness for the optimizer registry (launcher/optimizers.py) under a real `deepspeed` launch.
+
+For each ZeRO stage and each optimizer asked for, on the debug model with the cpu profile's
+settings (fp32, gradient clipping 1.0), the stage overridden:
+
+1. the engine is built the way the driver builds it (zero.Init at stage 3, resolve_ds_config,
+   prepare_optimizer, deepspeed.initialize with our schedule, check_engine);
+2. update rule: from the fixed initial state, STEPS_CHECKED steps on fixed batches, and after each
+   the parameters are compared with a plain-PyTorch reference written here, independently of
+   DeepSpeed and of launcher/client_optimizers.py (same gradients: the mean over the ranks'
+   micro-batches, clipped by global norm; same lr per step from launcher/schedule.WarmupCosine).
+   Per tensor, err = |dW_ds - dW_ref| / |dW_ref| with dW the change from the initial weights;
+   `contrast` is the same measure against the AdamW reference (how far a wrong rule would be);
+3. the loss falls: STEPS_TRAINED steps on a small repeating byte corpus;
+4. optimizer state bytes per parameter held, on rank 0.
+
+Rank 0 writes one JSON object: results[stage][optimizer] = {max_err, worst, contrast, losses, ...}.
+
+Usage: deepspeed --num_gpus 2 tests/helpers/optim_harness.py OUT.json STAGES OPTIMIZER [OPTIMIZER ...]
+       (STAGES e.g. 0,1,2,3; an optimizer may carry its --optimizer-args after '=':
+       'ademamix={"warmup_steps": 2}')
+Set ZEROTRAIN_HARNESS_EAGER=1 to run torch.compile'd DeepSpeed code (Muon's update) eagerly.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+SEED, SEQ_LEN, MICRO = 1234, 64, 2
+STEPS_CHECKED, STEPS_TRAINED, WINDOWS = 3, 24, 12
+CORPUS = Path(json.__file__).with_name("decoder.py").read_bytes()
+
+
+def batch(step: int, rank: int, world: int):
+    """input_ids (MICRO, SEQ_LEN) of this step and rank: byte windows of a small fixed corpus, cycled."""
+    import torch
+
+    rows = []
+    for i in range(MICRO):
+        w = ((step * world + rank) * MICRO + i) % WINDOWS
+        rows.append(list(CORPUS[w * SEQ_LEN:(w + 1) * SEQ_LEN]))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference update rules: one step on full fp64 tensors, state in a dict per parameter
+# ------------------------------------------------------------------------------------------------
+
+def newton_schulz(g, steps=5):
+    """Keller Jordan's quintic Newton-Schulz iteration (the polynomial DeepSpeed's Muon evaluates), in fp64."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g / (g.norm() + 1e-7)
+    transposed = g.size(0) > g.size(1)
+    if transposed:
+        x = x.T
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.T if transposed else x
+
+
+def adamw_step(p, g, st, lr, betas, eps, wd):
+    st.setdefault("m", p.new_zeros(p.shape)), st.setdefault("v", p.new_zeros(p.shape))
+    st["t"] = st.get("t", 0) + 1
+    t, (b1, b2) = st["t"], betas
+    p.mul_(1 - lr * wd)
+    st["m"] = b1 * st["m"] + (1 - b1) * g
+    st["v"] = b2 * st["v"] + (1 - b2) * g * g
+    p.sub_(lr * (st["m"] / (1 - b1 ** t)) / ((st["v"] / (1 - b2 ** t)).sqrt() + eps))
+
+
+def muon_step(p, g, st, lr, momentum, wd):
+    st.setdefault("buf", p.new_zeros(p.shape))
+    st["buf"] = momentum * st["buf"] + (1 - momentum) * g
+    u = (1 - momentum) * g + momentum * st["buf"]  # Nesterov
+    o = newton_schulz(u) * math.sqrt(max(1.0, p.size(0) / p.size(1)))
+    p.mul_(1 - lr * wd)
+    p.sub_(lr * o)
+
+
+def lion_step(p, g, st, lr, betas, wd):
+    st.setdefault("m", p.new_zeros(p.shape))
+    b1, b2 = betas
+    c = b1 * st["m"] + (1 - b1) * g
+    p.mul_(1 - lr * wd)
+    p.sub_(lr * c.sign())
+    st["m"] = b2 * st["m"] + (1 - b2) * g
+
+
+def decaying_wd_step(p, g, st, lr, peak, betas, eps, wd, timescale):
+    st.setdefault("m", p.new_zeros(p.shape)), st.setdefault("v", p.new_zeros(p.shape))
+    st["t"] = st.get("t", 0) + 1
+    t, (b1, b2) = st["t"], betas
+    p.mul_(1 - wd * (lr / peak) / (1 + t / timescale))
+    st["m"] = b1 * st["m"] + (1 - b1) * g
+    st["v"] = b2 * st["v"] + (1 - b2) * g * g
+    p.sub_(lr * (st["m"] / (1 - b1 ** t)) / ((st["v"] / (1 - b2 ** t)).sqrt() + eps))
+
+
+def ademamix_step(p, g, st, lr, betas, alpha, warmup, eps, wd):
+    for k in ("m1", "m2", "v"):
+        st.setdefault(k, p.new_zeros(p.shape))
+    st["t"] = st.get("t", 0) + 1
+    t, (b1, b2, b3) = st["t"], betas
+    # Paper, section 3: alpha linear, beta3 so that the slow EMA's half-life grows linearly (eq. 3)
+    f = min(1.0, t / warmup)
+    alpha_t = alpha * f
+    b3_t = min(math.exp(math.log(b1) * math.log(b3) / ((1 - f) * math.log(b3) + f * math.log(b1))), b3)
+    st["m1"] = b1 * st["m1"] + (1 - b1) * g
+    st["m2"] = b3_t * st["m2"] + (1 - b3_t) * g
+    st["v"] = b2 * st["v"] + (1 - b2) * g * g
+    p.mul_(1 - lr * wd)
+    p.sub_(lr * (st["m1"] / (1 - b1 ** t) + alpha_t * st["m2"]) / ((st["v"] / (1 - b2 ** t)).sqrt() + eps))
+
+
+def reference_update(name, hp, cfg, ds_config):
+    """update(param_name, p, g, state, lr_multiplier) for the optimizer `name` with its resolved args."""
+    if name in (None, "adamw"):
+        prm = ds_config["optimizer"]["params"]
+        return lambda n, p, g, st, f: adamw_step(p, g, st, cfg.lr * f, prm["betas"], prm["eps"], prm["weight_decay"])
+    if name == "muon":
+        def update(n, p, g, st, f):
+            if p.dim() >= 2 and "embed" not in n and "lm_head" not in n:
+                muon_step(p, g, st, cfg.lr * f, hp["momentum"], hp["weight_decay"])
+            else:
+                adamw_step(p, g, st, hp["adam_lr"] * f, hp["betas"], hp["eps"], hp["weight_decay"])
+        return update
+    if name == "lion":
+        return lambda n, p, g, st, f: lion_step(p, g, st, cfg.lr * f, hp["betas"], hp["weight_decay"])
+    if name == "adamw-decaying-wd":
+        ts = hp["wd_timescale"] or max(1, cfg.max_steps // 10)
+        return lambda n, p, g, st, f: decaying_wd_step(p, g, st, cfg.lr * f, cfg.lr, hp["betas"], hp["eps"],
+                                                       hp["weight_decay"], ts)
+    if name == "ademamix":
+        warm = hp["warmup_steps"] or cfg.max_steps
+        return lambda n, p, g, st, f: ademamix_step(p, g, st, cfg.lr * f, hp["betas"], hp["alpha"], warm, hp["eps"],
+                                                    hp["weight_decay"])
+    raise ValueError(name)
+
+
+def reference_run(args, init: dict, world: int, update, sched, clip: float):
+    """Parameters (fp64) after each of STEPS_CHECKED steps of the reference, from `init`."""
+    import torch
+
+    from modeling.model import Transformer
+
+    model = Transformer(args).double()
+    model.load_state_dict({k: v.double() for k, v in init.items()})
+    state, out = {}, []
+    for s in range(STEPS_CHECKED):
+        grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        for r in range(world):  # DeepSpeed averages the ranks' gradients
+            model.zero_grad()
+            ids = batch(s, r, world)
+            model(input_ids=ids, labels=ids).backward()
+            for n, p in model.named_parameters():
+                grads[n] += p.grad / world
+        norm = torch.sqrt(sum((g * g).sum() for g in grads.values()))
+        coef = min(1.0, clip / (float(norm) + 1e-6)) if clip else 1.0
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                update(n, p, grads[n] * coef, state.setdefault(n, {}), sched(s))
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def full_params(model) -> dict:
+    """Every parameter whole, as fp64 on the CPU (a collective under ZeRO-3)."""
+    import deepspeed
+
+    params = list(model.parameters())
+    ctx = deepspeed.zero.GatheredParameters(params) if hasattr(params[0], "ds_id") else _null()
+    with ctx:
+        return {n: p.detach().double().cpu().clone() for n, p in model.named_parameters()}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def rel_errors(ds_params: dict, ref_params: dict, init: dict) -> dict:
+    out = {}
+    for n, ref in ref_params.items():
+        d_ref = ref - init[n].double()
+        d_ds = ds_params[n] - init[n].double()
+        out[n] = float((d_ds - d_ref).norm() / max(float(d_ref.norm()), 1e-30))
+    return out
+
+
+def state_bytes_per_param(engine) -> float:
+    """Optimizer state held by this rank / trainable elements it updates."""
+    import torch
+
+    opt = engine.basic_optimizer
+    held = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+    zero = engine.optimizer  # ZeRO keeps Muon's momentum itself (outside the basic optimizer's state)
+    for attr in ("muon_momentum_buffer_partitioned_groups_flat",):
+        for t in (getattr(zero, attr, None) or {}).values():
+            state += t.numel() * t.element_size()
+    if held == 0:  # ZeRO-3 hands the basic optimizer its fp32 partitions under other names
+        held = sum(t.numel() for t in getattr(zero, "fp32_partitioned_groups_flat", []))
+    return state / held if held else float("nan")
+
+
+def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
+    import deepspeed
+    import torch
+
+    from launcher.config import config_from
+    from launcher.optimizers import check_engine, prepare_optimizer, resolve
+    from launcher.profiles import load_profile, resolve_ds_config
+    from launcher.schedule import WarmupCosine, make_scheduler
+    from modeling.model import Transformer, preset
+
+    name, _, args_json = opt_spec.partition("=")
+    values = {"data": "-", "seq_len": SEQ_LEN, "micro_batch": MICRO, "grad_accum": 1, "max_steps": STEPS_TRAINED,
+              "warmup_steps": 2, "seed": SEED, "optimizer": name}
+    if args_json:
+        values["optimizer_args"] = args_json
+    cfg = config_from(values)  # the lr: the optimizer's default (muon 0.02, lion 3e-4, else 3e-3)
+    _, profile = load_profile("cpu")
+    profile["zero_optimization"]["stage"] = stage
+    ds_config = resolve_ds_config(profile, cfg, world, f"cpu at stage {stage}")
+    args = preset("debug", max_seq_len=SEQ_LEN)
+    torch.manual_seed(cfg.seed)
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = Transformer(args)
+    else:
+        model = Transformer(args)
+    init = full_params(model)
+    t0 = time.time()
+    ds_config, optimizer, params = prepare_optimizer(cfg, ds_config, model)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
+                                           config=ds_config, lr_scheduler=make_scheduler(cfg))
+    check_engine(cfg, engine, model)
+    build_s = time.time() - t0
+    _, hp = resolve(cfg.optimizer, cfg.optimizer_args)
+    update = reference_update(cfg.optimizer, hp, cfg, ds_config)
+    sched = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    ref = reference_run(args, init, world, update, sched, ds_config.get("gradient_clipping", 0.0)) if rank == 0 else None
+    contrast_ref = None
+    if rank == 0 and cfg.optimizer not in (None, "adamw"):
+        adamw = {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+        contrast_ref = reference_run(args, init, world, lambda n, p, g, st, f: adamw_step(
+            p, g, st, cfg.lr * f, adamw["betas"], adamw["eps"], adamw["weight_decay"]), sched,
+            ds_config.get("gradient_clipping", 0.0))
+    losses, errs, contrast, t1 = [], [], [], time.time()
+    for s in range(STEPS_TRAINED):
+        ids = batch(s, rank, world).to(engine.device)
+        loss = engine(input_ids=ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        t = torch.tensor([float(loss)], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        losses.append(float(t) / world)
+        if s < STEPS_CHECKED:
+            now = full_params(model)
+            if rank == 0:
+                errs.append(rel_errors(now, ref[s], init))
+                if contrast_ref is not None:
+                    contrast.append(min(rel_errors(now, contrast_ref[s], init).values()))
+    train_s = time.time() - t1
+    result = {"lr": cfg.lr, "hp": hp, "build_s": round(build_s, 2), "train_s": round(train_s, 2), "losses": losses,
+              "state_bytes_per_param": state_bytes_per_param(engine),
+              "optimizer_class": type(engine.basic_optimizer).__name__, "ds_optimizer": ds_config.get("optimizer")}
+    if rank == 0:
+        worst = max(errs[-1], key=errs[-1].get)
+        result.update(max_err=[max(e.values()) for e in errs], worst=worst,
+                      min_contrast=min(contrast) if contrast else None)
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    return result
+
+
+def main(out: str, stages: str, *optimizers: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if os.environ.get("ZEROTRAIN_HARNESS_EAGER"):
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+    deepspeed.init_distributed(dist_backend="gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for stage in (int(s) for s in stages.split(",")):
+        for spec in optimizers:
+            try:
+                results.setdefault(str(stage), {})[spec] = run_one(stage, spec, world, rank)
+            except Exception as e:  # noqa: BLE001 - reported per combination, the others still run
+                results.setdefault(str(stage), {})[spec] = {"error": f"{type(e).__name__}: {e}"}
+            if rank == 0:
+                r = results[str(stage)][spec]
+                print(f"stage {stage} {spec}: " + (r["error"] if "error" in r else
+                      f"err {['%.1e' % e for e in r['max_err']]} contrast {r['min_contrast']} loss"
+                      f" {r['losses'][0]:.3f}->{r['losses'][-1]:.3f} state {r['state_bytes_per_param']:.2f} B/param"
+                      f" build {r['build_s']}s train {r['train_s']}s"), flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(*argv)

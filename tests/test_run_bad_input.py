@@ -1,0 +1,62 @@
+"""Bad input of the long-run flags (issue 7): refused by `plan_run` before anything is built or
+written, with one line naming the flag; the run directory stays byte-identical. In-process
+(no launch): the exit status and one-line printing are test_bad_input.py's, for the same path."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from launcher.config import resolve_config
+from launcher.errors import UsageError
+from launcher.trainer import plan_run
+from test_bad_input import snapshot
+
+
+def corrupt_only_checkpoint(run: Path) -> None:
+    tag = run / "checkpoints" / "global_step2"
+    tag.mkdir(parents=True)
+    (tag / "model_states.pt").write_bytes(b"x" * 100)
+    (tag / "zerotrain.json").write_text(json.dumps({
+        "step": 2, "tokens_seen": 1, "world_size": 1, "run_id": "r1", "loader_workers": 0,
+        "files": {"model_states.pt": {"size": 100, "sha256": "0" * 64}}}))
+
+
+CASES = {
+    "keep-last -1": (["--keep-last", "-1"], "--keep-last: must be a non-negative integer"),
+    "save-every-hours 0": (["--save-every-hours", "0"], "--save-every-hours: must be a positive number"),
+    "eval without data": (["--eval-every-steps", "10"], "--eval-every-steps 10: no eval data"),
+    "budget without price": (["--budget-usd", "100"], "--budget-usd 100.0: needs --gpu-hour-usd"),
+    "mirror inside the run": (["--mirror", "{run}/mirror"], "inside the run directory"),
+    "out is a file": (["--out", "{run}/config.json"], "exists and is not a directory"),
+    "model and depth": (["--model", "small", "--depth", "4"], "give one way to pick the model"),
+    "checksums fail, nothing earlier": ([], "no complete checkpoint verifies"),
+    "early stop without eval": (["--early-stop-patience", "2"], "needs --eval-every-steps"),
+    "unknown spike policy": (["--on-spike", "ignore"], "--on-spike 'ignore'"),
+    "total tokens below one step": (["--total-tokens", "10"], "less than one optimizer step"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_long_run_flags_refused_before_anything_is_written(case, tmp_path, mix_path):
+    run = tmp_path / "runs" / "r1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text('{"run": {}}\n')
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    if case.startswith("checksums"):
+        corrupt_only_checkpoint(run)
+    extra, expected = CASES[case]
+    before = snapshot(run.parent)
+    argv = ["--data", str(mix_path), "--out", str(run.parent), "--run-id", "r1", "--max-steps", "50",
+            "--warmup-steps", "2"] + [a.replace("{run}", str(run)) for a in extra]
+    with pytest.raises(UsageError) as err:
+        plan_run(resolve_config(argv), world=1)
+    message = str(err.value)
+    assert expected in message and "\n" not in message, message
+    assert snapshot(run.parent) == before
+
+
+def test_warmup_beyond_max_steps_is_a_warning():
+    cfg = resolve_config(["--data", "mix.json", "--warmup-steps", "100", "--max-steps", "50"])
+    assert any("--warmup-steps 100 >= --max-steps 50" in w for w in cfg.warnings())
+    assert not resolve_config(["--data", "mix.json", "--warmup-steps", "10"]).warnings()
