@@ -8,11 +8,23 @@ Data benchmarks (dataio): the demo mix (built offline by launcher/demo.py under 
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
 byte-level BPE trained on it; `zerotrain verify` speed; and packing efficiency, best-fit (the
 default) against greedy.
+
+`local_source_memory`: a generated ~BENCH_LOCAL_GB (default 1) GB source of parquet shards laid out
+like a hub snapshot, read as one `hf` directory source in a fresh process, twice (the first read
+converts the shards into datasets' Arrow cache, the second maps the cache): load time, loader
+tokens/s over the whole source, and memory from /proc/self/status: peak RSS (VmHWM, what
+`/usr/bin/time -v` calls maximum resident set size; it counts the memory-mapped file pages read)
+and the peak of anonymous memory (RssAnon, sampled every 20 ms: the process's own memory, which
+must not grow with the source). The first read's conversion holds a few parquet row groups at
+a time (datasets reads a row group per batch): its extra memory follows the row-group size,
+not the number or size of the shards.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -136,7 +148,95 @@ def bench_packing():
     return rows
 
 
-BENCHMARKS = [bench_stream_bytes, bench_shards, bench_stream_bpe, bench_prepare_verify, bench_packing]
+LOCAL_GB = float(os.environ.get("BENCH_LOCAL_GB", "1"))
+
+
+def write_snapshot(root: Path, total_bytes: int, shards: int = 8, seed: int = 0) -> Path:
+    """~total_bytes of text documents (lowercase words, lengths log-normal around 3 kB) as parquet
+    shards sample/10BT/000_00000.parquet ... like a downloaded hub dataset. Written from numpy
+    buffers (no Python string per document), a shard at a time."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz      ", np.uint8)  # ~19% spaces: words of ~5 letters
+    (root / "sample" / "10BT").mkdir(parents=True, exist_ok=True)
+    for k in range(shards):
+        size = total_bytes // shards
+        lengths = np.clip(rng.lognormal(7.6, 0.8, size // 1500), 50, 100_000).astype(np.int64)
+        lengths = lengths[np.cumsum(lengths) <= size]
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        data = letters[rng.integers(0, 32, int(offsets[-1]), dtype=np.uint8)]
+        text = pa.LargeStringArray.from_buffers(len(lengths), pa.py_buffer(offsets), pa.py_buffer(data))
+        pq.write_table(pa.table({"text": text}), root / "sample" / "10BT" / f"{k:03d}_00000.parquet",
+                       row_group_size=16_384)
+    return root
+
+
+MEASURE = r"""
+import json, os, resource, sys, threading, time
+sys.path.insert(0, sys.argv[2])
+
+def status():
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+import datasets, numpy, torch  # noqa: the libraries' own memory is the baseline, not the source's
+from dataio.commands import bench
+from dataio.loader import load_data, open_data
+base = status()
+peak_anon = [base["RssAnon"]]
+
+def sample():
+    while True:
+        peak_anon[0] = max(peak_anon[0], status()["RssAnon"])
+        time.sleep(0.02)
+
+threading.Thread(target=sample, daemon=True).start()
+r = bench(sys.argv[1], "bytes", 2048, 8, max_tokens=int(sys.argv[3]), progress=False)
+end = status()
+peak_anon[0] = max(peak_anon[0], end["RssAnon"])
+print(json.dumps({"base_rss": base["RssAnon"] + base["RssFile"], "base_anon": base["RssAnon"],
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "peak_anon": peak_anon[0], "load_s": r["load_s"],
+                  "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"]}))
+"""
+
+
+def bench_local_source_memory():
+    """A ~LOCAL_GB GB snapshot directory as one `hf` source: memory and speed, cold and warm cache."""
+    root = write_snapshot(workdir() / "snapshot", int(LOCAL_GB * 1e9))
+    size = sum(f.stat().st_size for f in (root / "sample" / "10BT").iterdir())
+    mix = workdir() / "local-mix.json"
+    mix.write_text(json.dumps({"sources": [{"name": "fw", "weight": 1, "hf": str(root)}]}))
+    env = {**os.environ, "HF_DATASETS_CACHE": str(workdir() / "hf-datasets-cache"), "OMP_NUM_THREADS": "1"}
+    rows, text_bytes = [], int(LOCAL_GB * 1e9)
+    for label in ("first read (parquet -> Arrow cache)", "second read (Arrow cache mapped)"):
+        proc = subprocess.run([sys.executable, "-c", MEASURE, str(mix), str(REPO), str(text_bytes)],
+                              capture_output=True, text=True, env=env, cwd=REPO)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-2000:])
+        m = json.loads(proc.stdout.splitlines()[-1])
+        gb = 1 << 30
+        rows.append({"benchmark": f"local source memory, {label}",
+                     "setting": f"{LOCAL_GB:g} GB of text in 8 parquet shards ({size / 1e9:.2f} GB on disk), one hf"
+                                " source; seq 2048 x micro 8, every token read once",
+                     "result": f"peak RSS {m['peak_rss'] / gb:.2f} GiB (after imports {m['base_rss'] / gb:.2f});"
+                               f" anonymous {m['base_anon'] / gb:.2f} -> peak {m['peak_anon'] / gb:.2f} GiB;"
+                               f" load {m['load_s']:.1f}s, {m['tokens_per_s'] / 1e6:.1f}M tokens/s",
+                     "target": "anonymous memory flat (independent of the source's size)"})
+    return rows
+
+
+BENCHMARKS = [bench_stream_bytes, bench_shards, bench_stream_bpe, bench_prepare_verify, bench_packing,
+              bench_local_source_memory]
 
 
 def main(argv: list[str]) -> None:

@@ -135,9 +135,18 @@ def _muon_configure(ds, hp, cfg):
               # build, no silent fallback to Muon's inline Adam where FusedAdam is unavailable).
               "torch_adam": True}
     zero = dict(ds.get("zero_optimization") or {})
-    if zero.get("stage", 0) == 3:
+    stage = zero.get("stage", 0)
+    if stage == 3:
         zero["reduce_scatter"] = False  # DeepSpeed 0.19 refuses Muon with ZeRO-3's reduce-scatter
-    return {**ds, "optimizer": {"type": "Muon", "params": params}, "zero_optimization": zero}
+    ds = {**ds, "optimizer": {"type": "Muon", "params": params}, "zero_optimization": zero}
+    if stage >= 1 and ds.get("gradient_clipping"):
+        # ZeRO-1/2/3 orthogonalize before the global norm is taken, so DeepSpeed 0.19 clips the
+        # Muon *update* (norm ~ sqrt(sum of min(rows, cols)), a property of the model's shape), which
+        # divides every Muon step by that norm: lr 0.02 became 0.02/55 on the debug model (measured,
+        # tests/helpers/optim_harness.py; DeepSpeed issue #8439). Muon's step does not depend on the
+        # gradient's scale, so clipping buys it nothing: off, and said at start-up (describe()).
+        ds["gradient_clipping"] = 0.0
+    return ds
 
 
 def _lion_configure(ds, hp, cfg):

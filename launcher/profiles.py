@@ -57,6 +57,14 @@ def validate_profile(profile, where: str) -> None:
     peak = zt.get("peak_flops_per_device")
     if peak is not None and (not isinstance(peak, (int, float)) or peak <= 0):
         raise UsageError(f"{where}: zerotrain.peak_flops_per_device must be a positive number, got {peak!r}")
+    # issue 10: the planner's assumed MFU and pre-flight's threshold are fractions of that peak
+    for key in ("expected_mfu", "mfu_threshold"):
+        v = zt.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
+            raise UsageError(f"{where}: zerotrain.{key} must be a number in (0, 1], got {v!r}")
+    mem = zt.get("hardware", {}).get("device_memory_gib") if isinstance(zt.get("hardware"), dict) else None
+    if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
+        raise UsageError(f"{where}: zerotrain.hardware.device_memory_gib must be a positive number, got {mem!r}")
 
 
 def detect_profile() -> tuple[str, str]:

@@ -218,8 +218,8 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
     from dataio.reshard import check_reshard
     from launcher import universal
 
-    universal.check_supported(ds_config, tag_dir)
     check_reshard(data, meta["world_size"], world)
+    universal.check_supported(ds_config, tag_dir)
     saved = json.loads(saved_ds.read_text()) if saved_ds.is_file() else None
     global_batch = saved["train_batch_size"] if saved else ds_config["train_batch_size"]
     micro = ds_config["train_micro_batch_size_per_gpu"]
@@ -560,6 +560,10 @@ class Trainer:
                 print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)
         else:
             self.say(f"{stop.message}; saved checkpoint {self.last_saved}" if stop.save else stop.message)
+        if cfg.compile:
+            from torch._dynamo.utils import counters
+
+            self.say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")
         self.say(f"run directory: {plan.run_dir.resolve()}")
         return RunResult(run_dir=plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.stop,
                          message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved)

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO
+from conftest import REPO, launch
 from dataio.commands import describe_data
 from dataio.errors import DataError
 from dataio.loader import Batches, load_data, make_loader, open_data, plain
@@ -228,6 +228,26 @@ def test_prepare_takes_the_same_sources_and_gives_the_same_stream(local_hub, tmp
         assert np.array_equal(a.next_batch()["input_ids"], b.next_batch()["input_ids"])
     lines = describe_data(load_data(open_data(str(out), ByteTokenizer())), 10_000)
     assert any(ln.strip().startswith("long ") and "shard file" in ln for ln in lines)
+
+
+def test_driver_trains_from_multi_file_sources_and_records_them(local_hub, tmp_path):
+    """The real driver (one process): the summary before training names each source's files,
+    documents and tokens, and config.json records the sources as the mix gave them."""
+    mix, files = local_hub
+    out = tmp_path / "runs"
+    proc = launch("python", ["--data", str(mix), "--out", str(out), "--run-id", "r", "--max-steps", "2",
+                             "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "1", "--warmup-steps", "1"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, want in files.items():
+        line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith(name + " "))
+        assert "tokens" in line and "3 files" in line, line
+        n_docs = sum(len(docs) for _, docs in want)
+        assert f"{n_docs} documents, mean" in proc.stdout
+    sources = json.loads((out / "r" / "config.json").read_text())["sources"]
+    assert [s["hf"] or s["path"] for s in sources] == [str(mix.parent / "snap"), str(mix.parent / "gz"),
+                                                      [str(mix.parent / "txt" / "a.txt"),
+                                                       str(mix.parent / "txt" / "b*.txt")]]
+    assert sources[0]["config"] == "sample-10BT"
 
 
 # --------------------------------------------------------------------------------------------

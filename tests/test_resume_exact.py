@@ -67,16 +67,21 @@ def test_stop_and_resume_sees_the_same_tokens_and_losses(source, tmp_path, mix_p
     assert abs(a[-1]["data_shares"]["prose"] - 0.7) < 0.05
 
 
-def test_resume_on_another_world_size_is_refused(tmp_path, mix_path):
-    """A 2-rank checkpoint resumed by 1 rank: refused before anything is written."""
+def test_resume_on_another_world_size_with_a_streamed_source_is_refused(tmp_path, mix_path):
+    """A 2-rank checkpoint resumed by 1 rank when a source is streamed (its position is one rank's
+    stream state: no exact re-split): refused before anything is written."""
+    streamed = tmp_path / "streamed.json"
+    streamed.write_text(json.dumps({"sources": [{"name": "prose", "path": str(mix_path.parent / "prose.jsonl"),
+                                                 "weight": 1, "streaming": True}]}))
     out = tmp_path / "runs"
     run = out / "r" / "checkpoints" / "global_step2"
     run.mkdir(parents=True)
     (run / "zerotrain.json").write_text(json.dumps({"step": 2, "tokens_seen": 1, "world_size": 2, "run_id": "r",
                                                     "loader_workers": 0}))
     before = sorted(p.name for p in (out / "r").rglob("*"))
-    proc = launch("python", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *COMMON,
+    proc = launch("python", ["--data", str(streamed), "--out", str(out), "--run-id", "r", *COMMON,
                              "--max-steps", "4"])
     assert proc.returncode == 2
-    assert "saved by 2 ranks, this launch has 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert "source 'prose' is streamed" in proc.stderr and "cannot change world size (2 -> 1)" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in (out / "r").rglob("*")) == before

@@ -34,18 +34,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-SEED, SEQ_LEN, MICRO = 1234, 64, 2
-STEPS_CHECKED, STEPS_TRAINED, WINDOWS = 3, 24, 12
+SEED, SEQ_LEN, MICRO, ACCUM = 1234, 64, 2, 2
+STEPS_CHECKED, STEPS_TRAINED, WINDOWS = 3, 16, 12
 CORPUS = Path(json.__file__).with_name("decoder.py").read_bytes()
 
 
-def batch(step: int, rank: int, world: int):
-    """input_ids (MICRO, SEQ_LEN) of this step and rank: byte windows of a small fixed corpus, cycled."""
+def batch(step: int, micro: int, rank: int, world: int):
+    """input_ids (MICRO, SEQ_LEN) of this micro-batch: byte windows of a small fixed corpus, cycled."""
     import torch
 
     rows = []
     for i in range(MICRO):
-        w = ((step * world + rank) * MICRO + i) % WINDOWS
+        w = (((step * ACCUM + micro) * world + rank) * MICRO + i) % WINDOWS
         rows.append(list(CORPUS[w * SEQ_LEN:(w + 1) * SEQ_LEN]))
     return torch.tensor(rows, dtype=torch.long)
 
@@ -157,12 +157,13 @@ def reference_run(args, init: dict, world: int, update, sched, clip: float):
     state, out = {}, []
     for s in range(STEPS_CHECKED):
         grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-        for r in range(world):  # DeepSpeed averages the ranks' gradients
-            model.zero_grad()
-            ids = batch(s, r, world)
-            model(input_ids=ids, labels=ids).backward()
-            for n, p in model.named_parameters():
-                grads[n] += p.grad / world
+        for r in range(world):  # DeepSpeed averages over the ranks and the accumulated micro-batches
+            for j in range(ACCUM):
+                model.zero_grad()
+                ids = batch(s, j, r, world)
+                model(input_ids=ids, labels=ids).backward()
+                for n, p in model.named_parameters():
+                    grads[n] += p.grad / (world * ACCUM)
         norm = torch.sqrt(sum((g * g).sum() for g in grads.values()))
         coef = min(1.0, clip / (float(norm) + 1e-6)) if clip else 1.0
         with torch.no_grad():
@@ -196,6 +197,9 @@ def rel_errors(ds_params: dict, ref_params: dict, init: dict) -> dict:
         d_ref = ref - init[n].double()
         d_ds = ds_params[n] - init[n].double()
         out[n] = float((d_ds - d_ref).norm() / max(float(d_ref.norm()), 1e-30))
+        if os.environ.get("ZEROTRAIN_HARNESS_DEBUG") and n.startswith(("layers.0.self_attn.q", "lm_head")):
+            print(n, "norm ds/ref", float(d_ds.norm() / d_ref.norm()), "cos",
+                  float((d_ds * d_ref).sum() / d_ds.norm() / d_ref.norm()), flush=True)
     return out
 
 
@@ -227,7 +231,7 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     from modeling.model import Transformer, preset
 
     name, _, args_json = opt_spec.partition("=")
-    values = {"data": "-", "seq_len": SEQ_LEN, "micro_batch": MICRO, "grad_accum": 1, "max_steps": STEPS_TRAINED,
+    values = {"data": "-", "seq_len": SEQ_LEN, "micro_batch": MICRO, "grad_accum": ACCUM, "max_steps": STEPS_TRAINED,
               "warmup_steps": 2, "seed": SEED, "optimizer": name}
     if args_json:
         values["optimizer_args"] = args_json
@@ -235,6 +239,8 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     _, profile = load_profile("cpu")
     profile["zero_optimization"]["stage"] = stage
     ds_config = resolve_ds_config(profile, cfg, world, f"cpu at stage {stage}")
+    if os.environ.get("ZEROTRAIN_HARNESS_CLIP") is not None:
+        ds_config["gradient_clipping"] = float(os.environ["ZEROTRAIN_HARNESS_CLIP"])
     args = preset("debug", max_seq_len=SEQ_LEN)
     torch.manual_seed(cfg.seed)
     if stage == 3:
@@ -255,33 +261,37 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     ref = reference_run(args, init, world, update, sched, ds_config.get("gradient_clipping", 0.0)) if rank == 0 else None
     contrast_ref = None
     if rank == 0 and cfg.optimizer not in (None, "adamw"):
-        adamw = {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+        # What a wrong rule would score: AdamW (the profile's betas, eps, weight decay) on every
+        # tensor at that tensor's lr; for Muon, DeepSpeed's silent fallback (all AdamW at adam_lr).
+        wrong_lr = hp["adam_lr"] if cfg.optimizer == "muon" else cfg.lr
         contrast_ref = reference_run(args, init, world, lambda n, p, g, st, f: adamw_step(
-            p, g, st, cfg.lr * f, adamw["betas"], adamw["eps"], adamw["weight_decay"]), sched,
-            ds_config.get("gradient_clipping", 0.0))
+            p, g, st, wrong_lr * f, [0.9, 0.95], 1e-8, 0.1), sched, ds_config.get("gradient_clipping", 0.0))
     losses, errs, contrast, t1 = [], [], [], time.time()
     for s in range(STEPS_TRAINED):
-        ids = batch(s, rank, world).to(engine.device)
-        loss = engine(input_ids=ids, labels=ids)
-        engine.backward(loss)
-        engine.step()
-        t = torch.tensor([float(loss)], dtype=torch.float64)
+        total = 0.0
+        for j in range(ACCUM):
+            ids = batch(s, j, rank, world).to(engine.device)
+            loss = engine(input_ids=ids, labels=ids)
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach())
+        t = torch.tensor([total], dtype=torch.float64)
         torch.distributed.all_reduce(t)
-        losses.append(float(t) / world)
+        losses.append(float(t) / (world * ACCUM))
         if s < STEPS_CHECKED:
             now = full_params(model)
             if rank == 0:
                 errs.append(rel_errors(now, ref[s], init))
                 if contrast_ref is not None:
-                    contrast.append(min(rel_errors(now, contrast_ref[s], init).values()))
+                    contrast.append(max(rel_errors(now, contrast_ref[s], init).values()))
     train_s = time.time() - t1
     result = {"lr": cfg.lr, "hp": hp, "build_s": round(build_s, 2), "train_s": round(train_s, 2), "losses": losses,
               "state_bytes_per_param": state_bytes_per_param(engine),
               "optimizer_class": type(engine.basic_optimizer).__name__, "ds_optimizer": ds_config.get("optimizer")}
     if rank == 0:
         worst = max(errs[-1], key=errs[-1].get)
-        result.update(max_err=[max(e.values()) for e in errs], worst=worst,
-                      min_contrast=min(contrast) if contrast else None)
+        result.update(max_err=[max(e.values()) for e in errs], worst=worst, errors=errs[-1],
+                      contrast=contrast or None)
     if hasattr(engine, "destroy"):
         engine.destroy()
     return result
@@ -307,7 +317,7 @@ def main(out: str, stages: str, *optimizers: str) -> None:
             if rank == 0:
                 r = results[str(stage)][spec]
                 print(f"stage {stage} {spec}: " + (r["error"] if "error" in r else
-                      f"err {['%.1e' % e for e in r['max_err']]} contrast {r['min_contrast']} loss"
+                      f"err {['%.1e' % e for e in r['max_err']]} wrong-rule err {r['contrast']} loss"
                       f" {r['losses'][0]:.3f}->{r['losses'][-1]:.3f} state {r['state_bytes_per_param']:.2f} B/param"
                       f" build {r['build_s']}s train {r['train_s']}s"), flush=True)
     if rank == 0:
