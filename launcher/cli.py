@@ -8,6 +8,7 @@
     zerotrain params [PRESET...] [--depth D] [--scaling-rule NAME --heads H] [--vocab-size V]
                                     parameter counts and training FLOPs per token
     zerotrain export RUN_DIR|CHECKPOINT --to DIR    a checkpoint as a Hugging Face Llama directory
+    zerotrain plan TRAIN-FLAGS [--gpus N --gpu-mem GiB --nodes M] [--mfu F] [--json]    memory, time, money
     zerotrain profiles              the hardware profiles in ds_configs/
     zerotrain prepare --data MIX.json --tokenizer T --out DIR     tokenize a mix into verified shards
     zerotrain verify DIR            check a prepared shard directory, measure read speed
@@ -33,6 +34,7 @@ COMMANDS = {
     "slurm": ("launcher.launch", "slurm_main"),
     "demo": ("launcher.demo", "main"),
     "params": ("launcher.model_spec", "params_main"),
+    "plan": ("launcher.planner", "plan_main"),
     "export": ("launcher.export", "main"),
     "profiles": ("launcher.cli", "cmd_profiles"),
     "prepare": ("dataio.commands", "prepare_main"),

@@ -4,8 +4,9 @@
     adamw (default)    DeepSpeed's AdamW from the profile's "optimizer" section, exactly as before
     muon               DeepSpeed's native Muon (MuonWithAuxAdam): 2-D weights get Muon at --lr,
                        embeddings, head and norms get AdamW at `adam_lr`
-    lion               DeepSpeed's Lion: FusedLion on CUDA; on a CPU accelerator its CPU Lion kernel
-                       (DeepSpeedCPULion, the one ZeRO-Offload uses; built once, JIT)
+    lion               DeepSpeed's Lion kernels (FusedLion on CUDA; DeepSpeedCPULion on a CPU
+                       accelerator, JIT-built once) as a client optimizer, with sign(0) = 0 put back
+                       (both kernels move never-updated elements by a full step; client_optimizers.py)
     adamw-decaying-wd  launcher/client_optimizers.py (plain PyTorch)
     ademamix           launcher/client_optimizers.py (plain PyTorch)
     module.path:Class  a user's torch.optim.Optimizer subclass, arguments from --optimizer-args
@@ -149,20 +150,18 @@ def _muon_configure(ds, hp, cfg):
     return ds
 
 
-def _lion_configure(ds, hp, cfg):
+def _lion_client(params, hp, cfg):
     from deepspeed.accelerator import get_accelerator
 
+    from launcher.client_optimizers import sign_zero_safe
+
     if get_accelerator().device_name() == "cpu":
-        # FusedLion is a CUDA kernel ("not implemented on CPU backend"): use DeepSpeed's CPU Lion,
-        # handed in as the client optimizer (it is on DeepSpeed's ZeRO-supported list).
-        return _client_configure(ds, hp, cfg)
-    return {**ds, "optimizer": {"type": "Lion", "params": {"lr": cfg.lr, **hp}}}
-
-
-def _lion_client(params, hp, cfg):
-    from deepspeed.ops.lion import DeepSpeedCPULion
-
-    return DeepSpeedCPULion(params, lr=cfg.lr, **hp)
+        # FusedLion is a CUDA kernel ("not implemented on CPU backend"): DeepSpeed's CPU Lion, the
+        # one ZeRO-Offload uses (a C++ op, JIT-built once into ~/.cache/torch_extensions).
+        from deepspeed.ops.lion import DeepSpeedCPULion as kernel
+    else:
+        from deepspeed.ops.lion import FusedLion as kernel
+    return sign_zero_safe(kernel)(params, lr=cfg.lr, **hp)
 
 
 def _client_configure(ds, hp, cfg):
@@ -201,9 +200,10 @@ REGISTRY: dict[str, Spec] = {s.name: s for s in (
          "4 on matrices (momentum), 8 on the rest (AdamW)", _muon_configure, lr=0.02,
          notes="--lr is the Muon (matrix) lr, adam_lr the AdamW half's peak; the schedule scales both;"
                " weight_decay is decoupled and shared by both halves"),
-    Spec("lion", "DeepSpeed (FusedLion on CUDA, DeepSpeedCPULion on a CPU accelerator)",
+    Spec("lion", "DeepSpeed's kernels (FusedLion on CUDA, DeepSpeedCPULion on a CPU), sign(0) = 0 restored",
          {"betas": ((0.9, 0.99), betas(2)), "weight_decay": (0.0, nonneg)},
-         "4 (exp_avg)", _lion_configure, client=_lion_client, lr=3e-4,
+         "4 (exp_avg); 8 with DeepSpeedCPULion, which also allocates an unused exp_avg_sq", _client_configure,
+         client=_lion_client, lr=3e-4,
          notes="lr default 3e-4: Lion's sign update wants about 1/10 of AdamW's (Chen et al. 2023)"),
     Spec("adamw-decaying-wd", "zerotrain (launcher/client_optimizers.py), plain PyTorch",
          {"betas": ((0.9, 0.95), betas(2)), "eps": (1e-8, positive), "weight_decay": (3e-4, nonneg),

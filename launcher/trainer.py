@@ -32,6 +32,7 @@ from pathlib import Path
 from dataio.errors import DataError
 from launcher import checkpoint
 from launcher.config import RunConfig, config_from
+from launcher.guards import _hms
 from launcher.metrics import step_measurements
 from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_OK, EXIT_SAVE_FAILED, EXIT_SIGNAL,
                              CheckpointError, UsageError)
@@ -265,6 +266,12 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
+        from launcher.guards import Budget
+
+        budget = Budget(plan.cfg.max_hours, plan.cfg.total_tokens, plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
+                        self.world)
+        if budget.active:
+            self.say(budget.describe())
         for w in plan.warnings:
             self.say(f"zerotrain: warning: {w}")
         self.lock = self._take_lock()
@@ -748,6 +755,9 @@ class StepLogger:
             spend = t.budget.spend_usd(t.elapsed())
             if spend is not None:
                 post["usd"] = f"{spend:.2f}"
+            if t.budget.active:  # tqdm's own ETA counts --max-steps only
+                post["eta"] = _hms(t.budget.eta_s(t.elapsed(), dt, t.tokens_seen, self.tokens_per_step,
+                                                  cfg.max_steps - t.step))
             self.bar.set_postfix(post)
             self.bar.update(1)
 

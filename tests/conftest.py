@@ -96,3 +96,15 @@ def write_few_documents_mix(root: Path) -> Path:
 @pytest.fixture(scope="session")
 def few_docs_mix(tmp_path_factory) -> Path:
     return write_few_documents_mix(tmp_path_factory.mktemp("fewdocs"))
+
+
+def cpu_profile(tmp_path: Path, stage: int | None = None, workers: int | None = None) -> str:
+    """The cpu profile with another ZeRO stage and/or data-loader worker count, as a JSON path."""
+    p = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    if stage is not None:
+        p["zero_optimization"]["stage"] = stage
+    if workers is not None:
+        p["zerotrain"]["dataloader"] = {"workers": workers}
+    path = tmp_path / f"cpu-zero{stage}-w{workers}.json"
+    path.write_text(json.dumps(p))
+    return str(path)

@@ -13,20 +13,11 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, cpu_profile, launch, read_metrics
 
 N, K = 6, 3
 COMMON = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--lr", "3e-3",
           "--warmup-steps", "1", "--log-data-every-steps", "2"]
-
-
-def profile(tmp_path, workers: int) -> str:
-    p = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
-    assert p["zero_optimization"]["stage"] == 3
-    p["zerotrain"]["dataloader"] = {"workers": workers}
-    path = tmp_path / f"cpu-w{workers}.json"
-    path.write_text(json.dumps(p))
-    return str(path)
 
 
 def stop_at(run, k: int, into):
@@ -48,7 +39,7 @@ def test_stop_and_resume_sees_the_same_tokens_and_losses(source, tmp_path, mix_p
         prep = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path),
                                "--out", data, "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
         assert prep.returncode == 0, prep.stderr
-    args = ["--profile", profile(tmp_path, workers), "--data", data, *COMMON]
+    args = ["--profile", cpu_profile(tmp_path, workers=workers), "--data", data, *COMMON]
     full = launch("deepspeed", args + ["--out", str(tmp_path / "a"), "--run-id", "r", "--max-steps", str(N),
                                        "--save-every-steps", str(K)])
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]

@@ -4,23 +4,15 @@ import re
 
 import pytest
 
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, cpu_profile, launch, read_metrics
 
 COMMON = ["--model", "debug", "--seq-len", "128", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "1"]
-
-
-def profile_with_stage(tmp_path, stage: int) -> str:
-    profile = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
-    profile["zero_optimization"]["stage"] = stage
-    path = tmp_path / f"cpu-zero{stage}.json"
-    path.write_text(json.dumps(profile))
-    return str(path)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_two_ranks_train_save_and_resume(stage, tmp_path, mix_path):
     out = tmp_path / "runs"
-    args = ["--profile", profile_with_stage(tmp_path, stage), "--data", str(mix_path), "--out", str(out),
+    args = ["--profile", cpu_profile(tmp_path, stage=stage), "--data", str(mix_path), "--out", str(out),
             "--run-id", "r", *COMMON, "--save-every-steps", "3"]
     first = launch("deepspeed", args + ["--max-steps", "6"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

@@ -7,24 +7,16 @@ import json
 
 import pytest
 
-from conftest import REPO, launch, read_metrics
+from conftest import cpu_profile, launch, read_metrics
 
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
          "--log-data-every-steps", "0", "--save-every-steps", "4"]
 
 
-def profile(tmp_path, stage: int) -> str:
-    p = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
-    p["zero_optimization"]["stage"] = stage
-    path = tmp_path / f"cpu-zero{stage}.json"
-    path.write_text(json.dumps(p))
-    return str(path)
-
-
 @pytest.mark.parametrize("stage", [2, 3])
 def test_two_to_one_to_two_ranks(stage, tmp_path, mix_path):
     out = tmp_path / "runs"
-    args = ["--profile", profile(tmp_path, stage), "--data", str(mix_path), "--out", str(out), "--run-id", "r",
+    args = ["--profile", cpu_profile(tmp_path, stage=stage), "--data", str(mix_path), "--out", str(out), "--run-id", "r",
             *FLAGS]
     first = launch("deepspeed", args + ["--max-steps", "8"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

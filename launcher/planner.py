@@ -1,0 +1,563 @@
+"""The planner: memory per GPU, time and money of a run before it starts (`zerotrain plan`), and the
+driver's fit check (`fit_check`), which refuses a config that cannot fit before anything is built.
+
+    zerotrain plan [driver flags] [--gpus N --gpu-mem GiB --nodes M] [--zero S] [--mfu F] [--json]
+
+One source of truth with the model: parameters and training FLOPs per token come from
+`modeling.model.count_params` / `flops_per_token`; the batch from `launcher.profiles.resolve_batch`.
+
+Memory per rank = model states + ZeRO buffers + activations + context, plus a fragmentation allowance:
+
+- model states: DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
+  `estimate_zero3_model_states_mem_needs`, no offload): ZeRO-2 2P + 18P/N, ZeRO-3 4·L + 18P/N
+  (P parameters, N ranks, L the largest module's own parameters; 18 = 2 fp16 grads + 4 fp32 grads +
+  4 fp32 master + 8 Adam). ZeRO-0 and ZeRO-1 follow the same accounting: 20P (DeepSpeed's
+  BF16_Optimizer keeps all of it on every rank) and 4P + 16P/N (16-bit params and grads whole).
+  Runs without bf16/fp16 (the cpu profile) keep one fp32 copy of the weights and no 16-bit grads:
+  16P, 8P + 16P/N, 4P + 16P/N, 8·L + 20P/N. Other optimizers replace the 8 bytes of Adam state
+  (Lion 4, AdEMAMix 12, Muon 4 on matrices and 8 elsewhere). The two offload variants DeepSpeed
+  estimates are shown too (ZeRO-2 optimizer offload 2P; ZeRO-3 parameter + optimizer offload 4·L).
+- ZeRO buffers (DeepSpeed allocates these; its estimators leave them out): the gradient bucket
+  (`reduce_bucket_size` elements of the model's dtype, twice with `overlap_comm` at ZeRO-1/2); at ZeRO-3
+  the copy `reduce_scatter_coalesced` makes of a bucket (torch.cat) and the parameters kept
+  gathered between forward and backward (those re-used within `stage3_max_reuse_distance`: the last
+  R/2 of the forward, so min(P, R/2 + prefetch bucket)). On a CPU node untouched pages of a bucket
+  cost nothing, so a bucket counts min(bucket, P) there, and gloo stages one more bucket-size copy
+  in its reduce-scatter / reduce (measured: benchmarks/run.py planner_rss).
+- activations: `activation_bytes` below (formula in its docstring, checked against the tensors
+  autograd really saves in tests/test_planner.py).
+- context: the CUDA context, cuBLAS/NCCL workspaces (1 GiB per GPU process), or on a CPU node the
+  resident size of a driver rank before it builds the model (0.6 GiB, measured here).
+- fragmentation: 10% of everything but the context (PyTorch's caching allocator on a GPU, glibc's
+  arenas on a CPU).
+
+Time: tokens/s = MFU × peak FLOP/s × GPUs / FLOPs per token (model FLOPs: recomputation under
+activation checkpointing is not counted, so an AC profile's expected MFU is lower). The MFU default
+is the profile's `zerotrain.expected_mfu`; `zerotrain.mfu_threshold` (0.75 × expected) is pre-flight's.
+Compute-optimal (Chinchilla): C = 6·N·D with the plan's N and D, D_opt = 20·N_opt, so N_opt = √(C/120).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+
+from launcher.errors import UsageError
+
+GiB = 2**30
+CUDA_CONTEXT_BYTES = 1.0 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers per GPU process
+CPU_PROCESS_BYTES = 0.6 * GiB  # RSS of a driver rank before the model (torch, deepspeed, datasets imported)
+FRAGMENTATION = 0.10
+CHINCHILLA_TOKENS_PER_PARAM = 20
+STAGES = (0, 1, 2, 3)
+OFFLOAD = ("zero2_offload", "zero3_offload")
+OPTIMIZER_STATE_BYTES = {None: 8, "adamw": 8, "adamw-decaying-wd": 8, "lion": 4, "ademamix": 12}
+DS_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7, "stage3_max_reuse_distance": 1e9,
+               "contiguous_gradients": True}
+
+
+# ------------------------------------------------------------------------------------------------
+# The model's numbers
+# ------------------------------------------------------------------------------------------------
+
+def largest_layer(args) -> int:
+    """Parameters of the largest single module (DeepSpeed's `model_to_params`: own parameters, not recursive)."""
+    return max(args.vocab_size * args.dim, args.dim * args.ffn_hidden, args.dim * args.n_heads * args.head_dim)
+
+
+def optimizer_state_bytes(optimizer: str | None, args) -> float:
+    """Bytes of optimizer state per parameter (Adam's 8 in DeepSpeed's formula)."""
+    if optimizer == "muon":  # momentum (4) on 2-D block weights, AdamW (8) on embeddings, head, norms
+        from modeling.model import count_params
+
+        total = count_params(args)["total"]
+        norms = args.n_layers * 2 * args.dim + args.dim
+        matrices = count_params(args)["non_embedding"] - norms
+        return (4 * matrices + 8 * (total - matrices)) / total
+    return OPTIMIZER_STATE_BYTES.get(optimizer, 8)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model states: DeepSpeed's estimators
+# ------------------------------------------------------------------------------------------------
+
+def deepspeed_model_states(stage, total_params: int, largest_layer_params: int, gpus_per_node: int = 1,
+                           nodes: int = 1, optimizer_bytes: float = 8) -> tuple[float, float]:
+    """(GPU bytes, CPU bytes) per rank for 16-bit mixed precision, as DeepSpeed estimates them.
+
+    Stages 2 and 3 (and the offload variants) reproduce `estimate_zero2_model_states_mem_needs` /
+    `estimate_zero3_model_states_mem_needs` (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py,
+    additional_buffer_factor 1.5) exactly for Adam; tests/test_planner.py checks that. Stages 0
+    and 1 have no DeepSpeed estimator; they follow the same byte accounting.
+    """
+    P, L, gpus = total_params, largest_layer_params, gpus_per_node * nodes
+    per_param = 2 + 4 + 4 + optimizer_bytes  # 16-bit grads, fp32 grads, fp32 master, optimizer states
+    if stage == 0:
+        return 2 * P + per_param * P, 0.0
+    if stage == 1:
+        return 4 * P + int((per_param - 2) * P / gpus), 0.0
+    if stage == 2:
+        return 2 * P + int(per_param * P / gpus), P * 4 * gpus_per_node * 1.5
+    if stage == 3:
+        return 4 * L + int(per_param * P / gpus), L * 4 * gpus_per_node * 1.5
+    if stage == "zero2_offload":
+        return 2 * P, P * max(4 * gpus, 16) * 1.5
+    if stage == "zero3_offload":
+        return 4 * L, P * 18 * (1 / nodes) * 1.5
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def model_states_bytes(stage, P: int, L: int, gpus_per_node: int, nodes: int, mixed: bool,
+                       optimizer_bytes: float = 8) -> float:
+    """Per-rank bytes of parameters, gradients and optimizer states."""
+    if mixed or stage in OFFLOAD:
+        return deepspeed_model_states(stage, P, L, gpus_per_node, nodes, optimizer_bytes)[0]
+    # fp32 everywhere: one 4-byte copy of the weights (no 16-bit one), fp32 grads, DeepSpeed's fp32 master
+    # partition still made (a clone) at ZeRO-1/2/3, optimizer states.
+    n = gpus_per_node * nodes
+    partitioned = 4 + 4 + optimizer_bytes  # fp32 grad partition, fp32 master, optimizer states
+    return {0: (4 + 4 + optimizer_bytes) * P, 1: 8 * P + partitioned * P / n, 2: 4 * P + partitioned * P / n,
+            3: 8 * L + (4 + partitioned) * P / n}[stage]
+
+
+def zero_buffers_bytes(stage, P: int, zero: dict, mixed: bool, cpu: bool) -> float:
+    """Per-rank bytes of the ZeRO buffers DeepSpeed allocates beyond its estimate (see the module docstring)."""
+    if stage in OFFLOAD:
+        stage = int(stage[4])
+    p = 2 if mixed else 4
+    bucket = float(zero.get("reduce_bucket_size", DS_DEFAULTS["reduce_bucket_size"]))
+    used = min(bucket, P)  # elements of a bucket that real gradients ever touch
+    held = used if cpu else bucket  # a GPU allocates the whole bucket up front
+    gloo = used if cpu else 0  # gloo's reduce-scatter / reduce stage a full copy (measured)
+    contiguous = zero.get("contiguous_gradients", DS_DEFAULTS["contiguous_gradients"])
+    if stage == 0:
+        return p * (used + gloo)  # the engine flattens each all-reduce bucket
+    if stage in (1, 2):
+        overlap = bool(zero.get("overlap_comm", False))  # DeepSpeed's default: off below ZeRO-3
+        return p * ((held * (2 if overlap else 1) if contiguous else 0) + gloo)
+    reuse = float(zero.get("stage3_max_reuse_distance", DS_DEFAULTS["stage3_max_reuse_distance"]))
+    prefetch = float(zero.get("stage3_prefetch_bucket_size", DS_DEFAULTS["stage3_prefetch_bucket_size"]))
+    gathered = min(P, reuse / 2 + prefetch)
+    return p * ((held if contiguous else 0) + used + gloo + gathered)
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations of our block
+# ------------------------------------------------------------------------------------------------
+
+def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointing: bool,
+                     attention: str) -> dict:
+    """Bytes of activations per rank for one micro-batch: what autograd keeps, and the peak.
+
+    Per token, per block (modeling/model.py `Block`), with a = 2 (bf16/fp16) or 4 (fp32) bytes,
+    d = dim, f = ffn hidden, H / KV heads of head dim h, T = seq len:
+
+        2 RMSNorms    2·(8 + a)·d    fp32 input (4d; the input itself when a = 4), fp32 normalised (4d),
+                                     output (a·d, held by the projections after it)
+        attention     a·(2d + 2·KV·h) + 4H   q, k, v, output, fp32 log-sum-exp (flash-attn varlen)
+                      4·a·d + 4H + a·T       the SDPA path: k, v repeated to H heads, and the float
+                                             block-diagonal mask SDPA keeps per call (CPU, or no flash-attn)
+        SwiGLU        4·a·f          gate, silu(gate), up, their product
+        + 8                          the norms' rsqrt
+
+    Per token once: final norm (8 + a)·d, rotary cos and sin 2·a·h, ids and labels 16, the SDPA path's
+    boolean mask T, the loss's log-softmax 4·V (V the padded vocabulary).
+    Saved (no checkpointing) = tokens × (n_layers × block + once). With activation checkpointing each
+    block keeps only its input: tokens × (n_layers × a·d + once).
+    Peak = saved + the larger of two transients: at the loss, the logits and their fp32 copy, (a + 4)·V
+    per token; in backward, one block's gradients (one block's activations; with checkpointing two:
+    the recomputed block and its gradients).
+    """
+    d, f, H, KV, h, V, T = args.dim, args.ffn_hidden, args.n_heads, args.n_kv_heads, args.head_dim, \
+        args.vocab_size, seq_len
+    a = act_bytes
+    sdpa = attention == "sdpa"
+    norms = 2 * (8 + a) * d
+    attn = (4 * a * d + a * T if sdpa else a * (2 * d + 2 * KV * h)) + 4 * H
+    qk_norm = 2 * (8 + a) * (H + KV) * h if args.qk_norm else 0  # q_norm / k_norm keep the same per head
+    block = norms + attn + qk_norm + 4 * a * f + 8
+    once = (8 + a) * d + 2 * a * h + 16 + (T if sdpa else 0) + 4 * V
+    tokens = micro * seq_len
+    kept_per_block = a * d if checkpointing else block
+    saved = tokens * (args.n_layers * kept_per_block + once)
+    transient = tokens * max((a + 4) * V, (2 if checkpointing else 1) * block)
+    return {"saved": saved, "transient": transient, "peak": saved + transient, "block_per_token": block}
+
+
+# ------------------------------------------------------------------------------------------------
+# One configuration's memory
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setup:
+    """What memory depends on besides the model: hardware, precision, ZeRO settings."""
+    accelerator: str  # "cuda" or "cpu"
+    gpus_per_node: int
+    nodes: int
+    device_bytes: float  # per GPU, or per rank on a CPU node
+    mixed: bool  # bf16 / fp16
+    zero: dict  # the profile's zero_optimization section
+    optimizer_bytes: float = 8
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def cpu(self) -> bool:
+        return self.accelerator == "cpu"
+
+
+def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool) -> dict:
+    """Per-rank bytes by component for one ZeRO stage (0-3 or an offload variant)."""
+    from modeling.model import count_params
+
+    P = count_params(args)["total"]
+    states = model_states_bytes(stage, P, largest_layer(args), setup.gpus_per_node, setup.nodes, setup.mixed,
+                                setup.optimizer_bytes)
+    buffers = zero_buffers_bytes(stage, P, setup.zero, setup.mixed, setup.cpu)
+    act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing,
+                           "sdpa" if setup.cpu else "flash")["peak"]
+    context = CPU_PROCESS_BYTES if setup.cpu else CUDA_CONTEXT_BYTES
+    frag = FRAGMENTATION * (states + buffers + act)
+    return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
+            "fragmentation": frag, "total": states + buffers + act + context + frag}
+
+
+def max_micro_batch(args, setup: Setup, stage, seq_len: int, checkpointing: bool) -> int:
+    """The largest micro-batch whose memory fits the device (0: not even one row). Memory is linear in it."""
+    m1 = memory(args, setup, stage, 1, seq_len, checkpointing)["total"]
+    per_row = memory(args, setup, stage, 2, seq_len, checkpointing)["total"] - m1
+    if m1 > setup.device_bytes:
+        return 0
+    return 1 + int((setup.device_bytes - m1) // per_row) if per_row > 0 else 1 << 30
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _gib(x: float) -> float:
+    return round(x / GiB, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan
+# ------------------------------------------------------------------------------------------------
+
+def setup_from(ds_config: dict, zt: dict, world: int | None = None, nodes: int | None = None,
+               device_bytes: float | None = None, optimizer: str | None = None, args=None) -> Setup:
+    """A Setup from a profile (DeepSpeed dict + zerotrain section), with hardware overrides."""
+    hw = zt.get("hardware", {})
+    accel = hw.get("accelerator", "cuda")
+    nodes = nodes or hw.get("nodes", 1)
+    per_node = world // nodes if world else hw.get("devices_per_node", 1)
+    if device_bytes is None:
+        device_bytes = hw["device_memory_gib"] * GiB if "device_memory_gib" in hw else \
+            available_ram() / per_node if accel == "cpu" else None
+    if device_bytes is None:
+        raise UsageError("the profile does not say how much memory a GPU has (zerotrain.hardware.device_memory_gib);"
+                         " give --gpu-mem GiB")
+    mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
+    return Setup(accel, per_node, nodes, float(device_bytes), mixed, dict(ds_config.get("zero_optimization", {})),
+                 optimizer_state_bytes(optimizer, args) if args is not None else 8)
+
+
+def available_ram() -> float:
+    """Bytes of RAM available now (MemAvailable), the budget of a CPU node's ranks."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: int, checkpointing: bool,
+              peak_flops: float | None = None, mfu: float | None = None, total_tokens: int | None = None,
+              max_hours: float | None = None, budget_usd: float | None = None, gpu_hour_usd: float | None = None,
+              max_steps: int | None = None) -> dict:
+    """Everything `zerotrain plan` prints, as one JSON-ready dict (keys documented in README "Planning")."""
+    from modeling.model import count_params, flops_per_token
+
+    counts = count_params(args)
+    fpt = flops_per_token(args, seq_len)
+    per_stage = {}
+    for s in (*STAGES, *OFFLOAD):
+        m = memory(args, setup, s, micro, seq_len, checkpointing)
+        per_stage[f"zero{s}" if isinstance(s, int) else s] = {
+            **{f"{k}_gib": _gib(v) for k, v in m.items()}, "fits": m["total"] <= setup.device_bytes,
+            "max_micro_batch": max_micro_batch(args, setup, s, seq_len, checkpointing)}
+    chosen = per_stage[f"zero{stage}"]
+    tokens_per_step = micro * accum * setup.world * seq_len
+    plan = {
+        "model": {"layers": args.n_layers, "dim": args.dim, "heads": args.n_heads, "kv_heads": args.n_kv_heads,
+                  "ffn_hidden": args.ffn_hidden, "vocab_size": args.vocab_size, "tie_embeddings": args.tie_embeddings},
+        "params_total": counts["total"], "params_non_embedding": counts["non_embedding"],
+        "flops_per_token": fpt,
+        "hardware": {"accelerator": setup.accelerator, "gpus_per_node": setup.gpus_per_node, "nodes": setup.nodes,
+                     "world": setup.world, "device_memory_gib": _gib(setup.device_bytes),
+                     "peak_flops_per_device": peak_flops},
+        "precision": "bf16/fp16 mixed" if setup.mixed else "fp32",
+        "zero_stage": stage, "activation_checkpointing": checkpointing, "seq_len": seq_len, "micro_batch": micro,
+        "memory": per_stage, "memory_per_gpu_gib": chosen["total_gib"], "fits": chosen["fits"],
+        "headroom_gib": round(_gib(setup.device_bytes) - chosen["total_gib"], 2),
+        "max_micro_batch": chosen["max_micro_batch"], "grad_accum": accum, "tokens_per_step": tokens_per_step,
+    }
+    plan["would_fit"] = [] if chosen["fits"] else alternatives(args, setup, stage, micro, seq_len, checkpointing)
+    plan.update(budget(counts["total"], fpt, tokens_per_step, setup.world, peak_flops, mfu, total_tokens,
+                       max_hours, budget_usd, gpu_hour_usd, max_steps))
+    plan["verdict"] = verdict(plan)
+    return plan
+
+
+def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, checkpointing: bool) -> list[dict]:
+    """What would fit instead, smallest change first: activation checkpointing, a higher ZeRO stage
+    (with and without it), a smaller micro-batch (grad accum grows to keep the global batch), more
+    GPUs (whole nodes). Each entry: the change and its memory per GPU."""
+    out = []
+
+    def add(change: str, s, mb, ac, st=setup):
+        m = memory(args, st, s, mb, seq_len, ac)["total"]
+        if m <= st.device_bytes:
+            out.append({"change": change, "memory_per_gpu_gib": _gib(m)})
+
+    ac_name = "activation checkpointing"
+    if not checkpointing:
+        add(ac_name, stage, micro, True)
+    for s in range(stage + 1, 4):
+        add(f"ZeRO-{s}", s, micro, checkpointing)
+        if not checkpointing:
+            add(f"ZeRO-{s} + {ac_name}", s, micro, True)
+    for s, ac in ((stage, checkpointing), (3, True)):
+        mb = max_micro_batch(args, setup, s, seq_len, ac)
+        if 1 <= mb < micro:
+            add(f"micro-batch {mb}" if (s, ac) == (stage, checkpointing) else f"ZeRO-3 + {ac_name} + micro-batch {mb}",
+                s, mb, ac)
+            break
+    if not out and stage > 0:  # ZeRO-0 keeps everything on every rank: more GPUs never help it
+        for s, ac in ((stage, checkpointing), (3, True)):
+            for nodes in range(setup.nodes + 1, setup.nodes * 1024 + 1):
+                more = replace(setup, nodes=nodes)
+                if memory(args, more, s, micro, seq_len, ac)["total"] <= setup.device_bytes:
+                    how = "" if (s, ac) == (stage, checkpointing) else f" with ZeRO-3 + {ac_name}"
+                    add(f"{more.world} GPUs ({nodes} nodes of {setup.gpus_per_node}){how}", s, micro, ac, more)
+                    break
+            if out:
+                break
+    return out
+
+
+def budget(params: int, fpt: float, tokens_per_step: int, world: int, peak: float | None, mfu: float | None,
+           total_tokens, max_hours, budget_usd, gpu_hour_usd, max_steps) -> dict:
+    """Steps, tokens, hours and dollars; the binding limit is the one that allows the fewest tokens."""
+    out = {"mfu": mfu, "tokens_per_s": None}
+    tps = mfu * peak * world / fpt if peak and mfu else None
+    limits = {}
+    if total_tokens is not None:
+        limits["total_tokens"] = total_tokens
+    if tps is not None:
+        if max_hours is not None:
+            limits["max_hours"] = max_hours * 3600 * tps
+        if budget_usd is not None and gpu_hour_usd:
+            limits["budget_usd"] = budget_usd / (gpu_hour_usd * world) * 3600 * tps
+    if limits:
+        binding = min(limits, key=limits.get)
+        steps = int(limits[binding] // tokens_per_step)
+    else:
+        binding, steps = "max_steps", max_steps or 0
+    tokens = steps * tokens_per_step
+    out.update(binding=binding, steps=steps, tokens=tokens, tokens_per_param=round(tokens / params, 3),
+               chinchilla_tokens_per_param=CHINCHILLA_TOKENS_PER_PARAM)
+    if tps is not None:
+        hours = tokens / tps / 3600
+        out.update(tokens_per_s=round(tps, 1), hours=round(hours, 2),
+                   usd=round(hours * world * gpu_hour_usd, 2) if gpu_hour_usd else None)
+    else:
+        out.update(hours=None, usd=None)
+    compute = 6 * params * tokens  # Chinchilla's C = 6 N D on the plan's own N and D
+    n_opt = math.sqrt(compute / (6 * CHINCHILLA_TOKENS_PER_PARAM)) if compute else 0
+    out["compute_optimal"] = {"flops": compute, "params": round(n_opt),
+                              "tokens": round(CHINCHILLA_TOKENS_PER_PARAM * n_opt)}
+    return out
+
+
+def verdict(plan: dict) -> str:
+    """One line: fits (with headroom) or not (by how much, and what would)."""
+    hw = plan["hardware"]
+    where = f"ZeRO-{plan['zero_stage']}{' + activation checkpointing' if plan['activation_checkpointing'] else ''}," \
+            f" micro-batch {plan['micro_batch']} x {plan['seq_len']}, {hw['world']} x {hw['device_memory_gib']} GiB"
+    need = plan["memory_per_gpu_gib"]
+    if plan["fits"]:
+        return f"fits: {need} GiB per {'rank' if hw['accelerator'] == 'cpu' else 'GPU'} ({where}), headroom" \
+               f" {plan['headroom_gib']} GiB, largest micro-batch {plan['max_micro_batch']}"
+    alts = "; ".join(f"{a['change']} ({a['memory_per_gpu_gib']} GiB)" for a in plan["would_fit"][:4])
+    return f"does not fit: needs {need} GiB per {'rank' if hw['accelerator'] == 'cpu' else 'GPU'} ({where}), short by" \
+           f" {round(-plan['headroom_gib'], 2)} GiB; " + (f"would fit: {alts}" if alts else
+                                                            "nothing tried fits (smaller model or seq-len)")
+
+
+def render(plan: dict) -> str:
+    """The plan as the table `zerotrain plan` prints."""
+    m, hw = plan["model"], plan["hardware"]
+    lines = [f"model: {m['layers']} layers x {m['dim']} (heads {m['heads']}, kv {m['kv_heads']}, ffn {m['ffn_hidden']},"
+             f" vocab {m['vocab_size']}): {plan['params_total']:,} params ({plan['params_non_embedding']:,}"
+             f" non-embedding), {plan['flops_per_token']:.3e} training FLOPs/token at seq {plan['seq_len']}",
+             f"hardware: {hw['world']} x {hw['accelerator']} ({hw['nodes']} node(s)), {hw['device_memory_gib']} GiB"
+             f" each, {plan['precision']}; batch {plan['micro_batch']} x {plan['grad_accum']} x {hw['world']} x"
+             f" {plan['seq_len']} = {plan['tokens_per_step']:,} tokens/step", "",
+             "| ZeRO | model states | buffers | activations | context | fragm. | total GiB | fits | max micro |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    ac = " + AC" if plan["activation_checkpointing"] else ""
+    for name, r in plan["memory"].items():
+        label = {"zero2_offload": "2 + optimizer offload", "zero3_offload": "3 + param/optimizer offload"}.get(
+            name, name[4:]) + ac + (" (chosen)" if name == f"zero{plan['zero_stage']}" else "")
+        lines.append(f"| {label} | {r['model_states_gib']} | {r['buffers_gib']} | {r['activations_gib']} |"
+                     f" {r['context_gib']} | {r['fragmentation_gib']} | {r['total_gib']} |"
+                     f" {'yes' if r['fits'] else 'no'} | {r['max_micro_batch']} |")
+    lines.append("")
+    if plan["hours"] is not None:
+        usd = f", ${plan['usd']:,.0f}" if plan["usd"] is not None else ""
+        lines.append(f"time: {plan['steps']:,} steps = {plan['tokens']:,} tokens ({plan['binding']} binds) at MFU"
+                     f" {plan['mfu']} of {hw['peak_flops_per_device']:.3g} FLOP/s per device ="
+                     f" {plan['tokens_per_s']:,.0f} tokens/s: {plan['hours']:,} h{usd}")
+    else:
+        lines.append(f"time: {plan['steps']:,} steps = {plan['tokens']:,} tokens (no peak FLOP/s: give a --profile or"
+                     " --peak-tflops for hours and dollars)")
+    co = plan["compute_optimal"]
+    lines.append(f"tokens per parameter: {plan['tokens_per_param']} (Chinchilla ~{CHINCHILLA_TOKENS_PER_PARAM});"
+                 f" compute-optimal for C = 6ND = {co['flops']:.3g} FLOPs: {_count(co['params'])} params on"
+                 f" {_count(co['tokens'])} tokens")
+    lines.append(plan["verdict"])
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# `zerotrain plan`
+# ------------------------------------------------------------------------------------------------
+
+# `--gpus N --gpu-mem G` without --profile: DeepSpeed's defaults (ZeRO-0, i.e. plain data parallelism), bf16.
+GENERIC_GPU_PROFILE = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True},
+                       "zerotrain": {"hardware": {"accelerator": "cuda"}, "expected_mfu": 0.4}}
+
+
+def plan_main(argv: list[str]) -> dict:
+    """`zerotrain plan`: the driver's flags plus hardware and budget; prints the table (or --json)."""
+    from dataclasses import fields
+
+    from launcher import model_spec
+    from launcher.config import RunConfig, build_parser
+    from launcher.profiles import load_profile, resolve_batch
+
+    p = build_parser()
+    p.prog, p.description = "zerotrain plan", "Memory per GPU, time and money of a run, before it starts."
+    p.add_argument("--gpus", type=int, help="GPUs (ranks on a CPU node) per node; default: the profile's")
+    p.add_argument("--gpu-mem", type=float, help="GiB per GPU as torch reports it (CPU: per rank); default: the"
+                                                 " profile's, or available RAM / ranks on a CPU node")
+    p.add_argument("--nodes", type=int, help="nodes; default: the profile's")
+    p.add_argument("--zero", type=int, help="ZeRO stage the verdict is for (default: the profile's)")
+    p.add_argument("--mfu", type=float, help="assumed MFU (default: the profile's expected_mfu)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (default: the profile's)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size (default: the --tokenizer's)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    ns = p.parse_args(argv)
+    for name in ("gpus", "nodes", "vocab_size"):
+        v = getattr(ns, name)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer, got {v}")
+    for name in ("gpu_mem", "peak_tflops"):
+        v = getattr(ns, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive number, got {v}")
+    if ns.mfu is not None and not 0 < ns.mfu <= 1:
+        raise UsageError(f"--mfu: must be a fraction in (0, 1], got {ns.mfu}")
+    if ns.zero is not None and ns.zero not in STAGES:
+        raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
+    from launcher.config import load_recipe
+
+    values = load_recipe(ns.config) if ns.config else {}
+    values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
+    cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"})
+    cfg.validate()  # the driver's own checks and messages
+
+    if values.get("profile") is None and ns.gpus is not None:
+        name, profile = "generic GPU", json.loads(json.dumps(GENERIC_GPU_PROFILE))
+    else:
+        name, profile = load_profile(cfg.profile)
+    zt = profile.get("zerotrain", {})
+    if ns.zero is not None:
+        profile.setdefault("zero_optimization", {})["stage"] = ns.zero
+    if ns.vocab_size is not None:
+        vocab = ns.vocab_size
+    else:
+        from dataio.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(cfg.tokenizer).vocab_size
+    args, _, _ = model_spec.resolve(cfg, vocab)
+    hw = zt.get("hardware", {})
+    nodes = ns.nodes or hw.get("nodes", 1)
+    per_node = ns.gpus or hw.get("devices_per_node", 1)
+    setup = setup_from(profile, zt, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
+                       getattr(cfg, "optimizer", None), args)
+    micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
+                                    setup.world, f"profile {name}")
+    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
+        else bool(zt.get("activation_checkpointing", False))
+    peak = ns.peak_tflops * 1e12 if ns.peak_tflops else zt.get("peak_flops_per_device")
+    mfu = ns.mfu or zt.get("expected_mfu")
+    plan = make_plan(args, setup, profile.get("zero_optimization", {}).get("stage", 0), micro, accum, cfg.seq_len, ac,
+                     peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps)
+    plan["profile"] = name
+    print(json.dumps(plan, indent=2) if ns.json else f"profile {name}\n" + render(plan))
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver asks the planner first
+# ------------------------------------------------------------------------------------------------
+
+def device_memory_here(accelerator: str, local_world: int) -> tuple[float, str, str]:
+    """(bytes this rank may use, "cuda" or "cpu", what that is): the GPU's total memory, or the RAM
+    available now divided among this node's ranks."""
+    if accelerator != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            return float(props.total_memory), "cuda", f"{props.name}, {props.total_memory / GiB:.1f} GiB"
+    ram = available_ram()
+    return ram / local_world, "cpu", f"{ram / GiB:.1f} GiB RAM available / {local_world} local rank(s)"
+
+
+def fit_check(cfg, model_args, ds_config: dict, zt: dict, world: int) -> dict:
+    """Refuse (UsageError, the planner's one-line verdict) a resolved run that cannot fit on this device.
+
+    Called by launcher/trainer.py plan_run before anything is built or written; skipped with
+    --no-fit-check. Returns the chosen stage's memory by component (bytes).
+    """
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    device_bytes, accel, what = device_memory_here(zt.get("hardware", {}).get("accelerator", "cuda"), local_world)
+    nodes = max(1, world // max(1, local_world))
+    hardware = {**zt.get("hardware", {}), "accelerator": accel}
+    setup = setup_from(ds_config, {**zt, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
+                       device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
+        else bool(zt.get("activation_checkpointing", False))
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    m = memory(model_args, setup, stage, micro, cfg.seq_len, ac)
+    if m["total"] > device_bytes:
+        plan = {"hardware": {"world": setup.world, "device_memory_gib": _gib(device_bytes), "accelerator": accel},
+                "zero_stage": stage, "activation_checkpointing": ac, "micro_batch": micro, "seq_len": cfg.seq_len,
+                "memory_per_gpu_gib": _gib(m["total"]), "fits": False,
+                "headroom_gib": round(_gib(device_bytes) - _gib(m["total"]), 2),
+                "would_fit": alternatives(model_args, setup, stage, micro, cfg.seq_len, ac)}
+        raise UsageError(f"{verdict(plan)} [{what}; `zerotrain plan` for the table; --no-fit-check to try anyway]")
+    return m
