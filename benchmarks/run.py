@@ -235,8 +235,63 @@ def bench_local_source_memory():
     return rows
 
 
+def bench_planner_rss():
+    """The planner's memory model (launcher/planner.py) against this CPU: peak RSS of rank 0 in real
+    2-rank fp32 runs under the deepspeed launcher (ZeRO-2 and ZeRO-3; `tiny` and `small`; micro-batch
+    2 x 256; 3 steps), as the driver logs it (metrics.jsonl peak_rss_gib), against the planner's
+    prediction for the same config. Target: within +-20%."""
+    import json
+    import random
+    import socket
+    import subprocess
+
+    from launcher import model_spec, planner
+    from launcher.config import RunConfig
+    from launcher.profiles import load_profile
+
+    root = workdir() / "planner-rss"
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    words = "the model reads every token of the packed row and learns which byte comes next".split()
+    with open(root / "a.jsonl", "w") as f:
+        for _ in range(2000):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 300)))}) + "\n")
+    (root / "mix.json").write_text(json.dumps({"sources": [{"name": "a", "path": "a.jsonl", "weight": 1.0}]}))
+    _, cpu = load_profile("cpu")
+    (root / "cpu-zero2.json").write_text(json.dumps({**cpu, "zero_optimization": {"stage": 2}}))
+    rows = []
+    for stage, profile in ((2, str(root / "cpu-zero2.json")), (3, "cpu")):
+        for model in ("tiny", "small"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            run_id = f"z{stage}-{model}"
+            flags = ["--profile", profile, "--model", model, "--data", str(root / "mix.json"), "--seq-len", "256",
+                     "--micro-batch", "2", "--grad-accum", "1", "--max-steps", "3", "--warmup-steps", "1",
+                     "--out", str(root / "runs"), "--run-id", run_id, "--resume", "never", "--log-data-every-steps", "0"]
+            r = subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
+                                str(port), str(REPO / "launcher" / "train.py"), *flags], capture_output=True, text=True,
+                               cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if r.returncode:
+                raise RuntimeError(f"planner_rss {run_id}: exit {r.returncode}: {r.stderr[-1500:]}")
+            lines = (root / "runs" / run_id / "metrics.jsonl").read_text().splitlines()
+            measured = max(rec["peak_rss_gib"] for rec in map(json.loads, lines) if "peak_rss_gib" in rec)
+            cfg = RunConfig(data="-", profile=profile, model=model, seq_len=256, micro_batch=2)
+            args, _, _ = model_spec.resolve(cfg, 258)
+            prof = load_profile(profile)[1]
+            setup = planner.setup_from(prof, prof["zerotrain"], world=2, nodes=1, device_bytes=float("inf"))
+            m = planner.memory(args, setup, stage, 2, 256, False)
+            predicted = m["total"] / planner.GiB
+            parts = ", ".join(f"{k.replace('_', ' ')} {v / planner.GiB:.2f}" for k, v in m.items() if k != "total")
+            rows.append({"benchmark": f"planner vs peak RSS, ZeRO-{stage}, {model}",
+                         "setting": f"2 ranks fp32, micro 2 x 256, {args.n_layers} x {args.dim}",
+                         "result": f"measured {measured:.2f} GiB, predicted {predicted:.2f} GiB"
+                                   f" ({predicted / measured - 1:+.0%}; {parts})", "target": "within +-20%"})
+    return rows
+
+
 BENCHMARKS = [bench_stream_bytes, bench_shards, bench_stream_bpe, bench_prepare_verify, bench_packing,
-              bench_local_source_memory]
+              bench_local_source_memory, bench_planner_rss]
 
 
 def main(argv: list[str]) -> None:

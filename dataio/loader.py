@@ -284,12 +284,18 @@ class StreamedSource:
             self._it = iter(self.ds)
         before = copy.deepcopy(self.ds.state_dict())
         texts = []
-        for record in self._it:
-            text = record_text(self.spec, record, self._bad)
-            if text:
-                texts.append(text)
-            if len(texts) >= TOKEN_BLOCK:
-                break
+        try:
+            for record in self._it:
+                text = record_text(self.spec, record, self._bad)
+                if text:
+                    texts.append(text)
+                if len(texts) >= TOKEN_BLOCK:
+                    break
+        except DataError:
+            raise
+        except Exception as e:  # a corrupt shard met mid-stream: `datasets`/pyarrow raise many types
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DataError(f"{self.spec.where()}: reading the stream: {first}") from None
         if not texts:  # the stream ended
             if self.spec.on_exhausted == "stop":
                 return False

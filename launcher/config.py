@@ -94,6 +94,9 @@ class RunConfig:
                                       " module.path:ClassName (README \"Optimizers\")", IDENTITY_WHEN_SET)
     optimizer_args: dict | None = opt(None, "the optimizer's hyper-parameters as a JSON object, e.g."
                                             " '{\"weight_decay\": 0.0}'", IDENTITY_WHEN_SET)
+    # --- the planner's fit check (issue 10; launcher/planner.py) ---
+    fit_check: bool | None = opt(None, "refuse, before building anything, a config the planner says cannot fit in"
+                                       " this device's memory (default on; --no-fit-check to try anyway)", RUN)
 
     @classmethod
     def kind(cls, name: str) -> str:
@@ -142,6 +145,8 @@ class RunConfig:
             raise UsageError(f"--eval-data {self.eval_data}: no such file or directory")
         if self.on_spike not in ("warn", "stop", "rollback"):
             raise UsageError(f"--on-spike {self.on_spike!r}: must be warn, stop or rollback")
+        if self.fit_check is not None and not isinstance(self.fit_check, bool):  # issue 10: the planner's fit check
+            raise UsageError(f"--fit-check: must be true or false, got {self.fit_check!r}")
         if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
         from launcher.optimizers import check_optimizer  # issue 11: normalised, so `adamw` keeps the default's id

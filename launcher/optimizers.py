@@ -426,3 +426,19 @@ def check_engine(cfg, engine, model) -> None:
         problem = "the model has no matrix for Muon"
     if problem:
         raise UsageError(f"--optimizer muon: refused: {problem}; DeepSpeed would train with another update rule")
+
+
+def describe(cfg, ds_config: dict) -> str:
+    """One start-up line: which optimizer runs, where it comes from, its lr(s) and hyper-parameters."""
+    name = getattr(cfg, "optimizer", None)
+    section = ds_config.get("optimizer")
+    if name is None and not getattr(cfg, "optimizer_args", None):
+        params = {k: v for k, v in (section or {}).get("params", {}).items() if k != "lr"}
+        return f"optimizer adamw (DeepSpeed {(section or {}).get('type', 'AdamW')}, the profile's): lr {cfg.lr:g}, {params}"
+    spec, hp = resolve(name, getattr(cfg, "optimizer_args", None))
+    line = f"optimizer {spec.name} ({spec.origin}): lr {cfg.lr:g}, {hp}"
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if spec.name == "muon" and stage >= 1:
+        line += (f"; gradient clipping off: under ZeRO-{stage} DeepSpeed would clip Muon's orthogonalized update"
+                 " instead of the gradient (DeepSpeed issue #8439)")
+    return line

@@ -161,6 +161,8 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
                                              block-diagonal mask SDPA keeps per call (CPU, or no flash-attn)
         SwiGLU        4·a·f          gate, silu(gate), up, their product
         + 8                          the norms' rsqrt
+        QK-norm       (8h + 4)·(H + KV)   each head's fp32 input and normalised value (the output is not kept:
+                                          the rotation after it needs only cos and sin)
 
     Per token once: final norm (8 + a)·d, rotary cos and sin 2·a·h, ids and labels 16, the SDPA path's
     boolean mask T, the loss's log-softmax 4·V (V the padded vocabulary).
@@ -176,7 +178,7 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     sdpa = attention == "sdpa"
     norms = 2 * (8 + a) * d
     attn = (4 * a * d + a * T if sdpa else a * (2 * d + 2 * KV * h)) + 4 * H
-    qk_norm = 2 * (8 + a) * (H + KV) * h if args.qk_norm else 0  # q_norm / k_norm keep the same per head
+    qk_norm = (8 * h + 4) * (H + KV) if args.qk_norm else 0  # fp32 input and normalised value, rsqrt, per head
     block = norms + attn + qk_norm + 4 * a * f + 8
     once = (8 + a) * d + 2 * a * h + 16 + (T if sdpa else 0) + 4 * V
     tokens = micro * seq_len

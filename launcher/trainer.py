@@ -378,8 +378,15 @@ class Trainer:
         ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
             else plan.zt.get("activation_checkpointing")
         model.activation_checkpointing = bool(ac)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
-                                               lr_scheduler=make_scheduler(cfg))
+        # issue 11 (optimizer registry, launcher/optimizers.py): a client optimizer or DeepSpeed's own
+        # from ds_config; check_engine refuses an engine that would train with another update rule.
+        from launcher.optimizers import check_engine, describe, prepare_optimizer
+
+        ds_config, optimizer, model_parameters = prepare_optimizer(cfg, ds_config, model)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                               config=ds_config, lr_scheduler=make_scheduler(cfg))
+        check_engine(cfg, engine, model)
+        self.say(describe(cfg, ds_config))
         if cfg.compile:  # DeepSpeed compiles the module in place: parameter names do not change
             engine.compile(backend=plan.zt.get("compile_backend") or accel.get_compile_backend())
         n_params = count_params(args)
@@ -704,6 +711,15 @@ class Trainer:
             self.lock = None
         self.checkpointer.close()
         self.loader.close()
+        # Issue 9 (a notebook calls run() again in this process): without this each run kept its
+        # whole engine alive (~1 GB for `tiny`). ZeRO-3's hooks on tensors hold the engine where
+        # gc cannot see them (destroy() removes them), and DeepSpeed 0.19 appends the top module
+        # to parameter_offload.FWD_MODULE_STACK in setup_zero_stage3_hooks and never pops it.
+        self.engine.destroy()
+        from deepspeed.runtime.zero import parameter_offload
+
+        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK
+                                                 if m is not self.engine.module]
 
 
 class StepLogger:

@@ -1,0 +1,262 @@
+"""The planner (launcher/planner.py): counts from the model itself, DeepSpeed's own memory formulas,
+the activation formula against what autograd really keeps, the plan's arithmetic, the fit check,
+and bad input. No process group; the one subprocess is the CLI's exit status."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher import planner
+from launcher.config import RunConfig
+from launcher.errors import UsageError
+from launcher.profiles import list_profiles, load_profile
+from modeling.model import ModelArgs, Transformer, count_params, preset
+
+REPO = Path(__file__).resolve().parent.parent
+
+CONFIGS = {
+    "debug (GQA)": preset("debug"),
+    "tied": ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=100, tie_embeddings=True),
+    "qk-norm MQA": ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=1, qk_norm=True, ffn_hidden=200),
+}
+
+
+def plan_json(capsys, *argv) -> dict:
+    planner.plan_main(["--json", *argv])
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_counts_are_the_built_models(name):
+    """params_total and the largest layer equal DeepSpeed's own count of the built module."""
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    args = CONFIGS[name]
+    model = Transformer(args)
+    total, largest = model_to_params(model)  # shared (tied) parameters counted once, as DeepSpeed does
+    assert count_params(args)["total"] == total == sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+    embeddings = model.embed_tokens.weight.numel() * (1 if args.tie_embeddings else 2)
+    assert count_params(args)["non_embedding"] == total - embeddings
+    assert planner.largest_layer(args) == largest
+
+
+@pytest.mark.parametrize("P,L,gpus,nodes", [(10**6, 10**5, 1, 1), (1_416_931_200, 24_576_000, 8, 1),
+                                            (12_902_731_776, 44_826_624, 8, 2), (869_504, 81_920, 2, 1)])
+def test_model_states_are_deepspeeds_formulas(P, L, gpus, nodes):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as z3
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as z2
+
+    ours = planner.deepspeed_model_states
+    assert ours(2, P, L, gpus, nodes) == pytest.approx(z2(P, gpus, nodes, cpu_offload=False)[::-1], rel=1e-12)
+    assert ours(3, P, L, gpus, nodes) == pytest.approx(z3(P, L, gpus, nodes, cpu_offload=False)[1::-1], rel=1e-12)
+    assert ours("zero2_offload", P, L, gpus, nodes) == pytest.approx(z2(P, gpus, nodes, cpu_offload=True)[::-1])
+    assert ours("zero3_offload", P, L, gpus, nodes) == pytest.approx(z3(P, L, gpus, nodes)[1::-1])
+    # ZeRO-0 is ZeRO-2 on one GPU (nothing partitioned): DeepSpeed's 2P + 18P
+    assert ours(0, P, L, gpus, nodes)[0] == z2(P, 1, 1, cpu_offload=False)[1]
+
+
+def saved_activation_bytes(model, ids) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, labels=ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_formula_is_what_autograd_keeps(dtype, name, checkpointing):
+    """The docstring's formula against the tensors our block really saves (the SDPA path of this CPU)."""
+    args = CONFIGS[name]
+    torch.manual_seed(0)
+    model = Transformer(args).to(dtype).train()
+    model.activation_checkpointing = checkpointing
+    B, T = 2, 96
+    measured = saved_activation_bytes(model, torch.randint(0, args.vocab_size, (B, T)))
+    if checkpointing:  # the boolean mask reaches the blocks as a checkpoint input: alive, but not a saved tensor
+        measured += B * T * T
+    predicted = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, "sdpa")["saved"]
+    assert predicted == pytest.approx(measured, rel=0.02)
+
+
+def test_max_micro_batch_is_the_largest_that_fits():
+    args = preset("ws-1.3b", vocab_size=128256)
+    _, prof = load_profile("rtx6000ada-48g-x2")
+    setup = planner.setup_from(prof, prof["zerotrain"])
+    for stage in (2, 3):
+        mb = planner.max_micro_batch(args, setup, stage, 2048, True)
+        assert mb >= 1
+        assert planner.memory(args, setup, stage, mb, 2048, True)["total"] <= setup.device_bytes
+        assert planner.memory(args, setup, stage, mb + 1, 2048, True)["total"] > setup.device_bytes
+
+
+def test_plan_json_arithmetic(capsys):
+    p = plan_json(capsys, "--profile", "a100-80g-x8", "--model", "xlarge", "--seq-len", "2048", "--micro-batch", "16",
+                  "--grad-accum", "2", "--budget-usd", "5000", "--gpu-hour-usd", "2", "--total-tokens", "10000000000")
+    for key in ("params_total", "params_non_embedding", "flops_per_token", "memory", "fits", "max_micro_batch",
+                "grad_accum", "tokens_per_step", "steps", "hours", "tokens", "tokens_per_param", "usd",
+                "compute_optimal", "verdict", "would_fit"):
+        assert key in p, key
+    assert set(p["memory"]) == {"zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"}
+    args = preset("xlarge")
+    assert p["params_total"] == count_params(args)["total"]
+    assert p["tokens_per_step"] == 16 * 2 * 8 * 2048 and p["grad_accum"] == 2
+    assert p["tokens"] == p["steps"] * p["tokens_per_step"]
+    # $5000 at $2 x 8 GPUs = 312.5 h: far more than 10B tokens need, so --total-tokens binds
+    assert p["binding"] == "total_tokens" and p["tokens"] <= 10**10 < p["tokens"] + p["tokens_per_step"]
+    assert p["tokens_per_s"] == pytest.approx(0.45 * 312e12 * 8 / p["flops_per_token"], rel=1e-6)
+    assert p["hours"] == pytest.approx(p["tokens"] / p["tokens_per_s"] / 3600, abs=0.01)
+    assert p["usd"] == pytest.approx(p["hours"] * 8 * 2, abs=0.2)
+    assert p["tokens_per_param"] == pytest.approx(p["tokens"] / p["params_total"], abs=1e-3)
+    co = p["compute_optimal"]
+    assert co["flops"] == 6 * p["params_total"] * p["tokens"]
+    assert co["tokens"] == pytest.approx(20 * co["params"], rel=1e-6)
+    assert 6 * co["params"] * co["tokens"] == pytest.approx(co["flops"], rel=1e-6)
+    assert p["memory"]["zero2"]["model_states_gib"] == pytest.approx(
+        (2 * p["params_total"] + 18 * p["params_total"] / 8) / 2**30, abs=0.01)
+
+
+def test_depth64_on_eight_h100_pcie(capsys):
+    """The user's depth-64 / aspect-64, vocab-32 model: 12.9B parameters (not 4.3B); plain data
+    parallelism cannot hold it; ZeRO-3 with activation checkpointing can; the budget binds."""
+    p = plan_json(capsys, "--profile", "h100-pcie-80g-x8", "--depth", "64", "--vocab-size", "32", "--seq-len", "2048",
+                  "--micro-batch", "4", "--grad-accum", "1", "--zero", "0", "--max-hours", "31",
+                  "--budget-usd", "1000", "--gpu-hour-usd", "4.03")
+    assert p["model"]["dim"] == 4096 and p["model"]["vocab_size"] == 64
+    assert 12.8e9 < p["params_total"] < 13.0e9
+    assert not p["fits"] and p["memory"]["zero0"]["model_states_gib"] > 200
+    assert any(a["change"] == "ZeRO-3 + activation checkpointing" for a in p["would_fit"])
+    assert p["verdict"].startswith("does not fit") and "short by" in p["verdict"]
+    assert p["tokens_per_param"] < 1 and p["compute_optimal"]["params"] < 2e9
+    assert p["usd"] <= 1000 and p["hours"] <= 31
+
+
+def test_bad_input_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "--gpus", "0"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1] == "zerotrain: error: --gpus: must be a positive integer, got 0"
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mfu", "1.5"], "--mfu: must be a fraction in"),
+    (["--zero", "4"], "--zero: must be 0, 1, 2 or 3"),
+    (["--gpu-mem", "-1"], "--gpu-mem: must be a positive number"),
+    (["--gpus", "2"], "--gpu-mem GiB"),  # no profile: nothing says how much memory a GPU has
+    (["--budget-usd", "100"], "--budget-usd 100.0: needs --gpu-hour-usd"),
+    (["--seq-len", "0"], "--seq-len: must be a positive integer"),
+])
+def test_bad_plan_flags(argv, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        planner.plan_main(argv)
+
+
+def test_unfittable_plan_says_by_how_much_and_what_would(capsys):
+    """The user's 1.4B `xlarge` at micro-batch 16 x 2048 on 8 A100 80GB without activation checkpointing."""
+    p = plan_json(capsys, "--profile", "a100-80g-x8", "--model", "xlarge", "--seq-len", "2048", "--micro-batch", "16")
+    assert not p["fits"] and p["zero_stage"] == 2
+    short = round(p["memory_per_gpu_gib"] - p["hardware"]["device_memory_gib"], 2)
+    assert f"short by {short} GiB" in p["verdict"]
+    changes = {a["change"]: a["memory_per_gpu_gib"] for a in p["would_fit"]}
+    assert "activation checkpointing" in changes and f"micro-batch {p['max_micro_batch']}" in changes
+    assert all(v <= p["hardware"]["device_memory_gib"] for v in changes.values())
+    assert 1 <= p["max_micro_batch"] < 16
+
+
+def test_gpus_without_a_profile_is_plain_data_parallelism(capsys):
+    p = plan_json(capsys, "--gpus", "2", "--gpu-mem", "48", "--model", "ws-1.3b", "--vocab-size", "128256",
+                  "--seq-len", "2048", "--micro-batch", "16", "--peak-tflops", "364.2")
+    assert p["profile"] == "generic GPU" and p["zero_stage"] == 0 and p["hardware"]["world"] == 2
+    assert p["params_total"] == 1_300_071_936 and not p["fits"]
+    # the 128k-vocabulary loss alone (logits, their fp32 copy, log-softmax: 10 bytes x V per token) is 42 GB here
+    assert p["memory"]["zero3"]["activations_gib"] > 16 * 2048 * 10 * 128256 / 2**30
+    assert p["hours"] is not None and p["mfu"] == 0.4
+
+
+def cfg(**kw) -> RunConfig:
+    return RunConfig(**{"data": "unused", **kw})
+
+
+def fit_check_args(cfg_: RunConfig, world: int = 2):
+    from launcher import model_spec
+    from launcher.profiles import resolve_ds_config
+
+    _, prof = load_profile(cfg_.profile)
+    ds = resolve_ds_config(prof, cfg_, world, "cpu")
+    args, _, _ = model_spec.resolve(cfg_, 258)
+    return cfg_, args, ds, prof["zerotrain"], world
+
+
+def test_fit_check_refuses_what_cannot_fit_fast(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    t0 = time.time()
+    with pytest.raises(UsageError, match=r"^does not fit: needs [\d.]+ GiB per rank .*short by .*--no-fit-check"):
+        planner.fit_check(*fit_check_args(cfg(seq_len=99999999)))
+    assert time.time() - t0 < 2
+    m = planner.fit_check(*fit_check_args(cfg(seq_len=256)))  # the demo's config fits, with room to spare
+    assert m["total"] < 2 * 2**30
+
+
+def test_fit_check_uses_ram_divided_among_local_ranks(monkeypatch):
+    monkeypatch.setattr(planner, "available_ram", lambda: 8 * 2**30)
+    config = fit_check_args(cfg(model="small", seq_len=512, micro_batch=2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    need = planner.fit_check(*config)["total"]
+    assert 4 * 2**30 < need < 8 * 2**30  # fits in 8 GiB for one rank ...
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match=r"8.0 GiB RAM available / 2 local rank"):  # ... not in 4 GiB each
+        planner.fit_check(*config)
+
+
+def test_driver_refuses_before_writing_anything(tmp_path):
+    """`--seq-len 99999999` on the cpu profile used to train 94 s then die: now one line, exit 2, fast."""
+    mix = tmp_path / "mix.json"
+    (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n')
+    mix.write_text(json.dumps({"sources": [{"name": "a", "path": "a.jsonl", "weight": 1.0}]}))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "launcher/train.py", "--data", str(mix), "--seq-len", "99999999",
+                        "--out", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("zerotrain: error: does not fit:")
+    assert not (tmp_path / "runs").exists()
+    assert time.time() - t0 < 30  # the interpreter and imports; the check itself is milliseconds
+
+
+PEAKS = {"a100-80g-x8": 312e12, "h100-80g-x8": 989e12, "h100-80g-2x8-multinode": 989e12,
+         "h100-pcie-80g-x8": 756e12, "rtx6000ada-48g-x2": 364.2e12}
+
+
+@pytest.mark.parametrize("name", list_profiles())
+def test_profiles_carry_peak_mfu_and_memory(name):
+    zt = load_profile(name)[1]["zerotrain"]
+    assert zt["peak_flops_per_device"] > 0
+    if name in PEAKS:  # the cards' dense bf16 peaks (vendor datasheets, sparsity not counted)
+        assert zt["peak_flops_per_device"] == PEAKS[name]
+        assert zt["hardware"]["device_memory_gib"] > zt["hardware"]["min_memory_gib"]
+    assert 0 < zt["mfu_threshold"] < zt["expected_mfu"] <= 1
+    assert math.isclose(zt["mfu_threshold"], 0.75 * zt["expected_mfu"], rel_tol=1e-3)
+
+
+def test_bad_mfu_in_a_profile_is_refused(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"zerotrain": {"expected_mfu": 1.5}}))
+    with pytest.raises(UsageError, match="expected_mfu must be a number in"):
+        load_profile(str(p))
