@@ -1,8 +1,25 @@
-"""`make bench`: the benchmarks, printed as one table. Performance is measured here, never asserted
-in timed tests.
+"""`make bench`: every benchmark, or the named ones, printed as one table. Performance is measured
+here, never asserted in timed tests (tests/test_benchmarks.py only runs each entry at a tiny size).
 
-To add a benchmark: write a function that returns a list of rows (dicts with the keys of
-COLUMNS) and append it to BENCHMARKS. `python benchmarks/run.py NAME...` runs only those.
+    python benchmarks/run.py                 everything (~10-15 min on the 2-core development machine)
+    python benchmarks/run.py NAME [NAME ...] only those; `--list` names them
+    BENCH_TINY=1 python benchmarks/run.py    every entry at a tiny size (the smoke test's)
+
+An unknown name stops before anything runs (one line, exit 2). A baseline whose optional package
+is missing is left out with one line naming what to install (`pip install -e .[bench]`); the
+other benchmarks still run. Each row carries the 1-minute load average at the benchmark's start
+and end: this machine is shared, and a figure taken under load says so. Results with their date,
+machine and command: benchmarks/RESULTS.md.
+
+To add a benchmark: a function returning rows (dicts with the keys of COLUMNS, `load` filled in
+here), registered in BENCHMARKS with its name and one line saying what it compares.
+
+Training (benchmarks/steps.py, the programs in benchmarks/step_worker.py): `train_step` (1 rank,
+zerotrain ZeRO-2/3 vs a plain PyTorch loop, HF Llama, the HF Trainer with DeepSpeed; MFU against
+the matmul peak measured in the same run) and `two_ranks` (deepspeed launcher vs torchrun DDP,
+scaling efficiency; zerotrain's own collectives and host syncs per step; data wait).
+Start-up, shard verification, checkpoints and packing baselines: benchmarks/startup.py,
+benchmarks/checkpoints.py, benchmarks/packing_baselines.py.
 
 Data benchmarks (dataio): the demo mix (built offline by launcher/demo.py under runs/demo-data/)
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
@@ -32,45 +49,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-COLUMNS = ("benchmark", "setting", "result", "target")
-SECONDS = float(os.environ.get("BENCH_SECONDS", "8"))
+from harness import (TINY, MissingDependency, _WORK, bpe_dir, demo_mix, load_average, machine,  # noqa: E402
+                     shards_dir, workdir)
 
-
-def demo_mix() -> Path:
-    from launcher.demo import build_demo_data
-
-    return build_demo_data(REPO / "runs" / "demo-data")
-
-
-_WORK: dict = {}
-
-
-def workdir() -> Path:
-    if "dir" not in _WORK:
-        _WORK["dir"] = Path(tempfile.mkdtemp(prefix="zerotrain-bench-"))
-    return _WORK["dir"]
-
-
-def shards_dir(tokenizer: str = "bytes") -> Path:
-    from dataio.shards import prepare
-    from dataio.tokenizer import load_tokenizer
-
-    out = workdir() / f"shards-{Path(tokenizer).name}"
-    if not out.exists():
-        prepare(str(demo_mix()), load_tokenizer(tokenizer), out, shard_tokens=2_000_000, log=lambda *a: None)
-    return out
-
-
-def bpe_dir() -> Path:
-    out = workdir() / "bpe"
-    if not out.exists():
-        from dataio.loader import load_data, open_data
-        from dataio.tokenizer import ByteTokenizer, train_bpe
-
-        data = load_data(open_data(str(demo_mix()), ByteTokenizer()))
-        train_bpe((s.text(d) for s in data.stores for d in range(len(s))), 8192, out)
-    return out
+COLUMNS = ("benchmark", "setting", "result", "target", "load")
+SECONDS = float(os.environ.get("BENCH_SECONDS", "0.5" if TINY else "5"))
 
 
 def loader_rows(label: str, data: str, tokenizer: str, target: float | None, packings=("best-fit",)) -> list[dict]:
@@ -261,17 +246,20 @@ def bench_planner_rss():
     (root / "cpu-zero2.json").write_text(json.dumps({**cpu, "zero_optimization": {"stage": 2}}))
     rows = []
     for stage, profile in ((2, str(root / "cpu-zero2.json")), (3, "cpu")):
-        for model in ("tiny", "small"):
+        for model in ("tiny", "small"):  # 38.9M and 113.8M parameters: up to ~4 GB a rank
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             run_id = f"z{stage}-{model}"
             flags = ["--profile", profile, "--model", model, "--data", str(root / "mix.json"), "--seq-len", "256",
                      "--micro-batch", "2", "--grad-accum", "1", "--max-steps", "3", "--warmup-steps", "1",
-                     "--out", str(root / "runs"), "--run-id", run_id, "--resume", "never", "--log-data-every-steps", "0"]
+                     "--out", str(root / "runs"), "--run-id", run_id, "--resume", "never",
+                     "--log-data-every-steps", "0"]
             r = subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
                                 str(port), str(REPO / "launcher" / "train.py"), *flags], capture_output=True, text=True,
                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU
+                leaked.unlink(missing_ok=True)  # all-reduce leaves its shared-memory buffers behind (~66 MB a rank)
             if r.returncode:
                 raise RuntimeError(f"planner_rss {run_id}: exit {r.returncode}: {r.stderr[-1500:]}")
             lines = (root / "runs" / run_id / "metrics.jsonl").read_text().splitlines()
@@ -290,27 +278,92 @@ def bench_planner_rss():
     return rows
 
 
-BENCHMARKS = [bench_stream_bytes, bench_shards, bench_stream_bpe, bench_prepare_verify, bench_packing,
-              bench_local_source_memory, bench_planner_rss]
+def _steps(name):
+    def run():
+        import steps
+
+        return getattr(steps, f"bench_{name}")()
+    return run
 
 
-def main(argv: list[str]) -> None:
-    chosen = [b for b in BENCHMARKS if not argv or b.__name__.removeprefix("bench_") in argv or b.__name__ in argv]
-    rows = []
-    try:
-        for b in chosen:
-            t0 = time.time()
-            rows.extend(b())
-            print(f"[{b.__name__}: {time.time() - t0:.0f}s]", file=sys.stderr, flush=True)
-    finally:
-        shutil.rmtree(_WORK.get("dir", ""), ignore_errors=True) if "dir" in _WORK else None
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in COLUMNS]
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+def _module(module, function):
+    def run():
+        import importlib
+
+        return getattr(importlib.import_module(module), function)()
+    return run
+
+
+# name -> (function, what it measures). Order = the order `make bench` runs them in.
+BENCHMARKS = {
+    "train_step": (_steps("train_step"), "1 rank fp32: zerotrain ZeRO-2/3 vs plain PyTorch, HF Llama, HF Trainer +"
+                   " DeepSpeed ZeRO-2; two shapes; MFU vs the measured matmul peak"),
+    "two_ranks": (_steps("two_ranks"), "2 ranks: zerotrain (deepspeed launcher) vs DDP (torchrun), scaling"
+                  " efficiency; zerotrain's collectives/host syncs per step; data wait"),
+    "startup": (_module("startup", "bench_startup"), "launch to first optimizer step for the demo, broken down"),
+    "shard_verify": (_module("startup", "bench_shard_verify"), "verifying ~1 GB of prepared shards: full, and"
+                     " quick (sizes + manifest, hashes once per node)"),
+    "checkpoint": (_module("checkpoints", "bench_checkpoint"), "save/load, ~25M and ~100M, ZeRO-2/3, vs the disk's"
+                   " write bandwidth; loop blocked per save with and without --mirror"),
+    "packing_baselines": (_module("packing_baselines", "bench_packing_baselines"), "our packed loader vs TRL"
+                          " pack_dataset (BFD) and datasets.map concatenate-and-chunk: tokens/s, efficiency"),
+    "stream_bytes": (bench_stream_bytes, "loader from the demo mix's files, bytes tokenizer"),
+    "shards": (bench_shards, "loader from prepared shards"),
+    "stream_bpe": (bench_stream_bpe, "loader from the mix files, BPE tokenized on the fly"),
+    "prepare_verify": (bench_prepare_verify, "zerotrain prepare, verify, shard read speed"),
+    "packing": (bench_packing, "best-fit vs greedy packing efficiency"),
+    "local_source_memory": (bench_local_source_memory, "a ~1 GB local hub snapshot as one source: memory, speed"),
+    "planner_rss": (bench_planner_rss, "the planner's memory model vs measured peak RSS (2-rank runs)"),
+}
+
+
+def print_table(rows: list[dict]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
     print("| " + " | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in rows:
-        print("| " + " | ".join(str(r[c]).ljust(w) for c, w in zip(COLUMNS, widths)) + " |")
+        print("| " + " | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(COLUMNS, widths)) + " |", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if "--list" in argv or "-h" in argv or "--help" in argv:
+        for name, (_, about) in BENCHMARKS.items():
+            print(f"{name:<22}{about}")
+        return 0
+    unknown = [a for a in argv if a not in BENCHMARKS]
+    if unknown:
+        print(f"benchmarks/run.py: unknown benchmark {unknown[0]!r}; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    chosen = argv or list(BENCHMARKS)
+    m = machine()
+    print(f"date {time.strftime('%Y-%m-%d %H:%M')}; {m['cpu']}, {m['cores']} cores; python {m['python']};"
+          f" command: {' '.join(['python benchmarks/run.py', *argv])}{' (BENCH_TINY=1)' if TINY else ''};"
+          f" load average {m['load']:.1f} at the start", flush=True)
+    rows, failed = [], 0
+    try:
+        for name in chosen:
+            t0, load0 = time.time(), load_average()
+            try:
+                got = BENCHMARKS[name][0]()
+            except MissingDependency as e:  # one line naming what to install; the others still run
+                print(f"benchmark {name}: skipped: {e}", file=sys.stderr, flush=True)
+                rows.append({"benchmark": name, "result": f"not run: {e}"})
+                continue
+            except Exception as e:  # noqa: BLE001  one benchmark's failure does not stop the others
+                failed += 1
+                print(f"benchmark {name}: failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                rows.append({"benchmark": name, "result": f"FAILED: {str(e).splitlines()[0] if str(e) else e!r}"})
+                continue
+            for r in got:
+                r["load"] = f"{load0:.1f} -> {load_average():.1f}"
+            rows.extend(got)
+            print(f"[{name}: {time.time() - t0:.0f}s]", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(_WORK.get("dir", ""), ignore_errors=True) if "dir" in _WORK else None
+    print(f"machine: {os.cpu_count()} CPUs, load average {load_average():.1f} at the end")
+    print_table(rows)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -105,7 +105,7 @@ def bench(data_path: str, tokenizer: str = "bytes", seq_len: int = 2048, micro_b
 
     t0 = time.time()
     data = load_data(open_data(data_path, load_tokenizer(tokenizer)), piece_len or default_piece_len(seq_len),
-                     world, workers)
+                     world, workers, seq_len=seq_len)
     load_s = time.time() - t0
     batches = Batches(data, rank, world, seed, seq_len, micro_batch, {"workers": workers}, packing)
     first = batches.next()  # warm-up (and worker start-up) not timed
@@ -245,7 +245,8 @@ def describe_data(data, run_tokens: int) -> list[str]:
             lines.append(f"  {spec.name:<14} weight {spec.weight:6.1%}  {'' if exact else '~'}{size:,} tokens"
                          f"  ~{epochs:.2f} epochs over the run  ({where})")
             if store is not None:
-                lines.append(" " * 17 + _documents_line(data, store))
+                lines.append(" " * 17 + (_records_line(data, spec, store) if spec.format != "text" else
+                                         _documents_line(data, store)))
             if spec.on_exhausted == "stop" and epochs > 1:
                 lines.append(f"  WARNING: source {spec.name!r} runs out after ~{1 / epochs:.0%} of the run"
                              " (on_exhausted: stop): training will stop there")
@@ -276,6 +277,26 @@ def _files_part(data, spec, store) -> str:
     else:
         return ""
     return f", {n:,} {what}{'' if n == 1 else 's'}"
+
+
+def _records_line(data, spec, store) -> str:
+    """An SFT source, e.g. "1,200 chat records, mean 96 / max 250 tokens, 31% of the tokens (EOS included)
+    take loss (responses); overflow truncate_prompt at seq len 256: truncated 3, dropped 1"."""
+    from dataio.sft import ChatRenderer, labelled_tokens
+
+    n, total = len(store), int(store.lengths.sum())
+    what = (f"{spec.format} records" + (f" ({ChatRenderer(data.tokenizer).name})" if spec.format == "chat" else ""))
+    held = data.eval_stores[list(data.specs).index(spec)] if data.eval_stores else None
+    if held is not None:  # the overflow counts below are the whole source's
+        what += f" (+{len(held):,} held out for evaluation)"
+    line = (f"{n:,} {what}, mean {total / max(1, n):,.0f} / max {store.longest:,} tokens,"
+            f" {labelled_tokens(store) / max(1, total + n):.0%} of the tokens (EOS included) take loss (responses)")
+    if data.seq_len is None:
+        return line + "; kept whole (no --seq-len given)"
+    line += f"; overflow {spec.overflow} at seq len {data.seq_len:,}: "
+    if not (store.truncated or store.dropped):
+        return line + "none too long"
+    return line + ", ".join(f"{k} {v:,}" for k, v in (("truncated", store.truncated), ("dropped", store.dropped)) if v)
 
 
 def _documents_line(data, store) -> str:

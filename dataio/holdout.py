@@ -17,6 +17,9 @@ The training stores are the same `DocStore`s minus those documents (index arrays
 is copied), so the loader never sees a held-out document in any epoch, on any rank.
 Token counts are exact for the bytes tokenizer and for prepared shards; for a Hugging Face
 tokenizer on text the tokens per byte are estimated on up to 200 evenly spaced documents.
+SFT sources (dataio/sft.py) are held out like any other, record by record (their stores are
+tokens already, so the counts are exact); their eval rows carry the response mask, so their
+val_loss is the loss on responses, as in training.
 Streamed sources (hub datasets, `"streaming": true`) have no random access and no known size:
 they get no holdout (their share of `eval_tokens` is simply not evaluated); evaluating them needs
 `--eval-data` (`mix_rows`).
@@ -42,6 +45,7 @@ import torch
 
 from dataio.errors import DataError
 from dataio.packing import BestFitPacker
+from dataio.sft import ChatRenderer, is_sft, stream_block
 from dataio.sources import DocStore, SourceSpec, open_streamed, record_text
 
 MAX_FRACTION = 0.10  # the most a holdout takes from a source, of its documents and of its tokens
@@ -106,7 +110,8 @@ def _subset(store: DocStore, ids: np.ndarray, keep_counts: bool) -> DocStore:
     out = replace(store, chunk=store.chunk[ids], start=store.start[ids], end=store.end[ids])
     if not keep_counts:
         out = replace(out, bad_records=0, first_bad="", empty_records=0,
-                      **({"note": ""} if hasattr(store, "note") else {}))
+                      **({"note": ""} if hasattr(store, "note") else {}),
+                      **({"truncated": 0, "dropped": 0} if hasattr(store, "truncated") else {}))
     return out
 
 
@@ -147,8 +152,8 @@ def mix_rows(data, seq_len: int, eval_tokens: int, seed: int = EVAL_MIX_SEED) ->
     out = {}
     for index, (spec, store) in enumerate(zip(data.specs, data.stores)):
         target = eval_tokens * spec.weight
-        blocks = _stream_blocks(spec, data.tokenizer) if store is None else _store_blocks(store, index, seed,
-                                                                                          data.tokenizer)
+        blocks = _stream_blocks(spec, data.tokenizer, seq_len) if store is None else _store_blocks(
+            store, index, seed, data.tokenizer)
         docs, got = [], 0
         for block in blocks:
             for d in block:
@@ -170,22 +175,30 @@ def _store_blocks(store: DocStore, index: int, seed: int, tokenizer):
         yield _encode(store, order[lo:lo + ENCODE_BLOCK], tokenizer)
 
 
-def _stream_blocks(spec: SourceSpec, tokenizer):
-    """A streamed source from its start, in order: every rank reads the same documents."""
+def _stream_blocks(spec: SourceSpec, tokenizer, seq_len: int | None = None):
+    """A streamed source from its start, in order: every rank reads the same documents. SFT
+    records come with their mask, overflow applied for seq_len (dataio.sft.stream_block)."""
     def on_bad(why: str) -> None:
         if spec.bad_records == "stop":
             raise DataError(f"eval data: {spec.where()}: streamed record: {why}")
 
+    renderer = ChatRenderer(tokenizer) if is_sft(spec) else None
+
+    def encode(items):
+        if renderer is None:
+            return tokenizer.encode_batch(items)
+        return stream_block(spec, items, tokenizer, renderer, seq_len, on_bad)
+
     texts = []
     for record in open_streamed(spec, 0, 1):
-        text = record_text(spec, record, on_bad)
-        if text:
+        text = record if renderer is not None else record_text(spec, record, on_bad)
+        if text or renderer is not None:
             texts.append(text)
         if len(texts) >= ENCODE_BLOCK:
-            yield tokenizer.encode_batch(texts)
+            yield encode(texts)
             texts = []
     if texts:
-        yield tokenizer.encode_batch(texts)
+        yield encode(texts)
 
 
 def _encode(store: DocStore, ids: np.ndarray, tokenizer) -> list:

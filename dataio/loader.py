@@ -17,6 +17,12 @@ the IterableDataset's own `state_dict()` plus a count of documents into the curr
 `state_dict()` holds everything needed to continue exactly: per source the epoch, position and
 tokens taken (the permutations are recomputed from the seed, so there is no RNG state to save),
 the streamed sources' dataset states, and the packer's carry-over.
+
+SFT sources (dataio/sft.py) go through the same path: their documents are signed token arrays
+(the loss mask in the sign), tokenized with the mask in `load_data` (local) or per block
+(streamed), never cut into pieces; `make_batch` turns the sign into labels. A mix with an SFT
+source is "token-weighted" (`token_weighted`): its loss is the mean over the global batch's
+labelled tokens (`trainable_tokens` counts them per micro-batch), not a mean of micro-batch means.
 """
 from __future__ import annotations
 
@@ -30,9 +36,10 @@ import numpy as np
 import torch
 
 from dataio.errors import DataError
-from dataio.packing import make_packer, to_torch
+from dataio.packing import check_packing, make_packer, to_torch
+from dataio.sft import ChatRenderer, is_sft, stream_block, tokenize_store
 from dataio.sources import (DocStore, Mix, SourceSpec, default_piece_len, load_text_source, make_pieces,  # noqa: F401
-                            open_streamed, parse_mix, record_text)
+                            open_streamed, parse_mix, record_text, record_where)
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
@@ -55,6 +62,13 @@ class Data:
     world: int = 1  # ranks, and data workers per rank (0: none), the pieces were made for
     workers: int = 0
     eval_stores: list | None = None  # held-out DocStores per source (dataio/holdout.py), None: no holdout
+    seq_len: int | None = None  # the row length SFT records must fit (load_data); None: records kept whole
+
+    @property
+    def token_weighted(self) -> bool:
+        """Whether the loss is the mean over the global batch's labelled tokens (a mix with an SFT
+        source) rather than today's mean of per-micro-batch means (pretraining mixes, unchanged)."""
+        return token_weighted(self.specs)
 
     @property
     def weights(self) -> list[float]:
@@ -93,7 +107,7 @@ def open_data(path: str, tokenizer) -> Data:
 
 
 def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers: int = 0,
-              holdout: tuple[int, int] | None = None) -> Data:
+              holdout: tuple[int, int] | None = None, seq_len: int | None = None) -> Data:
     """Read every local source (or verify and map every shard), cut long documents into pieces,
     and check that every source can be split across the ranks; all checks happen here, before
     any model is built, and give the same result on every rank (nothing depends on the rank).
@@ -103,14 +117,20 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     bound (documents are cut only where a source has fewer than world x workers of them).
     world, workers: the ranks and the data workers per rank (the profile's zerotrain.dataloader
     workers, 0 for none) that the documents will be split across, as in `Batches`.
+    seq_len: the row length; SFT records longer than it follow their source's `overflow` policy
+    (dataio.sft; counted in the summary). None: SFT records are kept whole, however long.
     """
+    data.seq_len = seq_len
     if data.kind == "shards":
         from dataio import shards
 
         shards.verify(Path(data.path), data.manifest, data.tokenizer)
         stores = shards.load_stores(Path(data.path), data.manifest)
     else:
-        stores = [None if s.streamed else load_text_source(s) for s in data.specs]
+        stores = [None if s.streamed else load_text_source(s, data.tokenizer) for s in data.specs]
+        # SFT records -> signed tokens (the mask in the sign), overflow applied: exact counts before training.
+        stores = [tokenize_store(st, s, data.tokenizer, seq_len, lambda d, st=st: record_where(st, d))
+                  if st is not None and is_sft(s) else st for s, st in zip(data.specs, stores)]
     if holdout is not None:  # (seed, eval_tokens): whole documents held out for evaluation, before any cutting
         from dataio.holdout import split_holdout
 
@@ -126,9 +146,29 @@ def cut_data(data: Data, stores: list, piece_len: int | None, world: int, worker
     across = f"{world} rank{'s' if world > 1 else ''}" + (f" x {workers} data worker(s)" if workers else "")
     # Byte-tokenizer shards hold UTF-8 bytes: cut them where the text itself would be cut.
     utf8 = data.kind == "mix" or data.tokenizer.name == "bytes"
-    data.stores = [None if st is None else make_pieces(st, piece_len, parts, utf8, across) for st in stores]
+    data.stores = [None if st is None else whole_records(st, spec, parts, across) if is_sft(spec) else
+                   make_pieces(st, piece_len, parts, utf8, across) for spec, st in zip(data.specs, stores)]
     data.piece_len, data.world, data.workers = piece_len, world, workers
     return data
+
+
+def whole_records(store: DocStore, spec: SourceSpec, parts: int, across: str) -> DocStore:
+    """An SFT source is never cut (one record = one document): it needs a record per part."""
+    if len(store) < parts:
+        raise DataError(f"{spec.where()}: {len(store)} SFT record(s) cannot be split across {across} (records are"
+                        " never cut into pieces); add records or use fewer ranks")
+    return store
+
+
+def token_weighted(specs) -> bool:
+    """A mix with an SFT source: loss = mean over the labelled tokens of the whole global batch."""
+    return any(is_sft(s) for s in specs)
+
+
+def trainable_tokens(batch: dict) -> int:
+    """Tokens of a batch that carry a label: what the model's loss averages over (it predicts
+    labels[:, 1:] from positions :-1, so the first column never counts)."""
+    return int((batch["labels"][:, 1:] != -100).sum())
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,8 +300,10 @@ class IndexedSource:
 class StreamedSource:
     """A streamed source on this rank: records in order, tokenized in blocks; exact state."""
 
-    def __init__(self, spec: SourceSpec, tokenizer, rank: int, world: int):
+    def __init__(self, spec: SourceSpec, tokenizer, rank: int, world: int, seq_len: int | None = None):
         self.spec, self.tokenizer = spec, tokenizer
+        self.seq_len = seq_len  # SFT records: the overflow bound
+        self.renderer = ChatRenderer(tokenizer) if is_sft(spec) else None
         self.ds = open_streamed(spec, rank, world)
         self.world = world
         self._fresh_epoch = False  # set when an epoch restarts; cleared by its first document
@@ -283,11 +325,11 @@ class StreamedSource:
             self.ds.load_state_dict(copy.deepcopy(state))
             self._it = iter(self.ds)
         before = copy.deepcopy(self.ds.state_dict())
-        texts = []
+        texts = []  # SFT sources: the records themselves (rendered below)
         try:
             for record in self._it:
-                text = record_text(self.spec, record, self._bad)
-                if text:
+                text = record if self.renderer is not None else record_text(self.spec, record, self._bad)
+                if text or self.renderer is not None:  # an SFT record is judged when rendered, {} included
                     texts.append(text)
                 if len(texts) >= TOKEN_BLOCK:
                     break
@@ -307,7 +349,11 @@ class StreamedSource:
             self._fresh_epoch = True
             return self._pull_block()
         self._fresh_epoch = False
-        block = [before, self.tokenizer.encode_batch(texts), 0]
+        if self.renderer is not None:  # SFT records: rendered, tokenized with their mask; overflow may drop some
+            docs = stream_block(self.spec, texts, self.tokenizer, self.renderer, self.seq_len, self._bad)
+        else:
+            docs = self.tokenizer.encode_batch(texts)
+        block = [before, docs, 0]
         if self._resume is not None:
             block[2] = self._resume[1]
             self._resume = None
@@ -362,7 +408,7 @@ class MixedStream:
     def __init__(self, data: Data, rank: int, world: int, seed: int):
         self.names = [s.name for s in data.specs]
         self.weights = np.asarray(data.weights, np.float64)
-        self.sources = [StreamedSource(spec, data.tokenizer, rank, world) if store is None else
+        self.sources = [StreamedSource(spec, data.tokenizer, rank, world, data.seq_len) if store is None else
                         IndexedSource(store, spec, data.tokenizer, i, rank, world, seed)
                         for i, (spec, store) in enumerate(zip(data.specs, data.stores))]
         self.tokens = [0] * len(self.sources)  # tokens taken per source, EOS included
@@ -469,6 +515,7 @@ class PackedLoader:
 def make_loader(data: Data, rank: int, world: int, seed: int, seq_len: int, micro_batch: int,
                 packing: str = "best-fit") -> PackedLoader:
     stop = any(s.on_exhausted == "stop" for s in data.specs)
+    check_packing(packing, data.specs)
     return PackedLoader(MixedStream(data, rank, world, seed), seq_len, micro_batch, data.tokenizer.eos_id, stop,
                         packing)
 

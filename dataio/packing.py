@@ -21,6 +21,15 @@ from the previous row starts again at 0), and padding is its own segment; they a
 source of document boundaries: attention masks and `cu_seqlens` are derived from them. Labels
 follow the Hugging Face convention (the model shifts them) and are -100 wherever the position is
 0 and on padding, so no document is trained to predict across a boundary.
+
+Supervised fine-tuning documents (dataio/sft.py) arrive as SIGNED token arrays: a token that
+takes no loss (a prompt token) is stored as -(id + 1). The packers move tokens without looking
+at them, so the mask travels with the tokens through open rows, carry-over and saved states;
+`make_batch` decodes it (input_ids: the ids; labels: -100 where the sign was set). Pretraining
+tokens are never negative, so their batches are exactly what they were. SFT documents must not be
+cut at row edges (a response would lose its prompt): greedy packing is refused for them
+(`check_packing`); best-fit never cuts a document that fits a row, and dataio.sft makes every
+SFT document fit.
 """
 from __future__ import annotations
 
@@ -183,11 +192,16 @@ class BestFitPacker:
         self.ready = deque([[np.asarray(t, np.int64)], list(st), int(used)] for t, st, used in state["ready"])
 
 
-def check_packing(packing: str) -> str:
-    if packing not in PACKINGS:
-        from dataio.errors import DataError
+def check_packing(packing: str, specs=()) -> str:
+    """`packing` if known and right for the mix's sources (`specs`: SFT sources need best-fit)."""
+    from dataio.errors import DataError
 
+    if packing not in PACKINGS:
         raise DataError(f"--packing {packing!r}: must be {' or '.join(PACKINGS)}")
+    sft = [s.name for s in specs if getattr(s, "format", "text") != "text"]
+    if packing == "greedy" and sft:
+        raise DataError(f"--packing greedy: source {sft[0]!r} holds SFT records, which greedy packing would cut at row"
+                        " edges (a response without its prompt); use --packing best-fit")
     return packing
 
 
@@ -218,7 +232,12 @@ def make_batch(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, index=N
     starts[doc_starts[doc_starts < n]] = True
     segment_start = np.maximum.accumulate(np.where(starts, index, 0))
     position_ids = index - segment_start
-    labels = np.where(starts if pad is None else starts | pad, -100, tokens)
+    no_label = starts if pad is None else starts | pad
+    if n and tokens.min() < 0:  # SFT documents: the sign marks tokens without a label (dataio.sft)
+        untrained = tokens < 0
+        tokens = np.where(untrained, -tokens - 1, tokens)
+        no_label = no_label | untrained
+    labels = np.where(no_label, -100, tokens)
     bounds = np.append(np.flatnonzero(starts), n).astype(np.int32)
     return {"input_ids": tokens.reshape(-1, seq_len), "labels": labels.reshape(-1, seq_len),
             "position_ids": position_ids.reshape(-1, seq_len), "cu_seqlens": bounds,

@@ -21,14 +21,18 @@ Long documents are cut into pieces at load (`dataio.loader.load_data`, `dataio.s
 in tokens, with the same bound and rules as a mix (byte-tokenizer shards only at UTF-8 character
 starts, so a byte-tokenized mix and its shards give the same pieces and the same stream); the
 pieces are index arrays over the memory-mapped shards, and nothing about them is written here.
+SFT sources (`"format": "sft"` / `"chat"`) are refused: their response mask has no place here.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -108,6 +112,11 @@ def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_0
     from dataio.sources import parse_mix
 
     mix = parse_mix(mix_path)
+    for spec in mix.sources:  # shards hold unsigned token ids: no room for the response mask (dataio/sft.py)
+        if spec.format != "text":
+            raise DataError(f"{spec.where()}: format {spec.format}: zerotrain prepare does not take SFT records (shards"
+                            " cannot keep the response mask); train from the mix itself (records are tokenized at"
+                            " start-up)")
     out = Path(out)
     if out.exists():
         raise DataError(f"--out {out}: already exists; prepare writes a new directory (pick another --out)")
@@ -244,8 +253,10 @@ def _load_npy(path: Path, dtype: str, length: int, what: str) -> np.ndarray:
     return arr
 
 
-def check_shard(root: Path, sh: dict, dtype: str, vocab_size: int, tokenizer_sha: str, hashes: bool = True) -> dict:
-    """Every check of one shard; raises DataError naming the shard. Returns what it measured."""
+def check_shard(root: Path, sh: dict, dtype: str, vocab_size: int, tokenizer_sha: str, hashes: bool = True,
+                token_range: bool = True) -> dict:
+    """Every check of one shard; raises DataError naming the shard. Returns what it measured.
+    token_range=False skips the one check besides the hashes that reads every token."""
     what = f"shard {root / sh['file']}"
     if sh["dtype"] != dtype or sh["tokenizer_sha256"] != tokenizer_sha:
         raise DataError(f"{what}: dtype/tokenizer in its manifest entry differ from the manifest's")
@@ -260,28 +271,155 @@ def check_shard(root: Path, sh: dict, dtype: str, vocab_size: int, tokenizer_sha
             if got != sh[key]:
                 raise DataError(f"shard {root / file}: sha256 mismatch (manifest {sh[key][:12]}...,"
                                 f" file {got[:12]}...); the file changed or is corrupt: prepare the data again")
-    top = int(tokens.max()) if len(tokens) else 0
-    if top >= vocab_size:
-        raise DataError(f"{what}: token id {top} >= the tokenizer's vocabulary size {vocab_size}")
-    return {"file": sh["file"], "tokens": len(tokens), "documents": len(offsets) - 1,
+    top = None
+    if token_range:
+        top = int(tokens.max()) if len(tokens) else 0
+        if top >= vocab_size:
+            raise DataError(f"{what}: token id {top} >= the tokenizer's vocabulary size {vocab_size}")
+    return {"file": sh["file"], "tokens": len(tokens), "documents": len(offsets) - 1, "max_token": top,
             "bytes": (root / sh["file"]).stat().st_size + (root / sh["offsets_file"]).stat().st_size}
 
 
-def verify(root: Path, manifest: dict, tokenizer=None, hashes: bool = True, threads: int | None = None) -> list[dict]:
-    """All checks of all shards, in parallel threads; the first failing shard (manifest order) is reported."""
+class VerifiedCache:
+    """This node's record of shard files whose sha256 and token range were checked (JSON, never
+    unpickled): ZEROTRAIN_CACHE, else $XDG_CACHE_HOME/zerotrain, else ~/.cache/zerotrain, file
+    verified-shards.json, keyed by host name and real path.
+
+    A file counts as verified only while its identity is unchanged: device, inode, size, mtime and
+    ctime in nanoseconds (a write to it, a copy over it or a rename onto it changes one of them),
+    and only for the sha256 the manifest expects now. A cache that cannot be read or written is
+    ignored: quick verification then hashes every time, as full does. As a context manager it
+    reads the cache and, on exit, merges what was added under an exclusive lock; with hold_lock it
+    holds that lock for the whole verification (quick mode: the node's first process hashes, the
+    others wait for it and then find every shard known).
+    """
+
+    def __init__(self, cache_dir: Path | None = None, hold_lock: bool = False):
+        base = cache_dir or os.environ.get("ZEROTRAIN_CACHE") or \
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerotrain"
+        self.path = Path(base) / "verified-shards.json"
+        self.host = socket.gethostname()
+        self.hold_lock = hold_lock
+        self.entries: dict = {}
+        self.added: dict = {}
+        self.lock_file = None
+        self.mutex = threading.Lock()  # verify's threads add entries concurrently
+
+    def _lock(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.lock_file = open(self.path.with_suffix(".lock"), "a")
+            fcntl.flock(self.lock_file, fcntl.LOCK_EX)
+        except OSError:
+            self.lock_file = None
+
+    def _read(self) -> dict:
+        try:
+            entries = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        except (OSError, ValueError):  # unreadable or corrupt: as if empty
+            return {}
+        return entries if isinstance(entries, dict) else {}
+
+    def __enter__(self):
+        if self.hold_lock:
+            self._lock()
+        self.entries = self._read()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self.added:
+                if self.lock_file is None:
+                    self._lock()
+                merged = {**self._read(), **self.added}  # another process may have written meanwhile
+                prefix = f"{self.host}:"  # forget this node's files that are gone (test and scratch data)
+                merged = {k: v for k, v in merged.items() if not k.startswith(prefix) or os.path.exists(k[len(prefix):])}
+                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
+                os.replace(tmp, self.path)
+        except OSError:
+            pass
+        finally:
+            if self.lock_file is not None:
+                self.lock_file.close()  # releases the lock
+                self.lock_file = None
+
+    @staticmethod
+    def identity(path: Path) -> list[int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def identities(self, root: Path, sh: dict) -> tuple:
+        return self.identity(root / sh["file"]), self.identity(root / sh["offsets_file"])
+
+    def _key(self, path: Path) -> str:
+        return f"{self.host}:{os.path.realpath(path)}"
+
+    def known(self, root: Path, sh: dict, vocab_size: int) -> bool:
+        """Both files of the shard verified before, unchanged since, against today's manifest."""
+        tok = self.entries.get(self._key(root / sh["file"]))
+        off = self.entries.get(self._key(root / sh["offsets_file"]))
+        tok_id, off_id = self.identities(root, sh)
+        return (isinstance(tok, dict) and isinstance(off, dict) and tok_id is not None and off_id is not None
+                and tok.get("identity") == tok_id and tok.get("sha256") == sh["sha256"]
+                and off.get("identity") == off_id and off.get("sha256") == sh["offsets_sha256"]
+                and isinstance(tok.get("max_token"), int) and tok["max_token"] < vocab_size)
+
+    def add(self, root: Path, sh: dict, max_token: int, before: tuple) -> None:
+        """Record a shard that passed every check; `before`: its files' identities before hashing."""
+        if before != self.identities(root, sh):  # changed while it was being hashed: not verified
+            return
+        with self.mutex:
+            self.added[self._key(root / sh["file"])] = {"identity": before[0], "sha256": sh["sha256"],
+                                                        "max_token": max_token}
+            self.added[self._key(root / sh["offsets_file"])] = {"identity": before[1],
+                                                                "sha256": sh["offsets_sha256"]}
+
+
+VERIFY_MODES = ("full", "quick")
+
+
+def verify(root: Path, manifest: dict, tokenizer=None, hashes: bool = True, threads: int | None = None,
+           mode: str = "full", cache_dir: Path | None = None) -> list[dict]:
+    """All checks of all shards, in parallel threads; the first failing shard (manifest order) is reported.
+
+    mode "full": every check of every shard (sha256 of both files, the token-id range), as
+    `zerotrain verify` does; shards that pass are recorded in this node's cache (below).
+    mode "quick" (for every start-up after the first on a node): the manifest, every file's size,
+    dtype and length (the .npy headers) and the document offsets, for every shard; the sha256 and
+    the token-id range only for shards this node has not verified before, by file identity
+    (`verified_cache`). One process per node hashes at a time (a lock on the cache), so the ranks of
+    a node that start together hash each shard once, not once each.
+    Each result says whether the shard was hashed now (`hashed`).
+    """
+    if mode not in VERIFY_MODES:
+        raise DataError(f"shard verification mode {mode!r}: expected one of {', '.join(VERIFY_MODES)}")
     if tokenizer is not None:
         check_tokenizer(root, manifest, tokenizer)
     vocab = int(manifest["tokenizer"]["vocab_size"])
     threads = threads or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(threads) as pool:
-        futures = [pool.submit(check_shard, root, sh, manifest["dtype"], vocab,
-                               manifest["tokenizer"]["sha256"], hashes) for sh in manifest["shards"]]
-        results, first_error = [], None
-        for f in futures:
-            try:
-                results.append(f.result())
-            except DataError as e:
-                first_error = first_error or e
+    with VerifiedCache(cache_dir, hold_lock=mode == "quick") as cache:
+        def check(sh):
+            if mode == "quick" and hashes and cache.known(root, sh, vocab):
+                return {**check_shard(root, sh, manifest["dtype"], vocab, manifest["tokenizer"]["sha256"], False,
+                                      token_range=False), "hashed": False}
+            before = cache.identities(root, sh)  # what was hashed is the file as it was before hashing
+            result = check_shard(root, sh, manifest["dtype"], vocab, manifest["tokenizer"]["sha256"], hashes)
+            if hashes:
+                cache.add(root, sh, result["max_token"], before)
+            return {**result, "hashed": hashes}
+
+        with ThreadPoolExecutor(threads) as pool:
+            futures = [pool.submit(check, sh) for sh in manifest["shards"]]
+            results, first_error = [], None
+            for f in futures:
+                try:
+                    results.append(f.result())
+                except DataError as e:
+                    first_error = first_error or e
     if first_error:
         raise first_error
     by_source = {}

@@ -73,6 +73,27 @@ parts), else total // parts), so that every part gets at least one piece; the su
 Only a source with fewer units (characters) than parts is refused. The bound is part of the
 data's identity: another bound gives other documents.
 
+Supervised fine-tuning records (dataio/sft.py has the rendering, the mask and the rules):
+
+    {"name": "qa",   "weight": 0.2, "path": "qa.jsonl", "format": "sft",
+     "prompt_field": "question", "response_field": "answer", "separator": "\\n", "overflow": "drop"},
+    {"name": "chat", "weight": 0.3, "hf": "/nvme/hf/ultrachat", "format": "chat", "messages_field": "messages"}
+
+- `format`: "text" (the default: documents, as above), "sft" (prompt/response records) or "chat"
+  (records holding a list of {"role", "content"} messages).
+- "sft": `prompt_field` (default "prompt"), `response_field` (default "response"), `separator`
+  (default "\\n"): the document is prompt + separator + response, loss on the response and the EOS.
+- "chat": `messages_field` (default "messages"); rendered with the tokenizer's chat template, else
+  the plain ChatML template; loss on every assistant turn, its end-of-turn token included.
+- `overflow` (sft and chat): a record longer than --seq-len is "truncate_prompt" (default: its start
+  is cut, the last response kept whole), "drop" or "error"; counted in the summary before training.
+A record without a response (missing or empty), a chat whose roles do not alternate (optional
+system, then user / assistant in turn) or that has no assistant turn is a bad record
+(`bad_records`: stop names the source, file and line; skip counts it). SFT records come from
+json lines, json, parquet, arrow, save_to_disk or hub datasets (not .txt); they are never cut
+into pieces (one record = one document) and `zerotrain prepare` does not take them. Token
+shares count all tokens of a record (prompt, response and EOS): SFT and text sources mix freely.
+
 Weights are shares of TOKENS (not documents); they need not sum to 1. See dataio.loader.
 
 Loading never unpickles: local files go through `datasets`' Arrow readers or our own text
@@ -81,7 +102,9 @@ reader, and hub sources through `datasets` streaming.
 The layers, for whoever adds a record kind: `parse_mix` (the JSON) -> `find_files` (a local
 source's files, by datasets) -> `load_text_source` (each file's Arrow table -> `_docstore_from_table`,
 which turns records into document text: `text_field` or `template`) -> one DocStore per source.
-Streamed sources: `open_streamed` -> records -> `record_text`.
+Streamed sources: `open_streamed` -> records -> `record_text`. SFT records branch off in
+`_docstore_from_table` (`_sft_docstore`: text + response spans) and `dataio.loader.load_data`
+tokenizes them with their mask (`dataio.sft.tokenize_store`).
 """
 from __future__ import annotations
 
@@ -95,6 +118,7 @@ from pathlib import Path
 import numpy as np
 
 from dataio.errors import DataError
+from dataio.sft import FORMATS, OVERFLOWS, ChatRenderer, is_sft, render_record
 
 # The datasets builder that reads each data file format (.txt: our own reader, see _load_txt).
 BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".txt": "text", ".parquet": "parquet",
@@ -107,7 +131,10 @@ DATA_EXTENSIONS = [".arrow", ".csv", ".tsv", ".json", ".jsonl", ".ndjson", ".par
 GLOB_CHARS = "*?["
 SAVED = "save_to_disk"  # the "format" of a directory written by datasets' save_to_disk
 SOURCE_KEYS = {"name", "path", "hf", "config", "split", "text_field", "template", "weight", "sample_by",
-               "on_exhausted", "bad_records", "streaming", "data_dir", "data_files"}
+               "on_exhausted", "bad_records", "streaming", "data_dir", "data_files",
+               "format", "prompt_field", "response_field", "separator", "messages_field", "overflow"}
+SFT_KEYS = {"sft": {"prompt_field", "response_field", "separator", "overflow"}, "chat": {"messages_field", "overflow"}}
+TEXT_ONLY_KEYS = ("text_field", "template", "sample_by")  # what makes a document of a text record
 MIX_KEYS = {"description", "sources", "on_exhausted", "bad_records", "warn_epochs"}
 ON_EXHAUSTED = ("restart", "stop")
 BAD_RECORDS = ("stop", "skip")
@@ -130,6 +157,12 @@ class SourceSpec:
     streaming: bool = False
     data_dir: str | None = None  # with hf, as in load_dataset
     data_files: str | list | dict | None = None  # with hf, as in load_dataset (relative to the dataset)
+    format: str = "text"  # text | sft | chat (dataio/sft.py)
+    prompt_field: str = "prompt"  # sft
+    response_field: str = "response"  # sft
+    separator: str = "\n"  # sft: between prompt and response
+    messages_field: str = "messages"  # chat
+    overflow: str = "truncate_prompt"  # sft, chat: a record longer than --seq-len
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -219,6 +252,20 @@ def parse_mix(mix_path: str | Path) -> Mix:
                 raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
         if "template" in src and "text_field" in src:
             raise DataError(f"{at}: give text_field or template, not both")
+        fmt = _choice(src.get("format", "text"), FORMATS, "format", at)
+        for key in ("prompt_field", "response_field", "messages_field"):
+            if key in src and not (isinstance(src[key], str) and src[key]):
+                raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
+        if "separator" in src and not isinstance(src["separator"], str):
+            raise DataError(f"{at}: separator must be a string, got {src['separator']!r}")
+        misplaced = sorted(k for k in set().union(*SFT_KEYS.values()) if k in src and k not in SFT_KEYS.get(fmt, ()))
+        if misplaced:
+            goes = " or ".join(f for f, keys in SFT_KEYS.items() if misplaced[0] in keys)
+            raise DataError(f"{at}: {misplaced[0]} goes with format {goes}, this source is format {fmt}")
+        if fmt != "text" and any(k in src for k in TEXT_ONLY_KEYS):
+            key = next(k for k in TEXT_ONLY_KEYS if k in src)
+            raise DataError(f"{at}: {key} goes with format text; a format {fmt} source renders its records itself")
+        overflow = _choice(src.get("overflow", "truncate_prompt"), OVERFLOWS, "overflow", at)
         path = _parse_path(src["path"], mix_path, at) if "path" in src else None
         hf = _parse_hf(src["hf"], mix_path, at) if "hf" in src else None
         for key in ("data_dir", "data_files"):
@@ -236,11 +283,15 @@ def parse_mix(mix_path: str | Path) -> Mix:
             raise DataError(f"{at}: streaming must be true or false, got {streaming!r}")
         if streaming and any(not _has_glob(e) and file_format(e) == "text" for e in (path or ())):
             raise DataError(f"{at}: streaming applies to jsonl/parquet/arrow/hub sources, not .txt")
+        if fmt != "text" and any(not _has_glob(e) and file_format(e) == "text" for e in (path or ())):
+            raise DataError(f"{at}: format {fmt} reads records (jsonl, json, parquet, arrow, a dataset), not .txt")
         specs.append(SourceSpec(
             name=name, weight=float(w), path=path[0] if isinstance(src.get("path"), str) else path, hf=hf,
             config=src.get("config"), split=src.get("split", "train"), text_field=src.get("text_field", "text"),
             template=src.get("template"), sample_by=sample_by, streaming=streaming, data_dir=src.get("data_dir"),
-            data_files=src.get("data_files"),
+            data_files=src.get("data_files"), format=fmt, prompt_field=src.get("prompt_field", "prompt"),
+            response_field=src.get("response_field", "response"), separator=src.get("separator", "\n"),
+            messages_field=src.get("messages_field", "messages"), overflow=overflow,
             on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
             bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at)))
     total = sum(s.weight for s in specs)
@@ -453,6 +504,14 @@ class DocStore:
     cut_documents: int = 0  # documents that were cut into pieces
     piece_len: int | None = None  # the bound the pieces were cut at (None: not cut)
     files: tuple = ()  # the files the documents were read from, in order (shards: the shard files)
+    # SFT sources (dataio/sft.py). Rendered records: their response spans, (ptr (n + 1,), bounds (m, 2))
+    # in bytes from each document's start, and where each record came from (file index, record number).
+    spans: tuple | None = None
+    records: np.ndarray | None = None  # (n,) record number within its file, from 1
+    record_file: np.ndarray | None = None  # (n,) index into `files`
+    # Tokenized (signed tokens, dataio.sft): records truncated / dropped for overflow (dataio.sft.fit).
+    truncated: int = 0
+    dropped: int = 0
 
     def __len__(self) -> int:
         return len(self.start)
@@ -478,6 +537,11 @@ class DocStore:
 
     def text(self, d: int) -> str:
         return self.doc(d).tobytes().decode("utf-8")
+
+    def spans_of(self, d: int) -> np.ndarray:
+        """(k, 2) byte offsets of document d's responses (an SFT store of rendered records)."""
+        ptr, bounds = self.spans
+        return bounds[ptr[d]:ptr[d + 1]]
 
 
 class BadRecords:
@@ -507,15 +571,20 @@ def _first_line(e: Exception) -> str:
     return s.splitlines()[0] if s else type(e).__name__
 
 
-def load_text_source(spec: SourceSpec) -> DocStore:
+def load_text_source(spec: SourceSpec, tokenizer=None) -> DocStore:
     """All documents of a local (not streamed) source, file by file, validated; bad records per the
-    policy. Errors name the file (one line)."""
+    policy. Errors name the file (one line). An SFT source's records are rendered (chats with the
+    tokenizer's chat template, or the plain one without a tokenizer) and keep their response spans."""
     found = find_files(spec)
-    parts = [_read_file(spec, found, f, alone=len(found.files) == 1) for f in found.files]
+    if is_sft(spec) and found.fmt == "text":
+        raise DataError(f"{spec.where()}: format {spec.format} reads records (jsonl, json, parquet, arrow, a dataset),"
+                        f" not .txt files ({found.files[0]})")
+    renderer = ChatRenderer(tokenizer) if is_sft(spec) else None
+    parts = [_read_file(spec, found, f, alone=len(found.files) == 1, renderer=renderer) for f in found.files]
     return _merge(spec, found.files, parts)
 
 
-def _read_file(spec: SourceSpec, found: SourceFiles, f: str, alone: bool) -> DocStore:
+def _read_file(spec: SourceSpec, found: SourceFiles, f: str, alone: bool, renderer=None) -> DocStore:
     """One file's documents (an empty store for an empty file of a multi-file source)."""
     p = Path(f)
     if p.is_file() and p.stat().st_size == 0:
@@ -533,7 +602,7 @@ def _read_file(spec: SourceSpec, found: SourceFiles, f: str, alone: bool) -> Doc
                     raise DataError(f"{spec.where()}: {p} has no split {spec.split!r} (splits: {', '.join(ds)})")
                 ds = ds[spec.split]
         elif found.fmt == "json" and (bad_lines := _non_utf8_lines(p)):
-            return _jsonl_without(spec, p, bad_lines)
+            return _jsonl_without(spec, p, bad_lines, renderer)
         elif found.dataset is not None:  # one file of an hf directory, under its config
             ds = datasets.load_dataset(found.dataset, spec.config, data_files={spec.split: [f]}, split=spec.split)
         else:
@@ -543,7 +612,7 @@ def _read_file(spec: SourceSpec, found: SourceFiles, f: str, alone: bool) -> Doc
     except Exception as e:  # datasets wraps parser errors in many types
         raise DataError(f"{spec.where()}: cannot read {p}: {_locate_jsonl_problem(p) or _first_line(e)}") from None
     # Not ds.data.table.combine_chunks() or ds["text"]: both would copy the text into memory.
-    return _docstore_from_table(spec, ds.data.table if hasattr(ds.data, "table") else ds.data, f)
+    return _docstore_from_table(spec, ds.data.table if hasattr(ds.data, "table") else ds.data, f, renderer)
 
 
 def _merge(spec: SourceSpec, files: tuple, parts: list[DocStore]) -> DocStore:
@@ -560,6 +629,17 @@ def _merge(spec: SourceSpec, files: tuple, parts: list[DocStore]) -> DocStore:
             start=np.concatenate([p.start for p in parts]), end=np.concatenate([p.end for p in parts]),
             bad_records=sum(p.bad_records for p in parts), empty_records=sum(p.empty_records for p in parts),
             first_bad=next((p.first_bad for p in parts if p.first_bad), ""), note=note)
+        if is_sft(spec):  # the records' spans and origins, side by side as their documents
+            ptrs, bounds, base = [np.zeros(1, np.int64)], [], 0
+            for p in parts:
+                if p.spans is not None:
+                    ptrs.append(p.spans[0][1:] + base)
+                    bounds.append(p.spans[1])
+                    base += len(p.spans[1])
+            store.spans = (np.concatenate(ptrs), np.concatenate(bounds) if bounds else np.zeros((0, 2), np.int64))
+            store.records = np.concatenate([p.records for p in parts if p.records is not None]
+                                           or [np.zeros(0, np.int64)])
+            store.record_file = np.concatenate([np.full(len(p), i, np.int32) for i, p in enumerate(parts)])
     store.files = tuple(files)
     if len(store) == 0:
         what = str(files[0]) if len(files) == 1 else f"its {len(files)} files ({spec.location()})"
@@ -601,7 +681,7 @@ def _non_utf8_lines(p: Path) -> list[tuple[int, int, int]]:
     return out
 
 
-def _jsonl_without(spec: SourceSpec, p: Path, bad_lines) -> DocStore:
+def _jsonl_without(spec: SourceSpec, p: Path, bad_lines, renderer=None) -> DocStore:
     """`datasets` would silently replace invalid bytes: apply the bad-record policy instead.
     (Rare: only a file with such lines comes here, and it is parsed in memory.)"""
     import io
@@ -622,7 +702,7 @@ def _jsonl_without(spec: SourceSpec, p: Path, bad_lines) -> DocStore:
         table = pj.read_json(io.BytesIO(b"".join(keep)))
     except Exception as e:
         raise DataError(f"{spec.where()}: cannot read {p}: {_first_line(e)}") from None
-    store = _docstore_from_table(spec, table, str(p))
+    store = _docstore_from_table(spec, table, str(p), renderer)
     store.bad_records += bad.count
     store.first_bad = bad.first
     return store
@@ -669,10 +749,12 @@ def _text_column(spec: SourceSpec, table, bad: BadRecords, file: str):
     return column
 
 
-def _docstore_from_table(spec: SourceSpec, table, file: str) -> DocStore:
+def _docstore_from_table(spec: SourceSpec, table, file: str, renderer=None) -> DocStore:
     import pyarrow as pa
 
     bad = BadRecords(spec, file)
+    if is_sft(spec):
+        return _sft_docstore(spec, table, file, bad, renderer or ChatRenderer())
     column = _text_column(spec, table, bad, file)
     chunks, chunk_ids, starts, ends, base = [], [], [], [], 0
     for arr in column.chunks:
@@ -700,6 +782,66 @@ def _docstore_from_table(spec: SourceSpec, table, file: str) -> DocStore:
         base += n
     empty = base - int(sum(c.null_count for c in column.chunks)) - sum(len(s) for s in starts)
     return _finish(spec, file, "text", chunks, chunk_ids, starts, ends, bad, empty)
+
+
+def _sft_docstore(spec: SourceSpec, table, file: str, bad: BadRecords, renderer: ChatRenderer) -> DocStore:
+    """One file's SFT records rendered (dataio.sft.render_record): their text in one in-memory chunk,
+    their response spans, their record numbers. A bad record is named by its line in json lines."""
+    texts, spans, numbers, n = [], [], [], 0
+    for field in ((spec.prompt_field, spec.response_field) if spec.format == "sft" else (spec.messages_field,)):
+        if field not in table.column_names:
+            raise DataError(f"{spec.where()}: {file} has no field {field!r} (fields: {', '.join(table.column_names)};"
+                            f" format {spec.format})")
+
+    def on_bad(why: str, i: int) -> None:
+        # The line is looked up (a read of the file) only for a message that will be shown.
+        shown = spec.bad_records == "stop" or bad.count == 0
+        bad(record_label(file, i) if shown else f"record {i}", why)
+
+    for batch in table.to_batches(max_chunksize=RENDER_BATCH):
+        for record in batch.to_pylist():
+            n += 1
+            out = render_record(spec, record, renderer, lambda why, i=n: on_bad(why, i))
+            if out is not None:
+                texts.append(out[0].encode("utf-8"))
+                spans.append(out[1])
+                numbers.append(n)
+    lengths = np.fromiter((len(t) for t in texts), np.int64, len(texts))
+    end = np.cumsum(lengths)
+    store = _finish(spec, file, "text", [np.frombuffer(b"".join(texts), np.uint8)] if texts else [],
+                    [np.zeros(len(texts), np.int32)], [end - lengths], [end], bad, 0)
+    counts = np.fromiter((len(s) for s in spans), np.int64, len(spans))
+    store.spans = (np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                   np.concatenate(spans) if spans else np.zeros((0, 2), np.int64))
+    store.records = np.asarray(numbers, np.int64)
+    store.record_file = np.zeros(len(texts), np.int32)
+    return store
+
+
+def record_label(file: str, i: int) -> str:
+    """How to name record i (from 1) of a file: "line N" in json lines (blank lines skipped, as the
+    reader skips them), else "record i"."""
+    if file_format(file) != "json" or not os.path.isfile(file):
+        return f"record {i}"
+    try:
+        with _open_bytes(Path(file)) as f:
+            seen = 0
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    if seen == 0 and line.lstrip().startswith(b"["):
+                        break  # one JSON array, not json lines: its lines are not its records
+                    seen += 1
+                    if seen == i:
+                        return f"line {lineno}"
+    except OSError:
+        pass
+    return f"record {i}"
+
+
+def record_where(store: DocStore, d: int) -> str:
+    """ "FILE line N" for document d of an SFT store of rendered records."""
+    file = store.files[int(store.record_file[d])] if store.record_file is not None else store.name
+    return f"{file} {record_label(str(file), int(store.records[d]))}" if store.records is not None else str(file)
 
 
 RENDER_BATCH = 8192  # records rendered per batch: a template source is not held as Python objects at once
@@ -953,7 +1095,13 @@ def hub_location(name: str) -> str:
 
 
 def record_text(spec: SourceSpec, record: dict, on_bad) -> str | None:
-    """The document text of one streamed record, or None (after on_bad) when it has none."""
+    """The document text of one streamed record, or None (after on_bad) when it has none. An SFT
+    record's rendered text (the plain chat template: for tokenizer training; training itself
+    renders streamed SFT records with dataio.sft.stream_block)."""
+    if is_sft(spec):
+        from dataio.sft import record_text as sft_text
+
+        return sft_text(spec, record, on_bad)
     if spec.template is not None:
         return render_template(spec, record, on_bad)
     text = record.get(spec.text_field)

@@ -2,7 +2,9 @@
 
 Both kinds expose `encode(text) -> list[int]`, `encode_batch(texts) -> list[np.ndarray]`,
 `decode(ids)`, `vocab_size`, `bos_id`, `eos_id`, `name` and `sha256` (identifies the exact
-vocabulary; prepared shards record it and training refuses shards made with another one).
+vocabulary; prepared shards record it and training refuses shards made with another one), and
+`chat_template` (None for the byte tokenizer; a Hugging Face directory's template, from
+tokenizer_config.json `chat_template` or chat_template.jinja) for SFT chats (dataio/sft.py).
 
 BOS/EOS: documents are encoded WITHOUT special tokens; the packer appends EOS after every
 document (EOS separates documents in a packed row). No BOS is inserted: a document start is
@@ -25,6 +27,7 @@ class ByteTokenizer:
     """UTF-8 bytes 0..255, then BOS=256 and EOS=257. Needs nothing on disk."""
 
     name = "bytes"
+    chat_template = None  # SFT chats use the plain template (dataio.sft.plain_chat)
     vocab_size = 258
     bos_id = 256
     eos_id = 257
@@ -68,6 +71,8 @@ class HFTokenizer:
                 special = json.loads(cfg.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise DataError(f"tokenizer {cfg}: invalid JSON") from None
+        self.chat_template = _chat_template(special, file.parent, cfg)
+        self._transformers = None  # the transformers tokenizer, loaded on the first chat rendered
         self.eos_id = self._token_id(special.get("eos_token"), self.EOS_CANDIDATES)
         self.bos_id = self._token_id(special.get("bos_token"), ("<|begin_of_text|>", "<s>", "<bos>"))
         if self.eos_id is None:
@@ -92,6 +97,52 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids int32, (n, 2) character offsets) per text, without special tokens added (SFT masks).
+        encode_batch_fast computes no offsets, so this is the slower call."""
+        encs = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [(np.asarray(e.ids, np.int32), np.asarray(e.offsets, np.int64).reshape(-1, 2)) for e in encs]
+
+    def apply_chat_template(self, conversations: list[list[dict]], add_generation_prompt: list[bool]) -> list[str]:
+        """Each conversation rendered as text by transformers' `apply_chat_template` with this
+        directory's template and special tokens (loaded once, on first use; nothing downloaded)."""
+        if self._transformers is None:
+            try:
+                from transformers import AutoTokenizer
+
+                self._transformers = AutoTokenizer.from_pretrained(str(Path(self.name).parent), local_files_only=True)
+            except Exception as e:
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise DataError(f"tokenizer {self.name}: transformers cannot load it to apply its chat template"
+                                f" ({why})") from None
+        out = []
+        for gen in (False, True):  # apply_chat_template takes one add_generation_prompt per call
+            batch = [c for c, g in zip(conversations, add_generation_prompt) if g == gen]
+            if batch:
+                texts = self._transformers.apply_chat_template(batch, chat_template=self.chat_template, tokenize=False,
+                                                              add_generation_prompt=gen)
+                out.append(iter(texts))
+            else:
+                out.append(iter(()))
+        return [next(out[int(g)]) for g in add_generation_prompt]
+
+    def __getstate__(self):  # data-loader workers get a copy: the transformers tokenizer is loaded again there
+        return {**self.__dict__, "_transformers": None}
+
+
+def _chat_template(config: dict, directory: Path, cfg_file: Path) -> str | None:
+    """The tokenizer's chat template: tokenizer_config.json `chat_template` (a string, or a list of
+    named templates: the "default" one), else chat_template.jinja (where transformers >= 4.43 saves it)."""
+    t = config.get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    if t is not None and not (isinstance(t, str) and t.strip()):
+        raise DataError(f"tokenizer {cfg_file}: chat_template must be a non-empty string")
+    jinja = directory / "chat_template.jinja"
+    if t is None and jinja.is_file():
+        t = jinja.read_text(encoding="utf-8")
+    return t or None
 
 
 def load_tokenizer(spec: str):

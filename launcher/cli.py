@@ -9,6 +9,7 @@
                                     parameter counts and training FLOPs per token
     zerotrain export RUN_DIR|CHECKPOINT --to DIR    a checkpoint as a Hugging Face Llama directory
     zerotrain plan TRAIN-FLAGS [--gpus N --gpu-mem GiB --nodes M] [--mfu F] [--json]    memory, time, money
+    zerotrain preflight --stage v1|v2|v3 TRAIN-FLAGS    staged checks before a long run (README "Pre-flight")
     zerotrain profiles              the hardware profiles in ds_configs/
     zerotrain prepare --data MIX.json --tokenizer T --out DIR     tokenize a mix into verified shards
     zerotrain verify DIR            check a prepared shard directory, measure read speed
@@ -35,6 +36,7 @@ COMMANDS = {
     "demo": ("launcher.demo", "main"),
     "params": ("launcher.model_spec", "params_main"),
     "plan": ("launcher.planner", "plan_main"),
+    "preflight": ("launcher.preflight", "main"),
     "export": ("launcher.export", "main"),
     "profiles": ("launcher.cli", "cmd_profiles"),
     "prepare": ("dataio.commands", "prepare_main"),

@@ -97,6 +97,14 @@ class RunConfig:
     # --- the planner's fit check (issue 10; launcher/planner.py) ---
     fit_check: bool | None = opt(None, "refuse, before building anything, a config the planner says cannot fit in"
                                        " this device's memory (default on; --no-fit-check to try anyway)", RUN)
+    # --- recipes (issue 11) ---
+    dry_run: bool | None = opt(None, "resolve everything (profile, batch, model, data, plan) against the world"
+                                     " size, print it and exit 0 without building or writing anything", RUN)
+    description: str | None = opt(None, "free text; recipes use it to say what they are for", RUN)
+    # --- pre-flight golden steps (issue 10, section 2; launcher/preflight.py) ---
+    golden: str | None = opt(None, "a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak"
+                                   " memory at its golden steps is more than 10% off (another config is refused)", RUN)
+    golden_strict: bool | None = opt(None, "with --golden: stop (checkpoint saved, exit 8) instead of warning", RUN)
 
     @classmethod
     def kind(cls, name: str) -> str:
@@ -147,6 +155,10 @@ class RunConfig:
             raise UsageError(f"--on-spike {self.on_spike!r}: must be warn, stop or rollback")
         if self.fit_check is not None and not isinstance(self.fit_check, bool):  # issue 10: the planner's fit check
             raise UsageError(f"--fit-check: must be true or false, got {self.fit_check!r}")
+        if self.golden_strict is not None and not isinstance(self.golden_strict, bool):  # issue 10: pre-flight
+            raise UsageError(f"--golden-strict: must be true or false, got {self.golden_strict!r}")
+        if self.golden_strict and self.golden is None:
+            raise UsageError("--golden-strict: needs --golden PATH (a golden.json from `zerotrain preflight --stage v3`)")
         if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
         from launcher.optimizers import check_optimizer  # issue 11: normalised, so `adamw` keeps the default's id
@@ -157,6 +169,10 @@ class RunConfig:
         if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
             raise UsageError(f"--run-id {self.run_id!r}: --log wandb uses it as the W&B run id, which cannot"
                              f" contain any of {WANDB_RESERVED}")
+        if self.golden is not None:  # issue 10: a golden file of another config is refused before anything is built
+            from launcher.preflight import GoldenCheck  # (last: it compares the normalised identity)
+
+            GoldenCheck.load(self.golden, self)
 
     def warnings(self) -> list[str]:
         out = []

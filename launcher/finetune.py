@@ -14,7 +14,8 @@ underscores, same defaults except `profile="auto"`, same validation and error li
   directory (its best checkpoint, else its newest complete one, exported once to
   OUT/.base-models/RUN-TAG and used as `--init-from`; the run's tokenizer), or a preset name.
 - `data=`: a mix JSON file or a prepared shard directory as for the driver; a single data file
-  (.jsonl, .parquet, .txt, .arrow) is wrapped into a one-source mix (OUT/.mixes/).
+  (.jsonl, .parquet, .txt, .arrow) is wrapped into a one-source mix (OUT/.mixes/): documents, or
+  for a .jsonl of {"prompt", "response"} / {"messages"} records supervised fine-tuning data.
 - `launch=True, gpus=N`: the same job under the `deepspeed` launcher on N local ranks, as a
   subprocess whose output is streamed here; the recipe is written to RUN_DIR/recipe.json.
 
@@ -29,8 +30,10 @@ module rebinds the package attribute to it), so the module answers the call itse
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
+import io
 import json
 import socket
 import sys
@@ -99,11 +102,14 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
         values = {**FINETUNE_DEFAULTS, **{k: str(v) if isinstance(v, Path) else v for k, v in flags.items()
                                           if v is not None}}
         out = Path(values.get("out", "runs"))
-        if data is not None:
-            values["data"] = data_spec(data, out)
         if model is not None:
             values.update(model_values(model, values, out))
+        mix = None
+        if data is not None:
+            values["data"], mix = data_spec(data, out)
         cfg = config_from(values)
+        if mix is not None:  # written only once the settings are known to be good
+            write_if_changed(Path(cfg.data), mix)
         if launch:
             return _launch(cfg, gpus)
         if gpus not in (None, 1):
@@ -189,31 +195,57 @@ def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
     hf_dir = out / ".base-models" / f"{run_dir.resolve().name}-{tag.name}"
     if not ((hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file()):
         hf_dir.parent.mkdir(parents=True, exist_ok=True)
-        export(tag, hf_dir)
+        with quiet_stderr():
+            export(tag, hf_dir)
     print(f"model {run_dir}: checkpoint {tag.name} ({why}) as {hf_dir}")
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").is_file() else saved.get("tokenizer", "bytes")
     return hf_dir, tokenizer
 
 
-def data_spec(data: str | Path, out: Path) -> str:
-    """What the driver's --data gets: a mix file or shard directory as is; a single data file wrapped
-    into a one-source mix (at a path fixed by the file's own path, so the run id stays the same).
+def data_spec(data: str | Path, out: Path) -> tuple[str, str | None]:
+    """(what the driver's --data gets, the text of a mix file to write there or None).
 
-    Hook for supervised fine-tuning records (prompt/response, chat): once dataio reads them from a
-    source, a .jsonl of such records goes through here unchanged; if the source needs a key to say
-    so, add it to `source` below.
+    A mix file or shard directory goes as is; a single data file is wrapped into a one-source mix,
+    at a path fixed by the file's own path (so the run id stays the same from call to call). A
+    .jsonl whose first record has "messages", or "prompt" and "response", is supervised
+    fine-tuning data (dataio/sft.py: "format": "chat" / "sft", loss on the responses only);
+    other field names or settings need a mix file.
     """
     path = Path(data).expanduser()
     if path.suffix not in DATA_FILE_SUFFIXES or not path.is_file():
-        return str(data)  # a mix, a shard directory, or a missing path: the driver's own checks and lines
-    source = {"name": path.stem, "path": str(path.resolve()), "weight": 1.0}
+        return str(data), None  # a mix, a shard directory, or a missing path: the driver's checks and lines
+    source = {"name": path.stem, "path": str(path.resolve()), "weight": 1.0, **_record_format(path)}
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
-    mix = out / ".mixes" / f"{path.stem}-{digest}.json"
-    text = json.dumps({"sources": [source]}, indent=2) + "\n"
-    if not mix.is_file() or mix.read_text() != text:
-        mix.parent.mkdir(parents=True, exist_ok=True)
-        mix.write_text(text)
-    return str(mix)
+    return str(out / ".mixes" / f"{path.stem}-{digest}.json"), json.dumps({"sources": [source]}, indent=2) + "\n"
+
+
+def _record_format(path: Path) -> dict:
+    """{"format": "chat" | "sft"} from a .jsonl's first record, {} for documents (or anything
+    unreadable: the driver reports it with the source and line)."""
+    if path.suffix != ".jsonl":
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        record = json.loads(first)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if isinstance(record, dict) and "messages" in record:
+        return {"format": "chat"}
+    if isinstance(record, dict) and "prompt" in record and "response" in record:
+        return {"format": "sft"}
+    return {}
+
+
+def write_if_changed(path: Path, text: str) -> None:
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def quiet_stderr():
+    """DeepSpeed's zero_to_fp32 draws two progress bars on stderr for every consolidation."""
+    return contextlib.redirect_stderr(io.StringIO())
 
 
 def _newest(run_dir) -> Path | None:
@@ -294,7 +326,8 @@ def load_model(source: str | Path, tokenizer: str | None = None):
         if saved is None:
             raise UsageError(f"generate {source}: no readable {run_dir / 'config.json'}")
         model = Transformer(ModelArgs(**saved["model"]))
-        state = consolidated_state_dict(tag)
+        with quiet_stderr():
+            state = consolidated_state_dict(tag)
         missing = set(model.load_state_dict(state, strict=False).missing_keys)
         if missing - ({"lm_head.weight"} if model.args.tie_embeddings else set()):
             raise UsageError(f"generate {tag}: the checkpoint lacks {sorted(missing)[0]}")

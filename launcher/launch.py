@@ -178,7 +178,7 @@ def deepspeed_args(flags: list[str]) -> argparse.Namespace:
             return parse_args(flags + [str(TRAIN_PY)])
     except SystemExit:
         why = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
-        raise UsageError(f"launch: deepspeed flags {' '.join(flags)}: "
+        raise UsageError("launch: deepspeed flags: "
                          + (why[-1].split("error:", 1)[1].strip() if why else "not understood")) from None
 
 
@@ -198,8 +198,10 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
     ds = deepspeed_args(ds_flags)
     hosts = hostfile.parse_hostfile(ds.hostfile)
     active = hostfile.active_hosts(hosts, ds.include, ds.exclude, ds.num_nodes, ds.num_gpus)
-    if ds.no_ssh and not 0 <= ds.node_rank < len(active):
-        raise UsageError(f"launch --no_ssh: --node_rank {ds.node_rank} is not a node of {ds.hostfile}"
+    if ds.no_ssh and not 0 <= ds.node_rank < len(active):  # DeepSpeed asserts it, after starting
+        raise UsageError(f"launch --no_ssh: needs --node_rank R, this node's line in {ds.hostfile} (0 to"
+                         f" {len(active) - 1})" if ds.node_rank == -1 else
+                         f"launch --no_ssh: --node_rank {ds.node_rank} is not a node of {ds.hostfile}"
                          f" (0 to {len(active) - 1})")
     slots = [len(s) for s in active.values()]
     messages = [f"launch: {len(active)} node(s) ({', '.join(f'{h}:{n}' for h, n in zip(active, slots))}),"

@@ -93,13 +93,31 @@ def _safe(path: str) -> str:
 
 
 def rule_lr_defaults(values: dict) -> dict:
-    """{lr, min_lr} from the scaling rule's power law when the rule has one and --lr is not given.
+    """{lr, min_lr} when --lr is not given: the scaling rule's law for the run's optimizer, else the
+    optimizer's own default peak lr (launcher/optimizers.py: muon 0.02, lion 3e-4); {} otherwise.
 
-    min_lr defaults to lr / 10 then (the ratio of the built-in defaults). Any problem with the
-    rule is left for `resolve` to report with the flag named.
+    min_lr defaults to lr / 10 then (the ratio of the built-in defaults). AdamW without a law
+    returns {}: RunConfig's defaults, as before. Any problem with the rule or the optimizer is
+    left for `resolve` / RunConfig.validate to report with the flag named.
     """
-    if values.get("lr") is not None or not values.get("scaling_rule") or values.get("heads") is None:
+    if values.get("lr") is not None:
         return {}
+    from launcher import optimizers
+
+    optimizer = values.get("optimizer")
+    if optimizer is not None and not isinstance(optimizer, str):
+        return {}
+    lr = _rule_lr(values, optimizers.law_names(optimizer))
+    if lr is None:
+        lr = optimizers.default_lr(optimizer)
+    if lr is None:
+        return {}
+    return {"lr": lr, **({} if values.get("min_lr") is not None else {"min_lr": lr / 10})}
+
+
+def _rule_lr(values: dict, law_names: list[str]) -> float | None:
+    if not values.get("scaling_rule") or values.get("heads") is None:
+        return None
     from modeling import sizes
     from modeling.model import count_params
 
@@ -108,11 +126,8 @@ def rule_lr_defaults(values: dict) -> dict:
         overrides = {} if values.get("qk_norm") is None else {"qk_norm": values["qk_norm"]}
         args = sizes.rule_args(rule, values["heads"], **overrides)
     except (ValueError, TypeError):
-        return {}
-    lr = sizes.rule_lr(rule, count_params(args)["non_embedding"])
-    if lr is None:
-        return {}
-    return {"lr": lr, **({} if values.get("min_lr") is not None else {"min_lr": lr / 10})}
+        return None
+    return sizes.rule_lr(rule, count_params(args)["non_embedding"], law_names)
 
 
 def params_main(argv: list[str]) -> None:
@@ -137,6 +152,8 @@ def params_main(argv: list[str]) -> None:
     p.add_argument("--qk-norm", action="store_true")
     p.add_argument("--vocab-size", type=int, default=258, help="default: the byte tokenizer's 258")
     p.add_argument("--seq-len", type=int, default=2048, help="for the attention term of FLOPs per token")
+    p.add_argument("--optimizer", help="print the peak lr a run with this optimizer would use: the rule's law for it,"
+                                       " else its default (launcher/optimizers.py)")
     ns = p.parse_args(argv)
     if ns.heads and not ns.scaling_rule:
         raise UsageError("--heads: only used with --scaling-rule")
@@ -146,29 +163,45 @@ def params_main(argv: list[str]) -> None:
         if getattr(ns, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer")
     common = dict(vocab_size=ns.vocab_size, **({"qk_norm": True} if ns.qk_norm else {}))
-    rows = []  # (label, ModelArgs, lr or None)
-    for name in ns.presets or ([] if ns.depth or ns.scaling_rule else list(PRESETS)):
-        try:
-            rows.append((name, preset(name, **common), None))
-        except (KeyError, ValueError) as e:
-            raise UsageError(f"params {name}: {e.args[0]}") from None
-    for depth in ns.depth:
-        try:
-            rows.append((f"depth {depth}", sizes.depth_args(depth, ns.aspect_ratio, ns.head_dim, **common), None))
-        except ValueError as e:
-            raise UsageError(f"--depth {depth}: {e}") from None
+    rule = None
     if ns.scaling_rule:
         try:
             rule = sizes.get_rule(ns.scaling_rule, ns.rules_file)
         except ValueError as e:
             raise UsageError(f"--scaling-rule {ns.scaling_rule}: {e}") from None
+    laws, fallback_lr = ["adamw"], None  # without --optimizer: AdamW's law, and "-" where there is none
+    if ns.optimizer is not None:
+        from launcher import optimizers
+        from launcher.config import RunConfig
+
+        name = ns.optimizer
+        law_only = rule is not None and name in sizes.rule_laws(rule)  # e.g. `adana`, a user class's law
+        if name not in optimizers.REGISTRY and not optimizers.is_user_class(name) and not law_only:
+            raise UsageError(f"--optimizer {name}: unknown optimizer; known: {optimizers.known()}"
+                             + (f", or a law of rule {ns.scaling_rule}: {', '.join(sizes.rule_laws(rule))}"
+                                if rule is not None and sizes.rule_laws(rule) else ""))
+        laws = optimizers.law_names(name)
+        fallback_lr = optimizers.default_lr(name) or RunConfig.__dataclass_fields__["lr"].default
+    rows = []  # (label, ModelArgs, lr or None)
+    for name in ns.presets or ([] if ns.depth or ns.scaling_rule else list(PRESETS)):
+        try:
+            rows.append((name, preset(name, **common), fallback_lr))
+        except (KeyError, ValueError) as e:
+            raise UsageError(f"params {name}: {e.args[0]}") from None
+    for depth in ns.depth:
+        try:
+            rows.append((f"depth {depth}", sizes.depth_args(depth, ns.aspect_ratio, ns.head_dim, **common),
+                         fallback_lr))
+        except ValueError as e:
+            raise UsageError(f"--depth {depth}: {e}") from None
+    if rule is not None:
         for heads in ns.heads:
             try:
                 args = sizes.rule_args(rule, heads, **common)
             except ValueError as e:
                 raise UsageError(f"--scaling-rule {ns.scaling_rule} --heads {heads}: {e}") from None
-            rows.append((f"{ns.scaling_rule} H={heads}", args,
-                         sizes.rule_lr(rule, count_params(args)["non_embedding"])))
+            law_lr = sizes.rule_lr(rule, count_params(args)["non_embedding"], laws)
+            rows.append((f"{ns.scaling_rule} H={heads}", args, law_lr if law_lr is not None else fallback_lr))
     vocab = rows[0][1].vocab_size if rows else ns.vocab_size
     print(f"vocab {vocab} ({ns.vocab_size} padded to a multiple of 64), FLOPs per token at seq len {ns.seq_len}")
     print(f"{'model':<14}{'layers':>7}{'dim':>6}{'heads':>6}{'kv':>4}{'ffn':>7}{'total':>15}{'non-emb':>15}"
@@ -178,3 +211,9 @@ def params_main(argv: list[str]) -> None:
         print(f"{label:<14}{args.n_layers:>7}{args.dim:>6}{args.n_heads:>6}{args.n_kv_heads:>4}{args.ffn_hidden:>7}"
               f"{n['total']:>15,}{n['non_embedding']:>15,}{flops_per_token(args, ns.seq_len):>11.3e}"
               f"{(f'{lr:.3e}' if lr is not None else '-'):>10}")
+    if ns.optimizer is not None:
+        has_law = rule is not None and any(n in sizes.rule_laws(rule) for n in laws)
+        print(f"lr: the peak lr of a run with --optimizer {ns.optimizer} and no --lr: "
+              + (f"rule {ns.scaling_rule}'s law for {'/'.join(laws)}" if has_law else
+                 f"{fallback_lr:g}, its default" + (f" (rule {ns.scaling_rule} has no law for it)" if ns.scaling_rule
+                                                     else "")))

@@ -67,6 +67,12 @@ def positive(v):
     return _number(v, lo_open=True)
 
 
+def fraction(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise ValueError("a number in [0, 1)")
+    return float(v)
+
+
 def steps_or_null(v):
     if v is None:
         return None
@@ -144,8 +150,8 @@ def _muon_configure(ds, hp, cfg):
         # ZeRO-1/2/3 orthogonalize before the global norm is taken, so DeepSpeed 0.19 clips the
         # Muon *update* (norm ~ sqrt(sum of min(rows, cols)), a property of the model's shape), which
         # divides every Muon step by that norm: lr 0.02 became 0.02/55 on the debug model (measured,
-        # tests/helpers/optim_harness.py; DeepSpeed issue #8439). Muon's step does not depend on the
-        # gradient's scale, so clipping buys it nothing: off, and said at start-up (describe()).
+        # tests/helpers/optim_harness.py; DeepSpeed issue #8439). Newton-Schulz discards the gradient's
+        # scale anyway; the AdamW half trains unclipped. Off, and said at start-up (describe()).
         ds["gradient_clipping"] = 0.0
     return ds
 
@@ -195,7 +201,7 @@ ADAMW = Spec("adamw", "DeepSpeed (torch AdamW or FusedAdam, as the profile says)
 REGISTRY: dict[str, Spec] = {s.name: s for s in (
     ADAMW,
     Spec("muon", "DeepSpeed (MuonWithAuxAdam): Muon on 2-D weights, AdamW on embeddings, head and norms",
-         {"momentum": (0.95, nonneg), "weight_decay": (0.0, nonneg), "adam_lr": (3e-3, positive),
+         {"momentum": (0.95, fraction), "weight_decay": (0.0, nonneg), "adam_lr": (3e-3, positive),
           "betas": ((0.9, 0.95), betas(2)), "eps": (1e-8, positive), "ns_method": ("gram", choice("gram", "standard"))},
          "4 on matrices (momentum), 8 on the rest (AdamW)", _muon_configure, lr=0.02,
          notes="--lr is the Muon (matrix) lr, adam_lr the AdamW half's peak; the schedule scales both;"

@@ -11,8 +11,8 @@ Memory per rank = model states + ZeRO buffers + activations + context, plus a fr
 - model states: DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
   `estimate_zero3_model_states_mem_needs`, no offload): ZeRO-2 2P + 18P/N, ZeRO-3 4·L + 18P/N
   (P parameters, N ranks, L the largest module's own parameters; 18 = 2 fp16 grads + 4 fp32 grads +
-  4 fp32 master + 8 Adam). ZeRO-0 and ZeRO-1 follow the same accounting: 20P (DeepSpeed's
-  BF16_Optimizer keeps all of it on every rank) and 4P + 16P/N (16-bit params and grads whole).
+  4 fp32 master + 8 Adam). ZeRO-0 and ZeRO-1 follow the same accounting: 20P (DeepSpeed's 16-bit
+  optimizer wrapper keeps all of it on every rank) and 4P + 16P/N (16-bit params and grads whole).
   Runs without bf16/fp16 (the cpu profile) keep one fp32 copy of the weights and no 16-bit grads:
   16P, 8P + 16P/N, 4P + 16P/N, 8·L + 20P/N. Other optimizers replace the 8 bytes of Adam state
   (Lion 4, AdEMAMix 12, Muon 4 on matrices and 8 elsewhere). The two offload variants DeepSpeed
@@ -25,7 +25,8 @@ Memory per rank = model states + ZeRO buffers + activations + context, plus a fr
   cost nothing, so a bucket counts min(bucket, P) there, and gloo stages one more bucket-size copy
   in its reduce-scatter / reduce (measured: benchmarks/run.py planner_rss).
 - activations: `activation_bytes` below (formula in its docstring, checked against the tensors
-  autograd really saves in tests/test_planner.py).
+  autograd really saves in tests/test_planner.py). `zerotrain plan` assumes flash-attn's varlen
+  kernel on a GPU (the driver's GPU path); the fit check uses whatever the node has installed.
 - context: the CUDA context, cuBLAS/NCCL workspaces (1 GiB per GPU process), or on a CPU node the
   resident size of a driver rank before it builds the model (0.6 GiB, measured here).
 - fragmentation: 10% of everything but the context (PyTorch's caching allocator on a GPU, glibc's
@@ -38,7 +39,6 @@ Compute-optimal (Chinchilla): C = 6·N·D with the plan's N and D, D_opt = 20·N
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -202,6 +202,7 @@ class Setup:
     mixed: bool  # bf16 / fp16
     zero: dict  # the profile's zero_optimization section
     optimizer_bytes: float = 8
+    flash_attn: bool | None = None  # None: assumed on a GPU (the driver's GPU path), never on a CPU
 
     @property
     def world(self) -> int:
@@ -210,6 +211,11 @@ class Setup:
     @property
     def cpu(self) -> bool:
         return self.accelerator == "cpu"
+
+    @property
+    def attention(self) -> str:
+        flash = (not self.cpu) if self.flash_attn is None else self.flash_attn and not self.cpu
+        return "flash" if flash else "sdpa"
 
 
 def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool) -> dict:
@@ -220,8 +226,7 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
     states = model_states_bytes(stage, P, largest_layer(args), setup.gpus_per_node, setup.nodes, setup.mixed,
                                 setup.optimizer_bytes)
     buffers = zero_buffers_bytes(stage, P, setup.zero, setup.mixed, setup.cpu)
-    act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing,
-                           "sdpa" if setup.cpu else "flash")["peak"]
+    act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.attention)["peak"]
     context = CPU_PROCESS_BYTES if setup.cpu else CUDA_CONTEXT_BYTES
     frag = FRAGMENTATION * (states + buffers + act)
     return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
@@ -242,6 +247,14 @@ def _count(n: float) -> str:
         if n >= size:
             return f"{n / size:.3g}{unit}"
     return f"{n:.3g}"
+
+
+def _size(gib: float) -> str:
+    """A GiB figure for a sentence: GiB up to 1024, then TiB, PiB, EiB."""
+    for unit in ("GiB", "TiB", "PiB", "EiB"):
+        if abs(gib) < 1024 or unit == "EiB":
+            return f"{gib:.2f} {unit}" if unit == "GiB" else f"{gib:.3g} {unit}"
+        gib /= 1024
 
 
 def _gib(x: float) -> float:
@@ -344,6 +357,17 @@ def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, check
             add(f"micro-batch {mb}" if (s, ac) == (stage, checkpointing) else f"ZeRO-3 + {ac_name} + micro-batch {mb}",
                 s, mb, ac)
             break
+    if not out:  # not even one row fits: the longest row that would, at micro-batch 1
+        for s, ac in ((stage, checkpointing), (3, True)):
+            lo, hi = 0, seq_len
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if memory(args, setup, s, 1, mid, ac)["total"] <= setup.device_bytes else (lo, mid)
+            if lo >= 1:
+                how = "" if (s, ac) == (stage, checkpointing) else f"ZeRO-3 + {ac_name} + "
+                m = memory(args, setup, s, 1, lo, ac)["total"]
+                out.append({"change": f"{how}micro-batch 1 x seq-len {lo}", "memory_per_gpu_gib": _gib(m)})
+                break
     if not out and stage > 0:  # ZeRO-0 keeps everything on every rank: more GPUs never help it
         for s, ac in ((stage, checkpointing), (3, True)):
             for nodes in range(setup.nodes + 1, setup.nodes * 1024 + 1):
@@ -394,16 +418,16 @@ def budget(params: int, fpt: float, tokens_per_step: int, world: int, peak: floa
 def verdict(plan: dict) -> str:
     """One line: fits (with headroom) or not (by how much, and what would)."""
     hw = plan["hardware"]
+    unit = "rank" if hw["accelerator"] == "cpu" else "GPU"
     where = f"ZeRO-{plan['zero_stage']}{' + activation checkpointing' if plan['activation_checkpointing'] else ''}," \
-            f" micro-batch {plan['micro_batch']} x {plan['seq_len']}, {hw['world']} x {hw['device_memory_gib']} GiB"
+            f" micro-batch {plan['micro_batch']} x {plan['seq_len']}, {hw['world']} x {_size(hw['device_memory_gib'])}"
     need = plan["memory_per_gpu_gib"]
     if plan["fits"]:
-        return f"fits: {need} GiB per {'rank' if hw['accelerator'] == 'cpu' else 'GPU'} ({where}), headroom" \
-               f" {plan['headroom_gib']} GiB, largest micro-batch {plan['max_micro_batch']}"
-    alts = "; ".join(f"{a['change']} ({a['memory_per_gpu_gib']} GiB)" for a in plan["would_fit"][:4])
-    return f"does not fit: needs {need} GiB per {'rank' if hw['accelerator'] == 'cpu' else 'GPU'} ({where}), short by" \
-           f" {round(-plan['headroom_gib'], 2)} GiB; " + (f"would fit: {alts}" if alts else
-                                                            "nothing tried fits (smaller model or seq-len)")
+        return f"fits: {_size(need)} per {unit} ({where}), headroom {_size(plan['headroom_gib'])}, largest" \
+               f" micro-batch {plan['max_micro_batch']}"
+    alts = "; ".join(f"{a['change']} ({_size(a['memory_per_gpu_gib'])})" for a in plan["would_fit"][:4])
+    return f"does not fit: needs {_size(need)} per {unit} ({where}), short by {_size(-plan['headroom_gib'])}; " + \
+        (f"would fit: {alts}" if alts else "nothing tried fits: a smaller model")
 
 
 def render(plan: dict) -> str:
@@ -550,6 +574,9 @@ def fit_check(cfg, model_args, ds_config: dict, zt: dict, world: int) -> dict:
     hardware = {**zt.get("hardware", {}), "accelerator": accel}
     setup = setup_from(ds_config, {**zt, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
                        device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args)
+    from modeling import model as modeling_model
+
+    setup = replace(setup, flash_attn=modeling_model.flash_attn_varlen_func is not None)  # what this node will run
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
         else bool(zt.get("activation_checkpointing", False))

@@ -140,8 +140,12 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     tokenizer = load_tokenizer(cfg.tokenizer)
     data = open_data(cfg.data, tokenizer)  # a mix file or a prepared shard directory
     loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
-    loader_settings["packing"] = check_packing(cfg.packing or "best-fit")
+    loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
+    if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
+        from launcher.planner import fit_check
+
+        fit_check(cfg, model_args, ds_config, zt, world)
 
     run_id = cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
     run_dir = Path(cfg.out) / run_id
@@ -190,14 +194,15 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
         piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
     # Reads every source / verifies every shard, cuts pieces: bad data stops here, identically on every rank.
     holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
-    data = load_data(data, piece_len, world, loader_settings["workers"], holdout)
+    # issue 9: seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
+    data = load_data(data, piece_len, world, loader_settings["workers"], holdout, seq_len=cfg.seq_len)
     eval_rows = None
     if cfg.eval_every_steps:
         from dataio.holdout import holdout_rows, mix_rows
 
         if cfg.eval_data is not None:
-            eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer)), cfg.seq_len, cfg.eval_tokens
-                                 or EVAL_TOKENS_DEFAULT)
+            eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer), seq_len=cfg.seq_len), cfg.seq_len,
+                                 cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
         else:
             eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.seq_len)
         if not eval_rows:
@@ -275,6 +280,7 @@ class Trainer:
         for w in plan.warnings:
             self.say(f"zerotrain: warning: {w}")
         self.lock = self._take_lock()
+        _unlink_shm_buffer(self.rank)
         self.universal_dir = None
         if plan.resume_from is not None and plan.resume_meta["world_size"] != self.world:
             from launcher import universal
@@ -713,13 +719,23 @@ class Trainer:
         self.loader.close()
         # Issue 9 (a notebook calls run() again in this process): without this each run kept its
         # whole engine alive (~1 GB for `tiny`). ZeRO-3's hooks on tensors hold the engine where
-        # gc cannot see them (destroy() removes them), and DeepSpeed 0.19 appends the top module
-        # to parameter_offload.FWD_MODULE_STACK in setup_zero_stage3_hooks and never pops it.
+        # gc cannot see them (destroy() removes them); DeepSpeed 0.19 also keeps modules in globals.
         self.engine.destroy()
-        from deepspeed.runtime.zero import parameter_offload
+        _release_zero3_globals(self.engine.module)
 
-        parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK
-                                                 if m is not self.engine.module]
+
+def _release_zero3_globals(module) -> None:
+    """Issue 9: DeepSpeed 0.19 ZeRO-3 globals that keep a finished run's module (and through its
+    hooks the engine) alive: setup_zero_stage3_hooks appends the top module to FWD_MODULE_STACK and
+    never pops it; PartitionedParameterCoordinator.__params_to_release is an unbounded lru_cache
+    keyed by (coordinator, submodule), wrapped by instrument_w_nvtx (no __wrapped__: the closure)."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
+
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
+    for cell in getattr(vars(PPC).get("_PartitionedParameterCoordinator__params_to_release"), "__closure__", None) or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
 
 
 class StepLogger:
@@ -783,6 +799,20 @@ class StepLogger:
             self.bar = None
 
 
+def _unlink_shm_buffer(rank: int) -> None:
+    """DeepSpeed's CPU shared-memory all-reduce (ops/csrc/cpu/comm/shm.cpp) creates
+    /dev/shm/deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK (~66 MB) in init_distributed and never
+    removes it: a test suite or a notebook leaks RAM with every launch. Every rank has mapped every
+    buffer once init_distributed returned (it spins until they exist) and a collective has completed
+    since, so the name can go; the mappings stay valid until the processes exit."""
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+
+
 def report_exit(code: int) -> None:
     """For `zerotrain launch` (launcher/launch.py): DeepSpeed's launcher exits 1 when it forwards
     SIGTERM or when a rank exits non-zero, losing our code; rank 0 leaves it in ZEROTRAIN_EXIT_FILE."""
@@ -821,6 +851,8 @@ def run(cfg: RunConfig | dict) -> RunResult:
     """
     if isinstance(cfg, dict):
         cfg = config_from(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg)
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     plan = plan_run(cfg, world, rank)
@@ -829,3 +861,45 @@ def run(cfg: RunConfig | dict) -> RunResult:
         return trainer.train()
     finally:
         trainer.close()
+
+
+def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
+    """`--dry-run`: the run resolved against its profile's hardware (or the launch's world size when
+    launched), printed; nothing built, nothing written. Recipes are checked this way in CI."""
+    from launcher import planner
+    from launcher.profiles import load_profile
+    from modeling.model import count_params
+
+    if world is None:
+        hw = load_profile(cfg.profile)[1].get("zerotrain", {}).get("hardware", {}) if cfg.profile != "auto" else {}
+        world = int(os.environ.get("WORLD_SIZE") or hw.get("devices_per_node", 1) * hw.get("nodes", 1))
+    plan = plan_run(cfg, world, 0)
+    ds, zt, args = plan.ds_config, plan.zt, plan.model_args
+    n = count_params(args)
+    lines = [f"dry run: {plan.run_dir} (nothing built or written)",
+             f"profile {plan.profile_name}, world {world}, ZeRO-{ds['zero_optimization'].get('stage', 0)},"
+             f" batch {ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} x {world}"
+             f" x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
+             f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
+             f" lr {cfg.lr:g}, optimizer {cfg.optimizer or 'adamw'}"]
+    from dataio.commands import describe_data
+
+    lines += describe_data(plan.data, cfg.max_steps * ds["train_batch_size"] * cfg.seq_len)
+    fits = None
+    hw = zt.get("hardware", {})
+    if "device_memory_gib" in hw or hw.get("accelerator") == "cpu":
+        nodes = hw.get("nodes", 1) if world >= hw.get("nodes", 1) else 1
+        setup = planner.setup_from(ds, zt, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args)
+        ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
+            else bool(zt.get("activation_checkpointing", False))
+        p = planner.make_plan(args, setup, ds["zero_optimization"].get("stage", 0), ds["train_micro_batch_size_per_gpu"],
+                              ds["gradient_accumulation_steps"], cfg.seq_len, ac,
+                              peak_flops=zt.get("peak_flops_per_device"), mfu=zt.get("expected_mfu"),
+                              total_tokens=cfg.total_tokens, max_hours=cfg.max_hours, budget_usd=cfg.budget_usd,
+                              gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps)
+        fits = p["fits"]
+        lines.append("plan: " + planner.verdict(p))
+    for line in lines:
+        print(line, flush=True)
+    return RunResult(run_dir=plan.run_dir, step=0, tokens_seen=0, stop="dry-run", message="dry run", exit_code=EXIT_OK,
+                     extra={"fits": fits, "world": world, "ds_config": ds})

@@ -263,8 +263,9 @@ class Transformer(nn.Module):
         self.activation_checkpointing = False
         init_weights(self)
 
-    def forward(self, input_ids, position_ids=None, labels=None):
-        """input_ids (B, T). Returns logits (B, T, V), or the mean next-token loss when labels given.
+    def forward(self, input_ids, position_ids=None, labels=None, loss_reduction: str = "mean"):
+        """input_ids (B, T). Returns logits (B, T, V), or the next-token loss when labels given:
+        its mean over labelled positions, or with loss_reduction="sum" their sum (`next_token_loss`).
 
         labels follow the Hugging Face convention: same shape as input_ids, -100 where no loss;
         the shift by one happens here.
@@ -283,7 +284,39 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return next_token_loss(logits, labels, loss_reduction)
+
+
+def next_token_loss(logits, labels, reduction: str = "mean"):
+    """Cross-entropy of logits[:, :-1] against labels[:, 1:] (-100: no loss), in fp32.
+
+    "mean": over this micro-batch's labelled positions (pretraining: every micro-batch then weighs
+    the same). "sum": the sum over them, 0 when there are none, for a loss that is the mean over
+    the labelled tokens of the whole global batch (SFT, where micro-batches hold different numbers
+    of response tokens): each micro-batch's sum is scaled by `global_token_mean_scale` before the
+    DeepSpeed backward.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
+                           reduction=reduction)
+
+
+def global_token_mean_scale(grad_accum: int, world: int, global_tokens: int) -> float:
+    """The factor for each micro-batch's loss SUM so that DeepSpeed's backward yields the gradient of
+    (sum of every token loss of the global batch) / global_tokens.
+
+    `engine.backward(loss)` divides the loss by the gradient-accumulation steps, and the ZeRO
+    gradient reduction averages over the data-parallel ranks, so the gradient that reaches the
+    optimizer is (1 / (accum x world)) x the sum over all micro-batches of grad(loss). Giving it
+    loss = sum_m x accum x world / N makes that sum_m grad(sum_m) / N. `global_tokens` (N: labelled
+    tokens in all micro-batches of all ranks, `dataio.loader.trainable_tokens`) must be known
+    before the first backward: the step's pre-step all-gather carries each rank's count. The
+    all-reduced sum of these scaled losses divided by accum x world is then the step's loss.
+    """
+    if global_tokens <= 0:
+        raise ValueError(f"a global batch with {global_tokens} labelled tokens has no loss to average")
+    return grad_accum * world / global_tokens
 
 
 @torch.no_grad()

@@ -3,8 +3,9 @@
 - `depth_args(D)`: n_layers = D, dim = D x aspect_ratio rounded to a multiple of head_dim,
   n_heads = dim / head_dim (nanochat's single size knob).
 - `rule_args(name, H)`: every size from the head count, by a rule in scaling_rules.yaml
-  (`enoki`, `qwen3`, or your own file); `rule_lr(rule, P)`: the rule's optional learning-rate
-  power law lr = a * (b + P) ** d in the non-embedding parameter count P.
+  (`enoki`, `qwen3`, or your own file); `rule_lr(rule, P, optimizer)`: the rule's optional
+  learning-rate power law lr = a * (b + P) ** d in the non-embedding parameter count P, one per
+  optimizer (`lr: {adamw: {a, b, d}, muon: {...}}`; the older `lr: {a, b, d}` is AdamW's).
 
 Everything raises ValueError with a message that names the offending value; the launcher turns
 it into a one-line flag error. Named presets live beside the model (modeling.model.PRESETS).
@@ -81,18 +82,31 @@ def _check_rule(rule, where: str) -> None:
             raise ValueError(f"{where}: {key} must be true or false, got {rule[key]!r}")
     law = rule.get("lr")
     if law is not None:
-        if not isinstance(law, dict) or set(law) != {"a", "b", "d"}:
-            raise ValueError(f"{where}: lr must be a mapping with exactly a, b and d (lr = a * (b + P) ** d)")
-        for key in ("a", "b", "d"):  # PyYAML reads 1.0e5 (no sign in the exponent) as a string
-            if isinstance(law[key], str):
-                with contextlib.suppress(ValueError):
-                    law[key] = float(law[key])
-        _positive_number(law["a"], f"{where}: lr.a")
-        for key in ("b", "d"):
-            if isinstance(law[key], bool) or not isinstance(law[key], (int, float)) or not math.isfinite(law[key]):
-                raise ValueError(f"{where}: lr.{key} must be a number, got {law[key]!r}")
-        if law["b"] < 0:
-            raise ValueError(f"{where}: lr.b must be >= 0, got {law['b']!r}")
+        if not isinstance(law, dict) or not law:
+            raise ValueError(f"{where}: lr must be a mapping: {{a, b, d}} or {{optimizer: {{a, b, d}}, ...}}"
+                             " (lr = a * (b + P) ** d)")
+        if set(law) & {"a", "b", "d"}:  # the single-law form (before per-optimizer laws): AdamW's
+            _check_law(law, f"{where}: lr")
+        else:
+            for optimizer, one in law.items():
+                if not isinstance(optimizer, str):
+                    raise ValueError(f"{where}: lr: optimizer names must be strings, got {optimizer!r}")
+                _check_law(one, f"{where}: lr.{optimizer}")
+
+
+def _check_law(law, where: str) -> None:
+    if not isinstance(law, dict) or set(law) != {"a", "b", "d"}:
+        raise ValueError(f"{where} must be a mapping with exactly a, b and d (lr = a * (b + P) ** d)")
+    for key in ("a", "b", "d"):  # PyYAML reads 1.0e5 (no sign in the exponent) as a string
+        if isinstance(law[key], str):
+            with contextlib.suppress(ValueError):
+                law[key] = float(law[key])
+    _positive_number(law["a"], f"{where}.a")
+    for key in ("b", "d"):
+        if isinstance(law[key], bool) or not isinstance(law[key], (int, float)) or not math.isfinite(law[key]):
+            raise ValueError(f"{where}.{key} must be a number, got {law[key]!r}")
+    if law["b"] < 0:
+        raise ValueError(f"{where}.b must be >= 0, got {law['b']!r}")
 
 
 def _positive_number(value, what: str) -> None:
@@ -124,9 +138,19 @@ def rule_args(rule: dict, heads: int, **overrides) -> ModelArgs:
     return ModelArgs(**{**args, **overrides})
 
 
-def rule_lr(rule: dict, non_embedding_params: int) -> float | None:
-    """lr = a * (b + P) ** d, or None when the rule carries no law."""
+def rule_laws(rule: dict) -> dict[str, dict]:
+    """The rule's lr laws by optimizer name; the single-law form is AdamW's (the only optimizer before)."""
     law = rule.get("lr")
     if law is None:
-        return None
-    return float(law["a"] * (law["b"] + non_embedding_params) ** law["d"])
+        return {}
+    return {"adamw": law} if "a" in law else dict(law)
+
+
+def rule_lr(rule: dict, non_embedding_params: int, optimizer: str | list[str] = "adamw") -> float | None:
+    """lr = a * (b + P) ** d by the law of `optimizer` (or the first of several names that has one), or None."""
+    laws = rule_laws(rule)
+    for name in [optimizer] if isinstance(optimizer, str) else optimizer:
+        if name in laws:
+            law = laws[name]
+            return float(law["a"] * (law["b"] + non_embedding_params) ** law["d"])
+    return None

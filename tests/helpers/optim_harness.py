@@ -10,13 +10,17 @@ settings (fp32, gradient clipping 1.0), the stage overridden:
    DeepSpeed and of launcher/client_optimizers.py (same gradients: the mean over the ranks'
    micro-batches, clipped by global norm; same lr per step from launcher/schedule.WarmupCosine).
    Per tensor, err = |dW_ds - dW_ref| / |dW_ref| with dW the change from the initial weights;
-   `contrast` is the same measure against the AdamW reference (how far a wrong rule would be);
+   `contrast` is the same measure against AdamW on every tensor (what a wrong rule would score);
 3. the loss falls: STEPS_TRAINED steps on a small repeating byte corpus;
-4. optimizer state bytes per parameter held, on rank 0.
+4. optimizer state bytes per parameter held, on rank 0;
+5. with --resume OPT...: exact resume at each of --resume-stages (default 3): 0 -> 4 saving at 2, then a
+   fresh engine loads step 2 and trains 2 -> 4: weights (torch.equal) and losses must be identical.
 
-Rank 0 writes one JSON object: results[stage][optimizer] = {max_err, worst, contrast, losses, ...}.
+Rank 0 writes one JSON object: results[stage][optimizer] = {max_err, worst, contrast, losses, ...}
+and results["resume-STAGE"][optimizer] = {weights_equal, losses_equal, ...}.
 
 Usage: deepspeed --num_gpus 2 tests/helpers/optim_harness.py OUT.json STAGES OPTIMIZER [OPTIMIZER ...]
+                 [--resume OPTIMIZER ...] [--resume-stages S,S]
        (STAGES e.g. 0,1,2,3; an optimizer may carry its --optimizer-args after '=':
        'ademamix={"warmup_steps": 2}')
 With TORCHDYNAMO_DISABLE=1 (as tests/test_optimizers.py runs it) DeepSpeed's torch.compile'd Muon
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -219,14 +222,15 @@ def state_bytes_per_param(engine) -> float:
     return state / held if held else float("nan")
 
 
-def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
+def build(stage: int, opt_spec: str, world: int):
+    """(cfg, ds_config, model, engine, initial full parameters), built the way the driver builds them."""
     import deepspeed
     import torch
 
     from launcher.config import config_from
-    from launcher.optimizers import check_engine, prepare_optimizer, resolve
+    from launcher.optimizers import check_engine, prepare_optimizer
     from launcher.profiles import load_profile, resolve_ds_config
-    from launcher.schedule import WarmupCosine, make_scheduler
+    from launcher.schedule import make_scheduler
     from modeling.model import Transformer, preset
 
     name, _, args_json = opt_spec.partition("=")
@@ -238,20 +242,45 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     _, profile = load_profile("cpu")
     profile["zero_optimization"]["stage"] = stage
     ds_config = resolve_ds_config(profile, cfg, world, f"cpu at stage {stage}")
-    args = preset("debug", max_seq_len=SEQ_LEN)
     torch.manual_seed(cfg.seed)
     if stage == 3:
         with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = Transformer(args)
+            model = Transformer(preset("debug", max_seq_len=SEQ_LEN))
     else:
-        model = Transformer(args)
+        model = Transformer(preset("debug", max_seq_len=SEQ_LEN))
     init = full_params(model)
-    t0 = time.time()
     ds_config, optimizer, params = prepare_optimizer(cfg, ds_config, model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
                                            config=ds_config, lr_scheduler=make_scheduler(cfg))
     check_engine(cfg, engine, model)
+    return cfg, ds_config, model, engine, init
+
+
+def train_step(engine, s: int, rank: int, world: int) -> float:
+    """One optimizer step (ACCUM micro-batches); the loss averaged over ranks and micro-batches."""
+    import torch
+
+    total = 0.0
+    for j in range(ACCUM):
+        ids = batch(s, j, rank, world).to(engine.device)
+        loss = engine(input_ids=ids, labels=ids)
+        engine.backward(loss)
+        engine.step()
+        total += float(loss.detach())
+    t = torch.tensor([total], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t) / (world * ACCUM)
+
+
+def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
+    from launcher.optimizers import resolve
+    from launcher.schedule import WarmupCosine
+    from modeling.model import preset
+
+    t0 = time.time()
+    cfg, ds_config, model, engine, init = build(stage, opt_spec, world)
     build_s = time.time() - t0
+    args = preset("debug", max_seq_len=SEQ_LEN)
     _, hp = resolve(cfg.optimizer, cfg.optimizer_args)
     update = reference_update(cfg.optimizer, hp, cfg, ds_config)
     sched = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
@@ -272,16 +301,7 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
         contrast_ref = REFERENCES.get((opt_spec, clip, "wrong"))
     losses, errs, contrast, t1 = [], [], [], time.time()
     for s in range(STEPS_TRAINED):
-        total = 0.0
-        for j in range(ACCUM):
-            ids = batch(s, j, rank, world).to(engine.device)
-            loss = engine(input_ids=ids, labels=ids)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
-        t = torch.tensor([total], dtype=torch.float64)
-        torch.distributed.all_reduce(t)
-        losses.append(float(t) / (world * ACCUM))
+        losses.append(train_step(engine, s, rank, world))
         if s < STEPS_CHECKED:
             now = full_params(model)
             if rank == 0:
@@ -291,7 +311,8 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     train_s = time.time() - t1
     result = {"lr": cfg.lr, "hp": hp, "build_s": round(build_s, 2), "train_s": round(train_s, 2), "losses": losses,
               "state_bytes_per_param": state_bytes_per_param(engine),
-              "optimizer_class": type(engine.basic_optimizer).__name__, "ds_optimizer": ds_config.get("optimizer")}
+              "optimizer_class": type(engine.basic_optimizer).__name__, "ds_optimizer": ds_config.get("optimizer"),
+              "gradient_clipping": clip}
     if rank == 0:
         worst = max(errs[-1], key=errs[-1].get)
         result.update(max_err=[max(e.values()) for e in errs], worst=worst, errors=errs[-1],
@@ -301,29 +322,72 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     return result
 
 
-def main(out: str, stages: str, *optimizers: str) -> None:
+def resume_one(stage: int, opt_spec: str, world: int, rank: int, ckpt_dir: Path) -> dict:
+    """Train 0 -> N saving at K; a fresh engine loads K and trains K -> N: bit-identical weights and losses?"""
+    import torch
+    import torch.distributed as dist
+
+    n, k = 4, 2
+    _, _, model, engine, _ = build(stage, opt_spec, world)
+    first = []
+    for s in range(n):
+        first.append(train_step(engine, s, rank, world))
+        if s + 1 == k:
+            engine.save_checkpoint(str(ckpt_dir), tag=f"step{k}")
+    end_a = full_params(model)
+    engine.destroy()
+    _, _, model, engine, _ = build(stage, opt_spec, world)
+    engine.load_checkpoint(str(ckpt_dir), tag=f"step{k}")
+    second = first[:k] + [train_step(engine, s, rank, world) for s in range(k, n)]
+    end_b = full_params(model)
+    engine.destroy()
+    dist.barrier()
+    same = all(torch.equal(end_a[name], end_b[name]) for name in end_a)
+    return {"losses_a": first, "losses_b": second, "weights_equal": same, "losses_equal": first == second}
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
     import deepspeed
     import torch.distributed as dist
 
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("stages")
+    p.add_argument("optimizers", nargs="*")
+    p.add_argument("--resume", nargs="*", default=[], help="optimizers whose exact resume is checked")
+    p.add_argument("--resume-stages", default="3")
+    ns, _ = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
-    for stage in (int(s) for s in stages.split(",")):
-        for spec in optimizers:
+
+    def report(key, spec, r):
+        if rank == 0:
+            print(f"{key} {spec}: " + (r["error"] if "error" in r else json.dumps(
+                {k: r[k] for k in ("max_err", "contrast", "state_bytes_per_param", "build_s", "train_s",
+                                   "weights_equal", "losses_equal") if k in r})), flush=True)
+
+    for stage in (int(s) for s in ns.stages.split(",")):
+        for spec in ns.optimizers:
             try:
-                results.setdefault(str(stage), {})[spec] = run_one(stage, spec, world, rank)
+                r = run_one(stage, spec, world, rank)
             except Exception as e:  # noqa: BLE001 - reported per combination, the others still run
-                results.setdefault(str(stage), {})[spec] = {"error": f"{type(e).__name__}: {e}"}
-            if rank == 0:
-                r = results[str(stage)][spec]
-                print(f"stage {stage} {spec}: " + (r["error"] if "error" in r else
-                      f"err {['%.1e' % e for e in r['max_err']]} wrong-rule err {r['contrast']} loss"
-                      f" {r['losses'][0]:.3f}->{r['losses'][-1]:.3f} state {r['state_bytes_per_param']:.2f} B/param"
-                      f" build {r['build_s']}s train {r['train_s']}s"), flush=True)
+                r = {"error": f"{type(e).__name__}: {e}"}
+            results.setdefault(str(stage), {})[spec] = r
+            report(f"stage {stage}", spec, r)
+    for stage in (int(s) for s in ns.resume_stages.split(",")):
+        for i, spec in enumerate(ns.resume):
+            try:
+                r = resume_one(stage, spec, world, rank, Path(ns.out).with_suffix("") / f"ckpt-{stage}-{i}")
+            except Exception as e:  # noqa: BLE001
+                r = {"error": f"{type(e).__name__}: {e}"}
+            results.setdefault(f"resume-{stage}", {})[spec] = r
+            report(f"resume at stage {stage}", spec, r)
     if rank == 0:
-        Path(out).write_text(json.dumps(results, indent=1))
+        Path(ns.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(*argv)
+    main(sys.argv[1:])

@@ -1,0 +1,72 @@
+"""benchmarks/run.py: its command line (unknown names, a missing optional baseline) and a smoke run of
+entries at BENCH_TINY sizes. Nothing here asserts a timing: `make bench` measures, tests only check
+that each entry runs and prints its rows.
+
+Not run here: two_ranks, startup, planner_rss and local_source_memory (real 2-rank launches and a
+generated source, minutes of work; `make bench` runs them) and the loader entries (dataio's own tests
+cover the loader; they share `loader_rows` with packing_baselines' path through dataio.commands.bench).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bench(args, tmp_path, **env):
+    return subprocess.run([sys.executable, "benchmarks/run.py", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=600, env={**os.environ, "BENCH_TINY": "1", "OMP_NUM_THREADS": "1",
+                                            "ZEROTRAIN_CACHE": str(tmp_path / "cache"), **env})
+
+
+def table(stdout: str) -> dict[str, str]:
+    """benchmark -> result, from the printed table."""
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 5 and cells[0] != "benchmark":
+            rows[cells[0]] = cells[2]
+    return rows
+
+
+def test_unknown_name_is_one_line_and_exit_2_before_anything_runs(tmp_path):
+    r = bench(["shard_verify", "trainstep"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "benchmarks/run.py: unknown benchmark 'trainstep'; known: train_step, two_ranks, startup, shard_verify,"
+        " checkpoint, packing_baselines, stream_bytes, shards, stream_bpe, prepare_verify, packing,"
+        " local_source_memory, planner_rss"]
+
+
+def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "trl.py").write_text("raise ImportError('trl hidden by tests/test_benchmarks.py')\n")
+    r = bench(["shard_verify", "packing_baselines"], tmp_path, PYTHONPATH=str(hide))
+    assert r.returncode == 0, r.stderr[-3000:]
+    missing = [ln for ln in r.stderr.splitlines() if "trl" in ln]
+    assert missing == ["benchmark packing_baselines: TRL baseline skipped: needs `trl`: pip install -e .[bench]"
+                       "  (or: pip install trl)"]
+    rows = table(r.stdout)
+    assert rows["packing: TRL pack_dataset"].startswith("not run: needs `trl`")
+    for name in ("packing: ours: prepared shards (uint16), best-fit", "packing: ours: mix text, bytes tokenizer,"
+                 " best-fit", "packing: datasets.map concatenate-and-chunk (run_clm)"):
+        assert "tokens/s" in rows[name] and "efficiency" in rows[name], rows
+    # quick verification: the first start hashes every shard, a later one none (file identity cached)
+    first, later = rows["shard verify: quick, first start on this node (cold)"], rows["shard verify: quick, later start (cold)"]
+    n = first.split(", ")[1].split(" of ")[1].split()[0]
+    assert f"{n} of {n} shards hashed" in first and f"0 of {n} shards hashed" in later
+    assert "shards hashed per rank [0, " in rows["shard verify: 2 ranks of a node, quick, first start"] or \
+        rows["shard verify: 2 ranks of a node, quick, first start"].endswith(f"[{n}, 0]")
+
+
+def test_train_step_runs_every_compared_program(tmp_path):
+    r = bench(["train_step"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = table(r.stdout)
+    for program in ("zerotrain ZeRO-2", "zerotrain ZeRO-3", "plain PyTorch loop", "HF Llama, plain loop",
+                    "HF Trainer + DeepSpeed ZeRO-2"):
+        assert "ms/step" in rows[f"train step: {program}"] and "MFU" in rows[f"train step: {program}"], rows
+    assert "GFLOP/s before" in rows["MFU denominator (debug)"]

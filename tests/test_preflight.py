@@ -1,0 +1,259 @@
+"""Pre-flight (`zerotrain preflight`, launcher/preflight.py) and the golden-step check of a real run.
+
+A fault is planted for each stage and that stage catches it: a corrupted shard byte (v1 data), a
+checkpoint whose read-back differs (v1, READBACK_HOOK), a data loader slowed on purpose (v2,
+SLOW_LOADER_HOOK), a step-time regression against a golden file (--golden-strict). One healthy
+2-rank launch under the real `deepspeed` launcher runs all three stages and must pass them all
+without touching the real run's files; the faults use 1-rank `python` launches. The golden
+comparison's arithmetic is unit-tested without a process group.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, free_port, write_mix
+from launcher import preflight
+from launcher.config import config_from
+from launcher.errors import UsageError
+from launcher.preflight import GoldenCheck, golden_steps, make_golden, mfu_threshold, parse_args
+
+PREFLIGHT_PY = REPO / "launcher" / "preflight.py"
+
+
+def launch_preflight(launcher: str, args: list[str], env_extra=None, timeout: int = 300):
+    script = [str(PREFLIGHT_PY), *args]
+    cmd = ([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), *script]
+           if launcher == "deepspeed" else [sys.executable, *script])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Prepared shards of the two-source mix, a broken copy, and the cpu profile with a threshold this
+    shared 2-core machine meets whatever else runs on it (the stage's judgement is unit-tested below)."""
+    from dataio.shards import prepare
+    from dataio.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("preflight")
+    shards = prepare(str(write_mix(root / "mix")), load_tokenizer("bytes"), root / "shards")
+    profile = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    profile["zerotrain"]["mfu_threshold"] = 0.001
+    (root / "cpu-low.json").write_text(json.dumps(profile))
+    return {"root": root, "shards": Path(shards), "profile": str(root / "cpu-low.json")}
+
+
+def flags(setup, out: Path, data=None) -> list[str]:
+    return ["--profile", setup["profile"], "--data", str(data or setup["shards"]), "--seq-len", "128",
+            "--micro-batch", "4", "--out", str(out), "--run-id", "r"]
+
+
+def report(run_dir: Path, stage: str) -> dict:
+    return json.loads((run_dir / "preflight" / f"{stage}.json").read_text())
+
+
+def status(rep: dict) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in rep["checks"]}
+
+
+def tree_digest(root: Path, skip: str = "preflight") -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).parts[0] != skip}
+
+
+# -- one healthy 2-rank launch: v1, v2, v3 ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def healthy(setup):
+    out = setup["root"] / "runs"
+    run_dir = out / "r"
+    # what a real run of this config already wrote: pre-flight must leave it exactly as it is
+    (run_dir / "checkpoints" / "global_step3").mkdir(parents=True)
+    (run_dir / "checkpoints" / "global_step3" / "zerotrain.json").write_text('{"step": 3}\n')
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    before = tree_digest(run_dir)
+    proc = launch_preflight("deepspeed", ["--stage", "v1,v2,v3", "--sweep", "2,4", "--sweep-steps", "3",
+                                          "--loader-seconds", "0.5", "--steps", "8", *flags(setup, out)])
+    return {"proc": proc, "run_dir": run_dir, "before": before, "out": out}
+
+
+def test_healthy_run_passes_every_stage_on_two_ranks(healthy):
+    proc, run_dir = healthy["proc"], healthy["run_dir"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    v1, v2, v3 = (report(run_dir, s) for s in ("v1", "v2", "v3"))
+    assert status(v1) == dict.fromkeys(["backend", "collectives", "data", "build", "step", "checkpoint write",
+                                        "checkpoint read-back", "evaluation", "resume"], "PASS")
+    assert v1["world_size"] == 2 and "2 rank(s) on 1 host(s), gloo" in proc.stdout
+    readback = next(c for c in v1["checks"] if c["name"] == "checkpoint read-back")
+    assert readback["optimizer_tensors"] >= 3 and readback["tensors"] > readback["optimizer_tensors"]  # + exp_avg(_sq)
+    assert status(v2) == dict.fromkeys(["plan", "micro-batch sweep", "data loader", "data wait"], "PASS")
+    sweep = next(c for c in v2["checks"] if c["name"] == "micro-batch sweep")["candidates"]
+    assert [c["micro_batch"] for c in sweep] == [2, 4] and sum(c["best"] for c in sweep) == 1
+    assert all(c["tokens_per_s_per_rank"] > 0 and c["peak_gib"] > 0 and c["fits"] for c in sweep)
+    assert status(v3) == {"rehearsal": "PASS", "utilisation": "PASS"}
+    mfu = next(c for c in v3["checks"] if c["name"] == "utilisation")
+    assert mfu["threshold"] == 0.001 and mfu["mfu"] > 0
+    for line in ("  PASS  checkpoint read-back", "  PASS  data loader", "  PASS  utilisation"):
+        assert line in proc.stdout
+    golden = json.loads((run_dir / "preflight" / "golden.json").read_text())
+    assert [p["step"] for p in golden["steps"]] == [6, 7, 8] and golden["world_size"] == 2
+    assert all(p["tokens_per_s"] > 0 and p["peak_rss_gib"] > 0 and "step_s_spread" in p for p in golden["steps"])
+
+
+def test_real_run_files_untouched_and_scratch_checkpoints_removed(healthy):
+    run_dir = healthy["run_dir"]
+    assert tree_digest(run_dir) == healthy["before"]  # the real run's checkpoints and metrics, byte for byte
+    scratch = run_dir / "preflight" / "scratch"
+    assert (scratch / "v3" / "metrics.jsonl").is_file()
+    assert not list(scratch.glob("*/checkpoints/global_step*"))
+
+
+def test_golden_file_of_another_config_or_world_is_refused(setup, healthy):
+    golden = healthy["run_dir"] / "preflight" / "golden.json"
+    base = {k.lstrip("-").replace("-", "_"): v for k, v in zip(*[iter(flags(setup, healthy["out"]))] * 2)}
+    base.update(seq_len=128, micro_batch=4)
+    cfg = config_from({**base, "golden": str(golden)})  # the rehearsed config: accepted
+    with pytest.raises(UsageError, match=r"recorded for another config: lr 0\.003 -> 0\.001"):
+        config_from({**base, "golden": str(golden), "lr": 0.001})
+    with pytest.raises(UsageError, match=r"world_size 2 -> 1"):
+        GoldenCheck.load(str(golden), cfg, world=1)
+
+
+# -- faults, one rank each ---------------------------------------------------------------------------
+
+def test_v1_catches_a_corrupted_shard_byte(setup):
+    bad = setup["root"] / "shards-bad"
+    bad.mkdir()
+    for f in setup["shards"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    victim = next(bad.glob("prose-*.tokens.npy"))
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 0x01  # one bit of one token: counts, dtype and offsets still agree, only the checksum catches it
+    victim.write_bytes(bytes(raw))
+    out = setup["root"] / "runs-bad"
+    proc = launch_preflight("python", ["--stage", "v1", *flags(setup, out, data=bad)])
+    assert proc.returncode == preflight.EXIT_FAILED, proc.stderr[-2000:]
+    assert "  FAIL  data" in proc.stdout and f"{victim.name}: sha256 mismatch" in proc.stdout
+    assert "fix: fix or re-prepare the data" in proc.stdout
+    rep = report(out / "r", "v1")
+    assert status(rep)["data"] == "FAIL" and status(rep)["build"] == "SKIP" and not rep["ok"]
+    assert not (out / "r" / "preflight" / "scratch").exists()  # nothing was built on bad data
+
+
+def test_v1_catches_a_differing_read_back_and_v2_a_slow_loader(setup):
+    out = setup["root"] / "runs-hooks"
+    proc = launch_preflight("python", ["--stage", "v1,v2", "--sweep", "4", "--sweep-steps", "3", "--loader-seconds",
+                                       "1", *flags(setup, out)],
+                            env_extra={preflight.READBACK_HOOK: "perturb", preflight.SLOW_LOADER_HOOK: "0.3"})
+    assert proc.returncode == preflight.EXIT_FAILED, proc.stderr[-2000:]
+    v1, v2 = report(out / "r", "v1"), report(out / "r", "v2")
+    assert {k for k, v in status(v1).items() if v != "PASS"} == {"checkpoint read-back"}  # only the planted fault
+    readback = next(c for c in v1["checks"] if c["name"] == "checkpoint read-back")
+    assert re.search(r"fp32 master partition 0 differs \(sum [-\d.e]+ written, [-\d.e]+ read\)",
+                     readback["detail"]), readback["detail"]
+    assert status(v2) == {"plan": "PASS", "micro-batch sweep": "PASS", "data loader": "FAIL", "data wait": "FAIL"}
+    loader = next(c for c in v2["checks"] if c["name"] == "data loader")
+    assert loader["ratio"] < preflight.DATA_RATIO_MIN
+    assert next(c for c in v2["checks"] if c["name"] == "data wait")["data_wait_fraction"] > 0.5  # 0.3 s of each step
+    assert "fix: the loader cannot keep the model fed" in proc.stdout
+
+
+def test_golden_strict_stops_a_run_slower_than_its_rehearsal(setup, healthy):
+    """The rehearsal's golden file with its tokens/s made 10x faster: this run is then a step-time
+    regression of about 90% at the first golden step, and --golden-strict stops it there, saved."""
+    from conftest import launch, read_metrics
+
+    golden = json.loads((healthy["run_dir"] / "preflight" / "golden.json").read_text())
+    golden["world_size"] = 1
+    for p in golden["steps"]:
+        p["tokens_per_s"] *= 10
+    path = setup["root"] / "golden-fast.json"
+    path.write_text(json.dumps(golden))
+    out = setup["root"] / "runs-golden"
+    proc = launch("python", [*flags(setup, out), "--max-steps", "8", "--golden", str(path), "--golden-strict"])
+    assert proc.returncode == preflight.EXIT_GOLDEN, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "golden step 6: tokens/s" in proc.stdout
+    steps = read_metrics(out / "r")
+    assert steps[-1]["step"] == 6
+    assert (out / "r" / "checkpoints" / "global_step6" / "zerotrain.json").is_file()
+
+
+# -- no process group ----------------------------------------------------------------------------------
+
+def records(n: int, tokens_per_s: float = 1000.0, rss: float = 1.0) -> list[dict]:
+    return [{"step": s, "loss": 5.0 - s / 10, "tokens_per_s": tokens_per_s, "step_s": 1.0, "data_wait_s": 0.01,
+             "peak_rss_gib": rss, "mfu": 0.3} for s in range(1, n + 1)]
+
+
+def golden_for(tmp_path, n=20, **kw) -> tuple[str, object]:
+    cfg = config_from({"data": str(REPO / "dataio" / "mixes" / "demo.json")})
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps(make_golden(records(n, **kw), cfg, 1, "cpu", "cpu", n)))
+    return str(path), cfg
+
+
+def run_against(check: GoldenCheck, recs: list[dict]) -> dict[int, str]:
+    return {r["step"]: m for r in recs if (m := check.check(r["step"], r)) is not None}
+
+
+def test_golden_check_warns_only_beyond_ten_percent(tmp_path):
+    path, cfg = golden_for(tmp_path)
+    check = GoldenCheck.load(path, cfg, world=1)
+    assert check.steps == [6, 11, 15, 20]
+    assert run_against(GoldenCheck.load(path, cfg), records(20, tokens_per_s=950.0, rss=1.08)) == {}  # within 10%
+    slow = run_against(check, records(20, tokens_per_s=800.0))
+    assert sorted(slow) == [6, 11, 15, 20] and "tokens/s 800 vs 1,000 in the rehearsal (-20%)" in slow[6]
+    hungry = run_against(GoldenCheck.load(path, cfg), records(20, rss=1.25))
+    assert "peak memory 1.25 GiB vs 1.00 GiB in the rehearsal (+25%)" in hungry[11] and "tokens/s" not in hungry[11]
+
+
+def test_golden_check_uses_the_window_median_not_one_step(tmp_path):
+    path, cfg = golden_for(tmp_path)
+    recs = records(20)
+    recs[9]["tokens_per_s"] = 100.0  # one slow step (a GC pause) inside the window of golden step 11
+    assert run_against(GoldenCheck.load(path, cfg), recs) == {}
+    for r in recs[6:11]:
+        r["tokens_per_s"] = 700.0  # the whole window slower: a regression
+    assert list(run_against(GoldenCheck.load(path, cfg), recs)) == [11]
+
+
+def test_bad_golden_input_is_one_line(tmp_path):
+    path, cfg = golden_for(tmp_path)
+    with pytest.raises(UsageError, match="no such file"):
+        GoldenCheck.load(str(tmp_path / "missing.json"), cfg)
+    (tmp_path / "v1.json").write_text('{"stage": "v1"}')
+    with pytest.raises(UsageError, match="not a zerotrain golden file"):
+        GoldenCheck.load(str(tmp_path / "v1.json"), cfg)
+    with pytest.raises(UsageError, match="--golden-strict: needs --golden"):
+        config_from({"data": cfg.data, "golden_strict": True})
+
+
+def test_stage_arguments_and_defaults():
+    opts, rest = parse_args(["--stage", "v3,v1", "--data", "m.json", "--steps", "7", "--lr", "1e-3"])
+    assert opts.stages == ["v1", "v3"] and opts.steps == 7 and rest == ["--data", "m.json", "--lr", "1e-3"]
+    for bad in (["--stage", "v4"], ["--data", "m.json"], ["--stage", "v2", "--sweep", "4,x"]):
+        with pytest.raises(UsageError):
+            parse_args(bad)
+    assert golden_steps(8) == ([6, 7, 8], 5) and golden_steps(2) == ([2], 1)
+    assert preflight.rehearsal_steps(100) == 20 and preflight.rehearsal_steps(10**6) == 200
+    assert mfu_threshold({"mfu_threshold": 0.2})[0] == 0.2
+    assert mfu_threshold({"expected_mfu": 0.4})[0] == pytest.approx(0.3)
+    assert mfu_threshold({})[0] == preflight.DEFAULT_MFU_THRESHOLD
+
+
+def test_zerotrain_preflight_bad_stage_is_exit_2(capsys):
+    from launcher import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["preflight", "--stage", "v9", "--data", "m.json"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "zerotrain: error: --stage v9: choose v1, v2 or v3 (or several, e.g. v1,v2)"]
