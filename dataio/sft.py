@@ -278,18 +278,13 @@ def labelled_tokens(store) -> int:
 # Local sources: a whole source at load time
 # --------------------------------------------------------------------------------------------
 
-class OverflowCounts:
-    def __init__(self):
-        self.truncated = self.dropped = 0
-
-
 def tokenize_store(store, spec, tokenizer, seq_len: int | None, where_record):
-    """A DocStore of rendered SFT records (sources.sft_docstore) -> a DocStore of signed tokens
+    """A DocStore of rendered SFT records (sources._sft_docstore) -> a DocStore of signed tokens
     (kind "tokens", one in-memory chunk), overflow applied and counted. `where_record(d)` names
     record d for an error ("FILE line N")."""
     from dataclasses import replace
 
-    docs, counts = [], OverflowCounts()
+    docs, truncated, dropped = [], 0, 0
     for lo in range(0, len(store), ENCODE_BLOCK):
         ids = range(lo, min(len(store), lo + ENCODE_BLOCK))
         rendered = [(store.text(d), store.spans_of(d)) for d in ids]
@@ -299,20 +294,18 @@ def tokenize_store(store, spec, tokenizer, seq_len: int | None, where_record):
                 raise DataError(f"{spec.where()}: {where_record(d)}: record of {len(tokens) + 1:,} tokens (with EOS)"
                                 f" is longer than --seq-len {seq_len} (\"overflow\": \"error\"; use \"truncate_prompt\""
                                 " or \"drop\" in the mix, or a larger --seq-len)")
-            if what == "truncated":
-                counts.truncated += 1
-            elif what == "dropped":
-                counts.dropped += 1
+            truncated += what == "truncated"
+            dropped += what == "dropped"
             if doc is not None:
                 docs.append(doc)
     if not docs:
-        raise DataError(f"{spec.where()}: no record fits in --seq-len {seq_len} ({counts.dropped:,} dropped,"
+        raise DataError(f"{spec.where()}: no record fits in --seq-len {seq_len} ({dropped:,} dropped,"
                         f" overflow {spec.overflow}); use a larger --seq-len")
     lengths = np.fromiter((len(t) for t in docs), np.int64, len(docs))
     end = np.cumsum(lengths)
     return replace(store, kind="tokens", chunks=[np.concatenate(docs)], chunk=np.zeros(len(docs), np.int32),
                    start=end - lengths, end=end, spans=None, records=None, record_file=None,
-                   truncated=counts.truncated, dropped=counts.dropped)
+                   truncated=truncated, dropped=dropped)
 
 
 # --------------------------------------------------------------------------------------------

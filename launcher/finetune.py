@@ -311,8 +311,6 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
 def load_model(source: str | Path, tokenizer: str | None = None):
     """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
     checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json)."""
-    import torch
-
     from dataio.tokenizer import load_tokenizer
     from launcher import checkpoint
     from launcher.export import consolidated_state_dict, find_checkpoint

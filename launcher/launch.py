@@ -359,7 +359,8 @@ def slurm_main(argv: list[str]) -> None:
         print("# --- what it would run ---")
         print(f"sbatch {workdir}/{ns.job_name}.sbatch")
         hosts = allocated_hosts() or [f"<node {n}>" for n in range(ns.nodes)]
-        job_dir = f"{workdir}/job-{os.environ.get('SLURM_JOB_ID', '<job id>')}-r{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+        job_id, restarts = os.environ.get("SLURM_JOB_ID", "<job id>"), os.environ.get("SLURM_RESTART_COUNT", "0")
+        job_dir = f"{workdir}/job-{job_id}-r{restarts}"
         print(f"# hostfile {job_dir}/hostfile:")
         for host in hosts:
             print(f"#   {host} slots={ns.gpus_per_node}")

@@ -21,11 +21,13 @@ v1 stability   backend on every rank; all-reduce and all-gather values; the data
                and compared tensor by tensor (sha256 of every parameter and optimizer-state tensor
                this rank holds, the loader state, step and tokens); one evaluation on all ranks
                (the run's eval rows, else rows of the training mix); one resumed step.
-v2 throughput  a micro-batch sweep (--sweep, default micro/2, micro, 2x, 4x; grad-accum 1; tokens/s
-               and peak memory each, the planner's fit check first; the fastest that fits marked);
-               the data loader alone, tokens/s per rank, against what the model consumes per rank
-               (ratio >= DATA_RATIO_MIN); the fraction of step time spent waiting on data
-               (<= DATA_WAIT_MAX), both at the configured micro-batch.
+v2 throughput  a micro-batch sweep (--sweep, default micro/2, micro, 2x, 4x; grad-accum 1; --sweep-steps
+               steps each: tokens/s per rank and peak memory, GPU max_memory_allocated or host peak
+               RSS, max over ranks; the planner's fit check first, larger ones skipped after one that
+               does not fit or runs out of memory; the fastest that fits marked); the data loader
+               alone (--loader-seconds), tokens/s per rank, against what the model consumes per rank
+               (its step time minus the data wait; ratio >= DATA_RATIO_MIN); the fraction of step time
+               waiting on data (<= DATA_WAIT_MAX); both at the configured micro-batch.
 v3 rehearsal   N steps of the full config (--steps, default `rehearsal_steps`), saves and evaluations
                at the run's cadence (at least one of each that the run has); golden steps recorded
                in RUN_DIR/preflight/golden.json; passes only if the median MFU against the profile's
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import hashlib
@@ -379,7 +382,7 @@ class Preflight:
 
     def __init__(self, cfg, opts: argparse.Namespace):
         self.cfg, self.opts = cfg, opts
-        self.dist = self.lock = self.plan_a = None
+        self.dist = self.lock = self.plan_a = self.base = None
         self.locked = False
 
     def run(self) -> int:
@@ -504,6 +507,20 @@ class Preflight:
         self.dist.all_gather_object(every, value)
         return every
 
+    def plan(self, cfg):
+        """plan_run on every rank, its refusal agreed: a rank that stopped here while the others went on to
+        build an engine would leave them waiting in its collectives."""
+        from launcher.trainer import plan_run
+
+        try:
+            plan, error = plan_run(cfg, self.world, self.rank), None
+        except ZerotrainError as e:  # e.g. a file only some node cannot read
+            plan, error = None, e
+        first = next((m for m in self.gather(error and str(error)) if m), None) if self.world > 1 else None
+        if error is not None or first:
+            raise error or UsageError(f"another rank: {first}")
+        return plan
+
     def from_main(self, fn):
         """fn() on rank 0 (files only rank 0 writes: metrics, markers), its value on every rank."""
         box = [None]
@@ -584,6 +601,19 @@ class Preflight:
         trainer.engine = None
         gc.collect()
         self.accel.empty_cache()
+
+    def fresh_peaks(self) -> None:
+        """Peak memory counted from here on: a candidate's or the rehearsal's own, comparable with what a
+        fresh process of the real run logs (GPU max_memory_allocated; on a CPU node peak RSS, which the
+        kernel resets through clear_refs, once glibc has returned what earlier stages freed)."""
+        gc.collect()
+        if self.accel.device_name() != "cpu":
+            self.accel.empty_cache()
+            self.accel.reset_peak_memory_stats()
+            return
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _reset_peak_rss()
 
     def drop_checkpoints(self, name: str) -> None:
         if self.is_main:
@@ -695,9 +725,7 @@ class Preflight:
         return True, "; ".join(parts), {}
 
     def c_build(self):
-        from launcher.trainer import plan_run
-
-        plan = self.plan_a = plan_run(self.scratch_cfg("v1", max_steps=1), self.world, self.rank)
+        plan = self.plan_a = self.plan(self.scratch_cfg("v1", max_steps=1))
         self.a = self.build(plan)
         ds = plan.ds_config
         return True, (f"{plan.model_label}, ZeRO-{ds['zero_optimization'].get('stage', 0)}, micro"
@@ -819,10 +847,7 @@ class Preflight:
         return self.end_stage()
 
     def c_plan(self):
-        from launcher.trainer import plan_run
-
-        # read and checked once for the whole sweep (the candidates share its data)
-        self.base = plan_run(self.scratch_cfg("v2", eval_every_steps=0), self.world, self.rank)
+        self.base = self.plan(self.scratch_cfg("v2", eval_every_steps=0))  # data read once; candidates share it
         ds = self.base.ds_config
         return True, (f"{self.base.model_label}, micro {ds['train_micro_batch_size_per_gpu']} x accum"
                       f" {ds['gradient_accumulation_steps']} x {self.world} rank(s)"), {}
@@ -896,12 +921,7 @@ class Preflight:
         """A few steps at one micro-batch: tokens/s per rank, data wait, peak memory (max over ranks)."""
         gpu = self.accel.device_name() != "cpu"
         trainer, oom = None, False
-        gc.collect()
-        if gpu:
-            self.accel.empty_cache()
-            self.accel.reset_peak_memory_stats()
-        else:
-            _reset_peak_rss()
+        self.fresh_peaks()
         try:
             trainer = self.build(plan)
             trainer.train()
@@ -970,11 +990,11 @@ class Preflight:
         return self.end_stage({"golden": str(self.root / "golden.json")})
 
     def c_rehearsal(self, cfg, n):
-        from launcher.trainer import plan_run
-
         trainer = None
+        self.base = self.plan_a = None  # earlier stages' data and plans: not part of the run's memory
+        self.fresh_peaks()
         try:
-            trainer = self.build(plan_run(cfg, self.world, self.rank))
+            trainer = self.build(self.plan(cfg))
             result = trainer.train()
         finally:
             self.release(trainer)

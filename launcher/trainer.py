@@ -452,7 +452,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------------
     def next_batches(self):
         """This step's micro-batches on every rank, or a StopRun / QuietExit agreed by all ranks."""
-        from dataio.loader import batch_digest
+        from dataio.loader import batch_digest, trainable_tokens
 
         torch, dist = self.torch, self.dist
         accum = self.plan.ds_config["gradient_accumulation_steps"]
@@ -466,7 +466,11 @@ class Trainer:
         self.data_wait = time.time() - t_data
         ended = error is None and any(b is None for b in batches)
         digest = 0 if (ended or error) else batch_digest(batches)
-        mine = torch.tensor([int(ended), int(error is not None), digest], dtype=torch.int64, device=self.engine.device)
+        # Each rank's labelled tokens ride on this all-gather: a token-weighted (SFT) loss needs the
+        # global count before the first backward (modeling.model.global_token_mean_scale).
+        labelled = 0 if (ended or error) else sum(trainable_tokens(b) for b in batches)
+        mine = torch.tensor([int(ended), int(error is not None), digest, labelled], dtype=torch.int64,
+                            device=self.engine.device)
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine)
         if error is not None:
@@ -481,16 +485,28 @@ class Trainer:
                           EXIT_OK, save=True)
         tokens_sha = hashlib.blake2b(b"".join(int(t[2]).to_bytes(8, "little") for t in every),
                                      digest_size=8).hexdigest()
+        self.step_labelled = sum(int(t[3]) for t in every)
+        if self.step_labelled == 0:  # the same sum on every rank: all stop together, nothing trained
+            raise DataError(f"step {self.step + 1}: the global batch holds no token with a label (nothing to train"
+                            " on); the data has records or documents without trainable tokens")
         return batches, tokens_sha
 
     def train_step(self, batches) -> float:
         """Forward, backward and optimizer step over the micro-batches; returns the rank-mean loss sum."""
         from dataio.loader import MODEL_KEYS
+        from modeling.model import global_token_mean_scale
 
+        # Pretraining mixes: each micro-batch's mean loss, as before (bit-compatible runs). A mix with an
+        # SFT source: each micro-batch's loss SUM, scaled so that DeepSpeed's backward (/ accum, mean over
+        # ranks) gives the mean over the global batch's labelled tokens.
+        scale = None
+        if self.plan.data.token_weighted:
+            scale = global_token_mean_scale(self.plan.ds_config["gradient_accumulation_steps"], self.world,
+                                            self.step_labelled)
         loss_sum = self.torch.zeros((), dtype=self.torch.float64, device=self.engine.device)
         for batch in batches:
             batch = {k: batch[k].to(self.engine.device) for k in MODEL_KEYS}
-            loss = self.engine(**batch)
+            loss = self.engine(**batch) if scale is None else self.engine(**batch, loss_reduction="sum") * scale
             self.engine.backward(loss)
             self.engine.step()
             loss_sum += loss.detach().double()
@@ -733,7 +749,8 @@ def _release_zero3_globals(module) -> None:
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
 
     parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
-    for cell in getattr(vars(PPC).get("_PartitionedParameterCoordinator__params_to_release"), "__closure__", None) or ():
+    release = vars(PPC).get("_PartitionedParameterCoordinator__params_to_release")
+    for cell in getattr(release, "__closure__", None) or ():
         if hasattr(cell.cell_contents, "cache_clear"):
             cell.cell_contents.cache_clear()
 

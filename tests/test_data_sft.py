@@ -6,7 +6,6 @@ reference under a real 2-rank `deepspeed` launch."""
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ import torch
 from conftest import BIN, REPO, free_port
 from dataio.commands import describe_data
 from dataio.errors import DataError
-from dataio.holdout import holdout_rows, split_holdout
+from dataio.holdout import holdout_rows
 from dataio.loader import Batches, load_data, make_loader, open_data, token_weighted, trainable_tokens
 from dataio.packing import check_packing
 from dataio.sft import ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format, split_masked

@@ -135,7 +135,8 @@ def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
     cli_line = capsys.readouterr().err.strip()
     with pytest.raises(UsageError) as e:
         finetune(model="debug", data=data, seq_len=0, out=out)
-    assert f"zerotrain: error: {e.value}" == cli_line == "zerotrain: error: --seq-len: must be a positive integer, got 0"
+    assert cli_line == "zerotrain: error: --seq-len: must be a positive integer, got 0"
+    assert f"zerotrain: error: {e.value}" == cli_line
     assert traceback.extract_tb(e.value.__traceback__)[-1].name == "finetune"  # not the driver's stack under it
 
     cases = [
@@ -199,3 +200,24 @@ def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys,
     assert json.loads((result.run_dir / "config.json").read_text())["world_size"] == 2
     assert result.checkpoint == result.run_dir / "checkpoints" / "global_step2"
     assert os.environ["WORLD_SIZE"] == "1"  # this process is untouched
+
+
+def test_a_single_data_file_becomes_a_one_source_mix(tmp_path):
+    from dataio.sources import parse_mix
+    from launcher.finetune import data_spec
+
+    out = tmp_path / "runs"
+    records = {"docs": {"text": "a document"}, "qa": {"prompt": "2 + 2?", "response": "4"},
+               "chat": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}}
+    for name, record in records.items():
+        (tmp_path / f"{name}.jsonl").write_text("\n" + json.dumps(record) + "\n")
+    specs = {name: data_spec(tmp_path / f"{name}.jsonl", out) for name in records}
+    assert {name: json.loads(text)["sources"][0].get("format") for name, (_, text) in specs.items()} == \
+        {"docs": None, "qa": "sft", "chat": "chat"}
+    path, text = specs["qa"]
+    assert data_spec(tmp_path / "qa.jsonl", out) == (path, text)  # the same path every call: the same run id
+    Path(path).parent.mkdir(parents=True)
+    Path(path).write_text(text)
+    assert [(s.name, s.format) for s in parse_mix(path).sources] == [("qa", "sft")]  # dataio accepts it
+    mix = tmp_path / "mix.json"
+    assert data_spec(mix, out) == (str(mix), None)  # mix files and shard directories go as they are

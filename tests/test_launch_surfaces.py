@@ -253,8 +253,8 @@ def test_profile_comes_from_accelerates_deepspeed_config_file(tmp_path):
                             " accelerate the config file decides)")
     own = env_profile(tmp_path)
     assert profile_from_accelerate({}, {"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(own)}) == {"profile": str(own)}
-    with pytest.raises(UsageError, match=r"deepspeed_config_file ds_configs/nope.json \(ACCELERATE_DEEPSPEED_CONFIG_FILE\):"
-                                         " no such file"):
+    with pytest.raises(UsageError, match=r"deepspeed_config_file ds_configs/nope.json"
+                                         r" \(ACCELERATE_DEEPSPEED_CONFIG_FILE\): no such file"):
         profile_from_accelerate({}, {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/nope.json"})
 
 
@@ -378,9 +378,9 @@ def test_slurm_script_requeues_only_after_a_signal_stop_within_max_requeues(tmp_
                                                                             requeued):
     env = slurm_env(tmp_path, "n1 n2", SLURM_RESTART_COUNT=restarts, FAKE_CODE=str(code))
     out = tmp_path / "runs"
-    proc = zerotrain_slurm(["--nodes", "2", "--gpus-per-node", "1", "--max-requeues", "2", "--python",
-                            str(tmp_path / "fakebin" / "python-node"), "--", "--data", str(mix_path), "--out", str(out)],
-                           env, tmp_path)
+    node_python = str(tmp_path / "fakebin" / "python-node")
+    proc = zerotrain_slurm(["--nodes", "2", "--gpus-per-node", "1", "--max-requeues", "2", "--python", node_python,
+                            "--", "--data", str(mix_path), "--out", str(out)], env, tmp_path)
     assert proc.returncode == 0, proc.stderr
     run = subprocess.run(["bash", str(out / "slurm" / "zerotrain.sbatch")], capture_output=True, text=True, env=env,
                          timeout=60)
