@@ -264,6 +264,9 @@ def config_from(values: dict) -> RunConfig:
     from launcher.model_spec import rule_lr_defaults
 
     values = {**values, **rule_lr_defaults(values)}  # a scaling rule's lr law, when --lr is not given
+    from launcher.launch import profile_from_accelerate
+
+    values = {**values, **profile_from_accelerate(values)}  # under accelerate, its deepspeed_config_file is the profile
     cfg = RunConfig(**values)
     cfg.validate()
     return cfg

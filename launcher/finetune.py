@@ -116,7 +116,7 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
             raise UsageError(f"gpus={gpus}: this process is one rank; more than one needs launch=True")
         from launcher.trainer import run
 
-        result = run(cfg)
+        result = run(cfg, hard_exit=False)  # a second interrupt must not kill the kernel
     except UsageError as e:  # DataError too: the CLI's one line, without the driver's stack under it
         raise e.with_traceback(None) from None
     finally:

@@ -251,7 +251,7 @@ def _say_rank0(rank: int):
 class Trainer:
     """Built once from a RunPlan; `train()` runs the loop and returns a RunResult."""
 
-    def __init__(self, plan: RunPlan):
+    def __init__(self, plan: RunPlan, hard_exit: bool = True):
         import deepspeed
         import torch
         import torch.distributed as dist
@@ -308,7 +308,7 @@ class Trainer:
         self.spikes = SpikeDetector()
         self.budget = Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, self.world)
         self.early = EarlyStopping(cfg.early_stop_patience) if cfg.early_stop_patience else None
-        self.signals = SignalStop()
+        self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
         if plan.eval_rows:
             from launcher.evaluate import Evaluator
@@ -860,11 +860,12 @@ def _write_atomic(path: Path, text: str) -> None:
 # The one entry: the CLI (launcher/train.py) and the notebook call this
 # ------------------------------------------------------------------------------------------------
 
-def run(cfg: RunConfig | dict) -> RunResult:
+def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
     """Plan, build and train one run in this process (one rank of a launch, or a world of 1).
 
     Raises UsageError / DataError (bad input: nothing was written) — the CLI turns them into
-    exit status 2. A run that ends otherwise returns a RunResult whose exit_code says how.
+    exit status 2. hard_exit=False (a notebook): a second SIGINT raises KeyboardInterrupt instead of
+    os._exit, which would kill the kernel. A run that ends otherwise returns a RunResult whose exit_code says how.
     """
     if isinstance(cfg, dict):
         cfg = config_from(cfg)
@@ -873,7 +874,7 @@ def run(cfg: RunConfig | dict) -> RunResult:
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     plan = plan_run(cfg, world, rank)
-    trainer = Trainer(plan)
+    trainer = Trainer(plan, hard_exit=hard_exit)
     try:
         return trainer.train()
     finally:
