@@ -1,11 +1,11 @@
 """One compared training program, run until the benchmark controller (benchmarks/harness.py) has
 what it needs. Started as `python`, under `deepspeed --num_gpus N` or under `torchrun`:
 
-    step_worker.py zt --stage 2|3 ...        zerotrain's real driver: launcher.trainer.plan_run +
+    step_worker.py zt --profile P [--compile] zerotrain's real driver: launcher.trainer.plan_run +
                                              Trainer(plan).train(), unmodified; a metrics sink
                                              (the interface --log sinks use) paces it
-    step_worker.py plain ...                 our modeling.model.Transformer, torch.optim.AdamW,
-                                             clip_grad_norm_, a for loop
+    step_worker.py plain [--fused] ...       our modeling.model.Transformer, torch.optim.AdamW
+                                             (as written by a user, or fused=True), clip_grad_norm_
     step_worker.py ddp ...                   the same loop inside DistributedDataParallel (torchrun)
     step_worker.py hf ...                    transformers' LlamaForCausalLM (our weights through
                                              modeling/hf.py), the same loop
@@ -200,10 +200,13 @@ def our_model(a):
     return Transformer(model_args(a))
 
 
-def adamw(params):
+def adamw(params, fused: bool = False):
+    """torch.optim.AdamW as a user writes it (on CPU its default is the per-tensor for-loop
+    implementation), or with fused=True (one kernel over all tensors)."""
     import torch
 
-    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                             **({"fused": True} if fused else {}))
 
 
 def loop(a, model, setup: dict, rank: int, forward) -> None:
@@ -211,7 +214,7 @@ def loop(a, model, setup: dict, rank: int, forward) -> None:
     import torch
 
     batches = fixed_batches(a, rank)
-    optimizer = adamw(model.parameters())
+    optimizer = adamw(model.parameters(), a.fused)
     setup["build_s"] = round(time.time() - setup.pop("_t_build"), 3)
     pacer = Pacer(a.name, setup) if rank == 0 else None
     if pacer:
@@ -238,6 +241,8 @@ def run_zt(a, setup: dict) -> None:
     cfg = {"profile": a.profile, "data": a.mix, "seq_len": a.seq, "micro_batch": a.micro, "grad_accum": 1,
            "lr": LR, "warmup_steps": 2, "max_steps": 100_000, "seed": a.seed, "out": str(Path(a.work) / "runs"),
            "run_id": a.name, "resume": "never", "log_data_every_steps": 0}
+    if a.compile:
+        cfg["compile"] = True
     if a.shape == "debug":
         cfg["model"] = "debug"
     else:
@@ -344,6 +349,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--profile")
     p.add_argument("--batches")
     p.add_argument("--hf-dir")
+    p.add_argument("--fused", action="store_true", help="plain loops: AdamW(fused=True)")
+    p.add_argument("--compile", action="store_true", help="zt: --compile (torch.compile through DeepSpeed)")
     a = p.parse_args([x for x in argv if not x.startswith("--local_rank")])  # the deepspeed launcher adds it
     a.name = os.environ["ZT_BENCH_NAME"]
     t0 = time.time()

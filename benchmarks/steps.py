@@ -2,10 +2,11 @@
 otherwise run, side by side in one invocation (benchmarks/harness.py alternates them).
 
     train_step   1 rank, fp32, two shapes: zerotrain ZeRO-2 and ZeRO-3 (the cpu profile; the real
-                 driver) vs a plain PyTorch loop over the same model, a plain loop over transformers'
-                 LlamaForCausalLM with the same weights, and the HF Trainer with DeepSpeed ZeRO-2.
-                 Also the machine's fp32 matmul peak, measured before and after, and each program's
-                 MFU against it (modeling.model.flops_per_token).
+                 driver) vs a plain PyTorch loop over the same model (torch.optim.AdamW as a user
+                 writes it, and with fused=True), a plain loop over transformers' LlamaForCausalLM
+                 with the same weights, and the HF Trainer with DeepSpeed ZeRO-2. Also the machine's
+                 fp32 matmul peak, measured before and after, and each program's MFU against it
+                 (modeling.model.flops_per_token). BENCH_COMPILE=1 adds zerotrain ZeRO-2 --compile.
     two_ranks    zerotrain ZeRO-2/3 under the `deepspeed` launcher and DDP under `torchrun`, 2 ranks
                  of 1 thread, against the same programs on 1 rank of 1 thread: tokens/s and scaling
                  efficiency; then one counting chunk: zerotrain's own collectives and host syncs per
@@ -34,6 +35,7 @@ SHAPES = {"debug": ("debug", 256, 8, 3, 5), "25M": ("d8", 256, 4, 2, 2)}
 if TINY:
     SHAPES = {"debug": ("debug", 64, 2, 1, 1)}
 CHUNKS = int(os.environ.get("BENCH_CHUNKS", "1" if TINY else "4"))
+COMPILE = os.environ.get("BENCH_COMPILE") == "1"  # also zerotrain --compile (inductor: minutes of set-up)
 
 
 def say(msg: str) -> None:
@@ -150,8 +152,11 @@ def bench_train_step() -> list[dict]:
             programs = [("zerotrain ZeRO-2", "zt", ["--profile", str(prof[2])]),
                         ("zerotrain ZeRO-3", "zt", ["--profile", str(prof[3])]),
                         ("plain PyTorch loop", "plain", []),
+                        ("plain PyTorch loop, fused AdamW", "plain", ["--fused"]),
                         ("HF Llama, plain loop", "hf", []),
                         ("HF Trainer + DeepSpeed ZeRO-2", "hf-trainer", ["--profile", str(prof[2])])]
+            if COMPILE:
+                programs.insert(1, ("zerotrain ZeRO-2 --compile", "zt", ["--profile", str(prof[2]), "--compile"]))
             workers = []
             try:
                 for name, program, extra in programs:

@@ -563,6 +563,9 @@ def _quiet_datasets():
 
     datasets.disable_progress_bars()  # the driver shows one progress bar, the training one
     datasets.logging.set_verbosity_error()
+    # datasets 5.x pings the hub to count downloads on every local load_dataset (a 3 s timeout per file on
+    # a node whose requests hang); local files are not downloads.
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     return datasets
 
 

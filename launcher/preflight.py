@@ -220,19 +220,20 @@ class GoldenCheck:
         got = window_figures(self.records, step, self.window)
         if got is None:
             return None
-        off = []
-        for label, key in (("tokens/s", "tokens_per_s"), ("peak memory", want.get("memory_key"))):
+        off, worse = [], False
+        for label, key, fmt, bad in (("tokens/s", "tokens_per_s", "{:,.0f}", -1),
+                                     ("peak memory", want.get("memory_key"), "{:.2f} GiB", 1)):
             if not key or not want.get(key) or got.get(key) is None:
                 continue
             change = got[key] / want[key] - 1
             if abs(change) > self.tolerance:
-                fmt = "{:,.0f}" if key == "tokens_per_s" else "{:.2f} GiB"
-                off.append(f"{label} {fmt.format(got[key])} vs {fmt.format(want[key])} in the rehearsal"
-                           f" ({change:+.0%})")
+                off.append(f"{label} {fmt.format(got[key])} vs {fmt.format(want[key])} in the rehearsal ({change:+.0%})")
+                worse |= change * bad > 0
         if not off:
             return None
-        return (f"golden step {step}: " + "; ".join(off) + f" - more than {self.tolerance:.0%} off {self.path}"
-                " (a slower or hungrier run than rehearsed: check the node, the data path and other jobs)")
+        hint = ("check the node, the data path and what else runs there" if worse else
+                "the rehearsal did not measure this run: rehearse again on an idle node")
+        return f"golden step {step}: " + "; ".join(off) + f", more than {self.tolerance:.0%} off {self.path} ({hint})"
 
 
 def device_description() -> str:
@@ -853,10 +854,13 @@ class Preflight:
                       f" {ds['gradient_accumulation_steps']} x {self.world} rank(s)"), {}
 
     def planner_says(self, cfg, ds_config) -> tuple[float | None, str | None]:
-        """(the planner's bytes per rank, or its refusal) for a candidate; (None, None) without a planner."""
+        """(the planner's bytes per rank, or its refusal) for a candidate; (None, None) without a planner
+        or with --no-fit-check (then every candidate runs)."""
         try:
             from launcher.planner import fit_check
         except ImportError:
+            return None, None
+        if getattr(self.cfg, "fit_check", None) is False:
             return None, None
         try:
             m = fit_check(cfg, self.base.model_args, ds_config, self.base.zt, self.world)

@@ -891,7 +891,9 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     if world is None:
         hw = load_profile(cfg.profile)[1].get("zerotrain", {}).get("hardware", {}) if cfg.profile != "auto" else {}
         world = int(os.environ.get("WORLD_SIZE") or hw.get("devices_per_node", 1) * hw.get("nodes", 1))
-    plan = plan_run(cfg, world, 0)
+    import dataclasses
+
+    plan = plan_run(dataclasses.replace(cfg, dry_run=True), world, 0)  # no fit check against this machine
     ds, zt, args = plan.ds_config, plan.zt, plan.model_args
     n = count_params(args)
     lines = [f"dry run: {plan.run_dir} (nothing built or written)",

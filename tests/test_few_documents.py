@@ -26,6 +26,26 @@ def test_single_document_txt_trains_on_two_ranks_and_resumes_exactly_after_kill_
         assert abs(shares[name] - weight) < 0.05, shares
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
+    # the same run killed -9 (whole process group) after step 6, then resumed: bit-identical history
+    killed_args = ["--data", str(few_docs_mix), "--out", str(tmp_path / "k"), "--run-id", "r", *args]
+    proc = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+                             str(TRAIN_PY), *killed_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if any(m["step"] >= 6 for m in read_metrics(tmp_path / "k" / "r")):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = launch("deepspeed", killed_args)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    again = read_metrics(tmp_path / "k" / "r")
+    assert [m["tokens_sha"] for m in again] == [m["tokens_sha"] for m in metrics]
+    assert [m["loss"] for m in again] == [m["loss"] for m in metrics]
+
 
 def test_bad_record_met_by_one_rank_mid_run_ends_every_rank(tmp_path):
     """A streamed jsonl with one record lacking its text, read by rank 1 only, well after the start."""
@@ -51,23 +71,3 @@ def test_bad_record_met_by_one_rank_mid_run_ends_every_rank(tmp_path):
     steps = [m["step"] for m in read_metrics(out / "r")]
     assert steps and 1 < steps[-1] < 200  # met mid-run, not at the start
     assert time.time() - t0 < 120  # no backend timeout waited for
-
-    # the same run killed -9 (whole process group) after step 6, then resumed: bit-identical history
-    killed_args = ["--data", str(few_docs_mix), "--out", str(tmp_path / "k"), "--run-id", "r", *args]
-    proc = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                             str(TRAIN_PY), *killed_args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if any(m["step"] >= 6 for m in read_metrics(tmp_path / "k" / "r")):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = launch("deepspeed", killed_args)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
-    again = read_metrics(tmp_path / "k" / "r")
-    assert [m["tokens_sha"] for m in again] == [m["tokens_sha"] for m in metrics]
-    assert [m["loss"] for m in again] == [m["loss"] for m in metrics]

@@ -1,0 +1,264 @@
+"""Every shipped recipe (recipes/*.json) resolves fully and fits its hardware, in CI, without a GPU.
+
+Each recipe is loaded like `zerotrain train --config R` and handed to `launcher.trainer.dry_run`
+in this process: profile, batch triple at the profile's declared world size, model, tokenizer,
+data (local sources read, shards verified, the evaluation holdout carved) and the planner's
+memory verdict. Nothing is built or written. A new recipe is picked up by the glob; it must say
+what it is for (`description`) and fit, unless its description says "DOES NOT FIT:" and why.
+
+Some recipes name inputs a CI machine cannot have (a gated tokenizer, shards prepared from hub
+datasets): STAND_INS maps exactly those paths to small stand-ins with the properties the dry run
+depends on (the tokenizer's vocabulary size; a shard directory with a manifest), and the recipe's
+description must tell the user how to make the real one. Any other missing input fails the test.
+Hub sources are streamed and not read at plan time; a socket guard proves the dry run is offline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, synthetic_docs
+
+RECIPES = sorted((REPO / "recipes").glob("*.json"))
+PATH_KEYS = ("data", "tokenizer", "eval_data", "init_from")
+
+# What the issue asked each shipped recipe to be, at its profile's world size (a drifting preset,
+# profile or recipe shows here). params: as the dry run prints them (stand-in tokenizers included).
+EXPECTED = {
+    "a100x8-1.46b-edu-mix": dict(params=1_416_931_200, world=8, stage=2, micro=16, accum=4, seq_len=2048),
+    "rtx6000ada-x2-760m": dict(params=759_743_488, world=2, stage=3, micro=8, accum=16, seq_len=2048),
+    "rtx6000ada-x2-1.3b": dict(params=1_300_071_936, world=2, stage=3, micro=4, accum=32, seq_len=2048),
+    "h100pcie-x8-1000usd": dict(params=12_904_828_928, world=8, stage=3, micro=8, accum=8, seq_len=2048),
+    "h100pcie-x8-1000usd-optimal": dict(params=1_284_209_280, world=8, stage=3, micro=8, accum=8, seq_len=2048),
+    "cpu-debug": dict(params=869_504, world=1, stage=3, micro=8, accum=1, seq_len=256),
+}
+
+
+def llama3_sized_tokenizer(root: Path) -> Path:
+    """A tokenizer.json with Llama 3's vocabulary size (128,000 + 256 special = 128,256) and its
+    end-of-text token; the dry run needs only the size (streamed data is not tokenized then)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128_000)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"]
+                           + [f"<|reserved_special_token_{i}|>" for i in range(254)])
+    root.mkdir(parents=True)
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def edu_mix_shards(root: Path) -> Path:
+    """`zerotrain prepare` of a small local mix with the real mix's source names and weights."""
+    from dataio.shards import prepare
+    from dataio.tokenizer import ByteTokenizer
+
+    real = json.loads((REPO / "dataio" / "mixes" / "web-edu-pdf-med.json").read_text())
+    src = root / "src"
+    src.mkdir(parents=True)
+    sources = []
+    for i, s in enumerate(real["sources"]):
+        with open(src / f"{s['name']}.jsonl", "w") as f:
+            for doc in synthetic_docs(200, seed=10 + i, min_words=40, max_words=120):
+                f.write(json.dumps({"text": doc}) + "\n")
+        sources.append({"name": s["name"], "weight": s["weight"], "path": f"{s['name']}.jsonl"})
+    (src / "mix.json").write_text(json.dumps({"sources": sources}))
+    return prepare(str(src / "mix.json"), ByteTokenizer(), root / "shards", log=lambda *a, **k: None)
+
+
+STAND_INS = {
+    "data/llama-3-tokenizer": llama3_sized_tokenizer,
+    "data/web-edu-pdf-med-bytes": edu_mix_shards,
+}
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stand-ins")
+    return {name: make(root / name.replace("/", "_")) for name, make in STAND_INS.items()}
+
+
+@pytest.fixture(scope="module")
+def demo_data():
+    """The demo's data (dataio/mixes/demo.json points at it): built as `make demo` builds it."""
+    from launcher.demo import build_demo_data
+
+    return build_demo_data(REPO / "runs" / "demo-data")
+
+
+def recipe_values(path: Path, stand_ins: dict) -> dict:
+    from launcher.config import load_recipe
+
+    values = load_recipe(str(path))
+    for key in PATH_KEYS:
+        value = values.get(key)
+        if isinstance(value, str) and value != "bytes" and not (REPO / value).exists() and value in stand_ins:
+            assert value in values.get("description", ""), \
+                f"{path.name}: {key} {value} is not shipped; its description must say how to make it"
+            values[key] = str(stand_ins[value])
+    return values
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Every name lookup or connection (the hub, W&B) is refused and recorded: recipes must resolve
+    offline. Recorded, not only refused, because `datasets` catches and retries network errors."""
+    attempts = []
+
+    def refuse(*args):
+        attempts.append(args[-1] if len(args) == 2 else args[:2])
+        raise OSError("no network in a dry run")
+
+    # datasets (5.2) sends a download-count HEAD to S3 on every load_dataset of a LOCAL file
+    # (load.py increase_load_count; failures swallowed, 3 s timeout): not a read of data, so it is
+    # switched off here, exactly, and everything else stays refused.
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # the profile's declared world, not a launcher's
+    return attempts
+
+
+def test_recipes_are_shipped():
+    assert {p.stem for p in RECIPES} >= set(EXPECTED)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_resolves_and_fits(path, stand_ins, demo_data, offline, tmp_path, monkeypatch, capsys):
+    from launcher.config import config_from
+    from launcher.trainer import dry_run
+
+    monkeypatch.chdir(REPO)  # recipes name paths as a user at the repository root types them
+    values = recipe_values(path, stand_ins)
+    description = values.get("description")
+    assert isinstance(description, str) and len(description) > 40, f"{path.name}: say what the recipe is for"
+    out = tmp_path / "runs"
+    # As `--dry-run` sets it: plan_run then leaves out the fit check against THIS machine's memory; the
+    # verdict that matters is the planner's for the profile's hardware (result.extra["fits"]).
+    # out is a RUN field: the same run id, and nothing of an earlier local run to resume or drift from.
+    cfg = config_from({**values, "dry_run": True, "out": str(out)})
+
+    result = dry_run(cfg)
+    printed = capsys.readouterr().out
+
+    assert offline == [], f"the dry run tried the network: {offline}"
+    assert result.exit_code == 0 and result.stop == "dry-run"
+    assert not out.exists(), "a dry run wrote something"
+    marker = re.search(r"DOES NOT FIT:\s*(.*)", description)
+    if marker:  # a recipe kept on purpose although the planner refuses it must say why
+        assert len(marker.group(1)) > 20 and result.extra["fits"] is False, printed
+    else:
+        assert result.extra["fits"] is True, f"{path.name} no longer fits its hardware:\n{printed}"
+    ds = result.extra["ds_config"]
+    world = result.extra["world"]
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
+    if cfg.global_batch_tokens is not None:
+        assert ds["train_batch_size"] * cfg.seq_len == cfg.global_batch_tokens
+
+    expected = EXPECTED.get(path.stem)
+    if expected:
+        params = int(re.search(r"model \S+: ([\d,]+) parameters", printed).group(1).replace(",", ""))
+        got = dict(params=params, world=world, stage=ds["zero_optimization"]["stage"],
+                   micro=ds["train_micro_batch_size_per_gpu"], accum=ds["gradient_accumulation_steps"],
+                   seq_len=cfg.seq_len)
+        assert got == expected
+
+
+def test_optimal_recipe_is_the_planners_compute_optimal_size(capsys, monkeypatch):
+    """h100pcie-x8-1000usd-optimal spends the same budget on the depth closest to the size the
+    planner calls compute-optimal for h100pcie-x8-1000usd; its max_steps is what the budget buys."""
+    from launcher.config import load_recipe
+    from launcher.planner import plan_main
+    from modeling.model import count_params
+    from modeling.sizes import depth_args
+
+    monkeypatch.chdir(REPO)
+    plan_main(["--config", "recipes/h100pcie-x8-1000usd.json", "--json"])
+    target = json.loads(capsys.readouterr().out)["compute_optimal"]["params"]
+    plan_main(["--config", "recipes/h100pcie-x8-1000usd-optimal.json", "--json"])
+    optimal_plan = json.loads(capsys.readouterr().out)
+
+    base, optimal = (load_recipe(f"recipes/h100pcie-x8-{n}.json") for n in ("1000usd", "1000usd-optimal"))
+    for key in ("profile", "aspect_ratio", "head_dim", "tokenizer", "data", "seq_len", "budget_usd", "gpu_hour_usd"):
+        assert optimal[key] == base[key], key
+
+    def size(depth):
+        return count_params(depth_args(depth, optimal["aspect_ratio"], optimal["head_dim"], vocab_size=258,
+                                       max_seq_len=optimal["seq_len"]))["total"]
+
+    depth = optimal["depth"]
+    assert all(abs(size(depth) - target) < abs(size(d) - target) for d in (depth - 1, depth + 1))
+    assert optimal_plan["binding"] == "budget_usd" and optimal_plan["steps"] == optimal["max_steps"]
+
+
+def test_cpu_debug_is_the_demo():
+    """recipes/cpu-debug.json says what `make demo` runs: the same flags, the same mix."""
+    from launcher.config import build_parser, load_recipe
+    from launcher.demo import DEMO_FLAGS
+
+    recipe = load_recipe(str(REPO / "recipes" / "cpu-debug.json"))
+    demo = {k: v for k, v in vars(build_parser().parse_args(["--data", "x", *DEMO_FLAGS])).items()
+            if v is not None and k not in ("data", "config")}
+    assert {k: recipe[k] for k in demo} == demo
+    mix = json.loads((REPO / recipe["data"]).read_text())
+    assert [(s["name"], s["weight"], Path(s["path"]).name, s.get("sample_by")) for s in mix["sources"]] == \
+        [("docs", 0.7, "docs.jsonl", None), ("code", 0.3, "code.txt", "paragraph")]
+    assert all((REPO / "dataio" / "mixes" / s["path"]).resolve().parent == REPO / "runs" / "demo-data"
+               for s in mix["sources"])
+
+
+@pytest.mark.parametrize("name", ["rtx6000ada-x2-760m", "rtx6000ada-x2-1.3b"])
+def test_workstation_recipes_launch_with_expandable_segments(name, tmp_path, monkeypatch):
+    """The launch each description gives puts the allocator setting into every rank's environment
+    (from the profile's zerotrain.env; a value set in the launching shell would win)."""
+    from launcher.launch import plan_hostfile_launch
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    assert "`localhost slots=2`" in json.loads((REPO / "recipes" / f"{name}.json").read_text())["description"]
+    launch = plan_hostfile_launch(["--hostfile", str(hosts), "--", "--config", f"recipes/{name}.json"])
+    assert launch.rank_env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_readme_lists_every_recipe():
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Recipes"):]
+    assert all(f"recipes/{p.name}" in section for p in RECIPES)
+
+
+def zerotrain(*args, cwd=REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def test_dry_run_command_prints_the_resolved_recipe(tmp_path):
+    """`zerotrain train --config R --dry-run`: exit 0, the batch triple and the verdict, nothing written."""
+    r = zerotrain("train", "--config", "recipes/a100x8-1.46b-edu-mix.json", "--dry-run", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr
+    assert "profile a100-80g-x8, world 8, ZeRO-2, batch 16 x 4 x 8 x 2048 = 1,048,576 tokens per step" in r.stdout
+    assert "model xlarge: 1,416,931,200 parameters" in r.stdout and "\nplan: fits:" in r.stdout
+    assert not (tmp_path / "o").exists()
+
+
+def test_recipe_with_unknown_key_is_refused_in_one_line(tmp_path):
+    recipe = json.loads((REPO / "recipes" / "cpu-debug.json").read_text())
+    recipe["save_every_step"] = 100  # a typo of save_every_steps: never silently ignored
+    bad = tmp_path / "typo.json"
+    bad.write_text(json.dumps(recipe))
+    r = zerotrain("train", "--config", str(bad), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"zerotrain: error: recipe {bad}: unknown key 'save_every_step'"]
+    assert not (tmp_path / "o").exists()
