@@ -137,7 +137,17 @@ def launch_main(argv: list[str]) -> None:
             raise UsageError(f"launch -n {argv[1]!r}: not an integer") from None
         if nproc < 1:
             raise UsageError(f"launch -n {nproc}: must be at least 1")
-        sys.exit(run_preserving_exit_code(deepspeed_command(nproc, argv[2:])))
+        # The profile's zerotrain.env (NCCL settings, PYTORCH_CUDA_ALLOC_CONF, ...) applies here too.
+        from launcher.config import resolve_config
+        from launcher.hostfile import rank_env
+        from launcher.profiles import load_profile
+
+        cfg = resolve_config(argv[2:])  # bad train flags: one line before anything starts
+        profile_env = {}
+        if cfg.profile != "auto":
+            name, profile = load_profile(cfg.profile)
+            profile_env = rank_env(profile, f"profile {name}")[0]
+        sys.exit(run_preserving_exit_code(deepspeed_command(nproc, argv[2:]), env={**os.environ, **profile_env}))
     head = argv[:argv.index("--")] if "--" in argv else argv
     if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):
         raise UsageError(USAGE)
