@@ -226,7 +226,7 @@ def _arg_type(f):
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="zerotrain train", description="Train a decoder-only LM with DeepSpeed.",
                        epilog="Exit status: 0 finished, 2 bad input, 3 diverged, 4 early stop, 5 budget reached,"
-                              " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed.")
+                              " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed, 8 --golden-strict.")
     p.add_argument("--config", help="recipe JSON with the same keys as the flags; flags override it")
     for f in fields(RunConfig):
         kind = {IDENTITY: "", IDENTITY_WHEN_SET: "", RUN: " [may change on resume]"}[f.metadata["kind"]]

@@ -20,6 +20,7 @@ EXIT_EARLY_STOP = 4    # --early-stop-patience: validation loss stopped improvin
 EXIT_BUDGET = 5        # --max-hours / --total-tokens / --budget-usd reached (checkpoint saved)
 EXIT_SIGNAL = 6        # SIGTERM / SIGINT: stopped at a step boundary, checkpoint saved; resume with --resume auto
 EXIT_SAVE_FAILED = 7   # a checkpoint could not be written (disk full, I/O error): the previous one is intact
+EXIT_GOLDEN = 8        # --golden-strict: tokens/s or peak memory more than 10% off the rehearsal (checkpoint saved)
 EXIT_SIGNAL_HARD = 130  # a second signal: exited at once, nothing saved
 
 

@@ -296,7 +296,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     code = run_preserving_exit_code(cmd, env=env, relay=relay)
     lines = "".join(tail).splitlines()
     errors = [ln.removeprefix("zerotrain: error: ") for ln in lines if ln.startswith("zerotrain: error: ")]
-    stops = {0: "finished", 3: "diverged", 4: "early-stop", 5: "budget", 6: "signal", 7: "save-failed"}
+    stops = {0: "finished", 3: "diverged", 4: "early-stop", 5: "budget", 6: "signal", 7: "save-failed", 8: "golden"}
     result = FinetuneResult(run_dir=plan.run_dir, stop=stops.get(code, "crashed"), exit_code=code,
                             message=errors[-1] if errors else f"exit {code}", checkpoint=_newest(plan.run_dir))
     if code == EXIT_USAGE:

@@ -19,8 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_OK, EXIT_SAVE_FAILED, EXIT_SIGNAL,
-                             EXIT_SIGNAL_HARD, UsageError)
+from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
+                             EXIT_SIGNAL, EXIT_SIGNAL_HARD, UsageError)
 
 
 # -- how a run ended ------------------------------------------------------------------------
@@ -32,6 +32,7 @@ STOP_KINDS = {
     "budget": EXIT_BUDGET,            # --max-hours, --total-tokens or --budget-usd would be exceeded by the next step
     "signal": EXIT_SIGNAL,            # SIGTERM / SIGINT: stopped at a step boundary after saving
     "save-failed": EXIT_SAVE_FAILED,  # a checkpoint write failed; the previous complete one is intact
+    "golden": EXIT_GOLDEN,            # --golden-strict: off the rehearsal's golden steps by more than 10%
 }
 
 

@@ -227,7 +227,8 @@ class GoldenCheck:
                 continue
             change = got[key] / want[key] - 1
             if abs(change) > self.tolerance:
-                off.append(f"{label} {fmt.format(got[key])} vs {fmt.format(want[key])} in the rehearsal ({change:+.0%})")
+                off.append(f"{label} {fmt.format(got[key])} vs {fmt.format(want[key])} in the rehearsal"
+                           f" ({change:+.0%})")
                 worse |= change * bad > 0
         if not off:
             return None
@@ -275,7 +276,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         try:
             ns.sweep = sorted({int(x) for x in ns.sweep.split(",")})
         except ValueError:
-            raise UsageError(f"--sweep {ns.sweep}: expected micro-batch sizes separated by commas, e.g. 4,8,16") from None
+            raise UsageError(f"--sweep {ns.sweep}: expected micro-batch sizes separated by commas, e.g. 4,8,16") \
+                from None
         if not ns.sweep or ns.sweep[0] < 1:
             raise UsageError(f"--sweep {ns.sweep}: micro-batch sizes must be positive")
     return ns, rest
@@ -790,10 +792,9 @@ class Preflight:
         if json.dumps(b.loader.state_dict(), sort_keys=True) != json.dumps(loader_state, sort_keys=True):
             problems.append("the data loader's state differs")
         optimizer = sum("fp32 master" in k for k in written)
-        return not problems, "; ".join(problems) or (f"{len(written)} tensors identical (sha256, on every rank:"
-                                                     f" {len(written) - optimizer} parameters, {optimizer} fp32 master"
-                                                     " and optimizer state); loader state, step and tokens identical"), \
-            {"tensors": len(written), "optimizer_tensors": optimizer}
+        same = (f"{len(written)} tensors identical (sha256, on every rank: {len(written) - optimizer} parameters,"
+                f" {optimizer} fp32 master and optimizer state); loader state, step and tokens identical")
+        return not problems, "; ".join(problems) or same, {"tensors": len(written), "optimizer_tensors": optimizer}
 
     def c_eval(self):
         from dataio.holdout import mix_rows
@@ -840,8 +841,8 @@ class Preflight:
                    "the loader cannot keep the model fed: `zerotrain prepare` the data (no tokenizing while"
                    " training), raise zerotrain.dataloader.workers in the profile, or use faster storage")
         wait = mine["data_wait_fraction"]
-        self.check("data wait", lambda: (wait <= DATA_WAIT_MAX, f"{wait:.1%} of step time waiting on data at micro-batch"
-                                         f" {mine['micro_batch']} (at most {DATA_WAIT_MAX:.0%})",
+        self.check("data wait", lambda: (wait <= DATA_WAIT_MAX, f"{wait:.1%} of step time waiting on data at"
+                                         f" micro-batch {mine['micro_batch']} (at most {DATA_WAIT_MAX:.0%})",
                                          {"data_wait_fraction": wait, "seconds": 0.0}),
                    "steps wait on data: raise zerotrain.dataloader.workers / prefetch_factor, prepare the data, or"
                    " move it to local disk")
@@ -1026,7 +1027,8 @@ class Preflight:
     def c_mfu(self):
         peak = self.zt.get("peak_flops_per_device")
         if not peak:
-            return False, f"profile {self.profile_name} has no zerotrain.peak_flops_per_device: MFU cannot be judged", {}
+            return False, (f"profile {self.profile_name} has no zerotrain.peak_flops_per_device: MFU cannot be"
+                           " judged"), {}
         mfus = [r["mfu"] for r in (self.records3[1:] or self.records3) if r.get("mfu") is not None]
         if not mfus:
             return False, "the rehearsal's records have no MFU", {}

@@ -34,8 +34,8 @@ from launcher import checkpoint
 from launcher.config import RunConfig, config_from
 from launcher.guards import _hms
 from launcher.metrics import step_measurements
-from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_OK, EXIT_SAVE_FAILED, EXIT_SIGNAL,
-                             CheckpointError, UsageError)
+from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
+                             EXIT_SIGNAL, CheckpointError, UsageError)
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -76,6 +76,7 @@ class RunPlan:
     resume_from: Path | None
     resume_meta: dict | None = None
     warnings: tuple[str, ...] = ()
+    golden: object | None = None  # --golden: a launcher.preflight.GoldenCheck (issue 10)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -183,6 +184,11 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
         drift = cfg.drift(json.loads(saved.read_text())["run"])
         if drift:
             raise UsageError(f"config drift against {saved}: " + ", ".join(drift) + "; start a new --run-id instead")
+    golden = None
+    if cfg.golden:  # --golden (issue 10): a golden file of another config or world size is refused here
+        from launcher.preflight import GoldenCheck
+
+        golden = GoldenCheck.load(cfg.golden, cfg, world)
     from launcher.guards import Budget
 
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
@@ -211,7 +217,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
                    zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
                    model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()))
+                   resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()), golden=golden)
 
 
 def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, data, saved_ds: Path) -> dict:
@@ -799,6 +805,13 @@ class StepLogger:
                 self.bar.write(f"step {t.step}: token shares " + ", ".join(
                     f"{s.name} {x:.2%} (weight {s.weight:.2%})" for s, x in zip(specs, shares)))
         t.metrics.log(record)
+        if t.plan.golden is not None:  # --golden (issue 10): rank 0's verdict at the golden steps, on every rank
+            off = t.plan.golden.check(t.step, record, t.dist)
+            if off:
+                t.say(f"zerotrain: warning: {off}")
+                t.metrics.event("golden", t.step, message=off)
+                if cfg.golden_strict:
+                    raise StopRun("golden", f"{off}; stopping (--golden-strict)", EXIT_GOLDEN, save=True)
         if self.bar is not None:
             post = {"loss": f"{loss:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
             spend = t.budget.spend_usd(t.elapsed())
