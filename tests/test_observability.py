@@ -225,8 +225,9 @@ def test_step_measurements_on_this_cpu():
     import subprocess
     import sys
 
+    # (ru_maxrss survives fork+exec: the child starts with this process's peak, so allocate past it)
     code = ("from launcher.metrics import step_measurements as m; a = m(0, 0)['peak_rss_gib'];"
-            " block = bytearray(300 * 2 ** 20); print(m(0, 0)['peak_rss_gib'] - a)")
+            " block = b'x' * int((a + 0.3) * 2 ** 30); print(m(0, 0)['peak_rss_gib'] - a)")
     rise = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                 cwd=Path(__file__).resolve().parent.parent).stdout)
     assert rise > 0.25, rise
