@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, TINY, clean_shm, free_port  # noqa: E402
 
 # label -> (how the model is picked, saves, loads, mirrored saves)
-MODELS = {"~25M (d8: 8 x 512)": ("d8", 3, 3, 2), "~100M (small: 16 x 768)": ("small", 2, 2, 2)}
+MODELS = {"~25M (d8: 8 x 512)": ("d8", 2, 2, 2), "~100M (small: 16 x 768)": ("small", 2, 2, 1)}
 if TINY:
     MODELS = {"debug": ("debug", 2, 1, 1)}
 

@@ -233,10 +233,14 @@ class Worker:
         return self._recv()
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # Every descendant, not only the process group: torchrun's elastic agent starts its ranks in
+        # sessions of their own, and a rank left behind would wait in a collective forever.
+        pids = descendants(self.proc.pid) + [self.proc.pid]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
         self.log.close()
         clean_shm(self.port)
@@ -249,6 +253,20 @@ class Worker:
         except (OSError, WorkerError, ValueError):
             pass
         self.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of a process (from /proc), deepest first."""
+    out = []
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        children = [int(c) for t in tasks for c in (t / "children").read_text().split()]
+    except OSError:
+        return out
+    for child in children:
+        out.extend(descendants(child))
+        out.append(child)
+    return out
 
 
 def python_cmd(*args) -> list[str]:

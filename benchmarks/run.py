@@ -50,6 +50,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+# Before anything loads OpenMP (every compared program inherits it): with GOMP's default active
+# spin-wait, two threads on two cores shared with other processes ran zerotrain's ZeRO-2 step 5x
+# slower (1.48 s vs 0.29 s, debug model, load average ~3); PASSIVE measures the programs, not that.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# DeepSpeed JIT-builds its CPU communication op into ~/.cache/torch_extensions/py311_cpu/, one directory
+# whatever the virtual environment: two venvs on one machine (CI clones beside this checkout) rebuild
+# it for each other (40-50 s under a lock, seen as a 48 s engine set-up). One build per venv instead.
+import hashlib  # noqa: E402
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "zerotrain" / (
+    "torch_extensions-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])))
 
 from harness import (TINY, MissingDependency, _WORK, bpe_dir, demo_mix, load_average, machine,  # noqa: E402
                      shards_dir, workdir)
@@ -317,12 +328,14 @@ BENCHMARKS = {
 }
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], file=None) -> None:
+    file = file or sys.stdout
     widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in COLUMNS]
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)) + " |", file=file)
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|", file=file)
     for r in rows:
-        print("| " + " | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(COLUMNS, widths)) + " |", flush=True)
+        print("| " + " | ".join(str(r.get(c, "")).ljust(w) for c, w in zip(COLUMNS, widths)) + " |", file=file,
+              flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -358,6 +371,8 @@ def main(argv: list[str]) -> int:
                 r["load"] = f"{load0:.1f} -> {load_average():.1f}"
             rows.extend(got)
             print(f"[{name}: {time.time() - t0:.0f}s]", file=sys.stderr, flush=True)
+            if len(chosen) > 1:  # each benchmark's rows as soon as it is done; all of them again at the end
+                print_table(got, file=sys.stderr)
     finally:
         shutil.rmtree(_WORK.get("dir", ""), ignore_errors=True) if "dir" in _WORK else None
     print(f"machine: {os.cpu_count()} CPUs, load average {load_average():.1f} at the end")
