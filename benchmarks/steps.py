@@ -45,14 +45,13 @@ def say(msg: str) -> None:
 
 
 def profiles(work: Path) -> dict[int, Path]:
-    """The cpu profile as it ships (ZeRO-3) and its ZeRO-2 variant, as files."""
+    """The shipped cpu profiles: ZeRO-3 (cpu) and ZeRO-2 (cpu-zero2), as files."""
     from launcher.profiles import load_profile
 
-    _, cpu = load_profile("cpu")
     out = {}
-    for stage in (2, 3):
-        path = work / f"cpu-zero{stage}.json"
-        path.write_text(json.dumps({**cpu, "zero_optimization": {**cpu["zero_optimization"], "stage": stage}}))
+    for stage, name in ((2, "cpu-zero2"), (3, "cpu")):
+        path = work / f"{name}.json"
+        path.write_text(json.dumps(load_profile(name)[1]))
         out[stage] = path
     return out
 
