@@ -19,7 +19,8 @@ zerotrain ZeRO-2/3 vs a plain PyTorch loop, HF Llama, the HF Trainer with DeepSp
 the matmul peak measured in the same run) and `two_ranks` (deepspeed launcher vs torchrun DDP,
 scaling efficiency; zerotrain's own collectives and host syncs per step; data wait).
 Start-up, shard verification, checkpoints and packing baselines: benchmarks/startup.py,
-benchmarks/checkpoints.py, benchmarks/packing_baselines.py.
+benchmarks/checkpoints.py, benchmarks/packing_baselines.py; fused q/k/v and gate/up weights against our
+separate projections: benchmarks/projections.py.
 
 Data benchmarks (dataio): the demo mix (built offline by launcher/demo.py under runs/demo-data/)
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
@@ -318,6 +319,8 @@ BENCHMARKS = {
                    " write bandwidth; loop blocked per save with and without --mirror"),
     "packing_baselines": (_module("packing_baselines", "bench_packing_baselines"), "our packed loader vs TRL"
                           " pack_dataset (BFD) and datasets.map concatenate-and-chunk: tokens/s, efficiency"),
+    "fused_projections": (_module("projections", "bench_fused_projections"), "our model with separate q/k/v and"
+                          " gate/up projections vs one fused qkv and gate_up weight per layer"),
     "stream_bytes": (bench_stream_bytes, "loader from the demo mix's files, bytes tokenizer"),
     "shards": (bench_shards, "loader from prepared shards"),
     "stream_bpe": (bench_stream_bpe, "loader from the mix files, BPE tokenized on the fly"),

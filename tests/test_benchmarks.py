@@ -36,7 +36,7 @@ def test_unknown_name_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     assert r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "benchmarks/run.py: unknown benchmark 'trainstep'; known: train_step, two_ranks, startup, shard_verify,"
-        " checkpoint, packing_baselines, stream_bytes, shards, stream_bpe, prepare_verify, packing,"
+        " checkpoint, packing_baselines, fused_projections, stream_bytes, shards, stream_bpe, prepare_verify, packing,"
         " local_source_memory, planner_rss"]
 
 
@@ -44,7 +44,7 @@ def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "trl.py").write_text("raise ImportError('trl hidden by tests/test_benchmarks.py')\n")
-    r = bench(["shard_verify", "packing_baselines"], tmp_path, PYTHONPATH=str(hide))
+    r = bench(["shard_verify", "packing_baselines", "fused_projections"], tmp_path, PYTHONPATH=str(hide))
     assert r.returncode == 0, r.stderr[-3000:]
     missing = [ln for ln in r.stderr.splitlines() if "trl" in ln and not ln.startswith("|")]  # not the tables
     assert missing == ["benchmark packing_baselines: TRL baseline skipped: needs `trl`: pip install -e .[bench]"
@@ -54,6 +54,11 @@ def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
     for name in ("packing: ours: prepared shards (uint16), best-fit", "packing: ours: mix text, bytes tokenizer,"
                  " best-fit", "packing: datasets.map concatenate-and-chunk (run_clm)"):
         assert "tokens/s" in rows[name] and "efficiency" in rows[name], rows
+    # the fused model computes the same loss as ours (same weights, concatenated)
+    for shape in ("debug",):
+        got = rows[f"fused projections ({shape})"]
+        first = got.split("(first loss ")[1].rstrip(")").split(" vs ")
+        assert first[0] == first[1] and "ms/step" in got, got
     # quick verification: the first start hashes every shard, a later one none (file identity cached)
     first, later = rows["shard verify: quick, first start on this node (cold)"], rows["shard verify: quick, later start (cold)"]
     n = first.split(", ")[1].split(" of ")[1].split()[0]
