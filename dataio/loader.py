@@ -107,7 +107,7 @@ def open_data(path: str, tokenizer) -> Data:
 
 
 def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers: int = 0,
-              holdout: tuple[int, int] | None = None, seq_len: int | None = None) -> Data:
+              holdout: tuple[int, int] | None = None, seq_len: int | None = None, verify: str = "full") -> Data:
     """Read every local source (or verify and map every shard), cut long documents into pieces,
     and check that every source can be split across the ranks; all checks happen here, before
     any model is built, and give the same result on every rank (nothing depends on the rank).
@@ -119,12 +119,13 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     workers, 0 for none) that the documents will be split across, as in `Batches`.
     seq_len: the row length; SFT records longer than it follow their source's `overflow` policy
     (dataio.sft; counted in the summary). None: SFT records are kept whole, however long.
+    verify: prepared shards' check, dataio.shards.verify's mode ("full", or "quick": hashes once per node).
     """
     data.seq_len = seq_len
     if data.kind == "shards":
         from dataio import shards
 
-        shards.verify(Path(data.path), data.manifest, data.tokenizer)
+        shards.verify(Path(data.path), data.manifest, data.tokenizer, mode=verify)
         stores = shards.load_stores(Path(data.path), data.manifest)
     else:
         stores = [None if s.streamed else load_text_source(s, data.tokenizer) for s in data.specs]

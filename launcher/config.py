@@ -105,6 +105,10 @@ class RunConfig:
     golden: str | None = opt(None, "a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak"
                                    " memory at its golden steps is more than 10% off (another config is refused)", RUN)
     golden_strict: bool | None = opt(None, "with --golden: stop (checkpoint saved, exit 8) instead of warning", RUN)
+    # --- start-up speed (issue 12, section 1.5) ---
+    verify_data: str | None = opt(None, "prepared shards at start-up: quick (default: manifest, sizes, headers and"
+                                        " offsets every start; sha256 once per node, remembered by file identity) or"
+                                        " full (every byte hashed by every rank, every start)", RUN)
 
     @classmethod
     def kind(cls, name: str) -> str:
@@ -155,6 +159,8 @@ class RunConfig:
             raise UsageError(f"--on-spike {self.on_spike!r}: must be warn, stop or rollback")
         if self.fit_check is not None and not isinstance(self.fit_check, bool):  # issue 10: the planner's fit check
             raise UsageError(f"--fit-check: must be true or false, got {self.fit_check!r}")
+        if self.verify_data not in (None, "quick", "full"):  # issue 12
+            raise UsageError(f"--verify-data: must be quick or full, got {self.verify_data!r}")
         if self.golden_strict is not None and not isinstance(self.golden_strict, bool):  # issue 10: pre-flight
             raise UsageError(f"--golden-strict: must be true or false, got {self.golden_strict!r}")
         if self.golden_strict and self.golden is None:

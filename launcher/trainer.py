@@ -201,7 +201,8 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     # Reads every source / verifies every shard, cuts pieces: bad data stops here, identically on every rank.
     holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
     # issue 9: seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
-    data = load_data(data, piece_len, world, loader_settings["workers"], holdout, seq_len=cfg.seq_len)
+    data = load_data(data, piece_len, world, loader_settings["workers"], holdout, seq_len=cfg.seq_len,
+                     verify=cfg.verify_data or "quick")
     eval_rows = None
     if cfg.eval_every_steps:
         from dataio.holdout import holdout_rows, mix_rows

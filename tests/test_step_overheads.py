@@ -72,3 +72,39 @@ def test_checkpoint_writes_skip_the_zip_crc_and_restore_torchs_setting(tmp_path)
     torch.save(x, tmp_path / "plain.pt")  # outside the context: torch's default again
     with zipfile.ZipFile(tmp_path / "plain.pt") as z:
         assert any(i.CRC != 0 for i in z.infolist() if "/data/" in i.filename)
+
+
+def test_driver_verifies_shards_quickly_by_default_and_fully_on_request(tmp_path, mix_path, monkeypatch):
+    """Start-up (section 1.5): the driver's default is quick verification (hashes once per node,
+    remembered by file identity); --verify-data full still hashes every byte. Shown with a cache
+    entry that vouches for a tampered shard: quick trusts it (not hashed), full finds the damage."""
+    from dataio.errors import DataError
+    from dataio.shards import VerifiedCache
+    from launcher.config import config_from
+    from launcher.trainer import plan_run
+
+    monkeypatch.setenv("ZEROTRAIN_CACHE", str(tmp_path / "cache"))
+    shards = tmp_path / "shards"
+    prep = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path), "--out",
+                           str(shards), "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
+    assert prep.returncode == 0, prep.stderr
+    base = {"data": str(shards), "model": "debug", "profile": "cpu", "seq_len": 64, "micro_batch": 2,
+            "max_steps": 2, "out": str(tmp_path / "runs"), "resume": "never"}
+    plan_run(config_from(base), 1)  # the node's first start: every shard hashed and remembered
+    manifest = json.loads((shards / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    tokens = shards / first["file"]
+    raw = bytearray(tokens.read_bytes())
+    raw[-1] ^= 1  # same size, other bytes
+    tokens.write_bytes(bytes(raw))
+    with VerifiedCache(tmp_path / "cache") as cache:  # the tampered file's new identity, vouched for
+        key = cache._key(tokens)
+        cache.entries[key] = {**cache.entries[key], "identity": VerifiedCache.identity(tokens)}
+        cache.added[key] = cache.entries[key]
+    plan_run(config_from(base), 1)  # quick: identities match the cache, nothing hashed
+    try:
+        plan_run(config_from({**base, "verify_data": "full"}), 1)
+    except DataError as e:
+        assert first["file"] in str(e) and "sha256" in str(e), e
+    else:
+        raise AssertionError("--verify-data full did not hash the tampered shard")
