@@ -252,12 +252,7 @@ class Worker:
     def kill(self) -> None:
         # Every descendant, not only the process group: torchrun's elastic agent starts its ranks in
         # sessions of their own, and a rank left behind would wait in a collective forever.
-        pids = descendants(self.proc.pid) + [self.proc.pid]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.signal(signal.SIGKILL)
         self.proc.wait()
         self.log.close()
         clean_shm(self.port)

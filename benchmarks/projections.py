@@ -26,21 +26,8 @@ def fuse(model):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    from modeling.model import apply_rotary
-
-    def attention(self, x, cos, sin, docs):
-        B, T, _ = x.shape
-        q, k, v = F.linear(x, self.qkv).split(self.split, dim=-1)
-        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))
-        k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+    def project(self, x):  # Attention.project with one weight: the rest of the forward is the model's own
+        return F.linear(x, self.qkv).split(self.split, dim=-1)
 
     def mlp(self, x):
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
@@ -52,7 +39,7 @@ def fuse(model):
         a.qkv = nn.Parameter(torch.cat(weights).detach().clone())
         a.split = tuple(w.shape[0] for w in weights)
         del a.q_proj, a.k_proj, a.v_proj
-        a.forward = types.MethodType(attention, a)
+        a.project = types.MethodType(project, a)
         m.gate_up = nn.Parameter(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().clone())
         del m.gate_proj, m.up_proj
         m.forward = types.MethodType(mlp, m)

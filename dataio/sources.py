@@ -229,75 +229,81 @@ def parse_mix(mix_path: str | Path) -> Mix:
         raise DataError(f"{where}: warn_epochs must be a positive number, got {warn_epochs!r}")
     specs, names = [], set()
     for i, src in enumerate(raw["sources"]):
-        if not isinstance(src, dict):
-            raise DataError(f"{where}: source #{i} is not an object")
-        name = src.get("name", f"#{i}")
-        at = f"{where}: source {name!r}"
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-            raise DataError(f"{at}: name must be letters, digits, '_', '-' or '.'")
-        unknown = set(src) - SOURCE_KEYS
-        if unknown:
-            raise DataError(f"{at}: unknown key(s) {', '.join(sorted(unknown))}")
-        if name in names:
-            raise DataError(f"{at}: duplicate source name")
-        names.add(name)
-        w = src.get("weight")
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
-            raise DataError(f"{at}: weight must be a positive number, got {w!r}")
-        if ("path" in src) == ("hf" in src):
-            raise DataError(f"{at}: give exactly one of 'path' (local files: a file, glob, directory or list)"
-                            " or 'hf' (a hub dataset name or a local dataset directory)")
-        for key in ("hf", "config", "split", "text_field", "template", "data_dir"):
-            if key in src and not (isinstance(src[key], str) and src[key]):
-                raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
-        if "template" in src and "text_field" in src:
-            raise DataError(f"{at}: give text_field or template, not both")
-        fmt = _choice(src.get("format", "text"), FORMATS, "format", at)
-        for key in ("prompt_field", "response_field", "messages_field"):
-            if key in src and not (isinstance(src[key], str) and src[key]):
-                raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
-        if "separator" in src and not isinstance(src["separator"], str):
-            raise DataError(f"{at}: separator must be a string, got {src['separator']!r}")
-        misplaced = sorted(k for k in set().union(*SFT_KEYS.values()) if k in src and k not in SFT_KEYS.get(fmt, ()))
-        if misplaced:
-            goes = " or ".join(f for f, keys in SFT_KEYS.items() if misplaced[0] in keys)
-            raise DataError(f"{at}: {misplaced[0]} goes with format {goes}, this source is format {fmt}")
-        if fmt != "text" and any(k in src for k in TEXT_ONLY_KEYS):
-            key = next(k for k in TEXT_ONLY_KEYS if k in src)
-            raise DataError(f"{at}: {key} goes with format text; a format {fmt} source renders its records itself")
-        overflow = _choice(src.get("overflow", "truncate_prompt"), OVERFLOWS, "overflow", at)
-        path = _parse_path(src["path"], mix_path, at) if "path" in src else None
-        hf = _parse_hf(src["hf"], mix_path, at) if "hf" in src else None
-        for key in ("data_dir", "data_files"):
-            if key in src and hf is None:
-                raise DataError(f"{at}: {key} goes with 'hf' (a dataset directory or hub name); 'path' takes the"
-                                " files themselves (a glob, a directory or a list)")
-        if "data_dir" in src and (os.path.isabs(src["data_dir"]) or ".." in Path(src["data_dir"]).parts):
-            raise DataError(f"{at}: data_dir must be a directory inside the dataset, got {src['data_dir']!r}")
-        if "data_files" in src and not _data_files_ok(src["data_files"]):
-            raise DataError(f"{at}: data_files must be a pattern, a list of patterns, or an object of"
-                            f" split -> pattern(s), got {src['data_files']!r}")
-        sample_by = _choice(src.get("sample_by", "paragraph"), ("paragraph", "line", "document"), "sample_by", at)
-        streaming = src.get("streaming", False)
-        if not isinstance(streaming, bool):
-            raise DataError(f"{at}: streaming must be true or false, got {streaming!r}")
-        if streaming and any(not _has_glob(e) and file_format(e) == "text" for e in (path or ())):
-            raise DataError(f"{at}: streaming applies to jsonl/parquet/arrow/hub sources, not .txt")
-        if fmt != "text" and any(not _has_glob(e) and file_format(e) == "text" for e in (path or ())):
-            raise DataError(f"{at}: format {fmt} reads records (jsonl, json, parquet, arrow, a dataset), not .txt")
-        specs.append(SourceSpec(
-            name=name, weight=float(w), path=path[0] if isinstance(src.get("path"), str) else path, hf=hf,
-            config=src.get("config"), split=src.get("split", "train"), text_field=src.get("text_field", "text"),
-            template=src.get("template"), sample_by=sample_by, streaming=streaming, data_dir=src.get("data_dir"),
-            data_files=src.get("data_files"), format=fmt, prompt_field=src.get("prompt_field", "prompt"),
-            response_field=src.get("response_field", "response"), separator=src.get("separator", "\n"),
-            messages_field=src.get("messages_field", "messages"), overflow=overflow,
-            on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
-            bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at)))
+        specs.append(_parse_source(src, i, names, mix_path, where, default_exhausted, default_bad))
     total = sum(s.weight for s in specs)
     specs = tuple(SourceSpec(**{**s.to_dict(), "weight": s.weight / total}) for s in specs)
     return Mix(path=str(mix_path), sources=specs, warn_epochs=float(warn_epochs),
                description=raw.get("description", ""))
+
+
+def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_exhausted: str,
+                  default_bad: str) -> SourceSpec:
+    """One entry of a mix's "sources" list (its name is added to `names`, to refuse a duplicate)."""
+    if not isinstance(src, dict):
+        raise DataError(f"{where}: source #{i} is not an object")
+    name = src.get("name", f"#{i}")
+    at = f"{where}: source {name!r}"
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise DataError(f"{at}: name must be letters, digits, '_', '-' or '.'")
+    unknown = set(src) - SOURCE_KEYS
+    if unknown:
+        raise DataError(f"{at}: unknown key(s) {', '.join(sorted(unknown))}")
+    if name in names:
+        raise DataError(f"{at}: duplicate source name")
+    names.add(name)
+    w = src.get("weight")
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+        raise DataError(f"{at}: weight must be a positive number, got {w!r}")
+    if ("path" in src) == ("hf" in src):
+        raise DataError(f"{at}: give exactly one of 'path' (local files: a file, glob, directory or list)"
+                        " or 'hf' (a hub dataset name or a local dataset directory)")
+    for key in ("hf", "config", "split", "text_field", "template", "data_dir"):
+        if key in src and not (isinstance(src[key], str) and src[key]):
+            raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
+    if "template" in src and "text_field" in src:
+        raise DataError(f"{at}: give text_field or template, not both")
+    fmt = _choice(src.get("format", "text"), FORMATS, "format", at)
+    for key in ("prompt_field", "response_field", "messages_field"):
+        if key in src and not (isinstance(src[key], str) and src[key]):
+            raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
+    if "separator" in src and not isinstance(src["separator"], str):
+        raise DataError(f"{at}: separator must be a string, got {src['separator']!r}")
+    misplaced = sorted(k for k in set().union(*SFT_KEYS.values()) if k in src and k not in SFT_KEYS.get(fmt, ()))
+    if misplaced:
+        goes = " or ".join(f for f, keys in SFT_KEYS.items() if misplaced[0] in keys)
+        raise DataError(f"{at}: {misplaced[0]} goes with format {goes}, this source is format {fmt}")
+    if fmt != "text" and any(k in src for k in TEXT_ONLY_KEYS):
+        key = next(k for k in TEXT_ONLY_KEYS if k in src)
+        raise DataError(f"{at}: {key} goes with format text; a format {fmt} source renders its records itself")
+    overflow = _choice(src.get("overflow", "truncate_prompt"), OVERFLOWS, "overflow", at)
+    path = _parse_path(src["path"], mix_path, at) if "path" in src else None
+    hf = _parse_hf(src["hf"], mix_path, at) if "hf" in src else None
+    for key in ("data_dir", "data_files"):
+        if key in src and hf is None:
+            raise DataError(f"{at}: {key} goes with 'hf' (a dataset directory or hub name); 'path' takes the"
+                            " files themselves (a glob, a directory or a list)")
+    if "data_dir" in src and (os.path.isabs(src["data_dir"]) or ".." in Path(src["data_dir"]).parts):
+        raise DataError(f"{at}: data_dir must be a directory inside the dataset, got {src['data_dir']!r}")
+    if "data_files" in src and not _data_files_ok(src["data_files"]):
+        raise DataError(f"{at}: data_files must be a pattern, a list of patterns, or an object of"
+                        f" split -> pattern(s), got {src['data_files']!r}")
+    sample_by = _choice(src.get("sample_by", "paragraph"), ("paragraph", "line", "document"), "sample_by", at)
+    streaming = src.get("streaming", False)
+    if not isinstance(streaming, bool):
+        raise DataError(f"{at}: streaming must be true or false, got {streaming!r}")
+    if streaming and any(not _has_glob(e) and file_format(e) == "text" for e in (path or ())):
+        raise DataError(f"{at}: streaming applies to jsonl/parquet/arrow/hub sources, not .txt")
+    if fmt != "text" and any(not _has_glob(e) and file_format(e) == "text" for e in (path or ())):
+        raise DataError(f"{at}: format {fmt} reads records (jsonl, json, parquet, arrow, a dataset), not .txt")
+    return SourceSpec(
+        name=name, weight=float(w), path=path[0] if isinstance(src.get("path"), str) else path, hf=hf,
+        config=src.get("config"), split=src.get("split", "train"), text_field=src.get("text_field", "text"),
+        template=src.get("template"), sample_by=sample_by, streaming=streaming, data_dir=src.get("data_dir"),
+        data_files=src.get("data_files"), format=fmt, prompt_field=src.get("prompt_field", "prompt"),
+        response_field=src.get("response_field", "response"), separator=src.get("separator", "\n"),
+        messages_field=src.get("messages_field", "messages"), overflow=overflow,
+        on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
+        bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at))
 
 
 def _has_glob(entry: str) -> bool:

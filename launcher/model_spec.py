@@ -130,12 +130,10 @@ def _rule_lr(values: dict, law_names: list[str]) -> float | None:
     return sizes.rule_lr(rule, count_params(args)["non_embedding"], law_names)
 
 
-def params_main(argv: list[str]) -> None:
-    """`zerotrain params`: sizes, parameter counts and training FLOPs per token."""
+def _params_parser():
     import argparse
 
     from modeling import sizes
-    from modeling.model import PRESETS, count_params, flops_per_token, preset
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
@@ -154,35 +152,33 @@ def params_main(argv: list[str]) -> None:
     p.add_argument("--seq-len", type=int, default=2048, help="for the attention term of FLOPs per token")
     p.add_argument("--optimizer", help="print the peak lr a run with this optimizer would use: the rule's law for it,"
                                        " else its default (launcher/optimizers.py)")
-    ns = p.parse_args(argv)
-    if ns.heads and not ns.scaling_rule:
-        raise UsageError("--heads: only used with --scaling-rule")
-    if ns.scaling_rule and not ns.heads:
-        raise UsageError(f"--scaling-rule {ns.scaling_rule}: needs --heads H")
-    for name in ("vocab_size", "seq_len"):
-        if getattr(ns, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer")
-    common = dict(vocab_size=ns.vocab_size, **({"qk_norm": True} if ns.qk_norm else {}))
-    rule = None
-    if ns.scaling_rule:
-        try:
-            rule = sizes.get_rule(ns.scaling_rule, ns.rules_file)
-        except ValueError as e:
-            raise UsageError(f"--scaling-rule {ns.scaling_rule}: {e}") from None
-    laws, fallback_lr = ["adamw"], None  # without --optimizer: AdamW's law, and "-" where there is none
-    if ns.optimizer is not None:
-        from launcher import optimizers
-        from launcher.config import RunConfig
+    return p
 
-        name = ns.optimizer
-        law_only = rule is not None and name in sizes.rule_laws(rule)  # e.g. `adana`, a user class's law
-        if name not in optimizers.REGISTRY and not optimizers.is_user_class(name) and not law_only:
-            raise UsageError(f"--optimizer {name}: unknown optimizer; known: {optimizers.known()}"
-                             + (f", or a law of rule {ns.scaling_rule}: {', '.join(sizes.rule_laws(rule))}"
-                                if rule is not None and sizes.rule_laws(rule) else ""))
-        laws = optimizers.law_names(name)
-        fallback_lr = optimizers.default_lr(name) or RunConfig.__dataclass_fields__["lr"].default
-    rows = []  # (label, ModelArgs, lr or None)
+
+def _params_laws(ns, rule) -> tuple[list[str], float | None]:
+    """(law names to look up in the rule, the lr where there is no law) for `params --optimizer`."""
+    if ns.optimizer is None:
+        return ["adamw"], None  # AdamW's law, and "-" where there is none
+    from launcher import optimizers
+    from launcher.config import RunConfig
+    from modeling import sizes
+
+    name = ns.optimizer
+    law_only = rule is not None and name in sizes.rule_laws(rule)  # e.g. `adana`, a user class's law
+    if name not in optimizers.REGISTRY and not optimizers.is_user_class(name) and not law_only:
+        raise UsageError(f"--optimizer {name}: unknown optimizer; known: {optimizers.known()}"
+                         + (f", or a law of rule {ns.scaling_rule}: {', '.join(sizes.rule_laws(rule))}"
+                            if rule is not None and sizes.rule_laws(rule) else ""))
+    return optimizers.law_names(name), optimizers.default_lr(name) or RunConfig.__dataclass_fields__["lr"].default
+
+
+def _params_rows(ns, rule, laws, fallback_lr) -> list[tuple]:
+    """(label, ModelArgs, lr or None) for every preset, depth and rule size asked for."""
+    from modeling import sizes
+    from modeling.model import PRESETS, count_params, preset
+
+    common = dict(vocab_size=ns.vocab_size, **({"qk_norm": True} if ns.qk_norm else {}))
+    rows = []
     for name in ns.presets or ([] if ns.depth or ns.scaling_rule else list(PRESETS)):
         try:
             rows.append((name, preset(name, **common), fallback_lr))
@@ -194,14 +190,37 @@ def params_main(argv: list[str]) -> None:
                          fallback_lr))
         except ValueError as e:
             raise UsageError(f"--depth {depth}: {e}") from None
-    if rule is not None:
-        for heads in ns.heads:
-            try:
-                args = sizes.rule_args(rule, heads, **common)
-            except ValueError as e:
-                raise UsageError(f"--scaling-rule {ns.scaling_rule} --heads {heads}: {e}") from None
-            law_lr = sizes.rule_lr(rule, count_params(args)["non_embedding"], laws)
-            rows.append((f"{ns.scaling_rule} H={heads}", args, law_lr if law_lr is not None else fallback_lr))
+    for heads in (ns.heads if rule is not None else []):
+        try:
+            args = sizes.rule_args(rule, heads, **common)
+        except ValueError as e:
+            raise UsageError(f"--scaling-rule {ns.scaling_rule} --heads {heads}: {e}") from None
+        law_lr = sizes.rule_lr(rule, count_params(args)["non_embedding"], laws)
+        rows.append((f"{ns.scaling_rule} H={heads}", args, law_lr if law_lr is not None else fallback_lr))
+    return rows
+
+
+def params_main(argv: list[str]) -> None:
+    """`zerotrain params`: sizes, parameter counts and training FLOPs per token."""
+    from modeling import sizes
+    from modeling.model import count_params, flops_per_token
+
+    ns = _params_parser().parse_args(argv)
+    if ns.heads and not ns.scaling_rule:
+        raise UsageError("--heads: only used with --scaling-rule")
+    if ns.scaling_rule and not ns.heads:
+        raise UsageError(f"--scaling-rule {ns.scaling_rule}: needs --heads H")
+    for name in ("vocab_size", "seq_len"):
+        if getattr(ns, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer")
+    rule = None
+    if ns.scaling_rule:
+        try:
+            rule = sizes.get_rule(ns.scaling_rule, ns.rules_file)
+        except ValueError as e:
+            raise UsageError(f"--scaling-rule {ns.scaling_rule}: {e}") from None
+    laws, fallback_lr = _params_laws(ns, rule)
+    rows = _params_rows(ns, rule, laws, fallback_lr)
     vocab = rows[0][1].vocab_size if rows else ns.vocab_size
     print(f"vocab {vocab} ({ns.vocab_size} padded to a multiple of 64), FLOPs per token at seq len {ns.seq_len}")
     print(f"{'model':<14}{'layers':>7}{'dim':>6}{'heads':>6}{'kv':>4}{'ffn':>7}{'total':>15}{'non-emb':>15}"

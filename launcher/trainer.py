@@ -125,7 +125,7 @@ class QuietExit(Exception):
 
 def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     """Everything decided before any process touches disk or builds a model. Raises UsageError/DataError."""
-    from dataio.loader import dataloader_settings, load_data, open_data
+    from dataio.loader import dataloader_settings, open_data
     from dataio.packing import check_packing
     from dataio.tokenizer import load_tokenizer
     from launcher import model_spec
@@ -156,18 +156,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
         checkpoint.check_mirror(cfg.mirror, run_dir, run_id)
     ckpt_dir = run_dir / "checkpoints"
     mirror_ckpt = Path(cfg.mirror) / run_id / "checkpoints" if cfg.mirror else None
-    resume_from = None
-    if cfg.resume == "auto":
-        resume_from = checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=_say_rank0(rank))
-    elif cfg.resume != "never":
-        resume_from = Path(cfg.resume)
-        if not (resume_from / checkpoint.MARKER).is_file():
-            raise UsageError(f"--resume {cfg.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
-        problem = checkpoint.verify(resume_from)
-        if problem:
-            raise UsageError(f"--resume {cfg.resume}: {problem}")
-    elif checkpoint.complete_checkpoints(ckpt_dir):
-        raise UsageError(f"--resume never: {run_dir} already holds checkpoints; pick another --run-id")
+    resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
     meta = None
     if resume_from is not None:
         meta = checkpoint.read_meta(resume_from)
@@ -180,8 +169,9 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
         if meta["step"] >= cfg.max_steps:
             raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} >= --max-steps {cfg.max_steps}")
     saved = run_dir / "config.json"
-    if saved.is_file() and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
-        drift = cfg.drift(json.loads(saved.read_text())["run"])
+    saved_run = json.loads(saved.read_text())["run"] if saved.is_file() else None
+    if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
+        drift = cfg.drift(saved_run)
         if drift:
             raise UsageError(f"config drift against {saved}: " + ", ".join(drift) + "; start a new --run-id instead")
     golden = None
@@ -193,32 +183,55 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
 
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
         ds_config["train_batch_size"] * cfg.seq_len)
-    from dataio.sources import default_piece_len
-
-    piece_len = cfg.piece_len or default_piece_len(cfg.seq_len)
-    if saved.is_file() and "piece_len" not in json.loads(saved.read_text())["run"]:
-        piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
-    # Reads every source / verifies every shard, cuts pieces: bad data stops here, identically on every rank.
-    holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
-    # issue 9: seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
-    data = load_data(data, piece_len, world, loader_settings["workers"], holdout, seq_len=cfg.seq_len,
-                     verify=cfg.verify_data or "quick")
-    eval_rows = None
-    if cfg.eval_every_steps:
-        from dataio.holdout import holdout_rows, mix_rows
-
-        if cfg.eval_data is not None:
-            eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer), seq_len=cfg.seq_len), cfg.seq_len,
-                                 cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
-        else:
-            eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.seq_len)
-        if not eval_rows:
-            raise UsageError(f"--eval-every-steps {cfg.eval_every_steps}: no eval data (every source is streamed);"
-                             " give --eval-data MIX.json")
+    data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
                    zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
                    model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
                    resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()), golden=golden)
+
+
+def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:
+    """The checkpoint --resume names (verified), or None; --resume never refuses a run holding checkpoints."""
+    if cfg.resume == "auto":
+        return checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=_say_rank0(rank))
+    if cfg.resume == "never":
+        if checkpoint.complete_checkpoints(ckpt_dir):
+            raise UsageError(f"--resume never: {run_dir} already holds checkpoints; pick another --run-id")
+        return None
+    resume_from = Path(cfg.resume)
+    if not (resume_from / checkpoint.MARKER).is_file():
+        raise UsageError(f"--resume {cfg.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
+    problem = checkpoint.verify(resume_from)
+    if problem:
+        raise UsageError(f"--resume {cfg.resume}: {problem}")
+    return resume_from
+
+
+def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, saved_run: dict | None):
+    """Reads every source / verifies every shard, cuts pieces, holds out eval documents: bad data stops
+    here, identically on every rank. Returns (data, eval rows or None)."""
+    from dataio.loader import load_data, open_data
+    from dataio.sources import default_piece_len
+
+    piece_len = cfg.piece_len or default_piece_len(cfg.seq_len)
+    if saved_run is not None and "piece_len" not in saved_run:
+        piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
+    holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
+    # issue 9: seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
+    data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.seq_len, verify=cfg.verify_data or "quick")
+    if not cfg.eval_every_steps:
+        return data, None
+    from dataio.holdout import holdout_rows, mix_rows
+
+    if cfg.eval_data is not None:
+        eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer), seq_len=cfg.seq_len), cfg.seq_len,
+                             cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
+    else:
+        eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.seq_len)
+    if not eval_rows:
+        raise UsageError(f"--eval-every-steps {cfg.eval_every_steps}: no eval data (every source is streamed);"
+                         " give --eval-data MIX.json")
+    return data, eval_rows
 
 
 def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, data, saved_ds: Path) -> dict:
@@ -245,6 +258,10 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
     ds_config = {**ds_config, "gradient_accumulation_steps": global_batch // (micro * world),
                  "train_batch_size": global_batch}
     return universal.ds_config_for_universal(ds_config)
+
+
+# fetch()'s row when no step follows: no batches, nothing ended, no error
+NOTHING_FETCHED = [0, 0, 0, 0]
 
 
 def _say_rank0(rank: int):
@@ -662,7 +679,7 @@ class Trainer:
                                                              reserve_s=self.last_save_s)
                 # The next step's batches are taken now, so that their agreement rides on this step's
                 # one collective with the loss and the stop flags (none after the last step).
-                ahead = self.fetch() if self.step + 1 < cfg.max_steps else [0, 0, 0, 0]
+                ahead = self.fetch() if self.step + 1 < cfg.max_steps else NOTHING_FETCHED
                 rows, loss, (signalled, save_hours, over_budget), self.grad_norm = self.agree(
                     ahead, loss_sum, (save_hours, budget_why is not None))
                 pending = rows if self.fetched is not None else None

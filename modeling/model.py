@@ -208,11 +208,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else nn.Identity()
 
+    def project(self, x):
+        """q, k, v before the head split (benchmarks/projections.py swaps in one fused weight here)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, cos, sin, docs: DocumentLayout):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))  # (B, T, H, hd)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, KV, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))  # (B, T, H, hd)
+        k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, KV, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if docs.cu_seqlens is not None:  # flash-attn: documents laid end to end, GQA in the kernel
             out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs.cu_seqlens,
