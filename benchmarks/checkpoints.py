@@ -53,10 +53,10 @@ def worker(stage: int, model: str, out: Path, saves: int, loads: int, mirrored: 
     import deepspeed
     import torch
 
-    from launcher import checkpoint
-    from launcher.profiles import load_profile
-    from modeling import sizes
-    from modeling.model import Transformer, count_params, preset
+    from zerotrain.launcher import checkpoint
+    from zerotrain.launcher.profiles import load_profile
+    from zerotrain.modeling import sizes
+    from zerotrain.modeling.model import Transformer, count_params, preset
 
     deepspeed.init_distributed(dist_backend="gloo")
     _, profile = load_profile("cpu")

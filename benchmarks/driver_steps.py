@@ -1,4 +1,4 @@
-"""The real driver (`launcher.trainer.run`), its per-step pieces timed in place: where a zerotrain step's
+"""The real driver (`zerotrain.launcher.trainer.run`), its per-step pieces timed in place: where a zerotrain step's
 time goes outside DeepSpeed (fetch, agree, logging) and what a profile setting changes. One program,
 not a comparison: `make bench` compares; this is the tool behind several figures in RESULTS.md.
 
@@ -48,9 +48,9 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see benchmarks/run.py
     from harness import demo_mix
 
-    import launcher.trainer as trainer
-    from launcher.config import config_from
-    from launcher.profiles import load_profile
+    import zerotrain.launcher.trainer as trainer
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.profiles import load_profile
 
     _, prof = load_profile("cpu")
     prof["zero_optimization"] = {**prof["zero_optimization"], "stage": a.stage, **json.loads(a.zero)}

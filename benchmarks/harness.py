@@ -46,7 +46,7 @@ def need(module: str, install: str):
 
 def demo_mix() -> Path:
     """The demo's offline mix (launcher/demo.py), built once under runs/demo-data/."""
-    from launcher.demo import build_demo_data
+    from zerotrain.launcher.demo import build_demo_data
 
     return build_demo_data(REPO / "runs" / "demo-data")
 
@@ -64,8 +64,8 @@ def workdir() -> Path:
 
 def shards_dir(tokenizer: str = "bytes") -> Path:
     """The demo mix prepared into shards (once per invocation)."""
-    from dataio.shards import prepare
-    from dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.shards import prepare
+    from zerotrain.dataio.tokenizer import load_tokenizer
 
     out = workdir() / f"shards-{Path(tokenizer).name}"
     if not out.exists():
@@ -77,8 +77,8 @@ def bpe_dir() -> Path:
     """A byte-level BPE (vocabulary 8192) trained on the demo mix (once per invocation)."""
     out = workdir() / "bpe"
     if not out.exists():
-        from dataio.loader import load_data, open_data
-        from dataio.tokenizer import ByteTokenizer, train_bpe
+        from zerotrain.dataio.loader import load_data, open_data
+        from zerotrain.dataio.tokenizer import ByteTokenizer, train_bpe
 
         data = load_data(open_data(str(demo_mix()), ByteTokenizer()))
         texts = (s.text(d) for s in data.stores for d in range(len(s)))

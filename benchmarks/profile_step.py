@@ -54,9 +54,9 @@ def main(argv: list[str]) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from dataio.loader import Batches, load_data, open_data
-    from dataio.sources import default_piece_len
-    from dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.loader import Batches, load_data, open_data
+    from zerotrain.dataio.sources import default_piece_len
+    from zerotrain.dataio.tokenizer import ByteTokenizer
     from step_worker import CLIP, adamw, model_args, our_model
 
     torch.set_num_threads(a.threads)
@@ -68,8 +68,8 @@ def main(argv: list[str]) -> None:
     if a.program.startswith("zero"):
         import deepspeed
 
-        from launcher.profiles import load_profile
-        from modeling.model import Transformer
+        from zerotrain.launcher.profiles import load_profile
+        from zerotrain.modeling.model import Transformer
 
         deepspeed.init_distributed(dist_backend="gloo")
         _, prof = load_profile("cpu")

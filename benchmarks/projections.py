@@ -49,7 +49,7 @@ def fuse(model):
 def bench_fused_projections() -> list[dict]:
     import torch
 
-    from modeling.model import Transformer
+    from zerotrain.modeling.model import Transformer
     from step_worker import model_args
 
     rows = []

@@ -71,7 +71,7 @@ SECONDS = float(os.environ.get("BENCH_SECONDS", "0.5" if TINY else "5"))
 
 
 def loader_rows(label: str, data: str, tokenizer: str, target: float | None, packings=("best-fit",)) -> list[dict]:
-    from dataio.commands import bench
+    from zerotrain.dataio.commands import bench
 
     rows = []
     for packing in packings:
@@ -98,8 +98,8 @@ def bench_stream_bpe():
 
 
 def bench_prepare_verify():
-    from dataio.shards import prepare, read_manifest, read_speed, verify
-    from dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
+    from zerotrain.dataio.tokenizer import ByteTokenizer
 
     out = workdir() / "prepare-timed"
     t0 = time.time()
@@ -124,9 +124,9 @@ def bench_packing():
     """Greedy (ours) against best-fit, on the demo mix's documents in training order."""
     import numpy as np
 
-    from dataio.loader import MixedStream, load_data, open_data
-    from dataio.packing import best_fit_efficiency, open_rows_for
-    from dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.loader import MixedStream, load_data, open_data
+    from zerotrain.dataio.packing import best_fit_efficiency, open_rows_for
+    from zerotrain.dataio.tokenizer import ByteTokenizer
 
     data = load_data(open_data(str(demo_mix()), ByteTokenizer()))
     stream = MixedStream(data, 0, 1, 1337)
@@ -186,8 +186,8 @@ def status():
     return out
 
 import datasets, numpy, torch  # noqa: the libraries' own memory is the baseline, not the source's
-from dataio.commands import bench
-from dataio.loader import load_data, open_data
+from zerotrain.dataio.commands import bench
+from zerotrain.dataio.loader import load_data, open_data
 base = status()
 peak_anon = [base["RssAnon"]]
 
@@ -242,9 +242,9 @@ def bench_planner_rss():
     import socket
     import subprocess
 
-    from launcher import model_spec, planner
-    from launcher.config import RunConfig
-    from launcher.profiles import load_profile
+    from zerotrain.launcher import model_spec, planner
+    from zerotrain.launcher.config import RunConfig
+    from zerotrain.launcher.profiles import load_profile
 
     root = workdir() / "planner-rss"
     root.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ down by benchmarks/startup_probe.py, which runs the unmodified driver with times
 phases. Plus what the imports cost by package (`python -X importtime`).
 
 `shard_verify`: ~BENCH_VERIFY_GB (default 1) GB of prepared shards (uint16 tokens in the
-`zerotrain prepare` format, written directly) verified by `dataio.shards.verify`: full (every
+`zerotrain prepare` format, written directly) verified by `zerotrain.dataio.shards.verify`: full (every
 sha256 and the token range) with the page cache cold and warm, and quick (sizes, headers, offsets
 and the manifest every time; hashes once per node, cached by file identity): the first start on a
 node, later starts, and two ranks of a node starting together (one hashes, the other waits for it).
@@ -31,7 +31,7 @@ VERIFY_GB = float(os.environ.get("BENCH_VERIFY_GB", "0.01" if TINY else "1"))
 
 
 def launch_demo(work: Path, n: int) -> dict:
-    from launcher.demo import DEMO_FLAGS
+    from zerotrain.launcher.demo import DEMO_FLAGS
 
     out = work / f"probe-{n}.json"
     port = free_port()
@@ -103,7 +103,7 @@ def breakdown(m: dict) -> tuple[float, str]:
 
 def import_times() -> str:
     """Cumulative import time of the top-level packages a rank imports (`python -X importtime`)."""
-    code = "import torch, deepspeed, launcher.train, launcher.trainer, dataio.loader"
+    code = "import torch, deepspeed, zerotrain.launcher.train, zerotrain.launcher.trainer, zerotrain.dataio.loader"
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
     top = {}
@@ -141,8 +141,8 @@ def write_shards(root: Path, total_bytes: int, shard_bytes: int = 256 << 20, see
     manifest in the `zerotrain prepare` format (dataio/shards.py), checked by read_manifest."""
     import numpy as np
 
-    from dataio import shards
-    from dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio import shards
+    from zerotrain.dataio.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     rng = np.random.default_rng(seed)
@@ -191,7 +191,7 @@ RANK_VERIFY = r"""
 import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from dataio.shards import read_manifest, verify
+from zerotrain.dataio.shards import read_manifest, verify
 root = Path(sys.argv[2])
 sys.stdin.readline()  # start together
 t0 = time.time()
@@ -216,7 +216,7 @@ def two_ranks_verify(root: Path, mode: str, cache: Path) -> tuple[float, list[in
 
 
 def bench_shard_verify() -> list[dict]:
-    from dataio.shards import verify
+    from zerotrain.dataio.shards import verify
 
     work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-verify-"))
     rows = []

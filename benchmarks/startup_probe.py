@@ -1,11 +1,11 @@
 """Launched in place of launcher/train.py by benchmarks/startup.py: the same driver
-(`launcher.train.main`), with timestamps taken around its start-up phases by wrapping the functions
+(`zerotrain.launcher.train.main`), with timestamps taken around its start-up phases by wrapping the functions
 it calls (nothing in the driver is edited). Rank 0 writes them as JSON to ZT_STARTUP_OUT when the
 first optimizer step has been logged; the run then goes on as usual.
 
 Phases: the launcher processes' own start (from /proc: the deepspeed runner and launch.py are this
 process's ancestors), this process's exec, its imports, the plan (profile, tokenizer, data read and
-verified: `dataio.loader.load_data` timed inside it), process-group set-up (DeepSpeed's
+verified: `zerotrain.dataio.loader.load_data` timed inside it), process-group set-up (DeepSpeed's
 `init_distributed`, its communication op load timed inside it), model build (`_build_engine` less
 `deepspeed.initialize`), engine init (`deepspeed.initialize`), the data loader (`_build_data`), and
 the first step.
@@ -65,17 +65,17 @@ t0 = time.time()
 import deepspeed  # noqa: E402
 marks["import_deepspeed_s"] = time.time() - t0
 t0 = time.time()
-import dataio.loader  # noqa: E402
-import launcher.metrics  # noqa: E402
-import launcher.train  # noqa: E402
-import launcher.trainer  # noqa: E402
+import zerotrain.dataio.loader  # noqa: E402
+import zerotrain.launcher.metrics  # noqa: E402
+import zerotrain.launcher.train  # noqa: E402
+import zerotrain.launcher.trainer  # noqa: E402
 from deepspeed.ops.op_builder.builder import OpBuilder  # noqa: E402
 
 marks["import_zerotrain_s"] = time.time() - t0
 marks["imports_done"] = time.time()
 
-timed(launcher.trainer, "plan_run", "plan")
-timed(dataio.loader, "load_data", "data_load_verify")
+timed(zerotrain.launcher.trainer, "plan_run", "plan")
+timed(zerotrain.dataio.loader, "load_data", "data_load_verify")
 timed(deepspeed, "init_distributed", "init_distributed")
 # DeepSpeed's CPU builders may come from a second import of the op_builder package (its own class
 # objects): patch the class that defines load() for the builder the CPU accelerator hands out.
@@ -83,13 +83,13 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 _builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
 timed(next(c for c in type(_builder).__mro__ if "load" in c.__dict__) if _builder else OpBuilder, "load", "op_load")
-timed(launcher.trainer.Trainer, "__init__", "trainer_init")
-timed(launcher.trainer.Trainer, "_build_engine", "build_engine")
+timed(zerotrain.launcher.trainer.Trainer, "__init__", "trainer_init")
+timed(zerotrain.launcher.trainer.Trainer, "_build_engine", "build_engine")
 timed(deepspeed, "initialize", "deepspeed_initialize")
-timed(launcher.trainer.Trainer, "_build_data", "build_data")
-timed(launcher.trainer.Trainer, "train", "train")
+timed(zerotrain.launcher.trainer.Trainer, "_build_data", "build_data")
+timed(zerotrain.launcher.trainer.Trainer, "train", "train")
 
-original_log = launcher.metrics.MetricsLogger.log
+original_log = zerotrain.launcher.metrics.MetricsLogger.log
 
 
 def log(self, record):
@@ -102,7 +102,7 @@ def log(self, record):
             Path(out).write_text(json.dumps({**marks, "durations": durations}))
 
 
-launcher.metrics.MetricsLogger.log = log
+zerotrain.launcher.metrics.MetricsLogger.log = log
 
 if __name__ == "__main__":
-    launcher.train.main(sys.argv[1:])  # exactly as launcher/train.py does
+    zerotrain.launcher.train.main(sys.argv[1:])  # exactly as launcher/train.py does

@@ -1,10 +1,10 @@
 """One compared training program, run until the benchmark controller (benchmarks/harness.py) has
 what it needs. Started as `python`, under `deepspeed --num_gpus N` or under `torchrun`:
 
-    step_worker.py zt --profile P [--compile] zerotrain's real driver: launcher.trainer.plan_run +
+    step_worker.py zt --profile P [--compile] zerotrain's real driver: zerotrain.launcher.trainer.plan_run +
                                              Trainer(plan).train(), unmodified; a metrics sink
                                              (the interface --log sinks use) paces it
-    step_worker.py plain [--fused] ...       our modeling.model.Transformer, torch.optim.AdamW
+    step_worker.py plain [--fused] ...       our zerotrain.modeling.model.Transformer, torch.optim.AdamW
                                              (as written by a user, or fused=True), clip_grad_norm_
     step_worker.py ddp ...                   the same loop inside DistributedDataParallel (torchrun)
     step_worker.py hf ...                    transformers' LlamaForCausalLM (our weights through
@@ -171,8 +171,8 @@ class PaceSink:
 # -- the programs ----------------------------------------------------------------------------------
 
 def model_args(a):
-    from modeling import sizes
-    from modeling.model import preset
+    from zerotrain.modeling import sizes
+    from zerotrain.modeling.model import preset
 
     if a.shape == "debug":
         return preset("debug", max_seq_len=a.seq)
@@ -194,7 +194,7 @@ def fixed_batches(a, rank: int):
 def our_model(a):
     import torch
 
-    from modeling.model import Transformer
+    from zerotrain.modeling.model import Transformer
 
     torch.manual_seed(a.seed)  # as the driver does before building the model
     return Transformer(model_args(a))
@@ -233,8 +233,8 @@ def loop(a, model, setup: dict, rank: int, forward) -> None:
 
 
 def run_zt(a, setup: dict) -> None:
-    from launcher.config import config_from
-    from launcher.trainer import Trainer, plan_run, single_process_env
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.trainer import Trainer, plan_run, single_process_env
 
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -331,8 +331,8 @@ def run_hf_trainer(a, setup: dict) -> None:
     raise SystemExit(f"{a.name}: the run ended before the controller stopped it")
 
 
-IMPORTS = {"zt": ("torch", "deepspeed", "launcher.trainer"), "plain": ("torch", "modeling.model"),
-           "ddp": ("torch", "modeling.model"), "hf": ("torch", "transformers"),
+IMPORTS = {"zt": ("torch", "deepspeed", "zerotrain.launcher.trainer"), "plain": ("torch", "zerotrain.modeling.model"),
+           "ddp": ("torch", "zerotrain.modeling.model"), "hf": ("torch", "transformers"),
            "hf-trainer": ("torch", "deepspeed", "transformers")}
 PROGRAMS = {"zt": run_zt, "plain": run_plain, "ddp": run_ddp, "hf": run_hf, "hf-trainer": run_hf_trainer}
 

@@ -6,7 +6,7 @@ otherwise run, side by side in one invocation (benchmarks/harness.py alternates 
                  writes it, and with fused=True), a plain loop over transformers' LlamaForCausalLM
                  with the same weights, and the HF Trainer with DeepSpeed ZeRO-2. Also the machine's
                  fp32 matmul peak, measured before and after, and each program's MFU against it
-                 (modeling.model.flops_per_token). BENCH_COMPILE=1 adds zerotrain ZeRO-2 --compile.
+                 (zerotrain.modeling.model.flops_per_token). BENCH_COMPILE=1 adds zerotrain ZeRO-2 --compile.
     two_ranks    zerotrain ZeRO-2/3 under the `deepspeed` launcher and DDP under `torchrun`, 2 ranks
                  of 1 thread, against the same programs on 1 rank of 1 thread: tokens/s and scaling
                  efficiency; then one counting chunk: zerotrain's own collectives and host syncs per
@@ -46,7 +46,7 @@ def say(msg: str) -> None:
 
 def profiles(work: Path) -> dict[int, Path]:
     """The shipped cpu profiles: ZeRO-3 (cpu) and ZeRO-2 (cpu-zero2), as files."""
-    from launcher.profiles import load_profile
+    from zerotrain.launcher.profiles import load_profile
 
     out = {}
     for stage, name in ((2, "cpu-zero2"), (3, "cpu")):
@@ -61,9 +61,9 @@ def save_batches(work: Path, mix: Path, seq: int, micro: int, world: int, n: int
     driver), saved as .npy for the baselines to cycle through."""
     import numpy as np
 
-    from dataio.loader import Batches, load_data, open_data
-    from dataio.sources import default_piece_len
-    from dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.loader import Batches, load_data, open_data
+    from zerotrain.dataio.sources import default_piece_len
+    from zerotrain.dataio.tokenizer import ByteTokenizer
 
     out = work / f"batches-{seq}x{micro}-w{world}"
     if out.exists():
@@ -83,8 +83,8 @@ def export_hf(work: Path, shape: str, seq: int) -> Path:
     """Our model at the benchmark seed, written as a Hugging Face Llama directory (modeling/hf.py)."""
     import torch
 
-    from modeling import hf
-    from modeling.model import Transformer
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.model import Transformer
 
     out = work / f"hf-{shape}"
     if not out.exists():
@@ -134,7 +134,7 @@ def describe_setup(w: Worker) -> str:
 
 def bench_train_step() -> list[dict]:
     from harness import demo_mix
-    from modeling.model import count_params, flops_per_token
+    from zerotrain.modeling.model import count_params, flops_per_token
 
     work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-steps-"))
     rows = []
@@ -202,7 +202,7 @@ def bench_train_step() -> list[dict]:
 
 def bench_two_ranks() -> list[dict]:
     from harness import demo_mix
-    from modeling.model import count_params
+    from zerotrain.modeling.model import count_params
 
     label, (shape, seq, micro, warmup, steps) = list(SHAPES.items())[-1]
     ranks = 2

@@ -5,7 +5,7 @@
     zerotrain data-bench --data MIX|DIR [--seq-len --micro-batch --seconds]   loader tokens/s
     zerotrain tokenizer train --data MIX.json --vocab-size N --out DIR        byte-level BPE (HF format)
 
-Bad input ends as exit status 2 with one line (launcher.errors.UsageError).
+Bad input ends as exit status 2 with one line (zerotrain.launcher.errors.UsageError).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from dataio.errors import DataError, UsageError
+from zerotrain.dataio.errors import DataError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,8 +53,8 @@ def prepare_main(argv):
     a = p.parse_args(argv)
 
     def go(_):
-        from dataio.shards import prepare, read_manifest, verify
-        from dataio.tokenizer import load_tokenizer
+        from zerotrain.dataio.shards import prepare, read_manifest, verify
+        from zerotrain.dataio.tokenizer import load_tokenizer
 
         tok = load_tokenizer(a.tokenizer)
         t0 = time.time()
@@ -75,8 +75,8 @@ def verify_main(argv):
     a = p.parse_args(argv)
 
     def go(_):
-        from dataio.shards import read_manifest, read_speed, verify
-        from dataio.tokenizer import load_tokenizer
+        from zerotrain.dataio.shards import read_manifest, read_speed, verify
+        from zerotrain.dataio.tokenizer import load_tokenizer
 
         root = Path(a.dir)
         manifest = read_manifest(root)
@@ -100,8 +100,8 @@ def bench(data_path: str, tokenizer: str = "bytes", seq_len: int = 2048, micro_b
           workers: int = 0, progress: bool = True, packing: str = "best-fit", piece_len: int | None = None) -> dict:
     """Run the loader alone; tokens/s, load time, per-source shares and epochs.
     piece_len: as in training, default_piece_len(seq_len) when None."""
-    from dataio.loader import Batches, default_piece_len, load_data, open_data
-    from dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.loader import Batches, default_piece_len, load_data, open_data
+    from zerotrain.dataio.tokenizer import load_tokenizer
 
     t0 = time.time()
     data = load_data(open_data(data_path, load_tokenizer(tokenizer)), piece_len or default_piece_len(seq_len),
@@ -191,8 +191,8 @@ def tokenizer_main(argv):
     a = p.parse_args(argv[1:])
 
     def go(_):
-        from dataio.sources import load_text_source, open_streamed, parse_mix, record_text
-        from dataio.tokenizer import train_bpe
+        from zerotrain.dataio.sources import load_text_source, open_streamed, parse_mix, record_text
+        from zerotrain.dataio.tokenizer import train_bpe
 
         out = Path(a.out)
         if out.exists() and any(out.iterdir()):
@@ -215,7 +215,7 @@ def tokenizer_main(argv):
                         yield store.text(d)
         t0 = time.time()
         train_bpe(texts(), a.vocab_size, out)
-        from dataio.tokenizer import HFTokenizer
+        from zerotrain.dataio.tokenizer import HFTokenizer
 
         tok = HFTokenizer(out)
         print(f"trained byte-level BPE, vocab {tok.vocab_size}, eos {tok.eos_id}, bos {tok.bos_id},"
@@ -271,7 +271,7 @@ def _files_part(data, spec, store) -> str:
     if store is not None:
         n, what = len(store.files), "shard file" if data.kind == "shards" else "file"
     elif spec.hf is None or spec.local_hf:  # a local source read as a stream: its files, found again (cheap)
-        from dataio.sources import find_files
+        from zerotrain.dataio.sources import find_files
 
         n, what = len(find_files(spec).files), "file"
     else:
@@ -282,7 +282,7 @@ def _files_part(data, spec, store) -> str:
 def _records_line(data, spec, store) -> str:
     """An SFT source, e.g. "1,200 chat records, mean 96 / max 250 tokens, 31% of the tokens (EOS included)
     take loss (responses); overflow truncate_prompt at seq len 256: truncated 3, dropped 1"."""
-    from dataio.sft import ChatRenderer, labelled_tokens
+    from zerotrain.dataio.sft import ChatRenderer, labelled_tokens
 
     n, total = len(store), int(store.lengths.sum())
     what = (f"{spec.format} records" + (f" ({ChatRenderer(data.tokenizer).name})" if spec.format == "chat" else ""))

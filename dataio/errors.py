@@ -1,7 +1,7 @@
 """The project's exception types, in a module that imports nothing (OLMo's `exceptions.py` habit).
 
 It lives in the lowest layer so `dataio`, `modeling` and `launcher` can all raise them without a
-lower layer importing a higher one. Exit codes are chosen only in `launcher.train.main()`.
+lower layer importing a higher one. Exit codes are chosen only in `zerotrain.launcher.train.main()`.
 """
 
 

@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dataio.errors import DataError
-from dataio.packing import check_packing, make_packer, to_torch
-from dataio.sft import ChatRenderer, is_sft, stream_block, tokenize_store
-from dataio.sources import (DocStore, Mix, SourceSpec, default_piece_len, load_text_source, make_pieces,  # noqa: F401
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.packing import check_packing, make_packer, to_torch
+from zerotrain.dataio.sft import ChatRenderer, is_sft, stream_block, tokenize_store
+from zerotrain.dataio.sources import (DocStore, Mix, SourceSpec, default_piece_len, load_text_source, make_pieces,  # noqa: F401
                             open_streamed, parse_mix, record_text, record_where)
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
@@ -95,7 +95,7 @@ def open_data(path: str, tokenizer) -> Data:
     """Parse a mix file or a prepared shard directory (cheap: nothing is read yet)."""
     p = Path(path)
     if p.is_dir():
-        from dataio import shards
+        from zerotrain.dataio import shards
 
         manifest = shards.read_manifest(p)
         shards.check_tokenizer(p, manifest, tokenizer)
@@ -113,17 +113,17 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     any model is built, and give the same result on every rank (nothing depends on the rank).
 
     piece_len: the piece bound in the loader's units (tokens for shards, bytes for text; see
-    dataio.sources); the driver passes `--piece-len` or `default_piece_len(seq_len)`; None: no
+    zerotrain.dataio.sources); the driver passes `--piece-len` or `default_piece_len(seq_len)`; None: no
     bound (documents are cut only where a source has fewer than world x workers of them).
     world, workers: the ranks and the data workers per rank (the profile's zerotrain.dataloader
     workers, 0 for none) that the documents will be split across, as in `Batches`.
     seq_len: the row length; SFT records longer than it follow their source's `overflow` policy
-    (dataio.sft; counted in the summary). None: SFT records are kept whole, however long.
-    verify: prepared shards' check, dataio.shards.verify's mode ("full", or "quick": hashes once per node).
+    (zerotrain.dataio.sft; counted in the summary). None: SFT records are kept whole, however long.
+    verify: prepared shards' check, zerotrain.dataio.shards.verify's mode ("full", or "quick": hashes once per node).
     """
     data.seq_len = seq_len
     if data.kind == "shards":
-        from dataio import shards
+        from zerotrain.dataio import shards
 
         shards.verify(Path(data.path), data.manifest, data.tokenizer, mode=verify)
         stores = shards.load_stores(Path(data.path), data.manifest)
@@ -133,7 +133,7 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
         stores = [tokenize_store(st, s, data.tokenizer, seq_len, lambda d, st=st: record_where(st, d))
                   if st is not None and is_sft(s) else st for s, st in zip(data.specs, stores)]
     if holdout is not None:  # (seed, eval_tokens): whole documents held out for evaluation, before any cutting
-        from dataio.holdout import split_holdout
+        from zerotrain.dataio.holdout import split_holdout
 
         stores, data.eval_stores = split_holdout(stores, data.specs, *holdout, data.tokenizer)
     return cut_data(data, stores, piece_len, world, workers)
@@ -182,7 +182,7 @@ PENDING = -1  # the "epoch" of a span of pending documents (IndexedSource: left 
 class IndexedSource:
     """A local source's documents on this rank, visited in a seeded permutation per epoch.
 
-    After a resume on another world size (dataio.reshard) it first visits `pending`: documents
+    After a resume on another world size (zerotrain.dataio.reshard) it first visits `pending`: documents
     (global ids) of the old ranks' unfinished epochs dealt to this part; its own schedule then
     continues from (epoch, pos), which the re-split sets to the end of an epoch.
     """
@@ -583,7 +583,7 @@ def _as_is(item):
 
 
 def _pending_as_count(state: dict) -> dict:
-    """A worker's loader state with each source's pending documents (dataio.reshard) replaced by
+    """A worker's loader state with each source's pending documents (zerotrain.dataio.reshard) replaced by
     how many are left. After a world-size change there can be millions of them; the list only
     ever shrinks from the front, so Batches rebuilds it from the one it loaded (_pending_back)
     instead of receiving it again with every batch."""
@@ -625,7 +625,7 @@ class Batches:
     consumed round-robin; each batch carries its worker's state, so `state_dict()` is exactly
     the state after the last batch handed out, however far the workers have read ahead.
     The number of workers is part of the data order: a resume with another count is refused.
-    A resume on another world size loads states re-split by dataio.reshard.
+    A resume on another world size loads states re-split by zerotrain.dataio.reshard.
     """
 
     def __init__(self, data: Data, rank: int, world: int, seed: int, seq_len: int, micro_batch: int,

@@ -28,7 +28,7 @@ at them, so the mask travels with the tokens through open rows, carry-over and s
 `make_batch` decodes it (input_ids: the ids; labels: -100 where the sign was set). Pretraining
 tokens are never negative, so their batches are exactly what they were. SFT documents must not be
 cut at row edges (a response would lose its prompt): greedy packing is refused for them
-(`check_packing`); best-fit never cuts a document that fits a row, and dataio.sft makes every
+(`check_packing`); best-fit never cuts a document that fits a row, and zerotrain.dataio.sft makes every
 SFT document fit.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Packer:
 
 def _check_packing(state: dict, kind: str) -> None:
     if state.get("packing", "greedy") != kind:
-        from dataio.errors import DataError
+        from zerotrain.dataio.errors import DataError
 
         raise DataError(f"loader state was saved with {state.get('packing')!r} packing, this run packs {kind!r}")
 
@@ -194,7 +194,7 @@ class BestFitPacker:
 
 def check_packing(packing: str, specs=()) -> str:
     """`packing` if known and right for the mix's sources (`specs`: SFT sources need best-fit)."""
-    from dataio.errors import DataError
+    from zerotrain.dataio.errors import DataError
 
     if packing not in PACKINGS:
         raise DataError(f"--packing {packing!r}: must be {' or '.join(PACKINGS)}")
@@ -233,7 +233,7 @@ def make_batch(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, index=N
     segment_start = np.maximum.accumulate(np.where(starts, index, 0))
     position_ids = index - segment_start
     no_label = starts if pad is None else starts | pad
-    if n and tokens.min() < 0:  # SFT documents: the sign marks tokens without a label (dataio.sft)
+    if n and tokens.min() < 0:  # SFT documents: the sign marks tokens without a label (zerotrain.dataio.sft)
         untrained = tokens < 0
         tokens = np.where(untrained, -tokens - 1, tokens)
         no_label = no_label | untrained

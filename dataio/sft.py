@@ -1,6 +1,6 @@
 """Supervised fine-tuning records: rendering, the response mask, overflow, and how the mask travels.
 
-A mix source with `"format": "sft"` or `"format": "chat"` (dataio.sources documents the keys)
+A mix source with `"format": "sft"` or `"format": "chat"` (zerotrain.dataio.sources documents the keys)
 holds records, not documents:
 
 - "sft": `{"prompt": ..., "response": ...}` (field names: `prompt_field`, `response_field`),
@@ -36,7 +36,7 @@ How the mask travels without a second array: an SFT document's token array is SI
 that takes no loss stored as -(id + 1). Everything between the reader and the batch
 (IndexedSource, StreamedSource, MixedStream, both packers, their saved states, the carried
 documents of a world-size change, eval rows) moves token arrays without looking at their values,
-so it moves the mask with them; `dataio.packing.make_batch` decodes it (input_ids = the ids,
+so it moves the mask with them; `zerotrain.dataio.packing.make_batch` decodes it (input_ids = the ids,
 labels = -100 where the sign was set). Pretraining documents are never negative, so their
 batches are unchanged bit for bit.
 
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataio.errors import DataError
+from zerotrain.dataio.errors import DataError
 
 FORMATS = ("text", "sft", "chat")
 OVERFLOWS = ("truncate_prompt", "drop", "error")
@@ -332,7 +332,7 @@ def sniff_format(path) -> str:
     """The `format` a single data file's records suggest: "chat" (a "messages" field), "sft"
     ("prompt" and "response"), else "text". Reads the first record of json lines or the schema of
     a parquet file; anything else (or unreadable) is "text", left to the normal checks. For
-    callers that wrap one file into a mix (launcher.finetune)."""
+    callers that wrap one file into a mix (zerotrain.launcher.finetune)."""
     import json
     from pathlib import Path
 

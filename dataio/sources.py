@@ -94,7 +94,7 @@ json lines, json, parquet, arrow, save_to_disk or hub datasets (not .txt); they 
 into pieces (one record = one document) and `zerotrain prepare` does not take them. Token
 shares count all tokens of a record (prompt, response and EOS): SFT and text sources mix freely.
 
-Weights are shares of TOKENS (not documents); they need not sum to 1. See dataio.loader.
+Weights are shares of TOKENS (not documents); they need not sum to 1. See zerotrain.dataio.loader.
 
 Loading never unpickles: local files go through `datasets`' Arrow readers or our own text
 reader, and hub sources through `datasets` streaming.
@@ -103,8 +103,8 @@ The layers, for whoever adds a record kind: `parse_mix` (the JSON) -> `find_file
 source's files, by datasets) -> `load_text_source` (each file's Arrow table -> `_docstore_from_table`,
 which turns records into document text: `text_field` or `template`) -> one DocStore per source.
 Streamed sources: `open_streamed` -> records -> `record_text`. SFT records branch off in
-`_docstore_from_table` (`_sft_docstore`: text + response spans) and `dataio.loader.load_data`
-tokenizes them with their mask (`dataio.sft.tokenize_store`).
+`_docstore_from_table` (`_sft_docstore`: text + response spans) and `zerotrain.dataio.loader.load_data`
+tokenizes them with their mask (`zerotrain.dataio.sft.tokenize_store`).
 """
 from __future__ import annotations
 
@@ -117,8 +117,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.errors import DataError
-from dataio.sft import FORMATS, OVERFLOWS, ChatRenderer, is_sft, render_record
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.sft import FORMATS, OVERFLOWS, ChatRenderer, is_sft, render_record
 
 # The datasets builder that reads each data file format (.txt: our own reader, see _load_txt).
 BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".txt": "text", ".parquet": "parquet",
@@ -515,7 +515,7 @@ class DocStore:
     spans: tuple | None = None
     records: np.ndarray | None = None  # (n,) record number within its file, from 1
     record_file: np.ndarray | None = None  # (n,) index into `files`
-    # Tokenized (signed tokens, dataio.sft): records truncated / dropped for overflow (dataio.sft.fit).
+    # Tokenized (signed tokens, zerotrain.dataio.sft): records truncated / dropped for overflow (zerotrain.dataio.sft.fit).
     truncated: int = 0
     dropped: int = 0
 
@@ -794,7 +794,7 @@ def _docstore_from_table(spec: SourceSpec, table, file: str, renderer=None) -> D
 
 
 def _sft_docstore(spec: SourceSpec, table, file: str, bad: BadRecords, renderer: ChatRenderer) -> DocStore:
-    """One file's SFT records rendered (dataio.sft.render_record): their text in one in-memory chunk,
+    """One file's SFT records rendered (zerotrain.dataio.sft.render_record): their text in one in-memory chunk,
     their response spans, their record numbers. A bad record is named by its line in json lines."""
     texts, spans, numbers, n = [], [], [], 0
     for field in ((spec.prompt_field, spec.response_field) if spec.format == "sft" else (spec.messages_field,)):
@@ -1106,9 +1106,9 @@ def hub_location(name: str) -> str:
 def record_text(spec: SourceSpec, record: dict, on_bad) -> str | None:
     """The document text of one streamed record, or None (after on_bad) when it has none. An SFT
     record's rendered text (the plain chat template: for tokenizer training; training itself
-    renders streamed SFT records with dataio.sft.stream_block)."""
+    renders streamed SFT records with zerotrain.dataio.sft.stream_block)."""
     if is_sft(spec):
-        from dataio.sft import record_text as sft_text
+        from zerotrain.dataio.sft import record_text as sft_text
 
         return sft_text(spec, record, on_bad)
     if spec.template is not None:

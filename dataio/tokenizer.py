@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataio.errors import DataError
+from zerotrain.dataio.errors import DataError
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|begin_of_text|>")  # what `zerotrain tokenizer train` adds
 
@@ -27,7 +27,7 @@ class ByteTokenizer:
     """UTF-8 bytes 0..255, then BOS=256 and EOS=257. Needs nothing on disk."""
 
     name = "bytes"
-    chat_template = None  # SFT chats use the plain template (dataio.sft.plain_chat)
+    chat_template = None  # SFT chats use the plain template (zerotrain.dataio.sft.plain_chat)
     vocab_size = 258
     bos_id = 256
     eos_id = 257

@@ -9,5 +9,5 @@ def __getattr__(name: str):
     if name == "finetune":
         import importlib
 
-        return importlib.import_module("launcher.finetune")  # a module callable as finetune(...)
+        return importlib.import_module("zerotrain.launcher.finetune")  # a module callable as finetune(...)
     raise AttributeError(f"module 'launcher' has no attribute {name!r}")

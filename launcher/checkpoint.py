@@ -47,7 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from launcher.errors import CheckpointError, UsageError  # noqa: F401  (CheckpointError re-exported)
+from zerotrain.launcher.errors import CheckpointError, UsageError  # noqa: F401  (CheckpointError re-exported)
 
 MARKER = "zerotrain.json"
 TAG = re.compile(r"^global_step(\d+)$")

@@ -17,39 +17,44 @@
     zerotrain tokenizer train --data MIX.json --vocab-size N --out DIR       byte-level BPE, HF format
     zerotrain report RUN_DIR [--compare RUN_DIR2 ...]   plots + report.md in RUN_DIR/report/
     zerotrain runs [OUT]            the run directories under OUT (default runs): status, steps, losses
+    zerotrain --version             the installed version
+
+`python -m zerotrain ...` is the same command.
 """
 from __future__ import annotations
 
 import json
 import sys
 
-from launcher.errors import UsageError, fail
+from zerotrain.launcher.errors import UsageError, fail
 
 import importlib
+
+import zerotrain
 
 # command -> (module, function): each function takes the argument list and is also the Python API.
 # One line per command (litgpt's __main__.py habit); the usage text is this module's docstring.
 COMMANDS = {
-    "train": ("launcher.train", "main"),
-    "launch": ("launcher.launch", "launch_main"),
-    "slurm": ("launcher.launch", "slurm_main"),
-    "demo": ("launcher.demo", "main"),
-    "params": ("launcher.model_spec", "params_main"),
-    "plan": ("launcher.planner", "plan_main"),
-    "preflight": ("launcher.preflight", "main"),
-    "export": ("launcher.export", "main"),
-    "profiles": ("launcher.cli", "cmd_profiles"),
-    "prepare": ("dataio.commands", "prepare_main"),
-    "verify": ("dataio.commands", "verify_main"),
-    "data-bench": ("dataio.commands", "data_bench_main"),
-    "tokenizer": ("dataio.commands", "tokenizer_main"),
-    "report": ("launcher.report", "report_main"),
-    "runs": ("launcher.report", "runs_main"),
+    "train": ("zerotrain.launcher.train", "main"),
+    "launch": ("zerotrain.launcher.launch", "launch_main"),
+    "slurm": ("zerotrain.launcher.launch", "slurm_main"),
+    "demo": ("zerotrain.launcher.demo", "main"),
+    "params": ("zerotrain.launcher.model_spec", "params_main"),
+    "plan": ("zerotrain.launcher.planner", "plan_main"),
+    "preflight": ("zerotrain.launcher.preflight", "main"),
+    "export": ("zerotrain.launcher.export", "main"),
+    "profiles": ("zerotrain.launcher.cli", "cmd_profiles"),
+    "prepare": ("zerotrain.dataio.commands", "prepare_main"),
+    "verify": ("zerotrain.dataio.commands", "verify_main"),
+    "data-bench": ("zerotrain.dataio.commands", "data_bench_main"),
+    "tokenizer": ("zerotrain.dataio.commands", "tokenizer_main"),
+    "report": ("zerotrain.launcher.report", "report_main"),
+    "runs": ("zerotrain.launcher.report", "runs_main"),
 }
 
 
 def cmd_profiles(argv: list[str]) -> None:
-    from launcher.profiles import PROFILE_DIR, list_profiles
+    from zerotrain.launcher.profiles import PROFILE_DIR, list_profiles
 
     for name in list_profiles():
         prof = json.loads((PROFILE_DIR / f"{name}.json").read_text())
@@ -61,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
+        return
+    if argv[0] in ("-V", "--version"):
+        print(f"zerotrain {zerotrain.__version__}")
         return
     command, rest = argv[0], argv[1:]
     try:

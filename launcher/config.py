@@ -8,7 +8,7 @@ Every field carries metadata (litgpt / torchtitan habit): its `--help` text and 
   may change on resume and never changes the run id.
 `--help` is generated from this table. Flag names use dashes (`--seq-len`), recipe keys may use
 dashes or underscores. Unknown recipe keys are refused, never ignored. The batch triple is
-resolved later, against the profile and the world size (launcher.profiles.resolve_batch).
+resolved later, against the profile and the world size (zerotrain.launcher.profiles.resolve_batch).
 """
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from launcher.errors import UsageError, read_json_object
+from zerotrain import resource_dir
+from zerotrain.launcher.errors import UsageError, read_json_object
+
+RECIPE_DIR = resource_dir("zerotrain.recipes")
 
 IDENTITY, IDENTITY_WHEN_SET, RUN = "identity", "identity-when-set", "run"
 
@@ -31,7 +34,7 @@ def opt(default, help: str, kind: str = IDENTITY):
 @dataclass
 class RunConfig:
     profile: str = opt("cpu", "hardware profile: a name in ds_configs/, a JSON path, or auto")
-    model: str | None = opt(None, "a named preset (modeling.model.PRESETS); default debug when no other way to"
+    model: str | None = opt(None, "a named preset (zerotrain.modeling.model.PRESETS); default debug when no other way to"
                                   " pick the model is given (--depth, --scaling-rule, --init-from)")
     data: str | None = opt(None, "a mix JSON file (dataio/sources.py) or a prepared shard directory")
     tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json")
@@ -167,16 +170,16 @@ class RunConfig:
             raise UsageError("--golden-strict: needs --golden PATH (a golden.json from `zerotrain preflight --stage v3`)")
         if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
-        from launcher.optimizers import check_optimizer  # issue 11: normalised, so `adamw` keeps the default's id
+        from zerotrain.launcher.optimizers import check_optimizer  # issue 11: normalised, so `adamw` keeps the default's id
 
         self.optimizer, self.optimizer_args = check_optimizer(self.optimizer, self.optimizer_args)
-        from launcher.metrics import WANDB_RESERVED, parse_sinks  # issue 10: observability
+        from zerotrain.launcher.metrics import WANDB_RESERVED, parse_sinks  # issue 10: observability
 
         if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
             raise UsageError(f"--run-id {self.run_id!r}: --log wandb uses it as the W&B run id, which cannot"
                              f" contain any of {WANDB_RESERVED}")
         if self.golden is not None:  # issue 10: a golden file of another config is refused before anything is built
-            from launcher.preflight import GoldenCheck  # (last: it compares the normalised identity)
+            from zerotrain.launcher.preflight import GoldenCheck  # (last: it compares the normalised identity)
 
             GoldenCheck.load(self.golden, self)
 
@@ -246,10 +249,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recipe_file(spec: str) -> Path:
+    """A recipe file: a path, or the name of a shipped recipe (`zerotrain.recipes`, e.g. cpu-debug)."""
+    p = Path(spec)
+    if p.is_file():
+        return p
+    shipped = RECIPE_DIR / f"{spec}.json"
+    if "/" not in spec and not spec.endswith(".json") and shipped.is_file():
+        return shipped
+    known = ", ".join(sorted(q.stem for q in RECIPE_DIR.glob("*.json")))
+    raise UsageError(f"recipe {spec}: no such file (shipped recipes: {known})")
+
+
 def load_recipe(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"recipe {path}: no such file")
+    p = recipe_file(path)
     raw = read_json_object(p, f"recipe {path}")
     known = {f.name for f in fields(RunConfig)}
     recipe = {}
@@ -267,10 +280,10 @@ def config_from(values: dict) -> RunConfig:
     unknown = sorted(set(values) - known)
     if unknown:
         raise UsageError(f"unknown setting {unknown[0]!r} (see `zerotrain train --help`)")
-    from launcher.model_spec import rule_lr_defaults
+    from zerotrain.launcher.model_spec import rule_lr_defaults
 
     values = {**values, **rule_lr_defaults(values)}  # a scaling rule's lr law, when --lr is not given
-    from launcher.launch import profile_from_accelerate
+    from zerotrain.launcher.launch import profile_from_accelerate
 
     values = {**values, **profile_from_accelerate(values)}  # under accelerate, its deepspeed_config_file is the profile
     cfg = RunConfig(**values)

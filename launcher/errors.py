@@ -1,15 +1,15 @@
 """Errors and exit codes of the driver.
 
-The exception types live in `dataio.errors` (a module with no imports, so every package can use
-them); they are re-exported here. Exit codes are chosen only in `launcher.train.main()` and
-`launcher.cli.main()` from the table below (also in README.md, "Long runs").
+The exception types live in `zerotrain.dataio.errors` (a module with no imports, so every package can use
+them); they are re-exported here. Exit codes are chosen only in `zerotrain.launcher.train.main()` and
+`zerotrain.launcher.cli.main()` from the table below (also in README.md, "Long runs").
 """
 import json
 import os
 import sys
 from pathlib import Path
 
-from dataio.errors import DataError, UsageError, ZerotrainError  # noqa: F401  (re-exported)
+from zerotrain.dataio.errors import DataError, UsageError, ZerotrainError  # noqa: F401  (re-exported)
 
 # Exit status of `zerotrain train` / `launch`: a scheduler can tell every way a run ends apart.
 EXIT_OK = 0            # finished: --max-steps reached, or a "stop" data source ran out

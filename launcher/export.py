@@ -20,8 +20,8 @@ import json
 import shutil
 from pathlib import Path
 
-from launcher import checkpoint
-from launcher.errors import UsageError
+from zerotrain.launcher import checkpoint
+from zerotrain.launcher.errors import UsageError
 
 DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -107,10 +107,10 @@ def copy_tokenizer(name: str, out: Path, tokenizer) -> list[str]:
 def export(source: Path, out: Path, dtype: str = "float32", best: bool = False) -> dict:
     import torch
 
-    from dataio.errors import DataError
-    from dataio.tokenizer import load_tokenizer
-    from modeling import hf
-    from modeling.model import ModelArgs
+    from zerotrain.dataio.errors import DataError
+    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.model import ModelArgs
 
     tag_dir, run_dir = find_checkpoint(source, best)
     saved = run_dir / "config.json"

@@ -1,6 +1,6 @@
 """`finetune()`: train or fine-tune from a notebook cell (or any Python caller), in this process.
 
-    from launcher import finetune
+    from zerotrain.launcher import finetune
     result = finetune(model="hf/llama-dir" | "runs/RUN" | "debug", data="mix.json" | "docs.jsonl",
                       max_steps=200, lr=2e-5, seq_len=1024, micro_batch=4)
     result.run_dir, result.metrics          # the run directory, metrics.jsonl's records
@@ -19,13 +19,13 @@ underscores, same defaults except `profile="auto"`, same validation and error li
 - `launch=True, gpus=N`: the same job under the `deepspeed` launcher on N local ranks, as a
   subprocess whose output is streamed here; the recipe is written to RUN_DIR/recipe.json.
 
-Without `launch`, the run is a world of 1 in this process (launcher.trainer.run sets the
+Without `launch`, the run is a world of 1 in this process (zerotrain.launcher.trainer.run sets the
 distributed environment itself; a second call reuses the process group), so it can be called
 again with another model or data. Bad input raises one UsageError / DataError carrying the line
 the CLI prints; a run that diverges or cannot save raises RunFailed; nothing calls sys.exit.
 
 `from launcher import finetune` gives this module, which is callable as the function: a module
-and a function of the same name in one package cannot both be `launcher.finetune` (importing the
+and a function of the same name in one package cannot both be `zerotrain.launcher.finetune` (importing the
 module rebinds the package attribute to it), so the module answers the call itself.
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dataio.errors import UsageError, ZerotrainError
-from launcher.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE
+from zerotrain.dataio.errors import UsageError, ZerotrainError
+from zerotrain.launcher.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE
 
 DATA_FILE_SUFFIXES = (".jsonl", ".parquet", ".txt", ".arrow")
 FINETUNE_DEFAULTS = {"profile": "auto"}  # a notebook runs on whatever this machine has
@@ -69,13 +69,13 @@ class FinetuneResult:
 
     @property
     def metrics(self) -> list[dict]:
-        from launcher.metrics import read_metrics
+        from zerotrain.launcher.metrics import read_metrics
 
         return read_metrics(self.run_dir)
 
     def export(self, out: str | Path, dtype: str = "float32") -> Path:
         """The trained weights as a Hugging Face Llama directory (`zerotrain export`)."""
-        from launcher import export
+        from zerotrain.launcher import export
 
         if self.checkpoint is None:
             raise UsageError(f"export {self.run_dir}: the run has no complete checkpoint")
@@ -95,7 +95,7 @@ class FinetuneResult:
 def finetune(model: str | Path | None = None, data: str | Path | None = None, *, launch: bool = False,
              gpus: int | None = None, **flags) -> FinetuneResult:
     """Train `model` on `data` with the driver's flags as keyword arguments (see the module docstring)."""
-    from launcher.config import config_from
+    from zerotrain.launcher.config import config_from
 
     try:
         # None means "not given", as for a flag left out; paths may come as Path objects
@@ -114,7 +114,7 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
             return _launch(cfg, gpus)
         if gpus not in (None, 1):
             raise UsageError(f"gpus={gpus}: this process is one rank; more than one needs launch=True")
-        from launcher.trainer import run
+        from zerotrain.launcher.trainer import run
 
         result = run(cfg, hard_exit=False)  # a second interrupt must not kill the kernel
     except UsageError as e:  # DataError too: the CLI's one line, without the driver's stack under it
@@ -132,7 +132,7 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
 
 def model_values(model: str | Path, values: dict, out: Path) -> dict:
     """The flags `model=` stands for: {"model": preset} or {"init_from": HF dir[, "tokenizer": ...]}."""
-    from modeling.model import PRESETS
+    from zerotrain.modeling.model import PRESETS
 
     where = f"model {model}"
     path = Path(model).expanduser()
@@ -170,8 +170,8 @@ def _run_config(run_dir: Path) -> dict | None:
 
 def best_or_newest(run_dir: Path) -> tuple[Path, str]:
     """(checkpoint, why): the run's best checkpoint (checkpoints/best.json) if it is complete, else its newest."""
-    from launcher import checkpoint
-    from launcher.export import find_checkpoint
+    from zerotrain.launcher import checkpoint
+    from zerotrain.launcher.export import find_checkpoint
 
     best = checkpoint.read_best(run_dir / "checkpoints")
     if best is not None:
@@ -186,7 +186,7 @@ def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
     """A run's chosen checkpoint as a Hugging Face directory under OUT/.base-models (exported once),
     and the tokenizer to train with. The directory must outlive this call: every resume of the
     fine-tune re-reads --init-from, and its path is part of the fine-tune's run id."""
-    from launcher.export import export
+    from zerotrain.launcher.export import export
 
     saved = _run_config(run_dir)
     if saved is None:
@@ -249,7 +249,7 @@ def quiet_stderr():
 
 
 def _newest(run_dir) -> Path | None:
-    from launcher import checkpoint
+    from zerotrain.launcher import checkpoint
 
     done = checkpoint.complete_checkpoints(Path(run_dir) / "checkpoints")
     return done[-1] if done else None
@@ -259,8 +259,8 @@ def _newest(run_dir) -> Path | None:
 
 def _launch(cfg, gpus: int | None) -> FinetuneResult:
     """The same run under the deepspeed launcher on `gpus` local ranks; output streamed here."""
-    from launcher.launch import RANK_VARS, TRAIN_PY, deepspeed_exe, run_preserving_exit_code
-    from launcher.trainer import plan_run
+    from zerotrain.launcher.launch import RANK_VARS, TRAIN_MODULE, deepspeed_exe, run_preserving_exit_code
+    from zerotrain.launcher.trainer import plan_run
 
     if gpus is None:
         import torch
@@ -281,7 +281,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [deepspeed_exe(), "--num_gpus", str(gpus), "--master_port", str(port), str(TRAIN_PY),
+    cmd = [deepspeed_exe(), "--num_gpus", str(gpus), "--master_port", str(port), "--module", TRAIN_MODULE,
            "--config", str(recipe_path)]
     print(f"launching {gpus} rank(s): {' '.join(cmd)}", flush=True)
     tail = []
@@ -311,11 +311,11 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
 def load_model(source: str | Path, tokenizer: str | None = None):
     """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
     checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json)."""
-    from dataio.tokenizer import load_tokenizer
-    from launcher import checkpoint
-    from launcher.export import consolidated_state_dict, find_checkpoint
-    from modeling import hf
-    from modeling.model import ModelArgs, Transformer
+    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.launcher import checkpoint
+    from zerotrain.launcher.export import consolidated_state_dict, find_checkpoint
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.model import ModelArgs, Transformer
 
     source = Path(source)
     if (source / checkpoint.MARKER).is_file() or (source / "checkpoints").is_dir():

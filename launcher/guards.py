@@ -6,7 +6,7 @@ Everything here is plain Python with no process group: the Trainer does the coll
 objects values that every rank already agrees on, so every rank reaches the same decision at the
 same step. What must survive a resume has `state_dict()` / `load_state_dict()` (JSON-safe: it
 travels in DeepSpeed's `client_state`). A decision to stop is a `StopReason`; exit codes are
-chosen from it only in `main()` (the table is in `launcher.errors`).
+chosen from it only in `main()` (the table is in `zerotrain.launcher.errors`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
+from zerotrain.launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
                              EXIT_SIGNAL, EXIT_SIGNAL_HARD, UsageError)
 
 

@@ -30,9 +30,13 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launcher.errors import UsageError
+from zerotrain import __version__, resource_dir
+from zerotrain.launcher.errors import UsageError
 
-REPO = Path(__file__).resolve().parent.parent
+# What version_line() digests: the code and the shipped profiles, found the same way in a checkout
+# and in a wheel (package -> glob patterns inside it).
+CODE_FILES = {"zerotrain.launcher": ("**/*.py",), "zerotrain.modeling": ("**/*.py", "*.yaml"),
+              "zerotrain.dataio": ("**/*.py",), "zerotrain.ds_configs": ("*.json",)}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # DeepSpeed's PDSH runner wraps a value in double quotes only; these would break out of them.
 _UNSAFE_VALUE = re.compile(r'["$`\\\n\r]')
@@ -193,22 +197,18 @@ def version_line() -> str:
     """'zerotrain 0.1.0 (code 1a2b3c4d5e6f)': the version and a digest of the code and profiles,
     so two checkouts of the same version with different edits are told apart."""
     digest = hashlib.sha256()
-    for pattern in ("launcher/**/*.py", "modeling/**/*.py", "modeling/*.yaml", "dataio/**/*.py", "ds_configs/*.json"):
-        for path in sorted(REPO.glob(pattern)):
-            digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    try:
-        from importlib.metadata import version
-
-        v = version("zerotrain")
-    except Exception:  # not installed (a bare checkout): the code digest still identifies it
-        v = "unknown"
-    return f"zerotrain {v} (code {digest.hexdigest()[:12]})"
+    for package, patterns in CODE_FILES.items():
+        root = resource_dir(package)
+        for path in sorted(p for pattern in patterns for p in root.glob(pattern)):
+            name = f"{package}/{path.relative_to(root).as_posix()}"
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"zerotrain {__version__} (code {digest.hexdigest()[:12]})"
 
 
 def remote_version_command(cwd: Path) -> str:
     """What DeepSpeed's ssh launcher runs on each node, reduced to printing version_line()."""
     return (f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -c "
-            + shlex.quote("from launcher.hostfile import version_line; print(version_line())"))
+            + shlex.quote("from zerotrain.launcher.hostfile import version_line; print(version_line())"))
 
 
 def check_hosts(hosts: list[str], ssh_port: int | None = None, cwd: Path | None = None, timeout: float = 30) -> None:

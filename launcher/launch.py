@@ -33,12 +33,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from launcher.errors import EXIT_SIGNAL, UsageError
+from zerotrain import resource_dir
+from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN_PY = Path(__file__).resolve().parent / "train.py"
-SBATCH_TEMPLATE = Path(__file__).resolve().parent / "slurm" / "train.sbatch"
-# Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (launcher.trainer
+# The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
+# launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
+# puts a folder of ours first on sys.path (running launcher/train.py as a script does; it is kept
+# for users who type it).
+TRAIN_MODULE = "zerotrain.launcher.train"
+SBATCH_TEMPLATE = resource_dir("zerotrain.launcher", "slurm", "train.sbatch")
+# Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (zerotrain.launcher.trainer
 # single_process_env) and must not hand them to the ranks of a launch it starts.
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 USAGE = ("usage: zerotrain launch -n N [train flags]\n"
@@ -50,7 +54,7 @@ def deepspeed_exe() -> str:
 
 
 def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
-    return [deepspeed_exe(), "--num_gpus", str(nproc), str(TRAIN_PY), *train_args]
+    return [deepspeed_exe(), "--num_gpus", str(nproc), "--module", TRAIN_MODULE, *train_args]
 
 
 def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None) -> int:
@@ -138,9 +142,9 @@ def launch_main(argv: list[str]) -> None:
         if nproc < 1:
             raise UsageError(f"launch -n {nproc}: must be at least 1")
         # The profile's zerotrain.env (NCCL settings, PYTORCH_CUDA_ALLOC_CONF, ...) applies here too.
-        from launcher.config import resolve_config
-        from launcher.hostfile import rank_env
-        from launcher.profiles import load_profile
+        from zerotrain.launcher.config import resolve_config
+        from zerotrain.launcher.hostfile import rank_env
+        from zerotrain.launcher.profiles import load_profile
 
         cfg = resolve_config(argv[2:])  # bad train flags: one line before anything starts
         profile_env = {}
@@ -159,7 +163,7 @@ def launch_main(argv: list[str]) -> None:
         if plan.env_file is not None:
             # DS_ENV_FILE is joined to ~ and . by the runner; an absolute path makes both this file.
             path = Path(tmp) / ".deepspeed_env"
-            from launcher.hostfile import write_deepspeed_env
+            from zerotrain.launcher.hostfile import write_deepspeed_env
 
             write_deepspeed_env(path, plan.env_file)
             env["DS_ENV_FILE"] = str(path)
@@ -185,7 +189,7 @@ def deepspeed_args(flags: list[str]) -> argparse.Namespace:
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return parse_args(flags + [str(TRAIN_PY)])
+            return parse_args(flags + [TRAIN_MODULE])
     except SystemExit:
         why = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
         raise UsageError("launch: deepspeed flags: "
@@ -194,9 +198,9 @@ def deepspeed_args(flags: list[str]) -> argparse.Namespace:
 
 def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> HostfileLaunch:
     """Every check of `zerotrain launch --hostfile`, in order; raises a one-line UsageError."""
-    from launcher import hostfile
-    from launcher.config import resolve_config
-    from launcher.profiles import load_profile
+    from zerotrain.launcher import hostfile
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.profiles import load_profile
 
     if "--" not in argv:
         raise UsageError("launch --hostfile: put the train flags after -- (zerotrain launch --hostfile H"
@@ -237,7 +241,7 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
     if ssh_mode and passed and ds.log_level in ("debug", "info") and not any(a.startswith("--log_level") for a in ours):
         # The runner logs its whole pdsh command, exports (secrets) included, at info level.
         extra = ["--log_level=warning"]
-    cmd = [deepspeed_exe(), *ds_flags, *extra, str(TRAIN_PY), *train_args]
+    cmd = [deepspeed_exe(), *ds_flags, *extra, "--module", TRAIN_MODULE, *train_args]
     if ssh_mode:
         return HostfileLaunch(cmd, {}, env, messages)
     return HostfileLaunch(cmd, env, None, messages)
@@ -253,7 +257,7 @@ def profile_from_accelerate(values: dict, environ=None) -> dict:
     Returns the values to override ({"profile": NAME} for a file in ds_configs/, so the run id is
     the one `--profile NAME` gives; else the file's absolute path), or {} outside accelerate.
     """
-    from launcher.profiles import PROFILE_DIR
+    from zerotrain.launcher.profiles import PROFILE_DIR
 
     environ = os.environ if environ is None else environ
     path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -316,7 +320,7 @@ def render_sbatch(ns: argparse.Namespace, train_args: list[str], workdir: Path) 
     values = {
         "JOB_NAME": ns.job_name, "NODES": str(ns.nodes), "TIME": ns.time, "SIGNAL_SECONDS": str(ns.signal_seconds),
         "OUTPUT": str(workdir / "%x-%j.out"), "EXTRA_SBATCH": "\n".join(extra),
-        "PYTHON": q(ns.python), "REPO": q(str(REPO)), "CWD": q(str(Path.cwd())), "WORKDIR": q(str(workdir)),
+        "PYTHON": q(ns.python), "CWD": q(str(Path.cwd())), "WORKDIR": q(str(workdir)),
         "GPUS_PER_NODE": str(ns.gpus_per_node), "MASTER_PORT": str(ns.master_port),
         "MAX_REQUEUES": str(ns.max_requeues), "EXIT_SIGNAL": str(EXIT_SIGNAL),
         "LAUNCH_ARGS": " ".join(["--force"] if ns.force else []),
@@ -333,7 +337,7 @@ def node_commands(ns: argparse.Namespace, train_args: list[str], workdir: Path, 
     """The command each node's srun task runs (what the script's srun line expands to)."""
     cmds = []
     for rank, _ in enumerate(hosts):
-        argv = [ns.python, "-m", "launcher.cli", "launch", "--hostfile", f"{job_dir}/hostfile", "--no_ssh",
+        argv = [ns.python, "-m", "zerotrain", "launch", "--hostfile", f"{job_dir}/hostfile", "--no_ssh",
                 "--node_rank", str(rank), "--master_addr", hosts[0], "--master_port", str(ns.master_port),
                 *(["--force"] if ns.force else []), "--", *train_args, "--resume", "auto"]
         cmds.append(f"ZEROTRAIN_EXIT_FILE={job_dir}/exit.{rank} " + shlex.join(argv))
@@ -341,9 +345,9 @@ def node_commands(ns: argparse.Namespace, train_args: list[str], workdir: Path, 
 
 
 def slurm_main(argv: list[str]) -> None:
-    from launcher import hostfile
-    from launcher.config import resolve_config
-    from launcher.profiles import load_profile
+    from zerotrain.launcher import hostfile
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.profiles import load_profile
 
     i = argv.index("--") if "--" in argv else len(argv)
     ns, train_args = slurm_parser().parse_args(argv[:i]), argv[i + 1:]

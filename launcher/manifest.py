@@ -19,7 +19,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from launcher.guards import StopReason
+from zerotrain.launcher.guards import StopReason
 
 MANIFEST = "manifest.json"
 FORMAT = 1

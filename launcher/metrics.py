@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from launcher.errors import UsageError
+from zerotrain.launcher.errors import UsageError
 
 SINKS = ("jsonl", "tensorboard", "wandb")
 SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # sink -> the package it imports

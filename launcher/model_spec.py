@@ -1,8 +1,8 @@
 """Which model a run trains, from the flags: exactly one of
 
-    --model NAME                         a named preset (modeling.model.PRESETS; the default, debug)
+    --model NAME                         a named preset (zerotrain.modeling.model.PRESETS; the default, debug)
     --depth D [--aspect-ratio A] [--head-dim H]
-                                         the depth rule (modeling.sizes.depth_args)
+                                         the depth rule (zerotrain.modeling.sizes.depth_args)
     --scaling-rule NAME --heads H [--rules-file YAML]
                                          a heads-based rule (modeling/scaling_rules.yaml)
     --init-from HF_DIR                   a Hugging Face Llama directory: its config.json is the
@@ -13,7 +13,7 @@ model or writes a file; a problem is a UsageError naming the flag.
 """
 from __future__ import annotations
 
-from launcher.errors import UsageError
+from zerotrain.launcher.errors import UsageError
 
 DEPTH_ONLY = ("aspect_ratio", "head_dim")
 
@@ -28,8 +28,8 @@ def _given(cfg, names) -> list[str]:
 
 def resolve(cfg, vocab_size: int) -> tuple:
     """(ModelArgs, label for the run id, HF directory to load weights from or None)."""
-    from modeling import hf, sizes
-    from modeling.model import preset
+    from zerotrain.modeling import hf, sizes
+    from zerotrain.modeling.model import preset
 
     sources = _given(cfg, ("depth", "scaling_rule", "init_from"))
     if len(sources) > 1:
@@ -102,7 +102,7 @@ def rule_lr_defaults(values: dict) -> dict:
     """
     if values.get("lr") is not None:
         return {}
-    from launcher import optimizers
+    from zerotrain.launcher import optimizers
 
     optimizer = values.get("optimizer")
     if optimizer is not None and not isinstance(optimizer, str):
@@ -118,8 +118,8 @@ def rule_lr_defaults(values: dict) -> dict:
 def _rule_lr(values: dict, law_names: list[str]) -> float | None:
     if not values.get("scaling_rule") or values.get("heads") is None:
         return None
-    from modeling import sizes
-    from modeling.model import count_params
+    from zerotrain.modeling import sizes
+    from zerotrain.modeling.model import count_params
 
     try:
         rule = sizes.get_rule(values["scaling_rule"], values.get("rules_file") or sizes.RULES_FILE)
@@ -133,7 +133,7 @@ def _rule_lr(values: dict, law_names: list[str]) -> float | None:
 def _params_parser():
     import argparse
 
-    from modeling import sizes
+    from zerotrain.modeling import sizes
 
     class Parser(argparse.ArgumentParser):
         def error(self, message):
@@ -159,9 +159,9 @@ def _params_laws(ns, rule) -> tuple[list[str], float | None]:
     """(law names to look up in the rule, the lr where there is no law) for `params --optimizer`."""
     if ns.optimizer is None:
         return ["adamw"], None  # AdamW's law, and "-" where there is none
-    from launcher import optimizers
-    from launcher.config import RunConfig
-    from modeling import sizes
+    from zerotrain.launcher import optimizers
+    from zerotrain.launcher.config import RunConfig
+    from zerotrain.modeling import sizes
 
     name = ns.optimizer
     law_only = rule is not None and name in sizes.rule_laws(rule)  # e.g. `adana`, a user class's law
@@ -174,8 +174,8 @@ def _params_laws(ns, rule) -> tuple[list[str], float | None]:
 
 def _params_rows(ns, rule, laws, fallback_lr) -> list[tuple]:
     """(label, ModelArgs, lr or None) for every preset, depth and rule size asked for."""
-    from modeling import sizes
-    from modeling.model import PRESETS, count_params, preset
+    from zerotrain.modeling import sizes
+    from zerotrain.modeling.model import PRESETS, count_params, preset
 
     common = dict(vocab_size=ns.vocab_size, **({"qk_norm": True} if ns.qk_norm else {}))
     rows = []
@@ -202,8 +202,8 @@ def _params_rows(ns, rule, laws, fallback_lr) -> list[tuple]:
 
 def params_main(argv: list[str]) -> None:
     """`zerotrain params`: sizes, parameter counts and training FLOPs per token."""
-    from modeling import sizes
-    from modeling.model import count_params, flops_per_token
+    from zerotrain.modeling import sizes
+    from zerotrain.modeling.model import count_params, flops_per_token
 
     ns = _params_parser().parse_args(argv)
     if ns.heads and not ns.scaling_rule:

@@ -15,7 +15,7 @@ Where it is used, in order:
 - `check_optimizer(name, args)` from RunConfig.validate(): names, imports, argument names and
   values, as one-line UsageErrors before anything is written. Normalises `args` to a dict and
   `adamw` without arguments to None, so spelling the default out keeps the default's run id.
-- `resolve_ds_optimizer(ds, cfg, where)` from launcher.profiles.resolve_ds_config (plan time):
+- `resolve_ds_optimizer(ds, cfg, where)` from zerotrain.launcher.profiles.resolve_ds_config (plan time):
   writes the exact "optimizer" section (or removes it for a client optimizer and sets
   `zero_allow_untested_optimizer`), and refuses a ZeRO stage the optimizer does not support.
 - `prepare_optimizer(cfg, ds_config, model)` in Trainer._build_engine, then after
@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from launcher.errors import UsageError
+from zerotrain.launcher.errors import UsageError
 
 DEFAULT = "adamw"
 MUON_MIN_DEEPSPEED = "0.19.8"  # the release verified here; see the module docstring for what was wrong before
@@ -159,7 +159,7 @@ def _muon_configure(ds, hp, cfg):
 def _lion_client(params, hp, cfg):
     from deepspeed.accelerator import get_accelerator
 
-    from launcher.client_optimizers import sign_zero_safe
+    from zerotrain.launcher.client_optimizers import sign_zero_safe
 
     if get_accelerator().device_name() == "cpu":
         # FusedLion is a CUDA kernel ("not implemented on CPU backend"): DeepSpeed's CPU Lion, the
@@ -178,14 +178,14 @@ def _client_configure(ds, hp, cfg):
 
 
 def _decaying_wd_client(params, hp, cfg):
-    from launcher.client_optimizers import AdamWDecayingWD
+    from zerotrain.launcher.client_optimizers import AdamWDecayingWD
 
     timescale = hp["wd_timescale"] if hp["wd_timescale"] is not None else max(1, cfg.max_steps // 10)
     return AdamWDecayingWD(params, lr=cfg.lr, **{**hp, "wd_timescale": timescale})
 
 
 def _ademamix_client(params, hp, cfg):
-    from launcher.client_optimizers import AdEMAMix
+    from zerotrain.launcher.client_optimizers import AdEMAMix
 
     warmup = hp["warmup_steps"] if hp["warmup_steps"] is not None else cfg.max_steps
     return AdEMAMix(params, lr=cfg.lr, **{**hp, "warmup_steps": warmup})

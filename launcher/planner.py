@@ -4,7 +4,7 @@ driver's fit check (`fit_check`), which refuses a config that cannot fit before 
     zerotrain plan [driver flags] [--gpus N --gpu-mem GiB --nodes M] [--zero S] [--mfu F] [--json]
 
 One source of truth with the model: parameters and training FLOPs per token come from
-`modeling.model.count_params` / `flops_per_token`; the batch from `launcher.profiles.resolve_batch`.
+`zerotrain.modeling.model.count_params` / `flops_per_token`; the batch from `zerotrain.launcher.profiles.resolve_batch`.
 
 Memory per rank = model states + ZeRO buffers + activations + context, plus a fragmentation allowance:
 
@@ -44,7 +44,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
-from launcher.errors import UsageError
+from zerotrain.launcher.errors import UsageError
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1.0 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers per GPU process
@@ -70,7 +70,7 @@ def largest_layer(args) -> int:
 def optimizer_state_bytes(optimizer: str | None, args) -> float:
     """Bytes of optimizer state per parameter (Adam's 8 in DeepSpeed's formula)."""
     if optimizer == "muon":  # momentum (4) on 2-D block weights, AdamW (8) on embeddings, head, norms
-        from modeling.model import count_params
+        from zerotrain.modeling.model import count_params
 
         total = count_params(args)["total"]
         norms = args.n_layers * 2 * args.dim + args.dim
@@ -220,7 +220,7 @@ class Setup:
 
 def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool) -> dict:
     """Per-rank bytes by component for one ZeRO stage (0-3 or an offload variant)."""
-    from modeling.model import count_params
+    from zerotrain.modeling.model import count_params
 
     P = count_params(args)["total"]
     states = model_states_bytes(stage, P, largest_layer(args), setup.gpus_per_node, setup.nodes, setup.mixed,
@@ -300,7 +300,7 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
               max_hours: float | None = None, budget_usd: float | None = None, gpu_hour_usd: float | None = None,
               max_steps: int | None = None) -> dict:
     """Everything `zerotrain plan` prints, as one JSON-ready dict (keys documented in README "Planning")."""
-    from modeling.model import count_params, flops_per_token
+    from zerotrain.modeling.model import count_params, flops_per_token
 
     counts = count_params(args)
     fpt = flops_per_token(args, seq_len)
@@ -478,9 +478,9 @@ def plan_main(argv: list[str]) -> dict:
     """`zerotrain plan`: the driver's flags plus hardware and budget; prints the table (or --json)."""
     from dataclasses import fields
 
-    from launcher import model_spec
-    from launcher.config import RunConfig, build_parser
-    from launcher.profiles import load_profile, resolve_batch
+    from zerotrain.launcher import model_spec
+    from zerotrain.launcher.config import RunConfig, build_parser
+    from zerotrain.launcher.profiles import load_profile, resolve_batch
 
     p = build_parser()
     p.prog, p.description = "zerotrain plan", "Memory per GPU, time and money of a run, before it starts."
@@ -506,7 +506,7 @@ def plan_main(argv: list[str]) -> dict:
         raise UsageError(f"--mfu: must be a fraction in (0, 1], got {ns.mfu}")
     if ns.zero is not None and ns.zero not in STAGES:
         raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
-    from launcher.config import load_recipe
+    from zerotrain.launcher.config import load_recipe
 
     values = load_recipe(ns.config) if ns.config else {}
     values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
@@ -523,7 +523,7 @@ def plan_main(argv: list[str]) -> dict:
     if ns.vocab_size is not None:
         vocab = ns.vocab_size
     else:
-        from dataio.tokenizer import load_tokenizer
+        from zerotrain.dataio.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(cfg.tokenizer).vocab_size
     args, _, _ = model_spec.resolve(cfg, vocab)
@@ -574,7 +574,7 @@ def fit_check(cfg, model_args, ds_config: dict, zt: dict, world: int) -> dict:
     hardware = {**zt.get("hardware", {}), "accelerator": accel}
     setup = setup_from(ds_config, {**zt, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
                        device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args)
-    from modeling import model as modeling_model
+    from zerotrain.modeling import model as modeling_model
 
     setup = replace(setup, flash_attn=modeling_model.flash_attn_varlen_func is not None)  # what this node will run
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)

@@ -15,7 +15,7 @@ changed (steps, out, run id, resume; no mirror, no sinks, no budgets): nothing o
 checkpoints or metrics is touched. The driver's own output goes to RUN_DIR/preflight/<stage>.log.
 
 v1 stability   backend on every rank; all-reduce and all-gather values; the data (prepared shards:
-               every checksum, `dataio.shards.verify`; a mix: every local source read, the first
+               every checksum, `zerotrain.dataio.shards.verify`; a mix: every local source read, the first
                record of a streamed one); the model and engine build; one training step; one
                checkpoint written and verified against its marker; read back into a fresh engine
                and compared tensor by tensor (sha256 of every parameter and optimizer-state tensor
@@ -61,10 +61,10 @@ import time
 import traceback
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script under a launcher: make the repo importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, "") and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]  # run as a script: import the installed `zerotrain`, not this folder's modules (train.py)
 
-from launcher.errors import EXIT_USAGE, UsageError, ZerotrainError, fail, read_json_object  # noqa: E402
+from zerotrain.launcher.errors import EXIT_USAGE, UsageError, ZerotrainError, fail, read_json_object  # noqa: E402
 
 STAGES = {"v1": "stability", "v2": "throughput", "v3": "dress rehearsal"}
 EXIT_FAILED = 9  # a pre-flight check failed (2: bad input before any check ran)
@@ -140,7 +140,7 @@ def window_figures(records: dict[int, dict], step: int, window: int) -> dict | N
 
 
 def make_golden(records: list[dict], cfg, world: int, profile: str, device: str, n_steps: int) -> dict:
-    """golden.json's content from a rehearsal's metrics (launcher.metrics.read_metrics)."""
+    """golden.json's content from a rehearsal's metrics (zerotrain.launcher.metrics.read_metrics)."""
     by_step = {r["step"]: r for r in records}
     steps, window = golden_steps(n_steps)
     points = [f for f in (window_figures(by_step, s, window) for s in steps) if f is not None]
@@ -247,7 +247,7 @@ def device_description() -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(pre-flight's own options, the train flags)."""
-    from launcher.config import _OneLineParser
+    from zerotrain.launcher.config import _OneLineParser
 
     p = _OneLineParser(prog="zerotrain preflight", allow_abbrev=False,
                        description="Staged checks before a long run (README \"Pre-flight\").",
@@ -286,9 +286,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def run_dir_of(cfg) -> tuple[Path, str, dict]:
     """(the real run's directory, profile name, profile) exactly as plan_run names it, without
     reading data or checkpoints."""
-    from dataio.tokenizer import load_tokenizer
-    from launcher import model_spec
-    from launcher.profiles import detect_profile, load_profile
+    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.launcher import model_spec
+    from zerotrain.launcher.profiles import detect_profile, load_profile
 
     spec = cfg.profile if cfg.profile != "auto" else detect_profile()[0]
     name, profile = load_profile(spec)
@@ -389,7 +389,7 @@ class Preflight:
         self.locked = False
 
     def run(self) -> int:
-        from launcher.trainer import report_exit, single_process_env
+        from zerotrain.launcher.trainer import report_exit, single_process_env
 
         single_process_env()
         self.world, self.rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -513,7 +513,7 @@ class Preflight:
     def plan(self, cfg):
         """plan_run on every rank, its refusal agreed: a rank that stopped here while the others went on to
         build an engine would leave them waiting in its collectives."""
-        from launcher.trainer import plan_run
+        from zerotrain.launcher.trainer import plan_run
 
         try:
             plan, error = plan_run(cfg, self.world, self.rank), None
@@ -561,7 +561,7 @@ class Preflight:
 
     def take_lock(self) -> None:
         """One pre-flight per run directory at a time (it wipes its scratch directories)."""
-        from launcher import checkpoint
+        from zerotrain.launcher import checkpoint
 
         verdict = [None]
         if self.is_main:
@@ -588,7 +588,7 @@ class Preflight:
         return dataclasses.replace(self.cfg, **{**base, **changes})
 
     def build(self, plan):
-        from launcher.trainer import Trainer
+        from zerotrain.launcher.trainer import Trainer
 
         trainer = Trainer(plan)
         trainer.loader = _slowed(trainer.loader)
@@ -625,7 +625,7 @@ class Preflight:
 
     def records(self, name: str) -> tuple[list[dict], list[dict]]:
         """(step records, events) of scratch run `name`, as rank 0 wrote them."""
-        from launcher.metrics import read_metrics
+        from zerotrain.launcher.metrics import read_metrics
 
         run = self.root / "scratch" / name
         return self.from_main(lambda: (read_metrics(run), read_metrics(run, events=True)))
@@ -703,10 +703,10 @@ class Preflight:
 
     def c_data(self):
         """The data read the way training reads it, on every rank (nodes may have their own disks)."""
-        from dataio import shards
-        from dataio.loader import open_data
-        from dataio.sources import load_text_source, open_streamed, record_text
-        from dataio.tokenizer import load_tokenizer
+        from zerotrain.dataio import shards
+        from zerotrain.dataio.loader import open_data
+        from zerotrain.dataio.sources import load_text_source, open_streamed, record_text
+        from zerotrain.dataio.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self.cfg.tokenizer)
         parts = []
@@ -745,7 +745,7 @@ class Preflight:
             {"loss": r["loss"], "seconds": r["step_s"]}
 
     def c_write(self):
-        from launcher import checkpoint
+        from zerotrain.launcher import checkpoint
 
         t0, tag = time.time(), self.a.last_saved
         if tag is None:
@@ -765,7 +765,7 @@ class Preflight:
 
     def c_readback(self):
         """A fresh engine resumed from the checkpoint holds what the first one wrote, tensor by tensor."""
-        from launcher import checkpoint
+        from zerotrain.launcher import checkpoint
 
         a = self.a
         written, loader_state, counters, tag = state_digests(a.engine), a.loader.state_dict(), \
@@ -797,8 +797,8 @@ class Preflight:
         return not problems, "; ".join(problems) or same, {"tensors": len(written), "optimizer_tensors": optimizer}
 
     def c_eval(self):
-        from dataio.holdout import mix_rows
-        from launcher.evaluate import Evaluator
+        from zerotrain.dataio.holdout import mix_rows
+        from zerotrain.launcher.evaluate import Evaluator
 
         b = self.b
         evaluator, what = b.evaluator, "the run's eval rows"
@@ -858,7 +858,7 @@ class Preflight:
         """(the planner's bytes per rank, or its refusal) for a candidate; (None, None) without a planner
         or with --no-fit-check (then every candidate runs)."""
         try:
-            from launcher.planner import fit_check
+            from zerotrain.launcher.planner import fit_check
         except ImportError:
             return None, None
         if getattr(self.cfg, "fit_check", None) is False:
@@ -872,7 +872,7 @@ class Preflight:
     def device_bytes(self) -> float | None:
         """Memory one rank may use: the planner's view of this device (GPU memory, or RAM / local ranks)."""
         try:
-            from launcher.planner import device_memory_here
+            from zerotrain.launcher.planner import device_memory_here
 
             return device_memory_here(self.zt.get("hardware", {}).get("accelerator", "cuda"),
                                       int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))[0]
@@ -880,7 +880,7 @@ class Preflight:
             return None
 
     def c_sweep(self):
-        from launcher.profiles import resolve_ds_config
+        from zerotrain.launcher.profiles import resolve_ds_config
 
         micro = self.base.ds_config["train_micro_batch_size_per_gpu"]
         limit = self.from_main(self.device_bytes)  # RAM available differs between ranks' moments: rank 0's
@@ -951,7 +951,7 @@ class Preflight:
                 "memory": "max_memory_allocated" if gpu else "peak RSS"}
 
     def c_loader(self, mine):
-        from dataio.loader import Batches
+        from zerotrain.dataio.loader import Batches
 
         base, cfg = self.base, self.base.cfg
         loader = _slowed(Batches(base.data, self.rank, self.world, cfg.seed, cfg.seq_len,
@@ -1054,7 +1054,7 @@ def _write_json(path: Path, obj: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    from launcher.config import resolve_config
+    from zerotrain.launcher.config import resolve_config
 
     argv = sys.argv[1:] if argv is None else argv
     try:

@@ -11,9 +11,10 @@ import copy
 import json
 from pathlib import Path
 
-from launcher.errors import UsageError, read_json_object
+from zerotrain import resource_dir
+from zerotrain.launcher.errors import UsageError, read_json_object
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+PROFILE_DIR = resource_dir("zerotrain.ds_configs")  # the shipped profiles (package data)
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
@@ -124,14 +125,14 @@ def resolve_batch(profile: dict, micro: int | None, accum: int | None, global_to
 def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     """The exact dict for deepspeed.initialize: batch numbers and the optimizer (launcher/optimizers.py) filled in.
 
-    The LR schedule is not in it: it is launcher.schedule's, handed to deepspeed.initialize.
+    The LR schedule is not in it: it is zerotrain.launcher.schedule's, handed to deepspeed.initialize.
     """
     ds = copy.deepcopy(profile)
     ds.pop("zerotrain", None)
     micro, accum, train = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens,
                                         cfg.seq_len, world, where)
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
-    from launcher.optimizers import resolve_ds_optimizer
+    from zerotrain.launcher.optimizers import resolve_ds_optimizer
 
     ds = resolve_ds_optimizer(ds, cfg, where)  # --optimizer: the section DeepSpeed builds, or none for a client one
     ds.pop("scheduler", None)

@@ -18,11 +18,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher import checkpoint
-from launcher.config import _OneLineParser
-from launcher.errors import UsageError
-from launcher.manifest import read_manifest
-from launcher.metrics import read_metrics
+from zerotrain.launcher import checkpoint
+from zerotrain.launcher.config import _OneLineParser
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.manifest import read_manifest
+from zerotrain.launcher.metrics import read_metrics
 
 RUN_FILES = ("metrics.jsonl", "config.json", "manifest.json")  # any one of them makes a run directory
 # end reasons (launcher/guards.py STOP_KINDS) -> status; any other reason is "stopped (reason)"

@@ -11,15 +11,18 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo importable without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, "") and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    # Run as a script (`deepspeed launcher/train.py`): Python put this folder first on sys.path, which
+    # would make our module names (config, errors, schedule, ...) shadow other packages' top-level
+    # imports. The code is imported from the installed `zerotrain` package instead.
+    del sys.path[0]
 
-from launcher.errors import EXIT_USAGE, UsageError, fail  # noqa: E402
+from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    from launcher.config import resolve_config
-    from launcher.trainer import QuietExit, run
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.trainer import QuietExit, run
 
     code = 0
     try:

@@ -29,12 +29,12 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dataio.errors import DataError
-from launcher import checkpoint
-from launcher.config import RunConfig, config_from
-from launcher.guards import _hms
-from launcher.metrics import step_measurements
-from launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
+from zerotrain.dataio.errors import DataError
+from zerotrain.launcher import checkpoint
+from zerotrain.launcher.config import RunConfig, config_from
+from zerotrain.launcher.guards import _hms
+from zerotrain.launcher.metrics import step_measurements
+from zerotrain.launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
                              EXIT_SIGNAL, CheckpointError, UsageError)
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
@@ -65,7 +65,7 @@ class RunPlan:
     profile_why: str | None
     ds_config: dict
     zt: dict  # the profile's "zerotrain" section
-    data: object  # dataio.loader.Data, loaded and checked
+    data: object  # zerotrain.dataio.loader.Data, loaded and checked
     eval_rows: dict | None  # per source, the packed rows every evaluation runs (dataio/holdout.py)
     loader_settings: dict
     tokenizer: object
@@ -76,7 +76,7 @@ class RunPlan:
     resume_from: Path | None
     resume_meta: dict | None = None
     warnings: tuple[str, ...] = ()
-    golden: object | None = None  # --golden: a launcher.preflight.GoldenCheck (issue 10)
+    golden: object | None = None  # --golden: a zerotrain.launcher.preflight.GoldenCheck (issue 10)
 
     @property
     def ckpt_dir(self) -> Path:
@@ -102,7 +102,7 @@ class RunResult:
 
     @property
     def metrics(self) -> list[dict]:
-        from launcher.metrics import read_metrics
+        from zerotrain.launcher.metrics import read_metrics
 
         return read_metrics(self.run_dir)
 
@@ -125,11 +125,11 @@ class QuietExit(Exception):
 
 def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     """Everything decided before any process touches disk or builds a model. Raises UsageError/DataError."""
-    from dataio.loader import dataloader_settings, open_data
-    from dataio.packing import check_packing
-    from dataio.tokenizer import load_tokenizer
-    from launcher import model_spec
-    from launcher.profiles import detect_profile, load_profile, resolve_ds_config
+    from zerotrain.dataio.loader import dataloader_settings, open_data
+    from zerotrain.dataio.packing import check_packing
+    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.launcher import model_spec
+    from zerotrain.launcher.profiles import detect_profile, load_profile, resolve_ds_config
 
     why = None
     profile_spec = cfg.profile
@@ -144,7 +144,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
-        from launcher.planner import fit_check
+        from zerotrain.launcher.planner import fit_check
 
         fit_check(cfg, model_args, ds_config, zt, world)
 
@@ -176,10 +176,10 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
             raise UsageError(f"config drift against {saved}: " + ", ".join(drift) + "; start a new --run-id instead")
     golden = None
     if cfg.golden:  # --golden (issue 10): a golden file of another config or world size is refused here
-        from launcher.preflight import GoldenCheck
+        from zerotrain.launcher.preflight import GoldenCheck
 
         golden = GoldenCheck.load(cfg.golden, cfg, world)
-    from launcher.guards import Budget
+    from zerotrain.launcher.guards import Budget
 
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
         ds_config["train_batch_size"] * cfg.seq_len)
@@ -210,8 +210,8 @@ def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Pa
 def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, saved_run: dict | None):
     """Reads every source / verifies every shard, cuts pieces, holds out eval documents: bad data stops
     here, identically on every rank. Returns (data, eval rows or None)."""
-    from dataio.loader import load_data, open_data
-    from dataio.sources import default_piece_len
+    from zerotrain.dataio.loader import load_data, open_data
+    from zerotrain.dataio.sources import default_piece_len
 
     piece_len = cfg.piece_len or default_piece_len(cfg.seq_len)
     if saved_run is not None and "piece_len" not in saved_run:
@@ -221,7 +221,7 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
     data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.seq_len, verify=cfg.verify_data or "quick")
     if not cfg.eval_every_steps:
         return data, None
-    from dataio.holdout import holdout_rows, mix_rows
+    from zerotrain.dataio.holdout import holdout_rows, mix_rows
 
     if cfg.eval_data is not None:
         eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer), seq_len=cfg.seq_len), cfg.seq_len,
@@ -241,8 +241,8 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
     converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
     epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
     """
-    from dataio.reshard import check_reshard
-    from launcher import universal
+    from zerotrain.dataio.reshard import check_reshard
+    from zerotrain.launcher import universal
 
     check_reshard(data, meta["world_size"], world)
     universal.check_supported(ds_config, tag_dir)
@@ -295,7 +295,7 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
-        from launcher.guards import Budget
+        from zerotrain.launcher.guards import Budget
 
         budget = Budget(plan.cfg.max_hours, plan.cfg.total_tokens, plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
                         self.world)
@@ -307,7 +307,7 @@ class Trainer:
         _unlink_shm_buffer(self.rank)
         self.universal_dir = None
         if plan.resume_from is not None and plan.resume_meta["world_size"] != self.world:
-            from launcher import universal
+            from zerotrain.launcher import universal
 
             self.universal_dir = universal.convert_on_rank0(
                 plan.resume_from, out_dir=plan.ckpt_dir / "universal" / plan.resume_from.name)
@@ -325,10 +325,10 @@ class Trainer:
         self.final_loader_state = None  # set when the data runs out: the state before the unfinished step
         self.fetched = self.state_before_fetch = None  # the next step's batches, taken ahead (fetch())
         self.grad_norm = None
-        from launcher.metrics import MetricsLogger
+        from zerotrain.launcher.metrics import MetricsLogger
 
         self.metrics = MetricsLogger(plan.run_dir, self.is_main, self.cfg, say=self.say)  # --log sinks (issue 10)
-        from launcher.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
+        from zerotrain.launcher.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
 
         cfg = self.cfg
         self.spikes = SpikeDetector()
@@ -337,7 +337,7 @@ class Trainer:
         self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
         if plan.eval_rows:
-            from launcher.evaluate import Evaluator
+            from zerotrain.launcher.evaluate import Evaluator
 
             self.evaluator = Evaluator(plan.eval_rows, self.rank, self.world,
                                        plan.ds_config["train_micro_batch_size_per_gpu"])
@@ -373,7 +373,7 @@ class Trainer:
                         "identity_hash": self.cfg.identity_hash()}
             _write_atomic(plan.run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
             _write_atomic(plan.run_dir / "ds_config.json", json.dumps(plan.ds_config, indent=2) + "\n")
-            from launcher import manifest
+            from zerotrain.launcher import manifest
 
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
                                      profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
@@ -386,8 +386,8 @@ class Trainer:
         return sorted(set(hosts))
 
     def _build_engine(self, deepspeed, accel):
-        from launcher.schedule import make_scheduler
-        from modeling.model import Transformer, count_params, held_numel
+        from zerotrain.launcher.schedule import make_scheduler
+        from zerotrain.modeling.model import Transformer, count_params, held_numel
 
         torch, plan, cfg = self.torch, self.plan, self.cfg
         torch.manual_seed(cfg.seed)
@@ -401,7 +401,7 @@ class Trainer:
         else:
             model = Transformer(args)
         if plan.init_from is not None and plan.resume_from is None:  # before deepspeed.initialize copies them
-            from modeling.hf import load_weights
+            from zerotrain.modeling.hf import load_weights
 
             load_weights(model, plan.init_from)
             self.say(f"initialised from {plan.init_from}")
@@ -412,7 +412,7 @@ class Trainer:
         model.activation_checkpointing = bool(ac)
         # issue 11 (optimizer registry, launcher/optimizers.py): a client optimizer or DeepSpeed's own
         # from ds_config; check_engine refuses an engine that would train with another update rule.
-        from launcher.optimizers import check_engine, describe, prepare_optimizer
+        from zerotrain.launcher.optimizers import check_engine, describe, prepare_optimizer
 
         ds_config, optimizer, model_parameters = prepare_optimizer(cfg, ds_config, model)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
@@ -432,8 +432,8 @@ class Trainer:
         return engine
 
     def _build_data(self):
-        from dataio.commands import describe_data
-        from dataio.loader import Batches
+        from zerotrain.dataio.commands import describe_data
+        from zerotrain.dataio.loader import Batches
 
         plan, cfg = self.plan, self.cfg
         for line in describe_data(plan.data, cfg.max_steps * plan.ds_config["train_batch_size"] * cfg.seq_len):
@@ -444,7 +444,7 @@ class Trainer:
 
     def _resume(self, tag_dir: Path, load_loader: bool = True) -> None:
         if self.universal_dir is not None:
-            from launcher import universal
+            from zerotrain.launcher import universal
 
             state = universal.load(self.engine, self.universal_dir)["zerotrain"]
             # DeepSpeed keeps applying load_universal to every later load_checkpoint of this engine;
@@ -455,7 +455,7 @@ class Trainer:
         self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
         states = state["loader_states"]
         if len(states) != self.world:  # saved by another number of ranks: re-split what was left
-            from dataio.reshard import reshard_loader_states
+            from zerotrain.dataio.reshard import reshard_loader_states
 
             plan = self.plan
             states = reshard_loader_states(plan.data, states, self.world, self.cfg.seed, self.cfg.seq_len,
@@ -479,7 +479,7 @@ class Trainer:
     def fetch(self) -> list[int]:
         """Take this rank's micro-batches for the next step; returns what the other ranks must know of
         them, [data ended?, data error?, batch digest, labelled tokens], for the step's collective."""
-        from dataio.loader import batch_digest, trainable_tokens
+        from zerotrain.dataio.loader import batch_digest, trainable_tokens
 
         accum = self.plan.ds_config["gradient_accumulation_steps"]
         # The state a checkpoint taken before these batches are trained must record (0.2-0.4 ms on the
@@ -495,7 +495,7 @@ class Trainer:
         ended = error is None and any(b is None for b in batches)
         digest = 0 if (ended or error) else batch_digest(batches)
         # Each rank's labelled tokens: a token-weighted (SFT) loss needs the global count before the
-        # first backward (modeling.model.global_token_mean_scale).
+        # first backward (zerotrain.modeling.model.global_token_mean_scale).
         labelled = 0 if (ended or error) else sum(trainable_tokens(b) for b in batches)
         return [int(ended), int(error is not None), digest, labelled]
 
@@ -562,8 +562,8 @@ class Trainer:
 
     def train_step(self, batches) -> float:
         """Forward, backward and optimizer step over the micro-batches; returns the rank-mean loss sum."""
-        from dataio.loader import MODEL_KEYS
-        from modeling.model import global_token_mean_scale
+        from zerotrain.dataio.loader import MODEL_KEYS
+        from zerotrain.modeling.model import global_token_mean_scale
 
         # Pretraining mixes: each micro-batch's mean loss, as before (bit-compatible runs). A mix with an
         # SFT source: each micro-batch's loss SUM, scaled so that DeepSpeed's backward (/ accum, mean over
@@ -641,7 +641,7 @@ class Trainer:
                            save_blocked_s=round(self.save_seconds, 3))
         self.metrics.close()
         if self.is_main:
-            from launcher import manifest
+            from zerotrain.launcher import manifest
 
             manifest.record_end(plan.run_dir, stop.stop, self.step)
             report_exit(stop.exit_code)
@@ -825,7 +825,7 @@ class StepLogger:
     def __init__(self, trainer: Trainer, tokens_per_step: int):
         from deepspeed.accelerator import get_accelerator
 
-        from modeling.model import flops_per_token
+        from zerotrain.modeling.model import flops_per_token
 
         self.t, self.tokens_per_step = trainer, tokens_per_step
         self.accel = get_accelerator()
@@ -955,9 +955,9 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
 def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     """`--dry-run`: the run resolved against its profile's hardware (or the launch's world size when
     launched), printed; nothing built, nothing written. Recipes are checked this way in CI."""
-    from launcher import planner
-    from launcher.profiles import load_profile
-    from modeling.model import count_params
+    from zerotrain.launcher import planner
+    from zerotrain.launcher.profiles import load_profile
+    from zerotrain.modeling.model import count_params
 
     if world is None:
         hw = load_profile(cfg.profile)[1].get("zerotrain", {}).get("hardware", {}) if cfg.profile != "auto" else {}
@@ -973,7 +973,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              f" x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" lr {cfg.lr:g}, optimizer {cfg.optimizer or 'adamw'}"]
-    from dataio.commands import describe_data
+    from zerotrain.dataio.commands import describe_data
 
     lines += describe_data(plan.data, cfg.max_steps * ds["train_batch_size"] * cfg.seq_len)
     fits = None

@@ -1,2 +1,2 @@
-"""The model family: modeling.model (ModelArgs, presets, Transformer), modeling.sizes (depth and
-scaling rules), modeling.hf (the Hugging Face Llama format)."""
+"""The model family: zerotrain.modeling.model (ModelArgs, presets, Transformer), zerotrain.modeling.sizes (depth and
+scaling rules), zerotrain.modeling.hf (the Hugging Face Llama format)."""

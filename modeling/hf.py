@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from modeling.model import ModelArgs
+from zerotrain.modeling.model import ModelArgs
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -136,7 +136,7 @@ def our_name(hf: str) -> str:
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, built on the meta device (no memory)."""
-    from modeling.model import Transformer
+    from zerotrain.modeling.model import Transformer
 
     with torch.device("meta"):
         model = Transformer(args)
@@ -212,7 +212,7 @@ def load_weights(model, hf_dir: str | Path) -> None:
     """
     from safetensors import safe_open
 
-    from modeling.model import gathered
+    from zerotrain.modeling.model import gathered
 
     files = weight_files(hf_dir)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

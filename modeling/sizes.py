@@ -8,7 +8,7 @@
   optimizer (`lr: {adamw: {a, b, d}, muon: {...}}`; the older `lr: {a, b, d}` is AdamW's).
 
 Everything raises ValueError with a message that names the offending value; the launcher turns
-it into a one-line flag error. Named presets live beside the model (modeling.model.PRESETS).
+it into a one-line flag error. Named presets live beside the model (zerotrain.modeling.model.PRESETS).
 """
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import contextlib
 import math
 from pathlib import Path
 
-from modeling.model import ModelArgs
+from zerotrain import resource_dir
+from zerotrain.modeling.model import ModelArgs
 
-RULES_FILE = Path(__file__).resolve().with_name("scaling_rules.yaml")
+RULES_FILE = resource_dir("zerotrain.modeling", "scaling_rules.yaml")
 RULE_KEYS = {"description", "head_dim", "layers_per_head", "mlp_ratio", "kv_heads_ratio", "tie_embeddings",
              "qk_norm", "lr"}
 

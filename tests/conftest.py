@@ -67,7 +67,7 @@ def free_port() -> int:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The effective per-step history (a resume appends; see launcher/metrics.py)."""
-    from launcher.metrics import read_metrics as effective
+    from zerotrain.launcher.metrics import read_metrics as effective
 
     return effective(run_dir)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from launcher.checkpoint import (BEST, LOCK, MARKER, CheckpointError, Checkpointer, RunLock, check_mirror,
+from zerotrain.launcher.checkpoint import (BEST, LOCK, MARKER, CheckpointError, Checkpointer, RunLock, check_mirror,
                                  complete_checkpoints, find_resume, read_meta, rotation_victims, tag_for, verify)
-from launcher.errors import UsageError
+from zerotrain.launcher.errors import UsageError
 
 HARNESS = REPO / "tests" / "helpers" / "ckpt_harness.py"
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, launch
-from dataio.loader import load_data, open_data
-from dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.loader import load_data, open_data
+from zerotrain.dataio.tokenizer import ByteTokenizer
 from test_bad_input import snapshot
 
 
@@ -29,7 +29,7 @@ def write(p, data: bytes):
 
 def prepared(tmp_path, mix_path) -> str:
     out = tmp_path / "shards"
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "prepare", "--data", str(mix_path), "--out", str(out),
                            "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return str(out)
@@ -62,7 +62,7 @@ def manifest_count(tmp_path, mix_path):
 def wrong_tokenizer(tmp_path, mix_path):
     d = prepared(tmp_path, mix_path)
     tok = tmp_path / "tok"
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "tokenizer", "train", "--data", str(mix_path),
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "tokenizer", "train", "--data", str(mix_path),
                            "--vocab-size", "300", "--out", str(tok)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return ["--data", d, "--tokenizer", str(tok)], "tokenized with 'bytes'"
@@ -133,7 +133,7 @@ def test_skip_policy_drops_and_counts_bad_records(tmp_path):
     assert [txt.text(i) for i in range(len(txt))] == ["first paragraph", "third one"] and txt.bad_records == 1
     assert "paragraph 2" in txt.first_bad
     assert [js.text(i) for i in range(len(js))] == ["a", "d"] and js.bad_records == 1 and js.empty_records == 1
-    from dataio.commands import describe_data
+    from zerotrain.dataio.commands import describe_data
 
     lines = describe_data(data, 10_000)
     assert any("skipped 1 bad record(s)" in ln and "'txt'" in ln for ln in lines)
@@ -141,7 +141,7 @@ def test_skip_policy_drops_and_counts_bad_records(tmp_path):
 
 def test_verify_command_checks_and_measures(tmp_path, mix_path):
     d = prepared(tmp_path, mix_path)
-    ok = subprocess.run([sys.executable, "-m", "launcher.cli", "verify", d, "--seconds", "0.2"],
+    ok = subprocess.run([sys.executable, "-m", "zerotrain", "verify", d, "--seconds", "0.2"],
                         capture_output=True, text=True, cwd=REPO)
     assert ok.returncode == 0, ok.stderr
     assert "sha256 all match" in ok.stdout and "tokens/s" in ok.stdout
@@ -149,7 +149,7 @@ def test_verify_command_checks_and_measures(tmp_path, mix_path):
     arr = np.load(f)
     arr[1] = arr[2]  # a zero-length document: offsets no longer strictly increasing
     np.save(f, arr)
-    bad = subprocess.run([sys.executable, "-m", "launcher.cli", "verify", d], capture_output=True, text=True, cwd=REPO)
+    bad = subprocess.run([sys.executable, "-m", "zerotrain", "verify", d], capture_output=True, text=True, cwd=REPO)
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
     assert bad.returncode == 2 and len(lines) == 1 and f"shard {f}" in lines[0], bad.stderr
 
@@ -158,12 +158,12 @@ def test_a_source_too_small_for_the_ranks_is_one_line_before_the_loader(tmp_path
     """load_data refuses a source that cannot give every rank (x data worker) a piece; the
     data-bench command (which pretends to be one of --world ranks) shows the line the driver prints."""
     mix = mix_of(tmp_path, {"path": write(tmp_path / "t.txt", b"abc\n")})
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "data-bench", "--data", mix, "--world", "4",
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "data-bench", "--data", mix, "--world", "4",
                            "--seconds", "0.1"], capture_output=True, text=True, cwd=REPO)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].endswith("source 'bad': 1 document(s) of 3 bytes in all cannot be split across 4 ranks;"
                              " add data or use fewer ranks"), lines[0]
-    ok = subprocess.run([sys.executable, "-m", "launcher.cli", "data-bench", "--data", mix, "--world", "3",
+    ok = subprocess.run([sys.executable, "-m", "zerotrain", "data-bench", "--data", mix, "--world", "3",
                          "--seconds", "0.1"], capture_output=True, text=True, cwd=REPO)
     assert ok.returncode == 0, ok.stderr[-2000:]  # 3 characters, 3 ranks: one piece each

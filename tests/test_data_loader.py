@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataio.errors import DataError
-from dataio.loader import Batches, Data, cut_data, load_data, make_loader, open_data, plain
-from dataio.packing import PACKINGS, make_packer
-from dataio.sources import DocStore, SourceSpec
-from dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.loader import Batches, Data, cut_data, load_data, make_loader, open_data, plain
+from zerotrain.dataio.packing import PACKINGS, make_packer
+from zerotrain.dataio.sources import DocStore, SourceSpec
+from zerotrain.dataio.tokenizer import ByteTokenizer
 
 ALPHABETS = {"short": "abcdefgh", "long": "0123456789", "mid": "!#$%&()*+"}
 
@@ -298,7 +298,7 @@ def test_streamed_source_resumes_exactly(tmp_path):
 
 
 def test_summary_before_training_estimates_epochs_and_warns(tmp_path):
-    from dataio.commands import describe_data
+    from zerotrain.dataio.commands import describe_data
 
     mix = three_source_mix(tmp_path, n=100, extra={"warn_epochs": 3})
     raw = json.loads(mix.read_text())

@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, launch
-from dataio.commands import describe_data
-from dataio.errors import DataError
-from dataio.loader import Batches, load_data, make_loader, open_data, plain
-from dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.commands import describe_data
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data, plain
+from zerotrain.dataio.tokenizer import ByteTokenizer
 from test_data_loader import ALPHABETS, source_of_bytes
 
 README = """---
@@ -207,7 +207,7 @@ def test_exact_resume_over_multi_file_sources_read_and_streamed(local_hub):
     assert all(np.array_equal(b.next()["input_ids"], e) for e in expected)
     assert a.tokens_per_source()[3] > 0  # the streamed source took part
     # The streamed glob is the same files in the same sorted order as the directory.
-    from dataio.sources import find_files
+    from zerotrain.dataio.sources import find_files
 
     assert find_files(data.specs[3]).files == data.stores[1].files
 
@@ -215,7 +215,7 @@ def test_exact_resume_over_multi_file_sources_read_and_streamed(local_hub):
 def test_prepare_takes_the_same_sources_and_gives_the_same_stream(local_hub, tmp_path):
     mix, files = local_hub
     out = tmp_path / "shards"
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "prepare", "--data", str(mix), "--out", str(out),
                            "--shard-tokens", "30000"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "long: 120 documents" in proc.stdout and "from 3 file(s)" in proc.stdout
@@ -302,7 +302,7 @@ def test_bad_local_sources_are_one_line_naming_source_and_file(tmp_path, local_h
 
 def run_cli(args, env_extra=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True,
                           cwd=REPO, env=env)
 
 
@@ -336,8 +336,8 @@ def fake_hub_cache(root, repo="owner/name"):
 
 OFFLINE_READ = """
 import sys
-from dataio.errors import DataError
-from dataio.sources import open_streamed, parse_mix
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.sources import open_streamed, parse_mix
 edu, other = parse_mix(sys.argv[1]).sources
 print("edu records", sum(1 for _ in open_streamed(edu, 0, 1)))
 try:

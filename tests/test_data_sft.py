@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, free_port
-from dataio.commands import describe_data
-from dataio.errors import DataError
-from dataio.holdout import holdout_rows
-from dataio.loader import Batches, load_data, make_loader, open_data, token_weighted, trainable_tokens
-from dataio.packing import check_packing
-from dataio.sft import ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format, split_masked
-from dataio.sources import SourceSpec, load_text_source, parse_mix
-from dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.commands import describe_data
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.holdout import holdout_rows
+from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data, token_weighted, trainable_tokens
+from zerotrain.dataio.packing import check_packing
+from zerotrain.dataio.sft import ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format, split_masked
+from zerotrain.dataio.sources import SourceSpec, load_text_source, parse_mix
+from zerotrain.dataio.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()
 EOS = BYTES.eos_id
@@ -142,7 +142,7 @@ LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['r
 def chat_tokenizer_dir(tmp_path_factory):
     from tokenizers import Tokenizer
 
-    from dataio.tokenizer import train_bpe
+    from zerotrain.dataio.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("chat-tok")
     train_bpe(["reverse the word hello: olleh. What is 12 plus 7? 19. café crème add the numbers"] * 50, 330, root)
@@ -157,7 +157,7 @@ def chat_tokenizer_dir(tmp_path_factory):
 def test_chat_template_of_a_hf_tokenizer_masks_by_offsets(chat_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from dataio.tokenizer import HFTokenizer
+    from zerotrain.dataio.tokenizer import HFTokenizer
 
     tok = HFTokenizer(chat_tokenizer_dir)
     assert tok.chat_template == LLAMA3_LIKE
@@ -190,7 +190,7 @@ def test_chat_template_of_a_hf_tokenizer_masks_by_offsets(chat_tokenizer_dir, tm
 
 
 def test_a_chat_template_that_rewrites_earlier_turns_is_refused(chat_tokenizer_dir, tmp_path):
-    from dataio.tokenizer import HFTokenizer
+    from zerotrain.dataio.tokenizer import HFTokenizer
 
     cfg_path = chat_tokenizer_dir / "tokenizer_config.json"
     tok = HFTokenizer(chat_tokenizer_dir)
@@ -441,7 +441,7 @@ def test_streamed_sft_records_are_rendered_checked_and_fitted(tmp_path):
 
 
 def test_prepare_refuses_sft_sources_and_tokenizer_training_reads_them(tmp_path):
-    from dataio.shards import prepare
+    from zerotrain.dataio.shards import prepare
 
     write_jsonl(tmp_path / "chat.jsonl", chats(5))
     mix = write_mix(tmp_path, [{"name": "chat", "path": "chat.jsonl", "weight": 1, "format": "chat"}])
@@ -457,7 +457,7 @@ def test_prepare_refuses_sft_sources_and_tokenizer_training_reads_them(tmp_path)
 # --------------------------------------------------------------------------------------------
 
 def test_sum_loss_and_count_match_the_mean(tmp_path):
-    from modeling.model import Transformer, global_token_mean_scale, preset
+    from zerotrain.modeling.model import Transformer, global_token_mean_scale, preset
 
     write_jsonl(tmp_path / "qa.jsonl", qa_records(50))
     mix = write_mix(tmp_path, [{"name": "qa", "path": "qa.jsonl", "weight": 1, "format": "sft"}])

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from dataio.loader import load_data, make_loader, open_data
-from dataio.sources import parse_mix
-from dataio.tokenizer import HFTokenizer
+from zerotrain.dataio.loader import load_data, make_loader, open_data
+from zerotrain.dataio.sources import parse_mix
+from zerotrain.dataio.tokenizer import HFTokenizer
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, mix_path):
     out = tmp_path_factory.mktemp("tok") / "bpe"
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "tokenizer", "train", "--data", str(mix_path),
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "tokenizer", "train", "--data", str(mix_path),
                            "--vocab-size", "400", "--out", str(out)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     return out
@@ -38,7 +38,7 @@ def test_trained_tokenizer_loads_in_transformers_and_round_trips(trained, mix_pa
 def test_hf_tokenized_mix_and_shards_give_the_same_stream(trained, mix_path, tmp_path):
     tok = HFTokenizer(trained)
     shards = tmp_path / "shards"
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path), "--tokenizer",
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "prepare", "--data", str(mix_path), "--tokenizer",
                            str(trained), "--out", str(shards)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((shards / "manifest.json").read_text())
@@ -58,7 +58,7 @@ def test_shipped_mixes_validate():
     assert shares == {"fineweb-edu": 0.45, "cosmopedia": 0.25, "finepdfs": 0.20, "medqa-usmle": 0.10}
     assert all(s.hf and s.streamed for s in mix.sources)
     qa = mix.sources[-1]
-    from dataio.sources import record_text
+    from zerotrain.dataio.sources import record_text
 
     record = {"question": "Q?", "options": {"A": "a", "B": "b", "C": "c", "D": "d"}, "answer_idx": "B",
               "answer": "b"}
@@ -72,7 +72,7 @@ def test_shipped_mixes_validate():
 def test_hf_tokenized_text_is_cut_in_bytes_before_tokenizing(trained, tmp_path):
     """With a Hugging Face tokenizer a text source is cut in bytes of its UTF-8 text (at character
     starts) before tokenizing; the summary labels its lengths as bytes."""
-    from dataio.commands import describe_data
+    from zerotrain.dataio.commands import describe_data
 
     tok = HFTokenizer(trained)
     text = "\n".join(f"line {i}: the model reads ünïcödé, €uro and 😀 too" for i in range(400))

@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import BIN, REPO, free_port, write_mix
-from dataio.errors import DataError
-from dataio.holdout import MAX_FRACTION, holdout_rows, holdout_summary, mix_rows, pack_rows, split_holdout
-from dataio.loader import cut_data, make_loader, open_data
-from dataio.sources import default_piece_len, load_text_source
-from dataio.tokenizer import ByteTokenizer
-from launcher.evaluate import Evaluator
-from modeling.model import ModelArgs, Transformer
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.holdout import MAX_FRACTION, holdout_rows, holdout_summary, mix_rows, pack_rows, split_holdout
+from zerotrain.dataio.loader import cut_data, make_loader, open_data
+from zerotrain.dataio.sources import default_piece_len, load_text_source
+from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.launcher.evaluate import Evaluator
+from zerotrain.modeling.model import ModelArgs, Transformer
 
 EOS = ByteTokenizer.eos_id
 
@@ -135,7 +135,7 @@ def test_streamed_sources_get_no_holdout(tmp_path):
 
 
 def test_holdout_of_a_hugging_face_tokenized_source(tmp_path, data):
-    from dataio.tokenizer import HFTokenizer, train_bpe
+    from zerotrain.dataio.tokenizer import HFTokenizer, train_bpe
 
     tok = HFTokenizer(train_bpe(texts(data.stores[0]), 300, tmp_path / "bpe"))
     train, held = split_holdout(data.stores, data.specs, seed=4, eval_tokens=600, tokenizer=tok)  # below the cap
@@ -149,7 +149,7 @@ def test_holdout_of_a_hugging_face_tokenized_source(tmp_path, data):
 
 
 def test_holdout_of_prepared_token_shards():
-    from dataio.sources import DocStore, SourceSpec
+    from zerotrain.dataio.sources import DocStore, SourceSpec
 
     tokens = (np.arange(1000) % 250).astype(np.uint16)
     store = DocStore(name="s", kind="tokens", chunks=[tokens], chunk=np.zeros(100, np.int32),

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import write_mix
 
-from launcher.errors import DataError, UsageError
+from zerotrain.launcher.errors import DataError, UsageError
 
 TRAIN = dict(seq_len=64, micro_batch=1, max_steps=2, warmup_steps=1, log_data_every_steps=0)
 # The leak this guards against was ~250 MB per call for the 14M-parameter model below (RSS 785,
@@ -27,8 +27,8 @@ def write_llama_dir(path: Path, dim: int = 512, layers: int = 4) -> Path:
     """A randomly initialised Llama-format directory (no tokenizer.json): 14M parameters."""
     import torch
 
-    from modeling import hf
-    from modeling.model import ModelArgs, Transformer
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.model import ModelArgs, Transformer
 
     torch.manual_seed(0)
     args = ModelArgs(dim=dim, n_layers=layers, n_heads=8, max_seq_len=256)
@@ -57,7 +57,7 @@ def _one_thread(monkeypatch):
 def _leave_no_process_group():
     """An in-process run makes this pytest process rank 0 of a world of 1 (environment and process
     group): undo it, so later tests' launches do not inherit RANK or MASTER_PORT."""
-    from launcher.launch import RANK_VARS
+    from zerotrain.launcher.launch import RANK_VARS
 
     saved = {k: os.environ.get(k) for k in RANK_VARS}
     yield
@@ -73,8 +73,8 @@ def _leave_no_process_group():
 
 
 def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
-    from launcher import finetune
-    from launcher.finetune import generate
+    from zerotrain.launcher import finetune
+    from zerotrain.launcher.finetune import generate
 
     llama = write_llama_dir(tmp_path / "llama")
     data = write_mix(tmp_path / "data")
@@ -125,8 +125,8 @@ def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
 
 
 def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
-    from launcher import finetune
-    from launcher.train import main
+    from zerotrain.launcher import finetune
+    from zerotrain.launcher.train import main
 
     data = write_mix(tmp_path / "data")
     out = tmp_path / "runs"
@@ -159,7 +159,7 @@ def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
 
 
 def test_best_checkpoint_else_newest(tmp_path):
-    from launcher.finetune import best_or_newest
+    from zerotrain.launcher.finetune import best_or_newest
 
     ckpts = tmp_path / "run" / "checkpoints"
     for step in (2, 4):
@@ -175,16 +175,16 @@ def test_best_checkpoint_else_newest(tmp_path):
 
 
 def test_import_forms():
-    import launcher
-    import launcher.finetune as module
-    from launcher import finetune
+    import zerotrain.launcher
+    import zerotrain.launcher.finetune as module
+    from zerotrain.launcher import finetune
 
-    assert finetune is module is launcher.finetune and callable(finetune)
+    assert finetune is module is zerotrain.launcher.finetune and callable(finetune)
     assert module.finetune.__name__ == "finetune"
 
 
 def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys, monkeypatch):
-    from launcher import finetune
+    from zerotrain.launcher import finetune
 
     # as in a notebook after an in-process run: this process is rank 0 of a world of 1
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -203,8 +203,8 @@ def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys,
 
 
 def test_a_single_data_file_becomes_a_one_source_mix(tmp_path):
-    from dataio.sources import parse_mix
-    from launcher.finetune import data_spec
+    from zerotrain.dataio.sources import parse_mix
+    from zerotrain.launcher.finetune import data_spec
 
     out = tmp_path / "runs"
     records = {"docs": {"text": "a document"}, "qa": {"prompt": "2 + 2?", "response": "4"},

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling import hf
-from modeling.model import ModelArgs, Transformer
+from zerotrain.modeling import hf
+from zerotrain.modeling.model import ModelArgs, Transformer
 
 
 def random_configs(n: int, seed: int = 0):

@@ -21,9 +21,9 @@ import yaml
 
 from conftest import REPO, TRAIN_PY, cpu_profile, free_port, read_metrics
 
-from launcher import hostfile
-from launcher.errors import UsageError
-from launcher.launch import plan_hostfile_launch, profile_from_accelerate
+from zerotrain.launcher import hostfile
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.launch import plan_hostfile_launch, profile_from_accelerate
 
 BIN = Path(sys.executable).parent
 TRAIN = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--warmup-steps", "1"]
@@ -141,7 +141,7 @@ def test_zerotrain_launch_refuses_a_bad_hostfile_before_starting_anything(tmp_pa
     hf = tmp_path / "hostfile"
     hf.write_text("node-a slots=1\nnode-a slots=1\n")
     out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "launch", "--hostfile", str(hf), "--", "--data",
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--hostfile", str(hf), "--", "--data",
                            str(mix_path), "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"zerotrain: error: hostfile {hf} line 2: duplicate host node-a (first on line 1)"
@@ -194,7 +194,7 @@ def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_pa
     out, log = tmp_path / "runs", tmp_path / "pdsh.log"
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "WANDB_API_KEY": SECRET,
            "FAKE_LOG": str(log)}
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "launch", "--hostfile", str(hf), "--master_addr",
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--hostfile", str(hf), "--master_addr",
                            "127.0.0.1", "--master_port", str(free_port()), "--",
                            "--profile", str(env_profile(tmp_path)), "--data", str(mix_path), "--out", str(out),
                            "--run-id", "ssh", *TRAIN, "--max-steps", "2"],
@@ -222,7 +222,7 @@ ACCELERATE_DIR = REPO / "launcher" / "accelerate"
 def test_shipped_accelerate_configs(name):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from launcher.profiles import load_profile
+    from zerotrain.launcher.profiles import load_profile
 
     load_config_from_file(str(ACCELERATE_DIR / name))  # accelerate's own reading: unknown keys refused
     cfg = yaml.safe_load((ACCELERATE_DIR / name).read_text())
@@ -259,7 +259,7 @@ def test_profile_comes_from_accelerates_deepspeed_config_file(tmp_path):
 
 
 def test_config_from_applies_the_accelerate_rule(monkeypatch, mix_path):
-    from launcher.config import resolve_config
+    from zerotrain.launcher.config import resolve_config
 
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(REPO / "ds_configs" / "h100-80g-x8.json"))
     assert resolve_config(["--data", str(mix_path)]).profile == "h100-80g-x8"
@@ -333,7 +333,7 @@ def slurm_env(tmp_path: Path, hosts: str, **extra) -> dict:
 
 
 def zerotrain_slurm(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher.cli", "slurm", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "zerotrain", "slurm", *args], capture_output=True, text=True,
                           env={**env, "PYTHONPATH": str(REPO)}, cwd=cwd, timeout=120)
 
 
@@ -351,7 +351,7 @@ def test_slurm_dry_run_prints_the_script_and_each_nodes_command(tmp_path, mix_pa
     job_dir = f"{tmp_path / 'runs' / 'slurm'}/job-4242-r0"
     for rank in (0, 1):
         assert (f"# node {rank} (gpu-0{rank + 1}), srun task:\nZEROTRAIN_EXIT_FILE={job_dir}/exit.{rank} "
-                f"{sys.executable} -m launcher.cli launch --hostfile {job_dir}/hostfile --no_ssh --node_rank {rank}"
+                f"{sys.executable} -m zerotrain launch --hostfile {job_dir}/hostfile --no_ssh --node_rank {rank}"
                 f" --master_addr gpu-01 --master_port 29500 -- --profile h100-80g-2x8-multinode") in text
     assert text.count("--resume auto") >= 2
     assert not (tmp_path / "slurm.log").exists() and not (tmp_path / "runs").exists()  # nothing submitted or written
@@ -390,7 +390,7 @@ def test_slurm_script_requeues_only_after_a_signal_stop_within_max_requeues(tmp_
     job_dir = out / "slurm" / f"job-4242-r{restarts}"
     assert (job_dir / "hostfile").read_text() == "n1 slots=1\nn2 slots=1\n"
     for rank in (0, 1):
-        assert (f"node {rank}: -m launcher.cli launch --hostfile {job_dir}/hostfile --no_ssh --node_rank {rank}"
+        assert (f"node {rank}: -m zerotrain launch --hostfile {job_dir}/hostfile --no_ssh --node_rank {rank}"
                 f" --master_addr n1 --master_port 29500 -- --data {mix_path} --out {out} --resume auto") in log
     if code == 6 and not requeued:
         assert "not requeued: 2 requeue(s) used of --max-requeues 2" in run.stdout

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from modeling.model import ModelArgs, Transformer, count_params, preset
+from zerotrain.modeling.model import ModelArgs, Transformer, count_params, preset
 
 
 def tiny(**kw):

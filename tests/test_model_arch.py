@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from modeling import sizes
-from modeling.model import (PRESETS, DocumentLayout, ModelArgs, Transformer, count_params, cu_seqlens,
+from zerotrain.modeling import sizes
+from zerotrain.modeling.model import (PRESETS, DocumentLayout, ModelArgs, Transformer, count_params, cu_seqlens,
                             document_mask, flops_per_token, preset)
 
 
@@ -207,7 +207,7 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
 def test_flash_varlen_path_matches_the_mask_path(monkeypatch):
     """The varlen plumbing (cu_seqlens, flattening, GQA heads) against the SDPA mask path. flash-attn
     itself needs a GPU; here a plain-PyTorch function with its contract stands in for the kernel."""
-    import modeling.model as mm
+    import zerotrain.modeling.model as mm
 
     torch.manual_seed(0)
     model = Transformer(tiny(n_layers=2, n_heads=4, n_kv_heads=2)).eval()

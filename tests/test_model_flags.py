@@ -2,11 +2,11 @@
 bad input. In-process; what reaches the user is the UsageError's one line (exit 2 via fail)."""
 import pytest
 
-from launcher.cli import main as cli
-from launcher.config import RunConfig, resolve_config
-from launcher.errors import UsageError
-from launcher.model_spec import resolve
-from modeling.model import count_params, preset
+from zerotrain.launcher.cli import main as cli
+from zerotrain.launcher.config import RunConfig, resolve_config
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.model_spec import resolve
+from zerotrain.modeling.model import count_params, preset
 
 
 def spec(**kw):

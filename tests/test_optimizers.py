@@ -20,14 +20,14 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, free_port, launch, read_metrics
-from launcher.cli import main as cli
-from launcher.config import RunConfig, config_from, resolve_config
-from launcher.errors import UsageError
-from launcher.model_spec import rule_lr_defaults
-from launcher.optimizers import REGISTRY, prepare_optimizer, resolve
-from launcher.profiles import list_profiles, load_profile, resolve_ds_config
-from modeling import sizes
-from modeling.model import count_params
+from zerotrain.launcher.cli import main as cli
+from zerotrain.launcher.config import RunConfig, config_from, resolve_config
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.model_spec import rule_lr_defaults
+from zerotrain.launcher.optimizers import REGISTRY, prepare_optimizer, resolve
+from zerotrain.launcher.profiles import list_profiles, load_profile, resolve_ds_config
+from zerotrain.modeling import sizes
+from zerotrain.modeling.model import count_params
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 import optim_harness as ref  # noqa: E402  (the reference update rules)
@@ -184,7 +184,7 @@ def test_client_optimizer_matches_the_reference(name, args):
 def test_lion_keeps_sign_of_zero_zero():
     """DeepSpeed's Lion kernels move an element whose momentum and gradient are 0 by a full step
     (CPU: -lr, CUDA: +lr); the wrapper puts such elements back (weight decay still applied)."""
-    from launcher.client_optimizers import sign_zero_safe
+    from zerotrain.launcher.client_optimizers import sign_zero_safe
 
     class KernelLikeDeepSpeed(torch.optim.Optimizer):  # the CPU kernel's arithmetic, copysign included
         def __init__(self, params, lr, betas, weight_decay):

@@ -1,8 +1,8 @@
 import numpy as np
 import torch
 
-from dataio.packing import Packer, best_fit_efficiency, to_torch
-from modeling.model import cu_seqlens, document_mask
+from zerotrain.dataio.packing import Packer, best_fit_efficiency, to_torch
+from zerotrain.modeling.model import cu_seqlens, document_mask
 
 
 def docs_source(docs):

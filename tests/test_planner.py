@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import planner
-from launcher.config import RunConfig
-from launcher.errors import UsageError
-from launcher.profiles import list_profiles, load_profile
-from modeling.model import ModelArgs, Transformer, count_params, preset
+from zerotrain.launcher import planner
+from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.profiles import list_profiles, load_profile
+from zerotrain.modeling.model import ModelArgs, Transformer, count_params, preset
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ def test_depth64_on_eight_h100_pcie(capsys):
 
 
 def test_bad_input_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "launcher.cli", "plan", "--gpus", "0"], cwd=REPO, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "zerotrain", "plan", "--gpus", "0"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1] == "zerotrain: error: --gpus: must be a positive integer, got 0"
@@ -195,8 +195,8 @@ def cfg(**kw) -> RunConfig:
 
 
 def fit_check_args(cfg_: RunConfig, world: int = 2):
-    from launcher import model_spec
-    from launcher.profiles import resolve_ds_config
+    from zerotrain.launcher import model_spec
+    from zerotrain.launcher.profiles import resolve_ds_config
 
     _, prof = load_profile(cfg_.profile)
     ds = resolve_ds_config(prof, cfg_, world, "cpu")

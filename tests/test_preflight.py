@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port, write_mix
-from launcher import preflight
-from launcher.config import config_from
-from launcher.errors import UsageError
-from launcher.preflight import GoldenCheck, golden_steps, make_golden, mfu_threshold, parse_args
+from zerotrain.launcher import preflight
+from zerotrain.launcher.config import config_from
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.preflight import GoldenCheck, golden_steps, make_golden, mfu_threshold, parse_args
 
 PREFLIGHT_PY = REPO / "launcher" / "preflight.py"
 
@@ -40,8 +40,8 @@ def launch_preflight(launcher: str, args: list[str], env_extra=None, timeout: in
 def setup(tmp_path_factory):
     """Prepared shards of the two-source mix, a broken copy, and the cpu profile with a threshold this
     shared 2-core machine meets whatever else runs on it (the stage's judgement is unit-tested below)."""
-    from dataio.shards import prepare
-    from dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.shards import prepare
+    from zerotrain.dataio.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("preflight")
     shards = prepare(str(write_mix(root / "mix")), load_tokenizer("bytes"), root / "shards")
@@ -250,7 +250,7 @@ def test_stage_arguments_and_defaults():
 
 
 def test_zerotrain_preflight_bad_stage_is_exit_2(capsys):
-    from launcher import cli
+    from zerotrain.launcher import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["preflight", "--stage", "v9", "--data", "m.json"])

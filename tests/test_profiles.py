@@ -3,8 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.errors import UsageError
-from launcher.profiles import list_profiles, load_profile, resolve_batch, resolve_ds_config
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.profiles import list_profiles, load_profile, resolve_batch, resolve_ds_config
 
 REQUIRED = {"cpu", "a100-80g-x8", "h100-80g-x8", "h100-pcie-80g-x8", "rtx6000ada-48g-x2", "h100-80g-2x8-multinode"}
 
@@ -93,7 +93,7 @@ def test_unknown_profile_name_lists_known():
 
 
 def test_auto_picks_cpu_here():
-    from launcher.profiles import detect_profile
+    from zerotrain.launcher.profiles import detect_profile
 
     name, why = detect_profile()
     assert name == "cpu" and "no CUDA" in why

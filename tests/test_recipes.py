@@ -1,6 +1,6 @@
 """Every shipped recipe (recipes/*.json) resolves fully and fits its hardware, in CI, without a GPU.
 
-Each recipe is loaded like `zerotrain train --config R` and handed to `launcher.trainer.dry_run`
+Each recipe is loaded like `zerotrain train --config R` and handed to `zerotrain.launcher.trainer.dry_run`
 in this process: profile, batch triple at the profile's declared world size, model, tokenizer,
 data (local sources read, shards verified, the evaluation holdout carved) and the planner's
 memory verdict. Nothing is built or written. A new recipe is picked up by the glob; it must say
@@ -57,8 +57,8 @@ def llama3_sized_tokenizer(root: Path) -> Path:
 
 def edu_mix_shards(root: Path) -> Path:
     """`zerotrain prepare` of a small local mix with the real mix's source names and weights."""
-    from dataio.shards import prepare
-    from dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.shards import prepare
+    from zerotrain.dataio.tokenizer import ByteTokenizer
 
     real = json.loads((REPO / "dataio" / "mixes" / "web-edu-pdf-med.json").read_text())
     src = root / "src"
@@ -88,13 +88,13 @@ def stand_ins(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo_data():
     """The demo's data (dataio/mixes/demo.json points at it): built as `make demo` builds it."""
-    from launcher.demo import build_demo_data
+    from zerotrain.launcher.demo import build_demo_data
 
     return build_demo_data(REPO / "runs" / "demo-data")
 
 
 def recipe_values(path: Path, stand_ins: dict) -> dict:
-    from launcher.config import load_recipe
+    from zerotrain.launcher.config import load_recipe
 
     values = load_recipe(str(path))
     for key in PATH_KEYS:
@@ -134,8 +134,8 @@ def test_recipes_are_shipped():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_resolves_and_fits(path, stand_ins, demo_data, offline, tmp_path, monkeypatch, capsys):
-    from launcher.config import config_from
-    from launcher.trainer import dry_run
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.trainer import dry_run
 
     monkeypatch.chdir(REPO)  # recipes name paths as a user at the repository root types them
     values = recipe_values(path, stand_ins)
@@ -176,10 +176,10 @@ def test_recipe_resolves_and_fits(path, stand_ins, demo_data, offline, tmp_path,
 def test_optimal_recipe_is_the_planners_compute_optimal_size(capsys, monkeypatch):
     """h100pcie-x8-1000usd-optimal spends the same budget on the depth closest to the size the
     planner calls compute-optimal for h100pcie-x8-1000usd; its max_steps is what the budget buys."""
-    from launcher.config import load_recipe
-    from launcher.planner import plan_main
-    from modeling.model import count_params
-    from modeling.sizes import depth_args
+    from zerotrain.launcher.config import load_recipe
+    from zerotrain.launcher.planner import plan_main
+    from zerotrain.modeling.model import count_params
+    from zerotrain.modeling.sizes import depth_args
 
     monkeypatch.chdir(REPO)
     plan_main(["--config", "recipes/h100pcie-x8-1000usd.json", "--json"])
@@ -202,8 +202,8 @@ def test_optimal_recipe_is_the_planners_compute_optimal_size(capsys, monkeypatch
 
 def test_cpu_debug_is_the_demo():
     """recipes/cpu-debug.json says what `make demo` runs: the same flags, the same mix."""
-    from launcher.config import build_parser, load_recipe
-    from launcher.demo import DEMO_FLAGS
+    from zerotrain.launcher.config import build_parser, load_recipe
+    from zerotrain.launcher.demo import DEMO_FLAGS
 
     recipe = load_recipe(str(REPO / "recipes" / "cpu-debug.json"))
     demo = {k: v for k, v in vars(build_parser().parse_args(["--data", "x", *DEMO_FLAGS])).items()
@@ -220,7 +220,7 @@ def test_cpu_debug_is_the_demo():
 def test_workstation_recipes_launch_with_expandable_segments(name, tmp_path, monkeypatch):
     """The launch each description gives puts the allocator setting into every rank's environment
     (from the profile's zerotrain.env; a value set in the launching shell would win)."""
-    from launcher.launch import plan_hostfile_launch
+    from zerotrain.launcher.launch import plan_hostfile_launch
 
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -240,7 +240,7 @@ def test_readme_lists_every_recipe():
 def zerotrain(*args, cwd=REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=300)
 
 

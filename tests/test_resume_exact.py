@@ -36,7 +36,7 @@ def test_stop_and_resume_sees_the_same_tokens_and_losses(source, tmp_path, mix_p
     data, workers = str(mix_path), 0
     if source == "shards":
         data, workers = str(tmp_path / "shards"), 1
-        prep = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path),
+        prep = subprocess.run([sys.executable, "-m", "zerotrain", "prepare", "--data", str(mix_path),
                                "--out", data, "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
         assert prep.returncode == 0, prep.stderr
     args = ["--profile", cpu_profile(tmp_path, workers=workers), "--data", data, *COMMON]

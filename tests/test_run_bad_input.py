@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import resolve_config
-from launcher.errors import UsageError
-from launcher.trainer import plan_run
+from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.trainer import plan_run
 from test_bad_input import snapshot
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from launcher.schedule import WarmupCosine
+from zerotrain.launcher.schedule import WarmupCosine
 
 
 def test_warmup_then_cosine_to_min():

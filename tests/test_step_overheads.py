@@ -12,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from launcher import checkpoint
+from zerotrain.launcher import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
 COUNT_COLLECTIVES = r"""
 import collections, json, sys
 import torch.distributed as dist
-from launcher.config import config_from
-from launcher import trainer
+from zerotrain.launcher.config import config_from
+from zerotrain.launcher import trainer
 
 calls = collections.Counter()
 for name in ("all_gather", "all_reduce", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
@@ -78,14 +78,14 @@ def test_driver_verifies_shards_quickly_by_default_and_fully_on_request(tmp_path
     """Start-up (section 1.5): the driver's default is quick verification (hashes once per node,
     remembered by file identity); --verify-data full still hashes every byte. Shown with a cache
     entry that vouches for a tampered shard: quick trusts it (not hashed), full finds the damage."""
-    from dataio.errors import DataError
-    from dataio.shards import VerifiedCache
-    from launcher.config import config_from
-    from launcher.trainer import plan_run
+    from zerotrain.dataio.errors import DataError
+    from zerotrain.dataio.shards import VerifiedCache
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.trainer import plan_run
 
     monkeypatch.setenv("ZEROTRAIN_CACHE", str(tmp_path / "cache"))
     shards = tmp_path / "shards"
-    prep = subprocess.run([sys.executable, "-m", "launcher.cli", "prepare", "--data", str(mix_path), "--out",
+    prep = subprocess.run([sys.executable, "-m", "zerotrain", "prepare", "--data", str(mix_path), "--out",
                            str(shards), "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
     assert prep.returncode == 0, prep.stderr
     base = {"data": str(shards), "model": "debug", "profile": "cpu", "seq_len": 64, "micro_batch": 2,

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from launcher import universal
-from launcher.errors import UsageError
+from zerotrain.launcher import universal
+from zerotrain.launcher.errors import UsageError
 
 HARNESS = REPO / "tests" / "helpers" / "universal_harness.py"
 VARIANTS = ("zero2", "zero3", "zero3-persist")

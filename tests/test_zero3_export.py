@@ -79,7 +79,7 @@ def test_init_from_hf_then_zero2_and_zero3_exports_agree(runs, assets, tmp_path)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launcher.cli import main as cli
+    from zerotrain.launcher.cli import main as cli
 
     for stage in (3, 2):
         assert "initialised from" in runs[stage][1]
@@ -101,7 +101,7 @@ def test_init_from_hf_then_zero2_and_zero3_exports_agree(runs, assets, tmp_path)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
     assert not info["missing_keys"] and not info["unexpected_keys"]
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf3")
-    from dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.tokenizer import load_tokenizer
 
     ours = load_tokenizer(str(assets["tokenizer"]))
     text = "the model reads every token"

@@ -41,8 +41,8 @@ def build(model_preset: str = "debug"):
     import torch
     import torch.distributed as dist
 
-    from launcher.profiles import load_profile
-    from modeling.model import Transformer, preset
+    from zerotrain.launcher.profiles import load_profile
+    from zerotrain.modeling.model import Transformer, preset
 
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
@@ -79,7 +79,7 @@ def fingerprint(engine) -> float:
 def check(out: Path) -> None:
     import torch.distributed as dist
 
-    from launcher.checkpoint import (BEST, MARKER, CheckpointError, Checkpointer, complete_checkpoints,
+    from zerotrain.launcher.checkpoint import (BEST, MARKER, CheckpointError, Checkpointer, complete_checkpoints,
                                      incomplete_checkpoints, load, read_meta, tag_for, verify)
 
     engine, train_step = build()
@@ -136,7 +136,7 @@ def check(out: Path) -> None:
 def measure(out: Path, saves: int, model_preset: str) -> None:
     import torch.distributed as dist
 
-    from launcher.checkpoint import Checkpointer
+    from zerotrain.launcher.checkpoint import Checkpointer
 
     engine, train_step = build(model_preset)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -49,13 +49,13 @@ def main(mix: str, out_dir: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from dataio.holdout import holdout_rows, split_holdout
-    from dataio.loader import cut_data, make_loader, open_data
-    from dataio.sources import load_text_source
-    from dataio.tokenizer import ByteTokenizer
-    from launcher.evaluate import Evaluator
-    from launcher.profiles import load_profile
-    from modeling.model import Transformer, held_numel, preset
+    from zerotrain.dataio.holdout import holdout_rows, split_holdout
+    from zerotrain.dataio.loader import cut_data, make_loader, open_data
+    from zerotrain.dataio.sources import load_text_source
+    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.launcher.evaluate import Evaluator
+    from zerotrain.launcher.profiles import load_profile
+    from zerotrain.modeling.model import Transformer, held_numel, preset
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

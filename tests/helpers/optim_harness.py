@@ -155,7 +155,7 @@ def reference_run(args, init: dict, world: int, update, sched, clip: float):
     """Parameters (fp64) after each of STEPS_CHECKED steps of the reference, from `init`."""
     import torch
 
-    from modeling.model import Transformer
+    from zerotrain.modeling.model import Transformer
 
     model = Transformer(args).double()
     model.load_state_dict({k: v.double() for k, v in init.items()})
@@ -227,11 +227,11 @@ def build(stage: int, opt_spec: str, world: int):
     import deepspeed
     import torch
 
-    from launcher.config import config_from
-    from launcher.optimizers import check_engine, prepare_optimizer
-    from launcher.profiles import load_profile, resolve_ds_config
-    from launcher.schedule import make_scheduler
-    from modeling.model import Transformer, preset
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
+    from zerotrain.launcher.profiles import load_profile, resolve_ds_config
+    from zerotrain.launcher.schedule import make_scheduler
+    from zerotrain.modeling.model import Transformer, preset
 
     name, _, args_json = opt_spec.partition("=")
     values = {"data": "-", "seq_len": SEQ_LEN, "micro_batch": MICRO, "grad_accum": ACCUM, "max_steps": STEPS_TRAINED,
@@ -273,9 +273,9 @@ def train_step(engine, s: int, rank: int, world: int) -> float:
 
 
 def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
-    from launcher.optimizers import resolve
-    from launcher.schedule import WarmupCosine
-    from modeling.model import preset
+    from zerotrain.launcher.optimizers import resolve
+    from zerotrain.launcher.schedule import WarmupCosine
+    from zerotrain.modeling.model import preset
 
     t0 = time.time()
     cfg, ds_config, model, engine, init = build(stage, opt_spec, world)

@@ -31,10 +31,10 @@ def main(mix: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from dataio.loader import MODEL_KEYS, load_data, make_loader, open_data, trainable_tokens
-    from dataio.tokenizer import ByteTokenizer
-    from launcher.profiles import load_profile
-    from modeling.model import Transformer, global_token_mean_scale, next_token_loss, preset
+    from zerotrain.dataio.loader import MODEL_KEYS, load_data, make_loader, open_data, trainable_tokens
+    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.launcher.profiles import load_profile
+    from zerotrain.modeling.model import Transformer, global_token_mean_scale, next_token_loss, preset
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
