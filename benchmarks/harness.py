@@ -45,8 +45,8 @@ def need(module: str, install: str):
 
 
 def demo_mix() -> Path:
-    """The demo's offline mix (launcher/demo.py), built once under runs/demo-data/."""
-    from zerotrain.launcher.demo import build_demo_data
+    """The demo's offline mix (launcher/commands/demo.py), built once under runs/demo-data/."""
+    from zerotrain.launcher.commands.demo import build_demo_data
 
     return build_demo_data(REPO / "runs" / "demo-data")
 

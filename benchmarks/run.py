@@ -22,7 +22,7 @@ Start-up, shard verification, checkpoints and packing baselines: benchmarks/star
 benchmarks/checkpoints.py, benchmarks/packing_baselines.py; fused q/k/v and gate/up weights against our
 separate projections: benchmarks/projections.py.
 
-Data benchmarks (dataio): the demo mix (built offline by launcher/demo.py under runs/demo-data/)
+Data benchmarks (dataio): the demo mix (built offline by launcher/commands/demo.py under runs/demo-data/)
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
 byte-level BPE trained on it; `zerotrain verify` speed; and packing efficiency, best-fit (the
 default) against greedy.
@@ -233,7 +233,7 @@ def bench_local_source_memory():
 
 
 def bench_planner_rss():
-    """The planner's memory model (launcher/planner.py) against this CPU: peak RSS of rank 0 in real
+    """The planner's memory model (launcher/components/planner.py) against this CPU: peak RSS of rank 0 in real
     2-rank fp32 runs under the deepspeed launcher (ZeRO-2 and ZeRO-3; `tiny` and `small`; micro-batch
     2 x 256; 3 steps), as the driver logs it (metrics.jsonl peak_rss_gib), against the planner's
     prediction for the same config. Target: within +-20%."""
@@ -242,7 +242,9 @@ def bench_planner_rss():
     import socket
     import subprocess
 
-    from zerotrain.launcher import model_spec, planner
+    from zerotrain.launcher import model_spec
+
+    from zerotrain.launcher.components import planner
     from zerotrain.launcher.config import RunConfig
     from zerotrain.launcher.profiles import load_profile
 

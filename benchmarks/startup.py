@@ -31,7 +31,7 @@ VERIFY_GB = float(os.environ.get("BENCH_VERIFY_GB", "0.01" if TINY else "1"))
 
 
 def launch_demo(work: Path, n: int) -> dict:
-    from zerotrain.launcher.demo import DEMO_FLAGS
+    from zerotrain.launcher.commands.demo import DEMO_FLAGS
 
     out = work / f"probe-{n}.json"
     port = free_port()

@@ -154,7 +154,7 @@ class CallCounter:
 
 
 class PaceSink:
-    """A metrics sink (launcher/metrics.py's interface: write/close) that paces the real driver:
+    """A metrics sink (launcher/components/metrics.py's interface: write/close) that paces the real driver:
     the Trainer calls write() once per step record after the step, its collectives and logging."""
 
     def __init__(self, pacer: Pacer):
@@ -234,7 +234,8 @@ def loop(a, model, setup: dict, rank: int, forward) -> None:
 
 def run_zt(a, setup: dict) -> None:
     from zerotrain.launcher.config import config_from
-    from zerotrain.launcher.trainer import Trainer, plan_run, single_process_env
+    from zerotrain.launcher.run_plan import plan_run, single_process_env
+    from zerotrain.launcher.trainer import Trainer
 
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])

@@ -332,7 +332,7 @@ def sniff_format(path) -> str:
     """The `format` a single data file's records suggest: "chat" (a "messages" field), "sft"
     ("prompt" and "response"), else "text". Reads the first record of json lines or the schema of
     a parquet file; anything else (or unreadable) is "text", left to the normal checks. For
-    callers that wrap one file into a mix (zerotrain.launcher.finetune)."""
+    callers that wrap one file into a mix (zerotrain.launcher.commands.finetune)."""
     import json
     from pathlib import Path
 

@@ -35,31 +35,22 @@ import zerotrain
 # command -> (module, function): each function takes the argument list and is also the Python API.
 # One line per command (litgpt's __main__.py habit); the usage text is this module's docstring.
 COMMANDS = {
-    "train": ("zerotrain.launcher.train", "main"),
-    "launch": ("zerotrain.launcher.launch", "launch_main"),
-    "slurm": ("zerotrain.launcher.launch", "slurm_main"),
-    "demo": ("zerotrain.launcher.demo", "main"),
-    "params": ("zerotrain.launcher.model_spec", "params_main"),
-    "plan": ("zerotrain.launcher.planner", "plan_main"),
-    "preflight": ("zerotrain.launcher.preflight", "main"),
-    "export": ("zerotrain.launcher.export", "main"),
-    "profiles": ("zerotrain.launcher.cli", "cmd_profiles"),
+    "train": ("zerotrain.launcher.commands.train", "main"),
+    "launch": ("zerotrain.launcher.commands.launch", "launch_main"),
+    "slurm": ("zerotrain.launcher.commands.launch", "slurm_main"),
+    "demo": ("zerotrain.launcher.commands.demo", "main"),
+    "params": ("zerotrain.launcher.commands.params", "params_main"),
+    "plan": ("zerotrain.launcher.commands.plan", "plan_main"),
+    "preflight": ("zerotrain.launcher.commands.preflight", "main"),
+    "export": ("zerotrain.launcher.commands.export", "main"),
+    "profiles": ("zerotrain.launcher.commands.profiles", "main"),
     "prepare": ("zerotrain.dataio.commands", "prepare_main"),
     "verify": ("zerotrain.dataio.commands", "verify_main"),
     "data-bench": ("zerotrain.dataio.commands", "data_bench_main"),
     "tokenizer": ("zerotrain.dataio.commands", "tokenizer_main"),
-    "report": ("zerotrain.launcher.report", "report_main"),
-    "runs": ("zerotrain.launcher.report", "runs_main"),
+    "report": ("zerotrain.launcher.commands.report", "report_main"),
+    "runs": ("zerotrain.launcher.commands.report", "runs_main"),
 }
-
-
-def cmd_profiles(argv: list[str]) -> None:
-    from zerotrain.launcher.profiles import PROFILE_DIR, list_profiles
-
-    for name in list_profiles():
-        prof = json.loads((PROFILE_DIR / f"{name}.json").read_text())
-        print(f"{name:<26} ZeRO-{prof.get('zero_optimization', {}).get('stage', 0)}  "
-              f"{prof.get('zerotrain', {}).get('description', '')}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ that needs a parameter's matrix shape would be silently wrong there.
   sign(0) = 0 put back (see there why).
 
 The peak lr is kept in each param group (`peak_lr`) rather than read from `initial_lr`: the
-schedule (launcher/schedule.py) is a LambdaLR created by DeepSpeed after this optimizer, and the
+schedule (launcher/components/schedule.py) is a LambdaLR created by DeepSpeed after this optimizer, and the
 key must survive a checkpoint's param_groups round trip whoever created it.
 """
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -21,6 +22,9 @@ from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.launcher.errors import UsageError, read_json_object
+from zerotrain.launcher.model_spec import rule_lr_defaults
+from zerotrain.launcher.optimizers import check_optimizer
+from zerotrain.launcher.profiles import profile_from_accelerate
 
 RECIPE_DIR = resource_dir("zerotrain.recipes")
 
@@ -84,7 +88,7 @@ class RunConfig:
                         RUN)
     piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from"
                                       " --seq-len)", IDENTITY_WHEN_SET)
-    # --- observability (issue 10, section 3; launcher/metrics.py) ---
+    # --- observability (issue 10, section 3; launcher/components/metrics.py) ---
     log: str | None = opt(None, "metrics sinks besides metrics.jsonl, comma-separated: tensorboard"
                                 " (RUN_DIR/tensorboard/), wandb (offline unless an API key is set)", RUN)
     wandb_project: str | None = opt(None, "with --log wandb: the W&B project (default zerotrain)", RUN)
@@ -97,14 +101,14 @@ class RunConfig:
                                       " module.path:ClassName (README \"Optimizers\")", IDENTITY_WHEN_SET)
     optimizer_args: dict | None = opt(None, "the optimizer's hyper-parameters as a JSON object, e.g."
                                             " '{\"weight_decay\": 0.0}'", IDENTITY_WHEN_SET)
-    # --- the planner's fit check (issue 10; launcher/planner.py) ---
+    # --- the planner's fit check (issue 10; launcher/components/planner.py) ---
     fit_check: bool | None = opt(None, "refuse, before building anything, a config the planner says cannot fit in"
                                        " this device's memory (default on; --no-fit-check to try anyway)", RUN)
     # --- recipes (issue 11) ---
     dry_run: bool | None = opt(None, "resolve everything (profile, batch, model, data, plan) against the world"
                                      " size, print it and exit 0 without building or writing anything", RUN)
     description: str | None = opt(None, "free text; recipes use it to say what they are for", RUN)
-    # --- pre-flight golden steps (issue 10, section 2; launcher/preflight.py) ---
+    # --- pre-flight golden steps (issue 10, section 2; launcher/commands/preflight.py) ---
     golden: str | None = opt(None, "a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak"
                                    " memory at its golden steps is more than 10% off (another config is refused)", RUN)
     golden_strict: bool | None = opt(None, "with --golden: stop (checkpoint saved, exit 8) instead of warning", RUN)
@@ -170,18 +174,11 @@ class RunConfig:
             raise UsageError("--golden-strict: needs --golden PATH (a golden.json from `zerotrain preflight --stage v3`)")
         if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
-        from zerotrain.launcher.optimizers import check_optimizer  # issue 11: normalised, so `adamw` keeps the default's id
-
+        # issue 11: normalised, so `adamw` keeps the default's id
         self.optimizer, self.optimizer_args = check_optimizer(self.optimizer, self.optimizer_args)
-        from zerotrain.launcher.metrics import WANDB_RESERVED, parse_sinks  # issue 10: observability
-
         if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
             raise UsageError(f"--run-id {self.run_id!r}: --log wandb uses it as the W&B run id, which cannot"
                              f" contain any of {WANDB_RESERVED}")
-        if self.golden is not None:  # issue 10: a golden file of another config is refused before anything is built
-            from zerotrain.launcher.preflight import GoldenCheck  # (last: it compares the normalised identity)
-
-            GoldenCheck.load(self.golden, self)
 
     def warnings(self) -> list[str]:
         out = []
@@ -280,11 +277,7 @@ def config_from(values: dict) -> RunConfig:
     unknown = sorted(set(values) - known)
     if unknown:
         raise UsageError(f"unknown setting {unknown[0]!r} (see `zerotrain train --help`)")
-    from zerotrain.launcher.model_spec import rule_lr_defaults
-
     values = {**values, **rule_lr_defaults(values)}  # a scaling rule's lr law, when --lr is not given
-    from zerotrain.launcher.launch import profile_from_accelerate
-
     values = {**values, **profile_from_accelerate(values)}  # under accelerate, its deepspeed_config_file is the profile
     cfg = RunConfig(**values)
     cfg.validate()
@@ -296,3 +289,29 @@ def resolve_config(argv: list[str] | None) -> RunConfig:
     values = load_recipe(ns.config) if ns.config else {}
     values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
     return config_from(values)
+
+
+SINKS = ("jsonl", "tensorboard", "wandb")
+
+
+SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # sink -> the package it imports
+
+
+WANDB_RESERVED = ":;,#?/'"  # characters W&B refuses in a run id (wandb_settings.validate_run_id)
+
+
+def parse_sinks(spec: str | None) -> list[str]:
+    """`--log a,b` as sink names, jsonl always first. UsageError (one line) for an unknown name or a
+    sink whose package is not installed, so a typo is caught before anything is built."""
+    if isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):  # a recipe may give a list
+        spec = ",".join(spec)
+    if spec is not None and not isinstance(spec, str):
+        raise UsageError(f"--log {spec!r}: expected sink names separated by commas, e.g. tensorboard,wandb")
+    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    for name in names:
+        if name not in SINKS:
+            raise UsageError(f"--log {spec}: unknown sink {name!r} (choose from {', '.join(SINKS)})")
+        package = SINK_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            raise UsageError(f"--log {name}: the {package} package is not installed (pip install {package})")
+    return ["jsonl"] + [n for n in dict.fromkeys(names) if n != "jsonl"]

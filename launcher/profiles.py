@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 from zerotrain import resource_dir
@@ -125,7 +126,7 @@ def resolve_batch(profile: dict, micro: int | None, accum: int | None, global_to
 def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     """The exact dict for deepspeed.initialize: batch numbers and the optimizer (launcher/optimizers.py) filled in.
 
-    The LR schedule is not in it: it is zerotrain.launcher.schedule's, handed to deepspeed.initialize.
+    The LR schedule is not in it: it is zerotrain.launcher.components.schedule's, handed to deepspeed.initialize.
     """
     ds = copy.deepcopy(profile)
     ds.pop("zerotrain", None)
@@ -137,3 +138,31 @@ def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     ds = resolve_ds_optimizer(ds, cfg, where)  # --optimizer: the section DeepSpeed builds, or none for a client one
     ds.pop("scheduler", None)
     return ds
+
+
+def profile_from_accelerate(values: dict, environ=None) -> dict:
+    """Under `accelerate launch` with a `deepspeed_config_file`, that file is the profile.
+
+    accelerate hands the file to the ranks as ACCELERATE_DEEPSPEED_CONFIG_FILE. A --profile (flag
+    or recipe) naming another file is refused, naming both; one naming the same file is fine.
+    Returns the values to override ({"profile": NAME} for a file in ds_configs/, so the run id is
+    the one `--profile NAME` gives; else the file's absolute path), or {} outside accelerate.
+    """
+    environ = os.environ if environ is None else environ
+    path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or path == "none":
+        return {}
+    where = f"accelerate's deepspeed_config_file {path} (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{where}: no such file (a path in the accelerate config is relative to where"
+                         " `accelerate launch` runs)")
+    file = file.resolve()
+    shipped = file.parent == PROFILE_DIR.resolve()
+    given = values.get("profile")
+    if given is not None:
+        given_file = Path(given) if given.endswith(".json") or Path(given).is_file() else PROFILE_DIR / f"{given}.json"
+        if given == "auto" or given_file.resolve() != file:
+            raise UsageError(f"--profile {given} and {where}: two different profiles; drop --profile (under"
+                             " accelerate the config file decides)")
+    return {"profile": file.stem if shipped else str(file)}

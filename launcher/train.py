@@ -1,42 +1,21 @@
-"""The zerotrain driver's command line: `run(cfg)` (launcher/trainer.py) and exit codes.
+"""The driver's entry for the launchers, in both forms they take:
 
-Starts the same way under `deepspeed`, `torchrun`, `accelerate launch` and plain `python`
-(one process: it sets up the single-rank environment itself). Bad input is refused before
-anything is built or written (exit status 2, one line). Exit codes: launcher/errors.py and
-README.md ("Long runs"). See README.md for the flags, or `--help`.
+    deepspeed --num_gpus N --module zerotrain.launcher.train ARGS     (also torchrun -m, accelerate launch -m)
+    deepspeed --num_gpus N launcher/train.py ARGS                     (a checkout: the same, as a script)
+
+`zerotrain launch`, the Slurm template and the notebook use the module form: it works the same for a
+checkout and a wheel. The command itself is zerotrain.launcher.commands.train.
 """
-from __future__ import annotations
-
-import os
 import sys
 from pathlib import Path
 
 if __package__ in (None, "") and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    # Run as a script (`deepspeed launcher/train.py`): Python put this folder first on sys.path, which
-    # would make our module names (config, errors, schedule, ...) shadow other packages' top-level
-    # imports. The code is imported from the installed `zerotrain` package instead.
+    # Run as a script: Python put this folder first on sys.path, where our module names (config,
+    # errors, trainer, ...) would shadow other packages' top-level imports. Import the installed
+    # `zerotrain` package instead.
     del sys.path[0]
 
-from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> None:
-    from zerotrain.launcher.config import resolve_config
-    from zerotrain.launcher.trainer import QuietExit, run
-
-    code = 0
-    try:
-        result = run(resolve_config(argv))
-        code = result.exit_code
-    except UsageError as e:  # DataError too: bad input, nothing written
-        if getattr(e, "any_rank", False) and os.environ.get("RANK", "0") != "0":
-            print(f"zerotrain: error: {e}", file=sys.stderr, flush=True)  # the rank that met it says it
-            sys.exit(EXIT_USAGE)
-        fail(str(e))
-    except QuietExit:  # another rank met a data error and printed it
-        sys.exit(EXIT_USAGE)
-    sys.exit(code)
-
+from zerotrain.launcher.commands.train import main  # noqa: E402
 
 if __name__ == "__main__":
     main(sys.argv[1:])

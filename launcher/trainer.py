@@ -5,9 +5,9 @@
     Trainer.train()        the loop: a list of calls to small components
 
 The components (each its own module, unit-tested without a process group where possible):
-launcher/checkpoint.py (when to save, completion, verification, rotation, best, mirror),
-launcher/evaluate.py (all-rank evaluation), launcher/guards.py (signals, spikes, budgets, early
-stop), launcher/metrics.py (sinks), launcher/manifest.py (who ran what, when).
+launcher/components/checkpoint.py (when to save, completion, verification, rotation, best, mirror),
+launcher/components/evaluate.py (all-rank evaluation), launcher/components/guards.py (signals, spikes, budgets, early
+stop), launcher/components/metrics.py (sinks), launcher/components/manifest.py (who ran what, when).
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
 (Trainer.agree) of each rank's row: this step's loss sum and signal flag, the decisions only rank 0
@@ -30,61 +30,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerotrain.dataio.errors import DataError
-from zerotrain.launcher import checkpoint
+from zerotrain.launcher.components import checkpoint
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.guards import _hms
-from zerotrain.launcher.metrics import step_measurements
+from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
+from zerotrain.launcher.components.guards import _hms
+from zerotrain.launcher.components.metrics import step_measurements
 from zerotrain.launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
                              EXIT_SIGNAL, CheckpointError, UsageError)
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
-EVAL_TOKENS_DEFAULT = 65536  # --eval-data without --eval-tokens: tokens per evaluation
 ROLLBACKS_MAX = 3  # --on-spike rollback gives up (exit 3) after this many rollbacks in one run
-
-
-def single_process_env() -> None:
-    """Plain `python launcher/train.py` or a notebook: become rank 0 of a world of 1."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """The resolved run: config, profile, DeepSpeed dict, data, model, run directory, resume point."""
-    cfg: RunConfig
-    world: int
-    rank: int
-    profile_name: str
-    profile_why: str | None
-    ds_config: dict
-    zt: dict  # the profile's "zerotrain" section
-    data: object  # zerotrain.dataio.loader.Data, loaded and checked
-    eval_rows: dict | None  # per source, the packed rows every evaluation runs (dataio/holdout.py)
-    loader_settings: dict
-    tokenizer: object
-    model_args: object
-    model_label: str
-    init_from: str | None
-    run_dir: Path
-    resume_from: Path | None
-    resume_meta: dict | None = None
-    warnings: tuple[str, ...] = ()
-    golden: object | None = None  # --golden: a zerotrain.launcher.preflight.GoldenCheck (issue 10)
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    @property
-    def mirror_ckpt_dir(self) -> Path | None:
-        return Path(self.cfg.mirror) / self.run_dir.name / "checkpoints" if self.cfg.mirror else None
 
 
 @dataclass
@@ -102,7 +59,7 @@ class RunResult:
 
     @property
     def metrics(self) -> list[dict]:
-        from zerotrain.launcher.metrics import read_metrics
+        from zerotrain.launcher.components.metrics import read_metrics
 
         return read_metrics(self.run_dir)
 
@@ -123,149 +80,9 @@ class QuietExit(Exception):
 # Planning: nothing is written and nothing is built
 # ------------------------------------------------------------------------------------------------
 
-def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
-    """Everything decided before any process touches disk or builds a model. Raises UsageError/DataError."""
-    from zerotrain.dataio.loader import dataloader_settings, open_data
-    from zerotrain.dataio.packing import check_packing
-    from zerotrain.dataio.tokenizer import load_tokenizer
-    from zerotrain.launcher import model_spec
-    from zerotrain.launcher.profiles import detect_profile, load_profile, resolve_ds_config
-
-    why = None
-    profile_spec = cfg.profile
-    if profile_spec == "auto":
-        profile_spec, why = detect_profile()
-    profile_name, profile = load_profile(profile_spec)
-    ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
-    zt = profile.get("zerotrain", {})
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    data = open_data(cfg.data, tokenizer)  # a mix file or a prepared shard directory
-    loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
-    loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
-    model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
-    if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
-        from zerotrain.launcher.planner import fit_check
-
-        fit_check(cfg, model_args, ds_config, zt, world)
-
-    run_id = cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
-    run_dir = Path(cfg.out) / run_id
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"run directory {run_dir}: exists and is not a directory")
-    if cfg.mirror is not None:
-        checkpoint.check_mirror(cfg.mirror, run_dir, run_id)
-    ckpt_dir = run_dir / "checkpoints"
-    mirror_ckpt = Path(cfg.mirror) / run_id / "checkpoints" if cfg.mirror else None
-    resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
-    meta = None
-    if resume_from is not None:
-        meta = checkpoint.read_meta(resume_from)
-        if meta["world_size"] != world:
-            ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
-        if meta.get("loader_workers", 0) != loader_settings["workers"]:
-            raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
-                             f" per rank, this profile has {loader_settings['workers']}; the document order depends"
-                             " on it (set zerotrain.dataloader.workers back)")
-        if meta["step"] >= cfg.max_steps:
-            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} >= --max-steps {cfg.max_steps}")
-    saved = run_dir / "config.json"
-    saved_run = json.loads(saved.read_text())["run"] if saved.is_file() else None
-    if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
-        drift = cfg.drift(saved_run)
-        if drift:
-            raise UsageError(f"config drift against {saved}: " + ", ".join(drift) + "; start a new --run-id instead")
-    golden = None
-    if cfg.golden:  # --golden (issue 10): a golden file of another config or world size is refused here
-        from zerotrain.launcher.preflight import GoldenCheck
-
-        golden = GoldenCheck.load(cfg.golden, cfg, world)
-    from zerotrain.launcher.guards import Budget
-
-    Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
-        ds_config["train_batch_size"] * cfg.seq_len)
-    data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
-    return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
-                   zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
-                   model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()), golden=golden)
-
-
-def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:
-    """The checkpoint --resume names (verified), or None; --resume never refuses a run holding checkpoints."""
-    if cfg.resume == "auto":
-        return checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=_say_rank0(rank))
-    if cfg.resume == "never":
-        if checkpoint.complete_checkpoints(ckpt_dir):
-            raise UsageError(f"--resume never: {run_dir} already holds checkpoints; pick another --run-id")
-        return None
-    resume_from = Path(cfg.resume)
-    if not (resume_from / checkpoint.MARKER).is_file():
-        raise UsageError(f"--resume {cfg.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
-    problem = checkpoint.verify(resume_from)
-    if problem:
-        raise UsageError(f"--resume {cfg.resume}: {problem}")
-    return resume_from
-
-
-def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, saved_run: dict | None):
-    """Reads every source / verifies every shard, cuts pieces, holds out eval documents: bad data stops
-    here, identically on every rank. Returns (data, eval rows or None)."""
-    from zerotrain.dataio.loader import load_data, open_data
-    from zerotrain.dataio.sources import default_piece_len
-
-    piece_len = cfg.piece_len or default_piece_len(cfg.seq_len)
-    if saved_run is not None and "piece_len" not in saved_run:
-        piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
-    holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
-    # issue 9: seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
-    data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.seq_len, verify=cfg.verify_data or "quick")
-    if not cfg.eval_every_steps:
-        return data, None
-    from zerotrain.dataio.holdout import holdout_rows, mix_rows
-
-    if cfg.eval_data is not None:
-        eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer), seq_len=cfg.seq_len), cfg.seq_len,
-                             cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
-    else:
-        eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.seq_len)
-    if not eval_rows:
-        raise UsageError(f"--eval-every-steps {cfg.eval_every_steps}: no eval data (every source is streamed);"
-                         " give --eval-data MIX.json")
-    return data, eval_rows
-
-
-def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, data, saved_ds: Path) -> dict:
-    """The DeepSpeed dict for resuming a checkpoint saved by another number of ranks.
-
-    Model and optimizer go through DeepSpeed's universal checkpoint (launcher/universal.py,
-    converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
-    epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
-    """
-    from zerotrain.dataio.reshard import check_reshard
-    from zerotrain.launcher import universal
-
-    check_reshard(data, meta["world_size"], world)
-    universal.check_supported(ds_config, tag_dir)
-    saved = json.loads(saved_ds.read_text()) if saved_ds.is_file() else None
-    global_batch = saved["train_batch_size"] if saved else ds_config["train_batch_size"]
-    micro = ds_config["train_micro_batch_size_per_gpu"]
-    if global_batch % (micro * world):
-        raise UsageError(f"checkpoint {tag_dir}: its global batch of {global_batch} rows cannot be kept on {world}"
-                         f" rank(s) x micro-batch {micro}; pick a --micro-batch that divides {global_batch // world}"
-                         if global_batch % world == 0 else
-                         f"checkpoint {tag_dir}: its global batch of {global_batch} rows is not divisible by {world}"
-                         " ranks")
-    ds_config = {**ds_config, "gradient_accumulation_steps": global_batch // (micro * world),
-                 "train_batch_size": global_batch}
-    return universal.ds_config_for_universal(ds_config)
-
 
 # fetch()'s row when no step follows: no batches, nothing ended, no error
 NOTHING_FETCHED = [0, 0, 0, 0]
-
-
-def _say_rank0(rank: int):
-    return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,7 +112,7 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
-        from zerotrain.launcher.guards import Budget
+        from zerotrain.launcher.components.guards import Budget
 
         budget = Budget(plan.cfg.max_hours, plan.cfg.total_tokens, plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
                         self.world)
@@ -307,8 +124,7 @@ class Trainer:
         _unlink_shm_buffer(self.rank)
         self.universal_dir = None
         if plan.resume_from is not None and plan.resume_meta["world_size"] != self.world:
-            from zerotrain.launcher import universal
-
+            from zerotrain.launcher.components import universal
             self.universal_dir = universal.convert_on_rank0(
                 plan.resume_from, out_dir=plan.ckpt_dir / "universal" / plan.resume_from.name)
             self.say(f"converted {plan.resume_from} (saved by {plan.resume_meta['world_size']} ranks) to a universal"
@@ -325,10 +141,10 @@ class Trainer:
         self.final_loader_state = None  # set when the data runs out: the state before the unfinished step
         self.fetched = self.state_before_fetch = None  # the next step's batches, taken ahead (fetch())
         self.grad_norm = None
-        from zerotrain.launcher.metrics import MetricsLogger
+        from zerotrain.launcher.components.metrics import MetricsLogger
 
         self.metrics = MetricsLogger(plan.run_dir, self.is_main, self.cfg, say=self.say)  # --log sinks (issue 10)
-        from zerotrain.launcher.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
+        from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
 
         cfg = self.cfg
         self.spikes = SpikeDetector()
@@ -337,7 +153,7 @@ class Trainer:
         self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
         if plan.eval_rows:
-            from zerotrain.launcher.evaluate import Evaluator
+            from zerotrain.launcher.components.evaluate import Evaluator
 
             self.evaluator = Evaluator(plan.eval_rows, self.rank, self.world,
                                        plan.ds_config["train_micro_batch_size_per_gpu"])
@@ -373,8 +189,7 @@ class Trainer:
                         "identity_hash": self.cfg.identity_hash()}
             _write_atomic(plan.run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
             _write_atomic(plan.run_dir / "ds_config.json", json.dumps(plan.ds_config, indent=2) + "\n")
-            from zerotrain.launcher import manifest
-
+            from zerotrain.launcher.components import manifest
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
                                      profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
                                      hosts=hosts, resumed_from=str(plan.resume_from or "") or None)
@@ -386,7 +201,7 @@ class Trainer:
         return sorted(set(hosts))
 
     def _build_engine(self, deepspeed, accel):
-        from zerotrain.launcher.schedule import make_scheduler
+        from zerotrain.launcher.components.schedule import make_scheduler
         from zerotrain.modeling.model import Transformer, count_params, held_numel
 
         torch, plan, cfg = self.torch, self.plan, self.cfg
@@ -444,8 +259,7 @@ class Trainer:
 
     def _resume(self, tag_dir: Path, load_loader: bool = True) -> None:
         if self.universal_dir is not None:
-            from zerotrain.launcher import universal
-
+            from zerotrain.launcher.components import universal
             state = universal.load(self.engine, self.universal_dir)["zerotrain"]
             # DeepSpeed keeps applying load_universal to every later load_checkpoint of this engine;
             # a rollback reloads one of our own (same-world) tags. 0.19 reads this only in load_checkpoint.
@@ -641,8 +455,7 @@ class Trainer:
                            save_blocked_s=round(self.save_seconds, 3))
         self.metrics.close()
         if self.is_main:
-            from zerotrain.launcher import manifest
-
+            from zerotrain.launcher.components import manifest
             manifest.record_end(plan.run_dir, stop.stop, self.step)
             report_exit(stop.exit_code)
         # Nobody exits before rank 0's last write: DeepSpeed's launcher SIGTERMs the other ranks as
@@ -902,7 +715,7 @@ def _unlink_shm_buffer(rank: int) -> None:
 
 
 def report_exit(code: int) -> None:
-    """For `zerotrain launch` (launcher/launch.py): DeepSpeed's launcher exits 1 when it forwards
+    """For `zerotrain launch` (launcher/commands/launch.py): DeepSpeed's launcher exits 1 when it forwards
     SIGTERM or when a rank exits non-zero, losing our code; rank 0 leaves it in ZEROTRAIN_EXIT_FILE."""
     path = os.environ.get("ZEROTRAIN_EXIT_FILE")
     if path:
@@ -955,7 +768,7 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
 def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     """`--dry-run`: the run resolved against its profile's hardware (or the launch's world size when
     launched), printed; nothing built, nothing written. Recipes are checked this way in CI."""
-    from zerotrain.launcher import planner
+    from zerotrain.launcher.components import planner
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import count_params
 

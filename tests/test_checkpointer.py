@@ -1,4 +1,4 @@
-"""launcher/checkpoint.py: when to save, completion markers with sizes and sha256, verification and
+"""launcher/components/checkpoint.py: when to save, completion markers with sizes and sha256, verification and
 fallback on resume, rotation, best.json, the mirror, failed saves, the run directory lock.
 
 The policy and file logic run in-process without a process group (world 1): `save()` drives a
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from zerotrain.launcher.checkpoint import (BEST, LOCK, MARKER, CheckpointError, Checkpointer, RunLock, check_mirror,
+from zerotrain.launcher.components.checkpoint import (BEST, LOCK, MARKER, CheckpointError, Checkpointer, RunLock, check_mirror,
                                  complete_checkpoints, find_resume, read_meta, rotation_victims, tag_for, verify)
 from zerotrain.launcher.errors import UsageError
 

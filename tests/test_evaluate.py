@@ -1,4 +1,4 @@
-"""Evaluation: the holdout (dataio/holdout.py), eval rows, and the all-rank Evaluator (launcher/evaluate.py).
+"""Evaluation: the holdout (dataio/holdout.py), eval rows, and the all-rank Evaluator (launcher/components/evaluate.py).
 
 Unit tests run in one process without a process group; one real 2-rank `deepspeed` launch
 (ZeRO-3, tests/helpers/eval_harness.py) checks the collective path against a single-process
@@ -23,7 +23,7 @@ from zerotrain.dataio.holdout import MAX_FRACTION, holdout_rows, holdout_summary
 from zerotrain.dataio.loader import cut_data, make_loader, open_data
 from zerotrain.dataio.sources import default_piece_len, load_text_source
 from zerotrain.dataio.tokenizer import ByteTokenizer
-from zerotrain.launcher.evaluate import Evaluator
+from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.modeling.model import ModelArgs, Transformer
 
 EOS = ByteTokenizer.eos_id

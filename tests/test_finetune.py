@@ -57,7 +57,7 @@ def _one_thread(monkeypatch):
 def _leave_no_process_group():
     """An in-process run makes this pytest process rank 0 of a world of 1 (environment and process
     group): undo it, so later tests' launches do not inherit RANK or MASTER_PORT."""
-    from zerotrain.launcher.launch import RANK_VARS
+    from zerotrain.launcher.commands.launch import RANK_VARS
 
     saved = {k: os.environ.get(k) for k in RANK_VARS}
     yield
@@ -73,8 +73,8 @@ def _leave_no_process_group():
 
 
 def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
-    from zerotrain.launcher import finetune
-    from zerotrain.launcher.finetune import generate
+    from zerotrain.launcher.commands import finetune
+    from zerotrain.launcher.commands.finetune import generate
 
     llama = write_llama_dir(tmp_path / "llama")
     data = write_mix(tmp_path / "data")
@@ -125,7 +125,7 @@ def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
 
 
 def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
-    from zerotrain.launcher import finetune
+    from zerotrain.launcher.commands import finetune
     from zerotrain.launcher.train import main
 
     data = write_mix(tmp_path / "data")
@@ -159,7 +159,7 @@ def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
 
 
 def test_best_checkpoint_else_newest(tmp_path):
-    from zerotrain.launcher.finetune import best_or_newest
+    from zerotrain.launcher.commands.finetune import best_or_newest
 
     ckpts = tmp_path / "run" / "checkpoints"
     for step in (2, 4):
@@ -176,16 +176,14 @@ def test_best_checkpoint_else_newest(tmp_path):
 
 def test_import_forms():
     import zerotrain.launcher
-    import zerotrain.launcher.finetune as module
-    from zerotrain.launcher import finetune
-
-    assert finetune is module is zerotrain.launcher.finetune and callable(finetune)
+    import zerotrain.launcher.commands.finetune as module
+    from zerotrain.launcher.commands import finetune
+    assert finetune is module is zerotrain.launcher.commands.finetune and callable(finetune)
     assert module.finetune.__name__ == "finetune"
 
 
 def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys, monkeypatch):
-    from zerotrain.launcher import finetune
-
+    from zerotrain.launcher.commands import finetune
     # as in a notebook after an in-process run: this process is rank 0 of a world of 1
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT="1").items():
@@ -204,7 +202,7 @@ def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys,
 
 def test_a_single_data_file_becomes_a_one_source_mix(tmp_path):
     from zerotrain.dataio.sources import parse_mix
-    from zerotrain.launcher.finetune import data_spec
+    from zerotrain.launcher.commands.finetune import data_spec
 
     out = tmp_path / "runs"
     records = {"docs": {"text": "a document"}, "qa": {"prompt": "2 + 2?", "response": "4"},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from zerotrain.launcher.errors import EXIT_BUDGET, EXIT_DIVERGED, EXIT_SIGNAL, EXIT_SIGNAL_HARD, UsageError
-from zerotrain.launcher.guards import Budget, EarlyStopping, SignalStop, SpikeDetector, StopReason, non_finite
+from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector, StopReason, non_finite
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -310,7 +310,7 @@ def test_install_outside_the_main_thread_is_skipped_without_error():
 CHILD = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from zerotrain.launcher.guards import SignalStop
+from zerotrain.launcher.components.guards import SignalStop
 stop = SignalStop(grace_s=0.3).install()
 print("ready", flush=True)
 while stop.requested is None:

@@ -21,9 +21,10 @@ import yaml
 
 from conftest import REPO, TRAIN_PY, cpu_profile, free_port, read_metrics
 
-from zerotrain.launcher import hostfile
+from zerotrain.launcher.components import hostfile
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.launch import plan_hostfile_launch, profile_from_accelerate
+from zerotrain.launcher.commands.launch import plan_hostfile_launch
+from zerotrain.launcher.profiles import profile_from_accelerate
 
 BIN = Path(sys.executable).parent
 TRAIN = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--warmup-steps", "1"]

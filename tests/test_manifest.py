@@ -6,8 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from zerotrain.launcher import manifest
-from zerotrain.launcher.guards import StopReason
+from zerotrain.launcher.components import manifest
+from zerotrain.launcher.components.guards import StopReason
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = dict(run_id="debug-cpu-abc123", config_hash="abc123", profile="cpu", seed=1337)

@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 
 from conftest import launch
-from zerotrain.launcher import manifest
-from zerotrain.launcher.checkpoint import RunLock
+from zerotrain.launcher.components import manifest
+from zerotrain.launcher.components.checkpoint import RunLock
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.guards import StopReason
-from zerotrain.launcher.metrics import MetricsLogger, parse_sinks, read_metrics, scalars, step_measurements
+from zerotrain.launcher.components.guards import StopReason
+from zerotrain.launcher.components.metrics import MetricsLogger, read_metrics, scalars, step_measurements
+from zerotrain.launcher.config import parse_sinks
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_ID = "obs-run"
@@ -163,7 +164,7 @@ def test_wandb_asks_nothing_with_a_terminal_attached(tmp_path, no_wandb_account)
     import pty
 
     script = ("import sys; from pathlib import Path; from zerotrain.launcher.config import RunConfig;"
-              " from zerotrain.launcher.metrics import MetricsLogger; print('tty', sys.stdin.isatty(), flush=True);"
+              " from zerotrain.launcher.components.metrics import MetricsLogger; print('tty', sys.stdin.isatty(), flush=True);"
               f" m = MetricsLogger(Path({str(tmp_path)!r}), True, RunConfig(data='m', log='wandb'));"
               " m.log({'step': 1, 'loss': 2.5}); m.close(); print('done', flush=True)")
     master, slave = pty.openpty()
@@ -226,7 +227,7 @@ def test_step_measurements_on_this_cpu():
     import sys
 
     # (ru_maxrss survives fork+exec: the child starts with this process's peak, so allocate past it)
-    code = ("from zerotrain.launcher.metrics import step_measurements as m; a = m(0, 0)['peak_rss_gib'];"
+    code = ("from zerotrain.launcher.components.metrics import step_measurements as m; a = m(0, 0)['peak_rss_gib'];"
             " block = b'x' * int((a + 0.3) * 2 ** 30); print(m(0, 0)['peak_rss_gib'] - a)")
     rise = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                 cwd=Path(__file__).resolve().parent.parent).stdout)
@@ -292,7 +293,7 @@ def copy_run(src: Path, dst: Path) -> Path:
 
 
 def test_report_compare_overlays_runs(real_run, tmp_path):
-    from zerotrain.launcher.report import _loss_steps, load_run
+    from zerotrain.launcher.commands.report import _loss_steps, load_run
 
     other = copy_run(real_run, tmp_path / "other-run")
     lines = [json.loads(line) for line in (other / "metrics.jsonl").read_text().splitlines()]

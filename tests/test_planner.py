@@ -1,4 +1,4 @@
-"""The planner (launcher/planner.py): counts from the model itself, DeepSpeed's own memory formulas,
+"""The planner (launcher/components/planner.py): counts from the model itself, DeepSpeed's own memory formulas,
 the activation formula against what autograd really keeps, the plan's arithmetic, the fit check,
 and bad input. No process group; the one subprocess is the CLI's exit status."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotrain.launcher import planner
+from zerotrain.launcher.components import planner
+from zerotrain.launcher.commands.plan import plan_main
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import list_profiles, load_profile
@@ -29,7 +30,7 @@ CONFIGS = {
 
 
 def plan_json(capsys, *argv) -> dict:
-    planner.plan_main(["--json", *argv])
+    plan_main(["--json", *argv])
     return json.loads(capsys.readouterr().out)
 
 
@@ -165,7 +166,7 @@ def test_bad_input_one_line_exit_2():
 ])
 def test_bad_plan_flags(argv, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
-        planner.plan_main(argv)
+        plan_main(argv)
 
 
 def test_unfittable_plan_says_by_how_much_and_what_would(capsys):

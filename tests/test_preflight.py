@@ -1,4 +1,4 @@
-"""Pre-flight (`zerotrain preflight`, launcher/preflight.py) and the golden-step check of a real run.
+"""Pre-flight (`zerotrain preflight`, launcher/commands/preflight.py) and the golden-step check of a real run.
 
 A fault is planted for each stage and that stage catches it: a corrupted shard byte (v1 data), a
 checkpoint whose read-back differs (v1, READBACK_HOOK), a data loader slowed on purpose (v2,
@@ -20,18 +20,19 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port, write_mix
-from zerotrain.launcher import preflight
+from zerotrain.launcher.commands import preflight
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.preflight import GoldenCheck, golden_steps, make_golden, mfu_threshold, parse_args
+from zerotrain.launcher.commands.preflight import parse_args
+from zerotrain.launcher.components import golden
+from zerotrain.launcher.components.golden import GoldenCheck, golden_steps, make_golden, mfu_threshold
 
-PREFLIGHT_PY = REPO / "launcher" / "preflight.py"
+PREFLIGHT = "zerotrain.launcher.commands.preflight"  # run as a module, like the driver
 
 
 def launch_preflight(launcher: str, args: list[str], env_extra=None, timeout: int = 300):
-    script = [str(PREFLIGHT_PY), *args]
-    cmd = ([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), *script]
-           if launcher == "deepspeed" else [sys.executable, *script])
+    cmd = ([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", PREFLIGHT, *args]
+           if launcher == "deepspeed" else [sys.executable, "-m", PREFLIGHT, *args])
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -120,9 +121,11 @@ def test_golden_file_of_another_config_or_world_is_refused(setup, healthy):
     golden = healthy["run_dir"] / "preflight" / "golden.json"
     base = {k.lstrip("-").replace("-", "_"): v for k, v in zip(*[iter(flags(setup, healthy["out"]))] * 2)}
     base.update(seq_len=128, micro_batch=4)
-    cfg = config_from({**base, "golden": str(golden)})  # the rehearsed config: accepted
+    cfg = config_from({**base, "golden": str(golden)})
+    GoldenCheck.load(str(golden), cfg, world=2)  # the rehearsed config: accepted
+    other = config_from({**base, "golden": str(golden), "lr": 0.001})
     with pytest.raises(UsageError, match=r"recorded for another config: lr 0\.003 -> 0\.001"):
-        config_from({**base, "golden": str(golden), "lr": 0.001})
+        GoldenCheck.load(str(golden), other, world=2)  # what plan_run and `zerotrain launch` call first
     with pytest.raises(UsageError, match=r"world_size 2 -> 1"):
         GoldenCheck.load(str(golden), cfg, world=1)
 
@@ -246,12 +249,11 @@ def test_stage_arguments_and_defaults():
     assert preflight.rehearsal_steps(100) == 20 and preflight.rehearsal_steps(10**6) == 200
     assert mfu_threshold({"mfu_threshold": 0.2})[0] == 0.2
     assert mfu_threshold({"expected_mfu": 0.4})[0] == pytest.approx(0.3)
-    assert mfu_threshold({})[0] == preflight.DEFAULT_MFU_THRESHOLD
+    assert mfu_threshold({})[0] == golden.DEFAULT_MFU_THRESHOLD
 
 
 def test_zerotrain_preflight_bad_stage_is_exit_2(capsys):
     from zerotrain.launcher import cli
-
     with pytest.raises(SystemExit) as e:
         cli.main(["preflight", "--stage", "v9", "--data", "m.json"])
     assert e.value.code == 2

@@ -88,7 +88,7 @@ def stand_ins(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo_data():
     """The demo's data (dataio/mixes/demo.json points at it): built as `make demo` builds it."""
-    from zerotrain.launcher.demo import build_demo_data
+    from zerotrain.launcher.commands.demo import build_demo_data
 
     return build_demo_data(REPO / "runs" / "demo-data")
 
@@ -177,7 +177,7 @@ def test_optimal_recipe_is_the_planners_compute_optimal_size(capsys, monkeypatch
     """h100pcie-x8-1000usd-optimal spends the same budget on the depth closest to the size the
     planner calls compute-optimal for h100pcie-x8-1000usd; its max_steps is what the budget buys."""
     from zerotrain.launcher.config import load_recipe
-    from zerotrain.launcher.planner import plan_main
+    from zerotrain.launcher.commands.plan import plan_main
     from zerotrain.modeling.model import count_params
     from zerotrain.modeling.sizes import depth_args
 
@@ -203,7 +203,7 @@ def test_optimal_recipe_is_the_planners_compute_optimal_size(capsys, monkeypatch
 def test_cpu_debug_is_the_demo():
     """recipes/cpu-debug.json says what `make demo` runs: the same flags, the same mix."""
     from zerotrain.launcher.config import build_parser, load_recipe
-    from zerotrain.launcher.demo import DEMO_FLAGS
+    from zerotrain.launcher.commands.demo import DEMO_FLAGS
 
     recipe = load_recipe(str(REPO / "recipes" / "cpu-debug.json"))
     demo = {k: v for k, v in vars(build_parser().parse_args(["--data", "x", *DEMO_FLAGS])).items()
@@ -220,7 +220,7 @@ def test_cpu_debug_is_the_demo():
 def test_workstation_recipes_launch_with_expandable_segments(name, tmp_path, monkeypatch):
     """The launch each description gives puts the allocator setting into every rank's environment
     (from the profile's zerotrain.env; a value set in the launching shell would win)."""
-    from zerotrain.launcher.launch import plan_hostfile_launch
+    from zerotrain.launcher.commands.launch import plan_hostfile_launch
 
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)

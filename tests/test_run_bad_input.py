@@ -9,7 +9,7 @@ import pytest
 
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.trainer import plan_run
+from zerotrain.launcher.run_plan import plan_run
 from test_bad_input import snapshot
 
 

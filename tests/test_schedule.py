@@ -1,6 +1,6 @@
 import pytest
 
-from zerotrain.launcher.schedule import WarmupCosine
+from zerotrain.launcher.components.schedule import WarmupCosine
 
 
 def test_warmup_then_cosine_to_min():

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.launcher import checkpoint
-
+from zerotrain.launcher.components import checkpoint
 REPO = Path(__file__).resolve().parent.parent
 
 COUNT_COLLECTIVES = r"""
@@ -21,7 +20,6 @@ import collections, json, sys
 import torch.distributed as dist
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher import trainer
-
 calls = collections.Counter()
 for name in ("all_gather", "all_reduce", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
     fn = getattr(dist, name)
@@ -81,7 +79,7 @@ def test_driver_verifies_shards_quickly_by_default_and_fully_on_request(tmp_path
     from zerotrain.dataio.errors import DataError
     from zerotrain.dataio.shards import VerifiedCache
     from zerotrain.launcher.config import config_from
-    from zerotrain.launcher.trainer import plan_run
+    from zerotrain.launcher.run_plan import plan_run
 
     monkeypatch.setenv("ZEROTRAIN_CACHE", str(tmp_path / "cache"))
     shards = tmp_path / "shards"

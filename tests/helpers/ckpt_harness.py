@@ -1,4 +1,4 @@
-"""Test harness for launcher/checkpoint.py's Checkpointer under a real `deepspeed` launch
+"""Test harness for launcher/components/checkpoint.py's Checkpointer under a real `deepspeed` launch
 (tests/test_checkpointer.py), and the measurement of how long a save blocks the loop.
 
 The debug model under ZeRO-3 with the cpu profile's settings, trained on random tokens.
@@ -79,7 +79,7 @@ def fingerprint(engine) -> float:
 def check(out: Path) -> None:
     import torch.distributed as dist
 
-    from zerotrain.launcher.checkpoint import (BEST, MARKER, CheckpointError, Checkpointer, complete_checkpoints,
+    from zerotrain.launcher.components.checkpoint import (BEST, MARKER, CheckpointError, Checkpointer, complete_checkpoints,
                                      incomplete_checkpoints, load, read_meta, tag_for, verify)
 
     engine, train_step = build()
@@ -136,7 +136,7 @@ def check(out: Path) -> None:
 def measure(out: Path, saves: int, model_preset: str) -> None:
     import torch.distributed as dist
 
-    from zerotrain.launcher.checkpoint import Checkpointer
+    from zerotrain.launcher.components.checkpoint import Checkpointer
 
     engine, train_step = build(model_preset)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""Test harness for launcher/evaluate.py under a real `deepspeed` launch (tests/test_evaluate.py).
+"""Test harness for launcher/components/evaluate.py under a real `deepspeed` launch (tests/test_evaluate.py).
 
 Every rank: loads a mix, splits off the holdout, builds its eval rows, then cuts them so that
 the ranks hold UNEVEN numbers of rows (source 1: an odd count; source 2: one row, so rank 1 has
@@ -53,7 +53,7 @@ def main(mix: str, out_dir: str) -> None:
     from zerotrain.dataio.loader import cut_data, make_loader, open_data
     from zerotrain.dataio.sources import load_text_source
     from zerotrain.dataio.tokenizer import ByteTokenizer
-    from zerotrain.launcher.evaluate import Evaluator
+    from zerotrain.launcher.components.evaluate import Evaluator
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import Transformer, held_numel, preset
 

@@ -230,7 +230,7 @@ def build(stage: int, opt_spec: str, world: int):
     from zerotrain.launcher.config import config_from
     from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
     from zerotrain.launcher.profiles import load_profile, resolve_ds_config
-    from zerotrain.launcher.schedule import make_scheduler
+    from zerotrain.launcher.components.schedule import make_scheduler
     from zerotrain.modeling.model import Transformer, preset
 
     name, _, args_json = opt_spec.partition("=")
@@ -274,7 +274,7 @@ def train_step(engine, s: int, rank: int, world: int) -> float:
 
 def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     from zerotrain.launcher.optimizers import resolve
-    from zerotrain.launcher.schedule import WarmupCosine
+    from zerotrain.launcher.components.schedule import WarmupCosine
     from zerotrain.modeling.model import preset
 
     t0 = time.time()

@@ -36,7 +36,7 @@ from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 
 from zerotrain.launcher import universal  # noqa: E402
 from zerotrain.launcher.errors import UsageError  # noqa: E402
-from zerotrain.launcher.schedule import WarmupCosine  # noqa: E402
+from zerotrain.launcher.components.schedule import WarmupCosine  # noqa: E402
 from zerotrain.modeling.model import Transformer, preset  # noqa: E402
 
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -137,7 +137,7 @@ def tag_for(step: int) -> str:
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict) -> None:
     """DeepSpeed's save plus the completion marker as the driver writes it (step, world size).
-    Kept apart from zerotrain.launcher.checkpoint's Checkpointer: only the tag's format matters here."""
+    Kept apart from zerotrain.launcher.components.checkpoint's Checkpointer: only the tag's format matters here."""
     engine.save_checkpoint(str(ckpt_dir), tag=tag_for(step), client_state=client_state)
     dist.barrier()
     if dist.get_rank() == 0:

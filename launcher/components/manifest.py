@@ -19,12 +19,14 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from zerotrain.launcher.guards import StopReason
+from zerotrain import resource_dir
+from zerotrain.launcher.components.guards import StopReason
 
 MANIFEST = "manifest.json"
 FORMAT = 1
 PACKAGES = ("zerotrain", "deepspeed", "torch", "transformers", "datasets")
-SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the zerotrain source tree (a checkout or site-packages)
+# The folder holding launcher/: the checkout root of an editable install, site-packages/zerotrain of a wheel
+SOURCE_ROOT = resource_dir("zerotrain.launcher").resolve().parent
 
 
 def now_iso() -> str:

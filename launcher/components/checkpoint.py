@@ -861,7 +861,7 @@ class RunLock:
             self.path.unlink(missing_ok=True)
 
 
-# -- the pre-Checkpointer entries (launcher/train.py, launcher/export.py) -------------------------
+# -- the pre-Checkpointer entries (launcher/train.py, launcher/commands/export.py) -------------------------
 
 _legacy: dict[str, Checkpointer] = {}
 

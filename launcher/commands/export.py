@@ -20,7 +20,7 @@ import json
 import shutil
 from pathlib import Path
 
-from zerotrain.launcher import checkpoint
+from zerotrain.launcher.components import checkpoint
 from zerotrain.launcher.errors import UsageError
 
 DTYPES = ("float32", "bfloat16")

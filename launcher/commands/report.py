@@ -5,7 +5,7 @@
 
 Only files are read (nothing is imported from torch or DeepSpeed, so both are quick on a login
 node while the run trains): metrics.jsonl through `read_metrics`, config.json, manifest.json,
-checkpoints/*/zerotrain.json and best.json, and the run directory's lock (launcher/checkpoint.py).
+checkpoints/*/zerotrain.json and best.json, and the run directory's lock (launcher/components/checkpoint.py).
 A run's status: running while a live process holds the lock; otherwise how the last launch ended
 (manifest segments' end_reason, else the last "stop" event): finished, stopped (why), failed (why);
 a last launch that never recorded an end was killed or crashed.
@@ -18,14 +18,14 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerotrain.launcher import checkpoint
+from zerotrain.launcher.components import checkpoint
 from zerotrain.launcher.config import _OneLineParser
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.manifest import read_manifest
-from zerotrain.launcher.metrics import read_metrics
+from zerotrain.launcher.components.manifest import read_manifest
+from zerotrain.launcher.components.metrics import read_metrics
 
 RUN_FILES = ("metrics.jsonl", "config.json", "manifest.json")  # any one of them makes a run directory
-# end reasons (launcher/guards.py STOP_KINDS) -> status; any other reason is "stopped (reason)"
+# end reasons (launcher/components/guards.py STOP_KINDS) -> status; any other reason is "stopped (reason)"
 STATUS_OF = {"finished": "finished", "data-exhausted": "finished (data exhausted)",
              "diverged": "failed (diverged)", "save-failed": "failed (checkpoint write failed)"}
 

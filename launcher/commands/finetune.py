@@ -1,10 +1,10 @@
 """`finetune()`: train or fine-tune from a notebook cell (or any Python caller), in this process.
 
-    from zerotrain.launcher import finetune
+    from zerotrain.launcher.commands import finetune
     result = finetune(model="hf/llama-dir" | "runs/RUN" | "debug", data="mix.json" | "docs.jsonl",
                       max_steps=200, lr=2e-5, seq_len=1024, micro_batch=4)
     result.run_dir, result.metrics          # the run directory, metrics.jsonl's records
-    result.export("hf-out")                  # a Hugging Face Llama directory (launcher/export.py)
+    result.export("hf-out")                  # a Hugging Face Llama directory (launcher/commands/export.py)
     result.generate("Question: ...", max_new_tokens=64)   # greedy, with the trained weights
 
 Keyword arguments are the driver's flags (launcher/config.py RunConfig: same names with
@@ -25,7 +25,7 @@ again with another model or data. Bad input raises one UsageError / DataError ca
 the CLI prints; a run that diverges or cannot save raises RunFailed; nothing calls sys.exit.
 
 `from launcher import finetune` gives this module, which is callable as the function: a module
-and a function of the same name in one package cannot both be `zerotrain.launcher.finetune` (importing the
+and a function of the same name in one package cannot both be `zerotrain.launcher.commands.finetune` (importing the
 module rebinds the package attribute to it), so the module answers the call itself.
 """
 from __future__ import annotations
@@ -69,14 +69,13 @@ class FinetuneResult:
 
     @property
     def metrics(self) -> list[dict]:
-        from zerotrain.launcher.metrics import read_metrics
+        from zerotrain.launcher.components.metrics import read_metrics
 
         return read_metrics(self.run_dir)
 
     def export(self, out: str | Path, dtype: str = "float32") -> Path:
         """The trained weights as a Hugging Face Llama directory (`zerotrain export`)."""
-        from zerotrain.launcher import export
-
+        from zerotrain.launcher.commands import export
         if self.checkpoint is None:
             raise UsageError(f"export {self.run_dir}: the run has no complete checkpoint")
         done = export.export(self.checkpoint, Path(out), dtype)
@@ -170,8 +169,8 @@ def _run_config(run_dir: Path) -> dict | None:
 
 def best_or_newest(run_dir: Path) -> tuple[Path, str]:
     """(checkpoint, why): the run's best checkpoint (checkpoints/best.json) if it is complete, else its newest."""
-    from zerotrain.launcher import checkpoint
-    from zerotrain.launcher.export import find_checkpoint
+    from zerotrain.launcher.components import checkpoint
+    from zerotrain.launcher.commands.export import find_checkpoint
 
     best = checkpoint.read_best(run_dir / "checkpoints")
     if best is not None:
@@ -186,7 +185,7 @@ def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
     """A run's chosen checkpoint as a Hugging Face directory under OUT/.base-models (exported once),
     and the tokenizer to train with. The directory must outlive this call: every resume of the
     fine-tune re-reads --init-from, and its path is part of the fine-tune's run id."""
-    from zerotrain.launcher.export import export
+    from zerotrain.launcher.commands.export import export
 
     saved = _run_config(run_dir)
     if saved is None:
@@ -249,8 +248,7 @@ def quiet_stderr():
 
 
 def _newest(run_dir) -> Path | None:
-    from zerotrain.launcher import checkpoint
-
+    from zerotrain.launcher.components import checkpoint
     done = checkpoint.complete_checkpoints(Path(run_dir) / "checkpoints")
     return done[-1] if done else None
 
@@ -259,8 +257,8 @@ def _newest(run_dir) -> Path | None:
 
 def _launch(cfg, gpus: int | None) -> FinetuneResult:
     """The same run under the deepspeed launcher on `gpus` local ranks; output streamed here."""
-    from zerotrain.launcher.launch import RANK_VARS, TRAIN_MODULE, deepspeed_exe, run_preserving_exit_code
-    from zerotrain.launcher.trainer import plan_run
+    from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspeed_exe, run_preserving_exit_code
+    from zerotrain.launcher.run_plan import plan_run
 
     if gpus is None:
         import torch
@@ -312,8 +310,8 @@ def load_model(source: str | Path, tokenizer: str | None = None):
     """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
     checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json)."""
     from zerotrain.dataio.tokenizer import load_tokenizer
-    from zerotrain.launcher import checkpoint
-    from zerotrain.launcher.export import consolidated_state_dict, find_checkpoint
+    from zerotrain.launcher.components import checkpoint
+    from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint
     from zerotrain.modeling import hf
     from zerotrain.modeling.model import ModelArgs, Transformer
 

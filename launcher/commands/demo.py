@@ -60,7 +60,7 @@ def build_demo_data(out: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    from zerotrain.launcher.launch import deepspeed_command, run_preserving_exit_code
+    from zerotrain.launcher.commands.launch import deepspeed_command, run_preserving_exit_code
 
     out = Path(os.environ.get("ZEROTRAIN_DEMO_DIR", "runs"))
     mix = build_demo_data(out / "demo-data")

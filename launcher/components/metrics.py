@@ -27,29 +27,10 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from zerotrain.launcher.config import parse_sinks
 from zerotrain.launcher.errors import UsageError
 
-SINKS = ("jsonl", "tensorboard", "wandb")
-SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # sink -> the package it imports
-WANDB_RESERVED = ":;,#?/'"  # characters W&B refuses in a run id (wandb_settings.validate_run_id)
 GIB = 2 ** 30
-
-
-def parse_sinks(spec: str | None) -> list[str]:
-    """`--log a,b` as sink names, jsonl always first. UsageError (one line) for an unknown name or a
-    sink whose package is not installed, so a typo is caught before anything is built."""
-    if isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec):  # a recipe may give a list
-        spec = ",".join(spec)
-    if spec is not None and not isinstance(spec, str):
-        raise UsageError(f"--log {spec!r}: expected sink names separated by commas, e.g. tensorboard,wandb")
-    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
-    for name in names:
-        if name not in SINKS:
-            raise UsageError(f"--log {spec}: unknown sink {name!r} (choose from {', '.join(SINKS)})")
-        package = SINK_PACKAGES.get(name)
-        if package and importlib.util.find_spec(package) is None:
-            raise UsageError(f"--log {name}: the {package} package is not installed (pip install {package})")
-    return ["jsonl"] + [n for n in dict.fromkeys(names) if n != "jsonl"]
 
 
 def scalars(record: dict, prefix: str = "") -> dict[str, float]:

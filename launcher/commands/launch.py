@@ -4,14 +4,14 @@ profile rule under `accelerate launch`.
     zerotrain launch -n N [train flags]
         the driver on N local ranks under DeepSpeed's launcher
     zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- [train flags]
-        checks first (launcher/hostfile.py): the hostfile line by line, the world size against the
+        checks first (launcher/components/hostfile.py): the hostfile line by line, the world size against the
         profile's `zerotrain.hardware` (--force to override), with ssh each host's reachability and
         zerotrain version (--skip-host-checks); then DeepSpeed's runner with the profile's
         `zerotrain.env` for every rank (an environment file over ssh, the environment with --no_ssh)
     zerotrain slurm [--nodes N --gpus-per-node G --time T ...] [--max-requeues K] [--dry-run] -- [train flags]
         renders launcher/slurm/train.sbatch and submits it with sbatch (or prints it, --dry-run)
 
-DeepSpeed's launcher (deepspeed/launcher/launch.py) forwards SIGTERM/SIGINT to its children,
+DeepSpeed's launcher (deepspeed/launcher/commands/launch.py) forwards SIGTERM/SIGINT to its children,
 gives them 30 s, kills them, and then exits 1 itself, so the driver's documented exit code (6:
 stopped by a signal, checkpoint saved) would be lost. Rank 0 therefore also writes its exit code
 to a file named by ZEROTRAIN_EXIT_FILE, and this command exits with that code when it exists.
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from zerotrain import resource_dir
+from zerotrain.launcher.components.golden import GoldenCheck
 from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
@@ -143,10 +144,12 @@ def launch_main(argv: list[str]) -> None:
             raise UsageError(f"launch -n {nproc}: must be at least 1")
         # The profile's zerotrain.env (NCCL settings, PYTORCH_CUDA_ALLOC_CONF, ...) applies here too.
         from zerotrain.launcher.config import resolve_config
-        from zerotrain.launcher.hostfile import rank_env
+        from zerotrain.launcher.components.hostfile import rank_env
         from zerotrain.launcher.profiles import load_profile
 
         cfg = resolve_config(argv[2:])  # bad train flags: one line before anything starts
+        if cfg.golden:  # a golden file of another config: refused before any rank starts
+            GoldenCheck.load(cfg.golden, cfg)
         profile_env = {}
         if cfg.profile != "auto":
             name, profile = load_profile(cfg.profile)
@@ -163,7 +166,7 @@ def launch_main(argv: list[str]) -> None:
         if plan.env_file is not None:
             # DS_ENV_FILE is joined to ~ and . by the runner; an absolute path makes both this file.
             path = Path(tmp) / ".deepspeed_env"
-            from zerotrain.launcher.hostfile import write_deepspeed_env
+            from zerotrain.launcher.components.hostfile import write_deepspeed_env
 
             write_deepspeed_env(path, plan.env_file)
             env["DS_ENV_FILE"] = str(path)
@@ -198,7 +201,7 @@ def deepspeed_args(flags: list[str]) -> argparse.Namespace:
 
 def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> HostfileLaunch:
     """Every check of `zerotrain launch --hostfile`, in order; raises a one-line UsageError."""
-    from zerotrain.launcher import hostfile
+    from zerotrain.launcher.components import hostfile
     from zerotrain.launcher.config import resolve_config
     from zerotrain.launcher.profiles import load_profile
 
@@ -221,6 +224,8 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
     messages = [f"launch: {len(active)} node(s) ({', '.join(f'{h}:{n}' for h, n in zip(active, slots))}),"
                 f" world {sum(slots)}"]
     cfg = resolve_config(train_args)  # the driver's own validation of the train flags, before any node starts
+    if cfg.golden:  # a golden file of another config: refused before any rank starts
+        GoldenCheck.load(cfg.golden, cfg)
     env, passed = {}, []
     if cfg.profile == "auto":
         messages.append("launch: --profile auto: each node picks its profile; no world-size check, no profile"
@@ -248,35 +253,6 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
 
 
 # -- accelerate ------------------------------------------------------------------------------
-
-def profile_from_accelerate(values: dict, environ=None) -> dict:
-    """Under `accelerate launch` with a `deepspeed_config_file`, that file is the profile.
-
-    accelerate hands the file to the ranks as ACCELERATE_DEEPSPEED_CONFIG_FILE. A --profile (flag
-    or recipe) naming another file is refused, naming both; one naming the same file is fine.
-    Returns the values to override ({"profile": NAME} for a file in ds_configs/, so the run id is
-    the one `--profile NAME` gives; else the file's absolute path), or {} outside accelerate.
-    """
-    from zerotrain.launcher.profiles import PROFILE_DIR
-
-    environ = os.environ if environ is None else environ
-    path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not path or path == "none":
-        return {}
-    where = f"accelerate's deepspeed_config_file {path} (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"{where}: no such file (a path in the accelerate config is relative to where"
-                         " `accelerate launch` runs)")
-    file = file.resolve()
-    shipped = file.parent == PROFILE_DIR.resolve()
-    given = values.get("profile")
-    if given is not None:
-        given_file = Path(given) if given.endswith(".json") or Path(given).is_file() else PROFILE_DIR / f"{given}.json"
-        if given == "auto" or given_file.resolve() != file:
-            raise UsageError(f"--profile {given} and {where}: two different profiles; drop --profile (under"
-                             " accelerate the config file decides)")
-    return {"profile": file.stem if shipped else str(file)}
 
 
 # -- Slurm -----------------------------------------------------------------------------------
@@ -345,7 +321,7 @@ def node_commands(ns: argparse.Namespace, train_args: list[str], workdir: Path, 
 
 
 def slurm_main(argv: list[str]) -> None:
-    from zerotrain.launcher import hostfile
+    from zerotrain.launcher.components import hostfile
     from zerotrain.launcher.config import resolve_config
     from zerotrain.launcher.profiles import load_profile
 
@@ -360,6 +336,8 @@ def slurm_main(argv: list[str]) -> None:
         raise UsageError("slurm: --resume: the script always resumes with --resume auto (a requeued job continues"
                          " its run); drop it")
     cfg = resolve_config(train_args + ["--resume", "auto"])  # the driver's checks, before anything is queued
+    if cfg.golden:  # a golden file of another config: refused before any rank starts
+        GoldenCheck.load(cfg.golden, cfg)
     ns.accelerator_gpus = True
     if cfg.profile != "auto":
         name, profile = load_profile(cfg.profile)

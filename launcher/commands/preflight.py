@@ -2,7 +2,7 @@
 
     zerotrain preflight --stage v1|v2|v3[,v2,...] [--steps N] [--sweep 4,8,16] [--sweep-steps K]
                         [--loader-seconds S] TRAIN-FLAGS
-    deepspeed --num_gpus 8 launcher/preflight.py --stage v1 TRAIN-FLAGS   (the real run's own launch)
+    deepspeed --num_gpus 8 --module zerotrain.launcher.commands.preflight --stage v1 TRAIN-FLAGS   (the real run's own launch)
 
 Run it with exactly the flags, the launcher and the world size of the intended run: it IS that
 run, reduced in steps. Every rank runs every check; each check's verdict is agreed by all ranks
@@ -61,21 +61,14 @@ import time
 import traceback
 from pathlib import Path
 
-if __package__ in (None, "") and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]  # run as a script: import the installed `zerotrain`, not this folder's modules (train.py)
-
-from zerotrain.launcher.errors import EXIT_USAGE, UsageError, ZerotrainError, fail, read_json_object  # noqa: E402
+from zerotrain.launcher.components.golden import make_golden, mfu_threshold
+from zerotrain.launcher.errors import EXIT_USAGE, UsageError, ZerotrainError, fail, read_json_object
 
 STAGES = {"v1": "stability", "v2": "throughput", "v3": "dress rehearsal"}
 EXIT_FAILED = 9  # a pre-flight check failed (2: bad input before any check ran)
 EXIT_GOLDEN = 8  # a run with --golden-strict stopped off its golden steps (proposed for launcher/errors.py)
-GOLDEN_FORMAT, GOLDEN_VERSION = "zerotrain-golden", 1
-TOLERANCE = 0.10  # the doctrine: the full run hits the rehearsal's numbers within +-10%
-GOLDEN_WINDOW = 5  # a golden step's figures are medians over the steps (s - 5, s]: one step alone is noise
-GOLDEN_POINTS = 4  # golden steps per rehearsal
 DATA_RATIO_MIN = 2.0  # the loader must produce at least twice what the model consumes (headroom for hiccups)
 DATA_WAIT_MAX = 0.10  # at most 10% of a step waiting on data
-DEFAULT_MFU_THRESHOLD = 0.30  # 0.75 x a typical dense bf16 MFU of 0.4, when the profile says nothing
 SIGTERM_GRACE_S = 30  # DeepSpeed's launcher kills the ranks 30 s after forwarding SIGTERM
 READBACK_HOOK = "ZEROTRAIN_TEST_PREFLIGHT_READBACK"
 SLOW_LOADER_HOOK = "ZEROTRAIN_TEST_SLOW_LOADER"
@@ -89,152 +82,6 @@ GiB = 2 ** 30
 def rehearsal_steps(max_steps: int) -> int:
     """v3's default N from the run's scale: 1% of the run, at least 20 and at most 200 steps."""
     return min(max_steps, max(20, min(200, max_steps // 100)))
-
-
-def mfu_threshold(zt: dict) -> tuple[float, str]:
-    """(threshold, where it came from): the profile's `mfu_threshold`, else 0.75 x its
-    `expected_mfu` (the doctrine: >= 75% of the expected rate), else DEFAULT_MFU_THRESHOLD."""
-    if zt.get("mfu_threshold") is not None:
-        return float(zt["mfu_threshold"]), "the profile's zerotrain.mfu_threshold"
-    if zt.get("expected_mfu") is not None:
-        return 0.75 * float(zt["expected_mfu"]), "0.75 x the profile's zerotrain.expected_mfu"
-    return DEFAULT_MFU_THRESHOLD, "the default (the profile has no zerotrain.mfu_threshold)"
-
-
-def golden_steps(n_steps: int, window: int = GOLDEN_WINDOW, points: int = GOLDEN_POINTS) -> tuple[list[int], int]:
-    """(golden steps, window) for a rehearsal of n_steps: evenly spaced ends of windows that leave
-    out step 1 (start-up: allocator, caches, compilation)."""
-    window = max(1, min(window, n_steps - 1))
-    first = min(n_steps, window + 1)
-    if n_steps - first < points:
-        return list(range(first, n_steps + 1)), window
-    return sorted({round(first + (n_steps - first) * k / (points - 1)) for k in range(points)}), window
-
-
-def memory_key(record: dict) -> str | None:
-    """The peak-memory figure of a step record: GPU memory on an accelerator, else host RSS."""
-    return "peak_mem_gib" if "peak_mem_gib" in record else "peak_rss_gib" if "peak_rss_gib" in record else None
-
-
-def window_figures(records: dict[int, dict], step: int, window: int) -> dict | None:
-    """Medians and spread of the step records (by step) in (step - window, step]."""
-    recs = [records[s] for s in range(step - window + 1, step + 1) if s in records]
-    if not recs or step not in records:
-        return None
-    times = [r["step_s"] for r in recs if r.get("step_s")]
-    out = {"step": step, "steps_in_window": len(recs),
-           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs),
-           "loss": records[step]["loss"]}
-    if times:
-        med = statistics.median(times)
-        out.update(step_s_median=med, step_s_min=min(times), step_s_max=max(times),
-                   step_s_spread=(max(times) - min(times)) / med if med else None,
-                   data_wait_fraction=sum(r.get("data_wait_s", 0.0) for r in recs) / sum(times))
-    key = memory_key(records[step])
-    if key:
-        out["memory_key"], out[key] = key, records[step][key]
-    mfus = [r["mfu"] for r in recs if r.get("mfu") is not None]
-    if mfus:
-        out["mfu"] = statistics.median(mfus)
-    return out
-
-
-def make_golden(records: list[dict], cfg, world: int, profile: str, device: str, n_steps: int) -> dict:
-    """golden.json's content from a rehearsal's metrics (zerotrain.launcher.metrics.read_metrics)."""
-    by_step = {r["step"]: r for r in records}
-    steps, window = golden_steps(n_steps)
-    points = [f for f in (window_figures(by_step, s, window) for s in steps) if f is not None]
-    return {"format": GOLDEN_FORMAT, "version": GOLDEN_VERSION, "tolerance": TOLERANCE, "window": window,
-            "run": cfg.to_dict(), "identity_hash": cfg.identity_hash(), "world_size": world, "profile": profile,
-            "device": device, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": points}
-
-
-class GoldenCheck:
-    """A real run's comparison with a rehearsal's golden steps (`--golden PATH`).
-
-        golden = GoldenCheck.load(path, cfg, world)   # UsageError: not a golden file, or another config
-        message = golden.check(step, record, dist)    # every step, every rank, after the record is logged
-
-    `check` keeps the last `window` step records and, at a golden step, compares the median
-    tokens/s over the window and the peak memory at the step with the golden figures: a message
-    when either is more than `tolerance` off (either way: a run that does not look like its
-    rehearsal was not rehearsed), else None. With `dist` (torch.distributed, world > 1) rank 0's
-    verdict is broadcast at golden steps only (every rank knows them), so every rank decides alike.
-    """
-
-    def __init__(self, path: str, golden: dict):
-        self.path, self.golden = path, golden
-        self.window, self.tolerance = int(golden["window"]), float(golden["tolerance"])
-        self.by_step = {int(p["step"]): p for p in golden["steps"]}
-        self.records: dict[int, dict] = {}
-
-    @property
-    def steps(self) -> list[int]:
-        return sorted(self.by_step)
-
-    @classmethod
-    def load(cls, path: str, cfg, world: int | None = None) -> "GoldenCheck":
-        where = f"--golden {path}"
-        if not isinstance(path, str) or not Path(path).is_file():
-            raise UsageError(f"{where}: no such file")
-        raw = read_json_object(Path(path), where)
-        if raw.get("format") != GOLDEN_FORMAT or raw.get("version") != GOLDEN_VERSION:
-            raise UsageError(f"{where}: not a zerotrain golden file (version {GOLDEN_VERSION}, written by"
-                             " `zerotrain preflight --stage v3`)")
-        steps = raw.get("steps")
-        if (not isinstance(raw.get("run"), dict) or not isinstance(steps, list) or not steps
-                or not all(isinstance(p, dict) and isinstance(p.get("step"), int) and p.get("tokens_per_s")
-                           for p in steps)):
-            raise UsageError(f"{where}: damaged golden file (run, steps or their tokens_per_s missing)")
-        for key in ("window", "tolerance", "world_size"):
-            if isinstance(raw.get(key), bool) or not isinstance(raw.get(key), (int, float)) or raw[key] <= 0:
-                raise UsageError(f"{where}: damaged golden file ({key} missing or not a positive number)")
-        try:
-            drift = cfg.drift(raw["run"])
-        except TypeError as e:  # a value the RunConfig cannot hold
-            raise UsageError(f"{where}: damaged golden file ({e})") from None
-        if world is not None and raw["world_size"] != world:
-            drift.append(f"world_size {raw['world_size']!r} -> {world!r}")
-        if drift:
-            raise UsageError(f"{where}: recorded for another config: {', '.join(drift)}; rehearse this one with"
-                             " `zerotrain preflight --stage v3` (same flags, same launch)")
-        return cls(path, raw)
-
-    def check(self, step: int, record: dict, dist=None) -> str | None:
-        if "event" in record:
-            return None
-        self.records[step] = record
-        for s in [s for s in self.records if s <= step - self.window or s > step]:
-            del self.records[s]  # older than the window, or an abandoned timeline after a rollback
-        if step not in self.by_step:
-            return None
-        message = self.compare(step)
-        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [message]
-            dist.broadcast_object_list(box, src=0)
-            message = box[0]
-        return message
-
-    def compare(self, step: int) -> str | None:
-        want = self.by_step[step]
-        got = window_figures(self.records, step, self.window)
-        if got is None:
-            return None
-        off, worse = [], False
-        for label, key, fmt, bad in (("tokens/s", "tokens_per_s", "{:,.0f}", -1),
-                                     ("peak memory", want.get("memory_key"), "{:.2f} GiB", 1)):
-            if not key or not want.get(key) or got.get(key) is None:
-                continue
-            change = got[key] / want[key] - 1
-            if abs(change) > self.tolerance:
-                off.append(f"{label} {fmt.format(got[key])} vs {fmt.format(want[key])} in the rehearsal"
-                           f" ({change:+.0%})")
-                worse |= change * bad > 0
-        if not off:
-            return None
-        hint = ("check the node, the data path and what else runs there" if worse else
-                "the rehearsal did not measure this run: rehearse again on an idle node")
-        return f"golden step {step}: " + "; ".join(off) + f", more than {self.tolerance:.0%} off {self.path} ({hint})"
 
 
 def device_description() -> str:
@@ -389,7 +236,8 @@ class Preflight:
         self.locked = False
 
     def run(self) -> int:
-        from zerotrain.launcher.trainer import report_exit, single_process_env
+        from zerotrain.launcher.run_plan import single_process_env
+        from zerotrain.launcher.trainer import report_exit
 
         single_process_env()
         self.world, self.rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -513,7 +361,7 @@ class Preflight:
     def plan(self, cfg):
         """plan_run on every rank, its refusal agreed: a rank that stopped here while the others went on to
         build an engine would leave them waiting in its collectives."""
-        from zerotrain.launcher.trainer import plan_run
+        from zerotrain.launcher.run_plan import plan_run
 
         try:
             plan, error = plan_run(cfg, self.world, self.rank), None
@@ -561,8 +409,7 @@ class Preflight:
 
     def take_lock(self) -> None:
         """One pre-flight per run directory at a time (it wipes its scratch directories)."""
-        from zerotrain.launcher import checkpoint
-
+        from zerotrain.launcher.components import checkpoint
         verdict = [None]
         if self.is_main:
             try:
@@ -625,7 +472,7 @@ class Preflight:
 
     def records(self, name: str) -> tuple[list[dict], list[dict]]:
         """(step records, events) of scratch run `name`, as rank 0 wrote them."""
-        from zerotrain.launcher.metrics import read_metrics
+        from zerotrain.launcher.components.metrics import read_metrics
 
         run = self.root / "scratch" / name
         return self.from_main(lambda: (read_metrics(run), read_metrics(run, events=True)))
@@ -745,8 +592,7 @@ class Preflight:
             {"loss": r["loss"], "seconds": r["step_s"]}
 
     def c_write(self):
-        from zerotrain.launcher import checkpoint
-
+        from zerotrain.launcher.components import checkpoint
         t0, tag = time.time(), self.a.last_saved
         if tag is None:
             return False, "no checkpoint was written after the step", {}
@@ -765,8 +611,7 @@ class Preflight:
 
     def c_readback(self):
         """A fresh engine resumed from the checkpoint holds what the first one wrote, tensor by tensor."""
-        from zerotrain.launcher import checkpoint
-
+        from zerotrain.launcher.components import checkpoint
         a = self.a
         written, loader_state, counters, tag = state_digests(a.engine), a.loader.state_dict(), \
             (a.step, a.tokens_seen), a.last_saved
@@ -798,7 +643,7 @@ class Preflight:
 
     def c_eval(self):
         from zerotrain.dataio.holdout import mix_rows
-        from zerotrain.launcher.evaluate import Evaluator
+        from zerotrain.launcher.components.evaluate import Evaluator
 
         b = self.b
         evaluator, what = b.evaluator, "the run's eval rows"
@@ -858,7 +703,7 @@ class Preflight:
         """(the planner's bytes per rank, or its refusal) for a candidate; (None, None) without a planner
         or with --no-fit-check (then every candidate runs)."""
         try:
-            from zerotrain.launcher.planner import fit_check
+            from zerotrain.launcher.components.planner import fit_check
         except ImportError:
             return None, None
         if getattr(self.cfg, "fit_check", None) is False:
@@ -872,7 +717,7 @@ class Preflight:
     def device_bytes(self) -> float | None:
         """Memory one rank may use: the planner's view of this device (GPU memory, or RAM / local ranks)."""
         try:
-            from zerotrain.launcher.planner import device_memory_here
+            from zerotrain.launcher.components.planner import device_memory_here
 
             return device_memory_here(self.zt.get("hardware", {}).get("accelerator", "cuda"),
                                       int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))[0]
@@ -1050,7 +895,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Entry: `zerotrain preflight ...` (launcher/cli.py) and `python|deepspeed launcher/preflight.py ...`
+# Entry: `zerotrain preflight ...` (launcher/cli.py) and `python -m|deepspeed --module zerotrain.launcher.commands.preflight ...`
 # ------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from zerotrain.launcher.errors import UsageError
 
 MARKER = "zerotrain_universal.json"  # written last inside the converted tag: what it was made from
-COMPLETE_MARKER = "zerotrain.json"  # zerotrain.launcher.checkpoint.MARKER (not imported: it pulls torch.distributed)
+COMPLETE_MARKER = "zerotrain.json"  # zerotrain.launcher.components.checkpoint.MARKER (not imported: it pulls torch.distributed)
 ADAM_TYPES = ("adam", "adamw")  # the converter copies exp_avg / exp_avg_sq and nothing else
 
 

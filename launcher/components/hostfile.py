@@ -1,7 +1,7 @@
 """Checks made before a multi-node launch starts anything: the hostfile, the world size against
 the profile, the hosts themselves (ssh, same zerotrain), and the environment the ranks get.
 
-Used by `zerotrain launch --hostfile` (launcher/launch.py) and `zerotrain slurm`. Everything
+Used by `zerotrain launch --hostfile` (launcher/commands/launch.py) and `zerotrain slurm`. Everything
 here either returns plain values or raises a one-line UsageError; nothing is launched.
 
 The hostfile format is DeepSpeed's (deepspeed/launcher/runner.py `_parse_hostfile`): one
@@ -208,7 +208,7 @@ def version_line() -> str:
 def remote_version_command(cwd: Path) -> str:
     """What DeepSpeed's ssh launcher runs on each node, reduced to printing version_line()."""
     return (f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -c "
-            + shlex.quote("from zerotrain.launcher.hostfile import version_line; print(version_line())"))
+            + shlex.quote("from zerotrain.launcher.components.hostfile import version_line; print(version_line())"))
 
 
 def check_hosts(hosts: list[str], ssh_port: int | None = None, cwd: Path | None = None, timeout: float = 30) -> None:

@@ -1,0 +1,90 @@
+"""`zerotrain plan`: memory, time and money of a run before it starts (the memory model is
+zerotrain.launcher.components.planner; this is its command line)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from zerotrain.launcher import model_spec
+from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from
+from zerotrain.launcher.config import RunConfig, build_parser, load_recipe
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.profiles import load_profile, resolve_batch
+
+
+# `--gpus N --gpu-mem G` without --profile: DeepSpeed's defaults (ZeRO-0, i.e. plain data parallelism), bf16.
+GENERIC_GPU_PROFILE = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": True},
+                       "zerotrain": {"hardware": {"accelerator": "cuda"}, "expected_mfu": 0.4}}
+
+
+def plan_main(argv: list[str]) -> dict:
+    """`zerotrain plan`: the driver's flags plus hardware and budget; prints the table (or --json)."""
+    from dataclasses import fields
+
+    from zerotrain.launcher import model_spec
+    from zerotrain.launcher.config import RunConfig, build_parser
+    from zerotrain.launcher.profiles import load_profile, resolve_batch
+
+    p = build_parser()
+    p.prog, p.description = "zerotrain plan", "Memory per GPU, time and money of a run, before it starts."
+    p.add_argument("--gpus", type=int, help="GPUs (ranks on a CPU node) per node; default: the profile's")
+    p.add_argument("--gpu-mem", type=float, help="GiB per GPU as torch reports it (CPU: per rank); default: the"
+                                                 " profile's, or available RAM / ranks on a CPU node")
+    p.add_argument("--nodes", type=int, help="nodes; default: the profile's")
+    p.add_argument("--zero", type=int, help="ZeRO stage the verdict is for (default: the profile's)")
+    p.add_argument("--mfu", type=float, help="assumed MFU (default: the profile's expected_mfu)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (default: the profile's)")
+    p.add_argument("--vocab-size", type=int, help="vocabulary size (default: the --tokenizer's)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    ns = p.parse_args(argv)
+    for name in ("gpus", "nodes", "vocab_size"):
+        v = getattr(ns, name)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer, got {v}")
+    for name in ("gpu_mem", "peak_tflops"):
+        v = getattr(ns, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive number, got {v}")
+    if ns.mfu is not None and not 0 < ns.mfu <= 1:
+        raise UsageError(f"--mfu: must be a fraction in (0, 1], got {ns.mfu}")
+    if ns.zero is not None and ns.zero not in STAGES:
+        raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
+    from zerotrain.launcher.config import load_recipe
+
+    values = load_recipe(ns.config) if ns.config else {}
+    values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
+    cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"})
+    cfg.validate()  # the driver's own checks and messages
+
+    if values.get("profile") is None and ns.gpus is not None:
+        name, profile = "generic GPU", json.loads(json.dumps(GENERIC_GPU_PROFILE))
+    else:
+        name, profile = load_profile(cfg.profile)
+    zt = profile.get("zerotrain", {})
+    if ns.zero is not None:
+        profile.setdefault("zero_optimization", {})["stage"] = ns.zero
+    if ns.vocab_size is not None:
+        vocab = ns.vocab_size
+    else:
+        from zerotrain.dataio.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(cfg.tokenizer).vocab_size
+    args, _, _ = model_spec.resolve(cfg, vocab)
+    hw = zt.get("hardware", {})
+    nodes = ns.nodes or hw.get("nodes", 1)
+    per_node = ns.gpus or hw.get("devices_per_node", 1)
+    setup = setup_from(profile, zt, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
+                       getattr(cfg, "optimizer", None), args)
+    micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
+                                    setup.world, f"profile {name}")
+    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
+        else bool(zt.get("activation_checkpointing", False))
+    peak = ns.peak_tflops * 1e12 if ns.peak_tflops else zt.get("peak_flops_per_device")
+    mfu = ns.mfu or zt.get("expected_mfu")
+    plan = make_plan(args, setup, profile.get("zero_optimization", {}).get("stage", 0), micro, accum, cfg.seq_len, ac,
+                     peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps)
+    plan["profile"] = name
+    print(json.dumps(plan, indent=2) if ns.json else f"profile {name}\n" + render(plan))
+    return plan

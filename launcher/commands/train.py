@@ -1,0 +1,32 @@
+"""`zerotrain train` (and launcher/train.py under the launchers): the driver's command line: `run(cfg)` (launcher/trainer.py) and exit codes.
+
+Starts the same way under `deepspeed`, `torchrun`, `accelerate launch` and plain `python`
+(one process: it sets up the single-rank environment itself). Bad input is refused before
+anything is built or written (exit status 2, one line). Exit codes: launcher/errors.py and
+README.md ("Long runs"). See README.md for the flags, or `--help`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail
+
+
+def main(argv: list[str] | None = None) -> None:
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.trainer import QuietExit, run
+
+    code = 0
+    try:
+        result = run(resolve_config(argv))
+        code = result.exit_code
+    except UsageError as e:  # DataError too: bad input, nothing written
+        if getattr(e, "any_rank", False) and os.environ.get("RANK", "0") != "0":
+            print(f"zerotrain: error: {e}", file=sys.stderr, flush=True)  # the rank that met it says it
+            sys.exit(EXIT_USAGE)
+        fail(str(e))
+    except QuietExit:  # another rank met a data error and printed it
+        sys.exit(EXIT_USAGE)
+    sys.exit(code)
+
