@@ -43,18 +43,24 @@ def mix_path(tmp_path_factory) -> Path:
     return write_mix(tmp_path_factory.mktemp("data"))
 
 
-def launch(launcher: str, args: list[str], nproc: int = 2, timeout: int = 600, env_extra=None):
-    """Run launcher/train.py under `deepspeed`, `torchrun`, `accelerate` or plain `python`."""
+TRAIN_MODULE = "zerotrain.launcher.train"
+
+
+def launch(launcher: str, args: list[str], nproc: int = 2, timeout: int = 600, env_extra=None, module: bool = False,
+           cwd=REPO):
+    """Run the driver under `deepspeed`, `torchrun` or plain `python`: as the script launcher/train.py,
+    or with module=True as the module zerotrain.launcher.train (the form a wheel install uses)."""
+    entry = (["--module", TRAIN_MODULE] if launcher == "deepspeed" else ["-m", TRAIN_MODULE]) if module else [str(TRAIN_PY)]
     if launcher == "deepspeed":
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(TRAIN_PY)]
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *entry]
     elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), str(TRAIN_PY)]
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *entry]
     elif launcher == "python":
-        cmd = [sys.executable, str(TRAIN_PY)]
+        cmd = [sys.executable, *entry]
     else:
         raise ValueError(launcher)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
 def free_port() -> int:

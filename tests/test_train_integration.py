@@ -52,21 +52,28 @@ def test_resume_with_changed_config_is_refused(tmp_path, mix_path):
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_other_launchers_start_the_same_driver(launcher, tmp_path, mix_path):
+    """Module form (`torchrun -m`, `accelerate launch -m`: what a wheel install has), started from a user's
+    project directory whose own `modeling/` and `launcher/` packages must not shadow ours."""
     out = tmp_path / "runs"
+    project = tmp_path / "userproj"
+    for pkg in ("modeling", "launcher", "dataio"):
+        (project / pkg).mkdir(parents=True)
+        (project / pkg / "__init__.py").write_text("raise ImportError('the user\'s own package was imported')\n")
+    (project / "modeling" / "model.py").write_text("class Unrelated: pass\n")
     args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *COMMON, "--max-steps", "2"]
     if launcher == "accelerate":
         import subprocess
         import sys
         from pathlib import Path
 
-        from conftest import TRAIN_PY
+        from conftest import TRAIN_MODULE
 
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-               str(REPO / "launcher" / "accelerate" / "cpu-2proc.yaml"), str(TRAIN_PY), *args]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+               str(REPO / "launcher" / "accelerate" / "cpu-2proc.yaml"), "-m", TRAIN_MODULE, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=project,
                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     else:
-        proc = launch(launcher, args)
+        proc = launch(launcher, args, module=True, cwd=project)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world 2" in proc.stdout
     assert [m["step"] for m in read_metrics(out / "r")] == [1, 2]

@@ -257,7 +257,7 @@ def _newest(run_dir) -> Path | None:
 
 def _launch(cfg, gpus: int | None) -> FinetuneResult:
     """The same run under the deepspeed launcher on `gpus` local ranks; output streamed here."""
-    from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspeed_exe, run_preserving_exit_code
+    from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspeed_runner, run_preserving_exit_code
     from zerotrain.launcher.run_plan import plan_run
 
     if gpus is None:
@@ -279,7 +279,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [deepspeed_exe(), "--num_gpus", str(gpus), "--master_port", str(port), "--module", TRAIN_MODULE,
+    cmd = [*deepspeed_runner(), "--num_gpus", str(gpus), "--master_port", str(port), "--module", TRAIN_MODULE,
            "--config", str(recipe_path)]
     print(f"launching {gpus} rank(s): {' '.join(cmd)}", flush=True)
     tail = []

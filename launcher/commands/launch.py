@@ -50,12 +50,14 @@ USAGE = ("usage: zerotrain launch -n N [train flags]\n"
          "       zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- [train flags]")
 
 
-def deepspeed_exe() -> str:
-    return shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+def deepspeed_runner() -> list[str]:
+    """DeepSpeed's runner (what the `deepspeed` script runs) under this interpreter: the one whose
+    zerotrain is running, whatever `deepspeed` comes first on PATH (or none: a venv not activated)."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
-    return [deepspeed_exe(), "--num_gpus", str(nproc), "--module", TRAIN_MODULE, *train_args]
+    return [*deepspeed_runner(), "--num_gpus", str(nproc), "--module", TRAIN_MODULE, *train_args]
 
 
 def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None) -> int:
@@ -246,7 +248,7 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
     if ssh_mode and passed and ds.log_level in ("debug", "info") and not any(a.startswith("--log_level") for a in ours):
         # The runner logs its whole pdsh command, exports (secrets) included, at info level.
         extra = ["--log_level=warning"]
-    cmd = [deepspeed_exe(), *ds_flags, *extra, "--module", TRAIN_MODULE, *train_args]
+    cmd = [*deepspeed_runner(), *ds_flags, *extra, "--module", TRAIN_MODULE, *train_args]
     if ssh_mode:
         return HostfileLaunch(cmd, {}, env, messages)
     return HostfileLaunch(cmd, env, None, messages)
