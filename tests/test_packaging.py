@@ -134,3 +134,30 @@ def test_installed_training_run_and_demo(installed, tmp_path):
     assert "--module zerotrain.launcher.train" in proc.stdout
     (run_dir,) = [p for p in (tmp_path / "demo").iterdir() if p.name.startswith("demo-2")]
     assert (run_dir / "checkpoints" / "global_step3" / "zerotrain.json").is_file()
+
+
+# import name -> the distribution that provides it, where they differ
+DISTRIBUTION = {"yaml": "pyyaml"}
+OPTIONAL = {"flash_attn"}  # guarded imports of packages a user may add; never required
+
+
+def test_every_imported_package_is_declared_and_python_requires_is_honest():
+    import ast
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    declared = {line.split(">")[0].split("=")[0].split("<")[0].strip().lower().replace("_", "-")
+                for line in cfg["options"]["install_requires"].split("\n") if line.strip()}
+    imported = set()
+    for folder in PACKAGE_DIRS.values():
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "zerotrain"} - OPTIONAL
+    missing = {m for m in third_party if DISTRIBUTION.get(m, m).lower().replace("_", "-") not in declared}
+    assert not missing, f"imported but not in install_requires: {sorted(missing)}"
+    # hashlib.file_digest (checkpoints, shards) is Python 3.11+
+    assert cfg["options"]["python_requires"].strip() == ">=3.11"
