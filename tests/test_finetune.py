@@ -73,7 +73,7 @@ def _leave_no_process_group():
 
 
 def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
-    from zerotrain.launcher.commands import finetune
+    from zerotrain.launcher import finetune
     from zerotrain.launcher.commands.finetune import generate
 
     llama = write_llama_dir(tmp_path / "llama")
@@ -125,7 +125,7 @@ def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
 
 
 def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
-    from zerotrain.launcher.commands import finetune
+    from zerotrain.launcher import finetune
     from zerotrain.launcher.train import main
 
     data = write_mix(tmp_path / "data")
@@ -177,13 +177,13 @@ def test_best_checkpoint_else_newest(tmp_path):
 def test_import_forms():
     import zerotrain.launcher
     import zerotrain.launcher.commands.finetune as module
-    from zerotrain.launcher.commands import finetune
+    from zerotrain.launcher import finetune
     assert finetune is module is zerotrain.launcher.commands.finetune and callable(finetune)
     assert module.finetune.__name__ == "finetune"
 
 
 def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys, monkeypatch):
-    from zerotrain.launcher.commands import finetune
+    from zerotrain.launcher import finetune
     # as in a notebook after an in-process run: this process is rank 0 of a world of 1
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT="1").items():

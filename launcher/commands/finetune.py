@@ -1,6 +1,6 @@
 """`finetune()`: train or fine-tune from a notebook cell (or any Python caller), in this process.
 
-    from zerotrain.launcher.commands import finetune
+    from zerotrain.launcher import finetune
     result = finetune(model="hf/llama-dir" | "runs/RUN" | "debug", data="mix.json" | "docs.jsonl",
                       max_steps=200, lr=2e-5, seq_len=1024, micro_batch=4)
     result.run_dir, result.metrics          # the run directory, metrics.jsonl's records
