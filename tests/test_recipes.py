@@ -231,9 +231,9 @@ def test_workstation_recipes_launch_with_expandable_segments(name, tmp_path, mon
     assert launch.rank_env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
-def test_readme_lists_every_recipe():
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Recipes"):]
+def test_docs_list_every_recipe():
+    text = (REPO / "docs" / "profiles.md").read_text()
+    section = text[text.index("# Recipes"):]
     assert all(f"recipes/{p.name}" in section for p in RECIPES)
 
 
