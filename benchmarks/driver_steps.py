@@ -49,6 +49,7 @@ def main(argv: list[str]) -> None:
     from harness import demo_mix
 
     import zerotrain.launcher.trainer as trainer
+    from zerotrain.launcher.components.metrics import StepLogger
     from zerotrain.launcher.config import config_from
     from zerotrain.launcher.profiles import load_profile
 
@@ -75,7 +76,7 @@ def main(argv: list[str]) -> None:
 
     for name in PIECES:
         timed(trainer.Trainer, name)
-    timed(trainer.StepLogger, "log")
+    timed(StepLogger, "log")
     cfg = {"profile": str(work / "profile.json"), "data": str(demo_mix()), "seq_len": 256,
            "micro_batch": 8 if a.shape == "debug" else 4, "grad_accum": 1, "lr": 3e-3, "warmup_steps": 2,
            "max_steps": a.steps, "seed": 1, "out": str(work / "runs"), "resume": "never",

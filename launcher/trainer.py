@@ -7,7 +7,9 @@
 The components (each its own module, unit-tested without a process group where possible):
 launcher/components/checkpoint.py (when to save, completion, verification, rotation, best, mirror),
 launcher/components/evaluate.py (all-rank evaluation), launcher/components/guards.py (signals, spikes, budgets, early
-stop), launcher/components/metrics.py (sinks), launcher/components/manifest.py (who ran what, when).
+stop), launcher/components/metrics.py (sinks, and StepLogger: each step's record and the progress bar),
+launcher/components/manifest.py (who ran what, when), launcher/components/ds_compat.py (every DeepSpeed
+internal we rely on).
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
 (Trainer.agree) of each rank's row: this step's loss sum and signal flag, the decisions only rank 0
@@ -17,6 +19,7 @@ collective. Every decision is therefore taken on the same values on every rank, 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -29,14 +32,23 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.errors import DataError
-from zerotrain.launcher.components import checkpoint
+from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
+from zerotrain.dataio.reshard import reshard_loader_states
+from zerotrain.launcher.components import checkpoint, ds_compat, manifest, planner, universal
+from zerotrain.launcher.components.evaluate import Evaluator
+from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
+from zerotrain.launcher.components.metrics import MetricsLogger, StepLogger, read_metrics
+from zerotrain.launcher.components.schedule import make_scheduler
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
-from zerotrain.launcher.components.guards import _hms
-from zerotrain.launcher.components.metrics import step_measurements
 from zerotrain.launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
-                             EXIT_SIGNAL, CheckpointError, UsageError)
+                                       EXIT_SIGNAL, CheckpointError, UsageError)
+from zerotrain.launcher.optimizers import check_engine, describe, prepare_optimizer
+from zerotrain.launcher.profiles import load_profile
+from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
+from zerotrain.modeling.hf import load_weights
+from zerotrain.modeling.model import Transformer, count_params, flops_per_token, global_token_mean_scale, held_numel
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -59,8 +71,6 @@ class RunResult:
 
     @property
     def metrics(self) -> list[dict]:
-        from zerotrain.launcher.components.metrics import read_metrics
-
         return read_metrics(self.run_dir)
 
 
@@ -101,8 +111,11 @@ class Trainer:
         self.plan, self.cfg = plan, plan.cfg
         self.world, self.rank, self.is_main = plan.world, plan.rank, plan.rank == 0
         self.say = _say_rank0(plan.rank)
+        warning = ds_compat.check_deepspeed_version()  # one line, exit 2, before anything is built or written
+        if warning:
+            self.say(warning)
         self.torch, self.dist = torch, dist
-        accel = get_accelerator()
+        self.accel = accel = get_accelerator()
         if not dist.is_initialized():  # a notebook's second run() reuses the process group
             deepspeed.init_distributed(dist_backend=plan.zt.get("dist_backend") or accel.communication_backend_name())
         if accel.device_name() != "cpu":
@@ -112,8 +125,6 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
-        from zerotrain.launcher.components.guards import Budget
-
         budget = Budget(plan.cfg.max_hours, plan.cfg.total_tokens, plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
                         self.world)
         if budget.active:
@@ -121,10 +132,9 @@ class Trainer:
         for w in plan.warnings:
             self.say(f"zerotrain: warning: {w}")
         self.lock = self._take_lock()
-        _unlink_shm_buffer(self.rank)
+        ds_compat.unlink_shm_buffer(self.rank)
         self.universal_dir = None
         if plan.resume_from is not None and plan.resume_meta["world_size"] != self.world:
-            from zerotrain.launcher.components import universal
             self.universal_dir = universal.convert_on_rank0(
                 plan.resume_from, out_dir=plan.ckpt_dir / "universal" / plan.resume_from.name)
             self.say(f"converted {plan.resume_from} (saved by {plan.resume_meta['world_size']} ranks) to a universal"
@@ -141,11 +151,7 @@ class Trainer:
         self.final_loader_state = None  # set when the data runs out: the state before the unfinished step
         self.fetched = self.state_before_fetch = None  # the next step's batches, taken ahead (fetch())
         self.grad_norm = None
-        from zerotrain.launcher.components.metrics import MetricsLogger
-
         self.metrics = MetricsLogger(plan.run_dir, self.is_main, self.cfg, say=self.say)  # --log sinks (issue 10)
-        from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
-
         cfg = self.cfg
         self.spikes = SpikeDetector()
         self.budget = Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, self.world)
@@ -153,8 +159,6 @@ class Trainer:
         self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
         if plan.eval_rows:
-            from zerotrain.launcher.components.evaluate import Evaluator
-
             self.evaluator = Evaluator(plan.eval_rows, self.rank, self.world,
                                        plan.ds_config["train_micro_batch_size_per_gpu"])
         self.best: dict | None = self.read_best()
@@ -189,7 +193,6 @@ class Trainer:
                         "identity_hash": self.cfg.identity_hash()}
             _write_atomic(plan.run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
             _write_atomic(plan.run_dir / "ds_config.json", json.dumps(plan.ds_config, indent=2) + "\n")
-            from zerotrain.launcher.components import manifest
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
                                      profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
                                      hosts=hosts, resumed_from=str(plan.resume_from or "") or None)
@@ -201,9 +204,6 @@ class Trainer:
         return sorted(set(hosts))
 
     def _build_engine(self, deepspeed, accel):
-        from zerotrain.launcher.components.schedule import make_scheduler
-        from zerotrain.modeling.model import Transformer, count_params, held_numel
-
         torch, plan, cfg = self.torch, self.plan, self.cfg
         torch.manual_seed(cfg.seed)
         ds_config, args = plan.ds_config, plan.model_args
@@ -216,8 +216,6 @@ class Trainer:
         else:
             model = Transformer(args)
         if plan.init_from is not None and plan.resume_from is None:  # before deepspeed.initialize copies them
-            from zerotrain.modeling.hf import load_weights
-
             load_weights(model, plan.init_from)
             self.say(f"initialised from {plan.init_from}")
         held = [None] * self.world
@@ -227,8 +225,6 @@ class Trainer:
         model.activation_checkpointing = bool(ac)
         # issue 11 (optimizer registry, launcher/optimizers.py): a client optimizer or DeepSpeed's own
         # from ds_config; check_engine refuses an engine that would train with another update rule.
-        from zerotrain.launcher.optimizers import check_engine, describe, prepare_optimizer
-
         ds_config, optimizer, model_parameters = prepare_optimizer(cfg, ds_config, model)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                                                config=ds_config, lr_scheduler=make_scheduler(cfg))
@@ -247,9 +243,6 @@ class Trainer:
         return engine
 
     def _build_data(self):
-        from zerotrain.dataio.commands import describe_data
-        from zerotrain.dataio.loader import Batches
-
         plan, cfg = self.plan, self.cfg
         for line in describe_data(plan.data, cfg.max_steps * plan.ds_config["train_batch_size"] * cfg.seq_len):
             self.say(line)
@@ -259,18 +252,15 @@ class Trainer:
 
     def _resume(self, tag_dir: Path, load_loader: bool = True) -> None:
         if self.universal_dir is not None:
-            from zerotrain.launcher.components import universal
             state = universal.load(self.engine, self.universal_dir)["zerotrain"]
             # DeepSpeed keeps applying load_universal to every later load_checkpoint of this engine;
-            # a rollback reloads one of our own (same-world) tags. 0.19 reads this only in load_checkpoint.
-            self.engine._config.load_universal_checkpoint = False
+            # a rollback reloads one of our own (same-world) tags.
+            ds_compat.stop_loading_universal(self.engine)
         else:
             state = checkpoint.load(self.engine, tag_dir)["zerotrain"]
         self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
         states = state["loader_states"]
         if len(states) != self.world:  # saved by another number of ranks: re-split what was left
-            from zerotrain.dataio.reshard import reshard_loader_states
-
             plan = self.plan
             states = reshard_loader_states(plan.data, states, self.world, self.cfg.seed, self.cfg.seq_len,
                                            plan.ds_config["train_micro_batch_size_per_gpu"],
@@ -293,8 +283,6 @@ class Trainer:
     def fetch(self) -> list[int]:
         """Take this rank's micro-batches for the next step; returns what the other ranks must know of
         them, [data ended?, data error?, batch digest, labelled tokens], for the step's collective."""
-        from zerotrain.dataio.loader import batch_digest, trainable_tokens
-
         accum = self.plan.ds_config["gradient_accumulation_steps"]
         # The state a checkpoint taken before these batches are trained must record (0.2-0.4 ms on the
         # demo mix, measured; the collective this fetch-ahead folds away cost 2-3 ms on 2 gloo ranks).
@@ -376,9 +364,6 @@ class Trainer:
 
     def train_step(self, batches) -> float:
         """Forward, backward and optimizer step over the micro-batches; returns the rank-mean loss sum."""
-        from zerotrain.dataio.loader import MODEL_KEYS
-        from zerotrain.modeling.model import global_token_mean_scale
-
         # Pretraining mixes: each micro-batch's mean loss, as before (bit-compatible runs). A mix with an
         # SFT source: each micro-batch's loss SUM, scaled so that DeepSpeed's backward (/ accum, mean over
         # ranks) gives the mean over the global batch's labelled tokens.
@@ -438,7 +423,10 @@ class Trainer:
         self.saves = 0
         self.t_start = time.time()
         tokens_per_step = plan.ds_config["train_batch_size"] * cfg.seq_len
-        logger = StepLogger(self, tokens_per_step)
+        logger = StepLogger(self.metrics, self.budget, is_main=self.is_main, world=self.world,
+                            tokens_per_step=tokens_per_step, max_steps=cfg.max_steps, first_step=self.step,
+                            flops_per_token=flops_per_token(plan.model_args, cfg.seq_len),
+                            peak_flops=plan.zt.get("peak_flops_per_device"), accelerator=self.accel)
         try:
             stop = self._loop(tokens_per_step, logger)
             logger.close()
@@ -455,7 +443,6 @@ class Trainer:
                            save_blocked_s=round(self.save_seconds, 3))
         self.metrics.close()
         if self.is_main:
-            from zerotrain.launcher.components import manifest
             manifest.record_end(plan.run_dir, stop.stop, self.step)
             report_exit(stop.exit_code)
         # Nobody exits before rank 0's last write: DeepSpeed's launcher SIGTERMs the other ranks as
@@ -502,7 +489,10 @@ class Trainer:
                 if self.on_spike(loss, tokens_sha):
                     continue  # rolled back to the last good checkpoint: the loop goes on from there
                 val = self.maybe_evaluate()
-                logger.log(loss, lr, tokens_sha, step_time, val)
+                record = logger.log(self.step, loss, lr, tokens_sha, step_time, data_wait_s=self.data_wait,
+                                    grad_norm=self.grad_norm, tokens_seen=self.tokens_seen, elapsed_s=self.elapsed(),
+                                    val=val, data_shares=self.data_shares())
+                self.check_golden(record)
                 last = self.step >= cfg.max_steps
                 new_best = val is not None and self.note_best(val["val_loss"])
                 if (self.checkpointer.due(self.step, save_hours, last) and not last) or new_best:
@@ -614,104 +604,31 @@ class Trainer:
         # whole engine alive (~1 GB for `tiny`). ZeRO-3's hooks on tensors hold the engine where
         # gc cannot see them (destroy() removes them); DeepSpeed 0.19 also keeps modules in globals.
         self.engine.destroy()
-        _release_zero3_globals(self.engine.module)
+        ds_compat.release_zero3_globals(self.engine.module)
 
+    # -- what a step's record needs from every rank -----------------------------------------------
+    def data_shares(self) -> list[tuple[str, float, float]] | None:
+        """Every --log-data-every-steps: each source's share of the tokens trained so far, summed over the
+        ranks (an all-reduce, every rank), with its weight in the mix; None at other steps."""
+        every = self.cfg.log_data_every_steps
+        if not every or self.step % every:
+            return None
+        torch = self.torch
+        per_source = torch.tensor(self.loader.tokens_per_source(), dtype=torch.float64, device=self.engine.device)
+        self.dist.all_reduce(per_source)
+        shares = (per_source / per_source.sum()).tolist()
+        return [(s.name, x, s.weight) for s, x in zip(self.plan.data.specs, shares)]
 
-def _release_zero3_globals(module) -> None:
-    """Issue 9: DeepSpeed 0.19 ZeRO-3 globals that keep a finished run's module (and through its
-    hooks the engine) alive: setup_zero_stage3_hooks appends the top module to FWD_MODULE_STACK and
-    never pops it; PartitionedParameterCoordinator.__params_to_release is an unbounded lru_cache
-    keyed by (coordinator, submodule), wrapped by instrument_w_nvtx (no __wrapped__: the closure)."""
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
-
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not module]
-    release = vars(PPC).get("_PartitionedParameterCoordinator__params_to_release")
-    for cell in getattr(release, "__closure__", None) or ():
-        if hasattr(cell.cell_contents, "cache_clear"):
-            cell.cell_contents.cache_clear()
-
-
-class StepLogger:
-    """metrics.jsonl record and progress bar for one step (rank 0 writes; all ranks join collectives)."""
-
-    def __init__(self, trainer: Trainer, tokens_per_step: int):
-        from deepspeed.accelerator import get_accelerator
-
-        from zerotrain.modeling.model import flops_per_token
-
-        self.t, self.tokens_per_step = trainer, tokens_per_step
-        self.accel = get_accelerator()
-        self.flops = flops_per_token(trainer.plan.model_args, trainer.cfg.seq_len)
-        self.peak = trainer.plan.zt.get("peak_flops_per_device")
-        self.bar = None
-        if trainer.is_main:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=trainer.cfg.max_steps, initial=trainer.step, desc="train", unit="step",
-                            dynamic_ncols=True, file=sys.stdout)
-
-    def log(self, loss: float, lr: float, tokens_sha: str, dt: float, val: dict | None = None) -> None:
-        t, cfg = self.t, self.t.cfg
-        grad_norm = t.grad_norm
-        record = {"step": t.step, "loss": loss, "lr": lr, "tokens_sha": tokens_sha,
-                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                  "tokens_seen": t.tokens_seen, "tokens_per_s": round(self.tokens_per_step / dt, 1),
-                  "elapsed_s": round(t.elapsed(), 3)}
-        record.update(step_measurements(dt, t.data_wait, self.accel))
-        if val is not None:
-            record.update(val)
-            if self.bar is not None:
-                self.bar.write(f"step {t.step}: val_loss {val['val_loss']:.4f} " + ", ".join(
-                    f"{k} {v:.4f}" for k, v in val["val_loss_per_source"].items()))
-        if self.peak:
-            record["mfu"] = round(self.flops * self.tokens_per_step / dt / (self.peak * t.world), 5)
-        if cfg.log_data_every_steps and t.step % cfg.log_data_every_steps == 0:
-            per_source = t.torch.tensor(t.loader.tokens_per_source(), dtype=t.torch.float64, device=t.engine.device)
-            t.dist.all_reduce(per_source)
-            shares = (per_source / per_source.sum()).tolist()
-            specs = t.plan.data.specs
-            record["data_shares"] = {s.name: round(x, 5) for s, x in zip(specs, shares)}
-            if self.bar is not None:
-                self.bar.write(f"step {t.step}: token shares " + ", ".join(
-                    f"{s.name} {x:.2%} (weight {s.weight:.2%})" for s, x in zip(specs, shares)))
-        t.metrics.log(record)
-        if t.plan.golden is not None:  # --golden (issue 10): rank 0's verdict at the golden steps, on every rank
-            off = t.plan.golden.check(t.step, record, t.dist)
-            if off:
-                t.say(f"zerotrain: warning: {off}")
-                t.metrics.event("golden", t.step, message=off)
-                if cfg.golden_strict:
-                    raise StopRun("golden", f"{off}; stopping (--golden-strict)", EXIT_GOLDEN, save=True)
-        if self.bar is not None:
-            post = {"loss": f"{loss:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
-            spend = t.budget.spend_usd(t.elapsed())
-            if spend is not None:
-                post["usd"] = f"{spend:.2f}"
-            if t.budget.active:  # tqdm's own ETA counts --max-steps only
-                post["eta"] = _hms(t.budget.eta_s(t.elapsed(), dt, t.tokens_seen, self.tokens_per_step,
-                                                  cfg.max_steps - t.step))
-            self.bar.set_postfix(post)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-def _unlink_shm_buffer(rank: int) -> None:
-    """DeepSpeed's CPU shared-memory all-reduce (ops/csrc/cpu/comm/shm.cpp) creates
-    /dev/shm/deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK (~66 MB) in init_distributed and never
-    removes it: a test suite or a notebook leaks RAM with every launch. Every rank has mapped every
-    buffer once init_distributed returned (it spins until they exist) and a collective has completed
-    since, so the name can go; the mappings stay valid until the processes exit."""
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-    try:
-        os.unlink(name)
-    except OSError:
-        pass
+    def check_golden(self, record: dict) -> None:
+        """--golden (issue 10): rank 0's verdict at the golden steps, on every rank; --golden-strict stops."""
+        if self.plan.golden is None:
+            return
+        off = self.plan.golden.check(self.step, record, self.dist)
+        if off:
+            self.say(f"zerotrain: warning: {off}")
+            self.metrics.event("golden", self.step, message=off)
+            if self.cfg.golden_strict:
+                raise StopRun("golden", f"{off}; stopping (--golden-strict)", EXIT_GOLDEN, save=True)
 
 
 def report_exit(code: int) -> None:
@@ -768,15 +685,9 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
 def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     """`--dry-run`: the run resolved against its profile's hardware (or the launch's world size when
     launched), printed; nothing built, nothing written. Recipes are checked this way in CI."""
-    from zerotrain.launcher.components import planner
-    from zerotrain.launcher.profiles import load_profile
-    from zerotrain.modeling.model import count_params
-
     if world is None:
         hw = load_profile(cfg.profile)[1].get("zerotrain", {}).get("hardware", {}) if cfg.profile != "auto" else {}
         world = int(os.environ.get("WORLD_SIZE") or hw.get("devices_per_node", 1) * hw.get("nodes", 1))
-    import dataclasses
-
     plan = plan_run(dataclasses.replace(cfg, dry_run=True), world, 0)  # no fit check against this machine
     ds, zt, args = plan.ds_config, plan.zt, plan.model_args
     n = count_params(args)
@@ -786,8 +697,6 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              f" x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" lr {cfg.lr:g}, optimizer {cfg.optimizer or 'adamw'}"]
-    from zerotrain.dataio.commands import describe_data
-
     lines += describe_data(plan.data, cfg.max_steps * ds["train_batch_size"] * cfg.seq_len)
     fits = None
     hw = zt.get("hardware", {})

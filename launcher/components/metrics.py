@@ -15,7 +15,9 @@ step k drops what was logged after k before it). Only rank 0 writes.
 Both import their package only when asked for. A sink that cannot start warns and is left out:
 metrics.jsonl keeps everything, and a watcher's trouble never stops a multi-week run.
 
-Also here: `step_measurements`, what the Trainer adds to each step's record about time and memory.
+Also here: `StepLogger`, which makes each step's record (loss, throughput, MFU, time and memory from
+`step_measurements`, validation, data shares) and keeps the progress bar; the Trainer hands it values,
+it never reaches into the Trainer and runs no collective.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from zerotrain.launcher.components.guards import _hms
 from zerotrain.launcher.config import parse_sinks
 from zerotrain.launcher.errors import UsageError
 
@@ -255,3 +258,63 @@ def step_measurements(step_s: float, data_wait_s: float, accelerator=None) -> di
     if accelerator is not None and accelerator.device_name() != "cpu":
         out["peak_mem_gib"] = round(accelerator.max_memory_allocated() / GIB, 3)
     return out
+
+
+class StepLogger:
+    """One step's record to every sink (`MetricsLogger`) and the progress bar (rank 0 draws it).
+
+    What needs the other ranks (the data shares' all-reduce, the golden verdict) is the Trainer's; this
+    writes what it is given. `flops_per_token` and `peak_flops` (the profile's, per device) give MFU."""
+
+    def __init__(self, metrics: MetricsLogger, budget, *, is_main: bool, world: int, tokens_per_step: int,
+                 max_steps: int, first_step: int, flops_per_token: float, peak_flops: float | None = None,
+                 accelerator=None):
+        self.metrics, self.budget, self.world = metrics, budget, world
+        self.tokens_per_step, self.max_steps = tokens_per_step, max_steps
+        self.flops, self.peak, self.accel = flops_per_token, peak_flops, accelerator
+        self.bar = None
+        if is_main:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stdout)
+
+    def log(self, step: int, loss: float, lr: float, tokens_sha: str, step_s: float, *, data_wait_s: float,
+            grad_norm: float | None, tokens_seen: int, elapsed_s: float, val: dict | None = None,
+            data_shares: list[tuple[str, float, float]] | None = None) -> dict:
+        """Write step `step`'s record and advance the bar; returns the record. data_shares: (source,
+        share of the tokens so far, its weight in the mix) per source, when due."""
+        record = {"step": step, "loss": loss, "lr": lr, "tokens_sha": tokens_sha,
+                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "tokens_seen": tokens_seen, "tokens_per_s": round(self.tokens_per_step / step_s, 1),
+                  "elapsed_s": round(elapsed_s, 3)}
+        record.update(step_measurements(step_s, data_wait_s, self.accel))
+        if val is not None:
+            record.update(val)
+            if self.bar is not None:
+                self.bar.write(f"step {step}: val_loss {val['val_loss']:.4f} " + ", ".join(
+                    f"{k} {v:.4f}" for k, v in val["val_loss_per_source"].items()))
+        if self.peak:
+            record["mfu"] = round(self.flops * self.tokens_per_step / step_s / (self.peak * self.world), 5)
+        if data_shares is not None:
+            record["data_shares"] = {name: round(share, 5) for name, share, _ in data_shares}
+            if self.bar is not None:
+                self.bar.write(f"step {step}: token shares " + ", ".join(
+                    f"{name} {share:.2%} (weight {weight:.2%})" for name, share, weight in data_shares))
+        self.metrics.log(record)
+        if self.bar is not None:
+            post = {"loss": f"{loss:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+            spend = self.budget.spend_usd(elapsed_s)
+            if spend is not None:
+                post["usd"] = f"{spend:.2f}"
+            if self.budget.active:  # tqdm's own ETA counts --max-steps only
+                post["eta"] = _hms(self.budget.eta_s(elapsed_s, step_s, tokens_seen, self.tokens_per_step,
+                                                     self.max_steps - step))
+            self.bar.set_postfix(post)
+            self.bar.update(1)
+        return record
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

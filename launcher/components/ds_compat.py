@@ -1,0 +1,220 @@
+"""Every place zerotrain relies on a DeepSpeed name that is not its public API, in one module.
+
+Each function below names the DeepSpeed file (and function) it matches and the releases it was
+checked against. Nothing else in the project touches a `_`-prefixed DeepSpeed attribute, replaces
+one of the engine's members, or depends on a name DeepSpeed keeps inside a C++ source.
+
+`check_deepspeed_version()` runs once in the driver, before the engine is built: inside the range in
+`VERIFIED` it is silent; outside it, every name in `PRIVATE_NAMES` is looked up in the installed
+DeepSpeed. A missing name that a result depends on (a checkpoint write that cannot fail on one rank
+alone, a rollback after a universal resume) is a UsageError, one line, exit 2; a missing name that is
+only an optimisation (freeing memory between runs) is one warning line; all present is one warning
+line saying the release is not verified. Checked: DeepSpeed 0.19.8 (the setup.cfg minimum: Muon as
+we use it needs it).
+
+DeepSpeed is imported inside the functions: this module is imported by light commands.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerotrain.launcher.errors import UsageError
+
+VERIFIED = ">=0.19.8,<0.20"  # every function below was read against these releases' source
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One DeepSpeed name we rely on: `module` imported, then `name` (dotted) looked up in it; or, with
+    `file`, that file of the installed package read. `source_has`: text the name's source must contain."""
+    module: str
+    name: str
+    needed_for: str
+    correctness: bool  # True: a result is wrong (or a launch hangs) without it; False: an optimisation
+    source_has: str = ""
+    file: str = ""
+
+
+PRIVATE_NAMES = (
+    PrivateName("deepspeed.runtime.engine", "DeepSpeedEngine._copy_recovery_script",
+                "a failed checkpoint write on one rank fails the save on every rank (no hang)", True),
+    PrivateName("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint",
+                "a failed checkpoint write on one rank fails the save on every rank (no hang)", True,
+                source_has="self.checkpoint_engine.makedirs"),
+    PrivateName("deepspeed.runtime.engine", "DeepSpeedEngine.load_universal_checkpoint",
+                "a rollback after a resume on another world size loads its own checkpoint", True,
+                source_has="self._config.load_universal_checkpoint"),
+    PrivateName("deepspeed.launcher.runner", "parse_args", "zerotrain launch: deepspeed flags checked", True),
+    PrivateName("deepspeed.launcher.runner", "parse_inclusion_exclusion",
+                "zerotrain launch --hostfile: the hosts DeepSpeed will use", True),
+    PrivateName("deepspeed.launcher.runner", "apply_num_nodes_and_gpus",
+                "zerotrain launch --hostfile: the hosts DeepSpeed will use", True),
+    PrivateName("deepspeed.runtime.zero.parameter_offload", "FWD_MODULE_STACK",
+                "a notebook's finished ZeRO-3 run frees its model", False),
+    PrivateName("deepspeed.runtime.zero.partitioned_param_coordinator",
+                "PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release",
+                "a notebook's finished ZeRO-3 run frees its model", False),
+    PrivateName("deepspeed", "", "each CPU launch removes its 66 MB /dev/shm buffer", False,
+                source_has='#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"', file="ops/csrc/cpu/comm/shm.cpp"),
+)
+
+
+def deepspeed_version() -> str:
+    """The installed DeepSpeed's version, from its package metadata (DeepSpeed itself is not imported)."""
+    return importlib.metadata.version("deepspeed")
+
+
+def is_verified(version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(VERIFIED).contains(version, prereleases=True)
+
+
+def missing(names=None) -> list[PrivateName]:
+    """The entries of `names` (default PRIVATE_NAMES) the installed DeepSpeed does not have."""
+    gone = []
+    for entry in PRIVATE_NAMES if names is None else names:
+        try:
+            module = importlib.import_module(entry.module)
+            if entry.file:
+                text = (Path(module.__file__).parent / entry.file).read_text()
+            else:
+                obj = module
+                for part in entry.name.split("."):
+                    obj = getattr(obj, part)
+                text = inspect.getsource(obj) if entry.source_has else ""
+        except (ImportError, AttributeError, OSError, TypeError):
+            gone.append(entry)
+            continue
+        if entry.source_has and entry.source_has not in text:
+            gone.append(entry)
+    return gone
+
+
+def check_deepspeed_version() -> str | None:
+    """Start-up check (the driver, before building the engine). None inside VERIFIED; outside it, a
+    warning line to print, or a UsageError (exit 2) naming a missing name a result depends on."""
+    version = deepspeed_version()
+    if is_verified(version):
+        return None
+    gone = missing()
+    where = f"DeepSpeed {version} is outside the range zerotrain was verified with ({VERIFIED})"
+    broken = [m for m in gone if m.correctness]
+    if broken:
+        raise UsageError(f"{where} and lacks {_label(broken[0])}, needed so that {broken[0].needed_for};"
+                         f" install deepspeed{VERIFIED}")
+    if gone:
+        return (f"zerotrain: warning: {where} and lacks {_label(gone[0])}: {gone[0].needed_for} no longer holds"
+                f" (training is unaffected)")
+    return f"zerotrain: warning: {where}; the DeepSpeed internals it relies on are present"
+
+
+def _label(entry: PrivateName) -> str:
+    return f"{entry.module}:{entry.file or entry.name}" + (f" ({entry.source_has!r})" if entry.source_has else "")
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+def route_checkpoint_writes(engine, guard) -> None:
+    """Send every file write of `engine.save_checkpoint` through `guard` (components/checkpoint.py's
+    _WriteGuard, which has the checkpoint engine's interface).
+
+    Matches deepspeed/runtime/engine.py (0.19.8): save_checkpoint, _save_checkpoint,
+    _save_zero_checkpoint and _create_checkpoint_file write only through `self.checkpoint_engine`
+    (makedirs, save); rank 0 also copies the recovery scripts with `self._copy_recovery_script(save_path)`
+    (a shutil.copyfile outside the checkpoint engine), which is wrapped here.
+    """
+    engine.checkpoint_engine = guard
+    copy_scripts = getattr(engine, "_copy_recovery_script", None)
+    if copy_scripts is not None:
+        engine._copy_recovery_script = lambda save_path: guard.run(copy_scripts, save_path)
+
+
+def stop_loading_universal(engine) -> None:
+    """After a universal resume: later load_checkpoint calls of this engine (a rollback to one of our
+    own same-world tags) read the regular layout again.
+
+    Matches deepspeed/runtime/engine.py (0.19.8): DeepSpeedEngine.load_universal_checkpoint() returns
+    `self._config.load_universal_checkpoint`, read only inside load_checkpoint and _load_checkpoint.
+    """
+    engine._config.load_universal_checkpoint = False
+
+
+def release_zero3_globals(module) -> None:
+    """Issue 9: ZeRO-3 module-level state that keeps a finished run's module (and through its hooks
+    the engine) alive after engine.destroy(); a notebook's next run() would add ~1 GB each time.
+
+    Matches (0.19.8) deepspeed/runtime/zero/parameter_offload.py: DeepSpeedZeRoOffload.
+    setup_zero_stage3_hooks appends the top module to the global FWD_MODULE_STACK and never pops it;
+    deepspeed/runtime/zero/partitioned_param_coordinator.py: PartitionedParameterCoordinator.
+    __params_to_release is an unbounded functools.lru_cache keyed by (coordinator, submodule), wrapped
+    by instrument_w_nvtx (deepspeed/utils/nvtx.py: a closure, no __wrapped__), so the cache is found
+    in the wrapper's closure. Each part is skipped when absent (check_deepspeed_version warns).
+    """
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as PPC
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if stack is not None:
+        stack[:] = [m for m in stack if m is not module]
+    release = vars(PPC).get("_PartitionedParameterCoordinator__params_to_release")
+    for cell in getattr(release, "__closure__", None) or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
+
+
+# -- the CPU shared-memory all-reduce ---------------------------------------------------------------
+
+def shm_buffer_path(rank: int) -> Path:
+    """The file DeepSpeed's CPU shared-memory all-reduce maps for `rank` of this launch.
+
+    Matches deepspeed/ops/csrc/cpu/comm/shm.cpp (0.19.8), shm_initialize: SHM_BUFFER_NAME
+    "deepspeed_allreduce_buffer", then "_%d_%s_%s" of getuid(), MASTER_ADDR, MASTER_PORT, then "_%d"
+    of the rank; shm_open puts it under /dev/shm.
+    """
+    return Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def unlink_shm_buffer(rank: int) -> None:
+    """Remove this rank's ~66 MB shared-memory all-reduce buffer, which DeepSpeed creates in
+    init_distributed and never removes (a test suite or a notebook leaks RAM with every launch).
+
+    Safe once init_distributed has returned and a collective has completed: every rank has mapped every
+    buffer by then (shm.cpp's shm_initialize spins until they exist), and the mappings stay valid until
+    the processes exit; only the name goes.
+    """
+    try:
+        os.unlink(shm_buffer_path(rank))
+    except OSError:
+        pass
+
+
+# -- DeepSpeed's launcher (deepspeed/launcher/runner.py) -------------------------------------------
+
+def runner_parse_args(argv: list[str]):
+    """DeepSpeed's runner flags parsed by the runner's own parser (SystemExit on an error, as argparse).
+
+    Matches deepspeed/launcher/runner.py (0.19.8) parse_args(args): the `deepspeed` command's parser,
+    module-level, not part of DeepSpeed's documented API.
+    """
+    from deepspeed.launcher.runner import parse_args
+
+    return parse_args(argv)
+
+
+def runner_active_hosts(hosts, include: str, exclude: str, num_nodes: int, num_gpus: int):
+    """The hosts and slots DeepSpeed's runner will use, by its own filters.
+
+    Matches deepspeed/launcher/runner.py (0.19.8): parse_inclusion_exclusion(resource_pool,
+    inclusion, exclusion) (ValueError on a bad filter), then apply_num_nodes_and_gpus(active_resources,
+    num_nodes, num_gpus), as its main() applies them.
+    """
+    from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
+
+    return apply_num_nodes_and_gpus(parse_inclusion_exclusion(hosts, include, exclude), num_nodes, num_gpus)
