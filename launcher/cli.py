@@ -23,14 +23,11 @@
 """
 from __future__ import annotations
 
-import json
+import importlib
 import sys
 
-from zerotrain.launcher.errors import UsageError, fail
-
-import importlib
-
 import zerotrain
+from zerotrain.launcher.errors import UsageError, fail
 
 # command -> (module, function): each function takes the argument list and is also the Python API.
 # One line per command (litgpt's __main__.py habit); the usage text is this module's docstring.

@@ -1,6 +1,6 @@
 """Which model a run trains, from the flags: exactly one of
 
-    --model NAME                         a named preset (zerotrain.modeling.model.PRESETS; the default, debug)
+    --model NAME                         a named preset (zerotrain.modeling.sizes.PRESETS; the default, debug)
     --depth D [--aspect-ratio A] [--head-dim H]
                                          the depth rule (zerotrain.modeling.sizes.depth_args)
     --scaling-rule NAME --heads H [--rules-file YAML]
@@ -13,7 +13,12 @@ model or writes a file; a problem is a UsageError naming the flag.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+from zerotrain.launcher import optimizers
 from zerotrain.launcher.errors import UsageError
+from zerotrain.modeling import hf, sizes
+from zerotrain.modeling.sizes import count_params, preset
 
 DEPTH_ONLY = ("aspect_ratio", "head_dim")
 
@@ -28,9 +33,6 @@ def _given(cfg, names) -> list[str]:
 
 def resolve(cfg, vocab_size: int) -> tuple:
     """(ModelArgs, label for the run id, HF directory to load weights from or None)."""
-    from zerotrain.modeling import hf, sizes
-    from zerotrain.modeling.model import preset
-
     sources = _given(cfg, ("depth", "scaling_rule", "init_from"))
     if len(sources) > 1:
         raise UsageError(f"{_flag(sources[0])} and {_flag(sources[1])}: give one way to pick the model")
@@ -86,8 +88,6 @@ def resolve(cfg, vocab_size: int) -> tuple:
 
 
 def _safe(path: str) -> str:
-    from pathlib import Path
-
     name = Path(path).resolve().name
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "model"
 
@@ -102,7 +102,6 @@ def rule_lr_defaults(values: dict) -> dict:
     """
     if values.get("lr") is not None:
         return {}
-    from zerotrain.launcher import optimizers
     optimizer = values.get("optimizer")
     if optimizer is not None and not isinstance(optimizer, str):
         return {}
@@ -117,9 +116,6 @@ def rule_lr_defaults(values: dict) -> dict:
 def _rule_lr(values: dict, law_names: list[str]) -> float | None:
     if not values.get("scaling_rule") or values.get("heads") is None:
         return None
-    from zerotrain.modeling import sizes
-    from zerotrain.modeling.model import count_params
-
     try:
         rule = sizes.get_rule(values["scaling_rule"], values.get("rules_file") or sizes.RULES_FILE)
         overrides = {} if values.get("qk_norm") is None else {"qk_norm": values["qk_norm"]}

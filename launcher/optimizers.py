@@ -30,6 +30,9 @@ under `zero.Init` every ZeRO-3 parameter looks 1-D, so no matrix was tagged for 
 silently trained with AdamW (DeepSpeed PR #8438; 0.19.8 tags by `ds_shape`); at stage 0 the Muon
 half applied a plain SGD step (PR #8442). `check_engine` re-derives the tagging from the real
 shapes after every build, so a DeepSpeed that regresses stops the run with one line instead.
+
+client_optimizers (torch at its top) and DeepSpeed are imported only by the functions that build an
+optimizer: the config layer, and `zerotrain plan` / `params` through it, never load torch.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.launcher.errors import UsageError, read_json_object
+from zerotrain.launcher.optimizers import resolve_ds_optimizer
 
 PROFILE_DIR = resource_dir("zerotrain.ds_configs")  # the shipped profiles (package data)
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -133,7 +134,6 @@ def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     micro, accum, train = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens,
                                         cfg.seq_len, world, where)
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
-    from zerotrain.launcher.optimizers import resolve_ds_optimizer
 
     ds = resolve_ds_optimizer(ds, cfg, where)  # --optimizer: the section DeepSpeed builds, or none for a client one
     ds.pop("scheduler", None)

@@ -11,14 +11,23 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from zerotrain.launcher.components import checkpoint
+from zerotrain.dataio.holdout import holdout_rows, mix_rows
+from zerotrain.dataio.loader import dataloader_settings, load_data, open_data
+from zerotrain.dataio.packing import check_packing
+from zerotrain.dataio.reshard import check_reshard
+from zerotrain.dataio.sources import default_piece_len
+from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.launcher import model_spec
+from zerotrain.launcher.components import checkpoint, universal
 from zerotrain.launcher.components.golden import GoldenCheck
+from zerotrain.launcher.components.guards import Budget
+from zerotrain.launcher.components.planner import fit_check
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.profiles import detect_profile, load_profile, resolve_ds_config
 
 
 def single_process_env() -> None:
@@ -66,12 +75,6 @@ class RunPlan:
 
 def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     """Everything decided before any process touches disk or builds a model. Raises UsageError/DataError."""
-    from zerotrain.dataio.loader import dataloader_settings, open_data
-    from zerotrain.dataio.packing import check_packing
-    from zerotrain.dataio.tokenizer import load_tokenizer
-    from zerotrain.launcher import model_spec
-    from zerotrain.launcher.profiles import detect_profile, load_profile, resolve_ds_config
-
     why = None
     profile_spec = cfg.profile
     if profile_spec == "auto":
@@ -85,8 +88,6 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
-        from zerotrain.launcher.components.planner import fit_check
-
         fit_check(cfg, model_args, ds_config, zt, world)
 
     run_id = cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
@@ -117,10 +118,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
             raise UsageError(f"config drift against {saved}: " + ", ".join(drift) + "; start a new --run-id instead")
     golden = None
     if cfg.golden:  # --golden (issue 10): a golden file of another config or world size is refused here
-
         golden = GoldenCheck.load(cfg.golden, cfg, world)
-    from zerotrain.launcher.components.guards import Budget
-
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
         ds_config["train_batch_size"] * cfg.seq_len)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
@@ -150,9 +148,6 @@ def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Pa
 def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, saved_run: dict | None):
     """Reads every source / verifies every shard, cuts pieces, holds out eval documents: bad data stops
     here, identically on every rank. Returns (data, eval rows or None)."""
-    from zerotrain.dataio.loader import load_data, open_data
-    from zerotrain.dataio.sources import default_piece_len
-
     piece_len = cfg.piece_len or default_piece_len(cfg.seq_len)
     if saved_run is not None and "piece_len" not in saved_run:
         piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
@@ -161,8 +156,6 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
     data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.seq_len, verify=cfg.verify_data or "quick")
     if not cfg.eval_every_steps:
         return data, None
-    from zerotrain.dataio.holdout import holdout_rows, mix_rows
-
     if cfg.eval_data is not None:
         eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer), seq_len=cfg.seq_len), cfg.seq_len,
                              cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
@@ -181,8 +174,6 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
     converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
     epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
     """
-    from zerotrain.dataio.reshard import check_reshard
-    from zerotrain.launcher.components import universal
     check_reshard(data, meta["world_size"], world)
     universal.check_supported(ds_config, tag_dir)
     saved = json.loads(saved_ds.read_text()) if saved_ds.is_file() else None

@@ -16,6 +16,11 @@ Per step there is one small collective besides DeepSpeed's own, and one host syn
 may make (its clock: save-by-hours, time and money budgets; the gradient norm), and the NEXT step's
 data (ended? error? batch digest, labelled tokens), fetched ahead so that it rides on the same
 collective. Every decision is therefore taken on the same values on every rank, at the same step.
+
+Why one file of ~700 lines: it is one concern, the Trainer: how it is built, its step, its loop and the
+decisions taken on the step's collective (stop, spike and rollback, best, save), which share the
+Trainer's counters and read in order here; split, each part would reach back into the others' state.
+What stands alone lives in components/ (StepLogger in metrics.py, DeepSpeed's internals in ds_compat.py).
 """
 from __future__ import annotations
 

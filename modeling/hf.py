@@ -10,15 +10,20 @@ exactly ours). Tied embeddings are written HF's way: `tie_word_embeddings: true`
 Reading a directory never unpickles: config.json through `json`, weights through
 `safetensors.safe_open`, one tensor at a time. A directory that holds only `pytorch_model.bin`
 pickles is refused. Errors are ValueError with a message naming the file and what is wrong.
+
+torch is imported by the functions that handle tensors: reading and checking a config.json needs none
+(`zerotrain plan --init-from` resolves the model through this module).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from zerotrain.modeling.sizes import ModelArgs
 
-from zerotrain.modeling.model import ModelArgs
+if TYPE_CHECKING:  # annotations only: torch is imported where tensors are handled
+    import torch
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -136,6 +141,8 @@ def our_name(hf: str) -> str:
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, built on the meta device (no memory)."""
+    import torch
+
     from zerotrain.modeling.model import Transformer
 
     with torch.device("meta"):
@@ -201,7 +208,6 @@ def check_weights(hf_dir: str | Path, args: ModelArgs, hf_vocab: int) -> dict[st
     return files
 
 
-@torch.no_grad()
 def load_weights(model, hf_dir: str | Path) -> None:
     """Copy a checked HF directory's tensors into `model` (plain or ZeRO-3 partitioned).
 
@@ -210,22 +216,27 @@ def load_weights(model, hf_dir: str | Path) -> None:
     more than one full tensor at a time. A vocabulary that our padding made longer keeps its
     initialised extra rows.
     """
+    import torch
     from safetensors import safe_open
 
     from zerotrain.modeling.model import gathered
 
     files = weight_files(hf_dir)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    for name, param in model.named_parameters():
-        with gathered(param):
-            if rank0 or not hasattr(param, "ds_id"):
-                with safe_open(str(files[hf_name(name)]), framework="pt") as f:
-                    tensor = f.get_tensor(hf_name(name))
-                param[: tensor.shape[0]].copy_(tensor)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            with gathered(param):
+                if rank0 or not hasattr(param, "ds_id"):
+                    with safe_open(str(files[hf_name(name)]), framework="pt") as f:
+                        tensor = f.get_tensor(hf_name(name))
+                    param[: tensor.shape[0]].copy_(tensor)
 
 
-def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs, dtype=torch.float32) -> dict:
-    """Our (consolidated) state dict under HF names, contiguous, in `dtype`; tied lm_head dropped."""
+def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs, dtype=None) -> dict:
+    """Our (consolidated) state dict under HF names, contiguous, in `dtype` (default float32); tied lm_head dropped."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     want = expected_shapes(args)
     extra = sorted(set(state_dict) - set(want) - {"lm_head.weight"})
     missing = sorted(set(want) - set(state_dict))
@@ -236,9 +247,13 @@ def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs, dtype=to
 
 
 def save(out_dir: str | Path, state_dict: dict[str, torch.Tensor], args: ModelArgs, bos_id=None, eos_id=None,
-         dtype: torch.dtype = torch.float32) -> None:
-    """config.json + model.safetensors for our state dict (names as in Transformer.state_dict())."""
+         dtype: torch.dtype | None = None) -> None:
+    """config.json + model.safetensors for our state dict (names as in Transformer.state_dict()), in
+    `dtype` (default float32)."""
+    import torch
     from safetensors.torch import save_file
+
+    dtype = torch.float32 if dtype is None else dtype
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

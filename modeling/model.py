@@ -10,140 +10,38 @@ Architecture choices, all of them:
   placement, so such a model exports as ``Qwen3ForCausalLM``);
 - attention never crosses a document boundary. `DocumentLayout.from_positions` is the one place
   boundaries are derived from ``position_ids`` (a document starts wherever the position is 0, and
-  at the start of every row): on a GPU with ``flash_attn`` installed as ``cu_seqlens`` for its
-  variable-length kernel, otherwise as a block-diagonal causal mask for
-  ``scaled_dot_product_attention``;
+  at the start of every row), in the form the chosen kernel takes (`Transformer.attention`, one of
+  `ATTENTION_BACKENDS`; `resolve_attention` says which runs where):
+  ``sdpa``  scaled_dot_product_attention, ``is_causal`` and no mask when every row is one document,
+            a (B, 1, T, T) block-diagonal mask only when documents share a row; GQA in the kernel;
+  ``flex``  flex_attention with a block-causal document mask (torchtitan's form), compiled on a GPU;
+  ``varlen`` PyTorch's own variable-length flash kernel (torch.nn.attention.varlen, CUDA in 16-bit
+            only) over documents laid end to end with ``cu_seqlens``; GQA in the kernel;
+  all three are the same math (tests/test_attention.py);
+- the loss never holds (B, T, V) logits: `LMHead` computes the output projection and the
+  cross-entropy in chunks of tokens, and its gradients with them (`chunked_next_token_loss`);
 - RMSNorm is computed in fp32; no biases anywhere; weights initialised in `init_weights` only.
 
-This file is the model, its sizes (`ModelArgs`, `PRESETS`) and its arithmetic (`count_params`,
-`flops_per_token`): no optimizer, no data, no DeepSpeed (beyond gathering ZeRO-3 parameters in
-`init_weights`). Depth and heads-based size rules are in modeling/sizes.py, the Hugging Face
-conversion in modeling/hf.py.
+This file is the model: no optimizer, no data, no DeepSpeed (beyond gathering ZeRO-3 parameters in
+`init_weights`). Its sizes (`ModelArgs`, `PRESETS`, `preset`) and their arithmetic (`count_params`,
+`flops_per_token`) are in modeling/sizes.py, which imports no torch (the light commands `zerotrain plan`
+and `params` use them), and are importable from here too; the Hugging Face conversion is modeling/hf.py.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
-from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # optional, GPU only: the variable-length kernel of flash-attn 2
-    from flash_attn import flash_attn_varlen_func
-except ImportError:
-    flash_attn_varlen_func = None
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
-    ffn_hidden: int | None = None  # None: ffn_mult x dim rounded up to ffn_multiple_of
-    ffn_mult: float = 8 / 3  # only used when ffn_hidden is None
-    ffn_multiple_of: int = 64
-    vocab_size: int = 258  # padded up to vocab_multiple_of in __post_init__
-    vocab_multiple_of: int = 64
-    max_seq_len: int = 2048
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    qk_norm: bool = False
-
-    def __post_init__(self):
-        def bad(msg):
-            raise ValueError(f"model args: {msg}")
-
-        def positive_int(name):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                bad(f"{name} must be a positive integer, got {v!r}")
-
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "vocab_multiple_of",
-                     "ffn_multiple_of"):
-            positive_int(name)
-        for name in ("rope_theta", "norm_eps", "init_std", "ffn_mult"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                bad(f"{name} must be a positive number, got {v!r}")
-        for name in ("tie_embeddings", "qk_norm"):
-            if not isinstance(getattr(self, name), bool):
-                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        positive_int("n_kv_heads")
-        if self.dim % self.n_heads:
-            bad(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            bad(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            bad(f"head dim {self.dim // self.n_heads} must be even for rotary embeddings")
-        if self.ffn_hidden is None:
-            m = self.ffn_multiple_of
-            object.__setattr__(self, "ffn_hidden", m * math.ceil(int(self.ffn_mult * self.dim) / m))
-        positive_int("ffn_hidden")
-        padded = self.vocab_multiple_of * math.ceil(self.vocab_size / self.vocab_multiple_of)
-        object.__setattr__(self, "vocab_size", padded)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# Named presets: the shapes this toolkit's users train today (layers x dim). Head dim is 64 below
-# dim 1536 and 128 from there; the MLP is SwiGLU with 8/3 x dim hidden units (multiple of 64)
-# unless stated. `debug` is what the tests and the demo train on 2 CPU cores. The two `ws-`
-# presets are the dual 48 GB workstation configurations; their names are their total counts with
-# an untied 128,256-token vocabulary (the Llama 3 tokenizer): `zerotrain params --vocab-size 128256`.
-PRESETS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
-    "tiny": ModelArgs(dim=512, n_layers=12, n_heads=8),
-    "small": ModelArgs(dim=768, n_layers=16, n_heads=12),
-    "medium": ModelArgs(dim=1024, n_layers=24, n_heads=16),
-    "medium-large": ModelArgs(dim=1152, n_layers=20, n_heads=18),
-    "large": ModelArgs(dim=1536, n_layers=24, n_heads=12),
-    "xlarge": ModelArgs(dim=1920, n_layers=32, n_heads=15),
-    "ws-760m": ModelArgs(dim=1024, n_layers=24, n_heads=16, ffn_hidden=5376),
-    "ws-1.3b": ModelArgs(dim=1536, n_layers=32, n_heads=12),
-}
-
-
-def preset(name: str, **overrides) -> ModelArgs:
-    if name not in PRESETS:
-        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
-
-
-def use_flash_varlen(x: torch.Tensor) -> bool:
-    """flash-attn's variable-length kernel: installed, on a GPU, in a 16-bit dtype (its requirements)."""
-    return flash_attn_varlen_func is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-
-
-class DocumentLayout(NamedTuple):
-    """Where the documents of a batch are, derived once per forward from the position ids.
-
-    Exactly one of the two forms is set: `mask` (B, 1, T, T) for scaled_dot_product_attention,
-    or `cu_seqlens` (n_docs + 1,) int32 over the flattened batch plus `max_seqlen` for
-    flash-attn's variable-length kernel.
-    """
-
-    mask: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
-    max_seqlen: int = 0
-
-    @staticmethod
-    def from_positions(position_ids: torch.Tensor, varlen: bool) -> "DocumentLayout":
-        if varlen:
-            return DocumentLayout(None, *cu_seqlens(position_ids))
-        return DocumentLayout(mask=document_mask(position_ids))
+from zerotrain.modeling.sizes import (PRESETS, ModelArgs, count_params, flops_per_token,  # noqa: F401
+                                      preset)  # the model's sizes, defined without torch
 
 
 class RMSNorm(nn.Module):
@@ -174,6 +72,40 @@ def apply_rotary(x, cos, sin):
     return x * cos + rotated * sin
 
 
+# -- attention: one document contract, three kernels ----------------------------------------------
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+HALF = (torch.bfloat16, torch.float16)
+
+
+def varlen_available() -> bool:
+    """torch.nn.attention.varlen exists (torch >= 2.9); found without importing it (the import takes ~1 s)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def resolve_attention(name: str, device_type: str, dtype: torch.dtype) -> str:
+    """The kernel `name` means for activations of `dtype` on `device_type` ("cuda", "cpu", ...).
+
+    auto: varlen on CUDA in 16-bit (the flash kernel, no O(T^2) mask), else sdpa. An explicit name is
+    checked against what its kernel needs; ValueError (one line, saying why) if it cannot run here.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
+    if name == "auto":
+        return "varlen" if device_type == "cuda" and dtype in HALF and varlen_available() else "sdpa"
+    if name == "varlen":
+        if not varlen_available():
+            raise ValueError(f"varlen needs torch.nn.attention.varlen (torch >= 2.9); this is torch {torch.__version__}"
+                             " (use sdpa or flex)")
+        if device_type != "cuda":
+            raise ValueError(f"varlen runs PyTorch's flash kernels, CUDA only; this run is on {device_type}"
+                             " (use sdpa or flex)")
+        if dtype not in HALF:
+            raise ValueError(f"varlen runs flash kernels, which take bf16 or fp16; this run computes in"
+                             f" {str(dtype).removeprefix('torch.')} (enable bf16 in the profile, or use sdpa or flex)")
+    return name
+
+
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) bool: True where a document starts (position 0, or the first token of a row)."""
     starts = position_ids == 0
@@ -181,13 +113,31 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) int: the index of each token's document within its row (1, 2, ...)."""
+    return torch.cumsum(document_starts(position_ids).int(), dim=-1)
+
+
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """Block-diagonal causal mask (B, 1, T, T), True where attention is allowed."""
-    doc_ids = torch.cumsum(document_starts(position_ids).int(), dim=-1)  # (B, T)
+    doc_ids = document_ids(position_ids)  # (B, T)
     T = position_ids.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
     return (same_doc & causal)[:, None]
+
+
+def document_block_mask(position_ids: torch.Tensor) -> BlockMask:
+    """flex_attention's block-causal document mask (torchtitan's form): a query sees the keys at or
+    before it in its own document. Built compiled on a GPU (no (B, T, T) tensor); eagerly elsewhere."""
+    doc_ids = document_ids(position_ids)  # (B, T)
+    B, T = position_ids.shape
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=position_ids.device,
+                             _compile=position_ids.is_cuda)
 
 
 def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -195,6 +145,94 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     starts = document_starts(position_ids).flatten().nonzero().flatten()
     bounds = torch.cat([starts, starts.new_tensor([position_ids.numel()])])
     return bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max())
+
+
+class DocumentLayout(NamedTuple):
+    """Where the documents of a batch are, in the form one kernel takes; derived once per forward.
+
+    backend "sdpa": `mask` (B, 1, T, T) when documents share a row, None when every row holds one
+    document (then is_causal, no mask at all). "flex": `block_mask`. "varlen": `cu_seqlens`
+    (n_docs + 1,) int32 over the flattened batch and `max_seqlen`.
+    """
+
+    backend: str
+    mask: torch.Tensor | None = None
+    block_mask: BlockMask | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+    @staticmethod
+    def from_positions(position_ids: torch.Tensor, backend: str) -> "DocumentLayout":
+        """The one place document boundaries become masks or cu_seqlens (from position_ids alone)."""
+        if backend == "varlen":
+            return DocumentLayout(backend, None, None, *cu_seqlens(position_ids))
+        if backend == "flex":
+            return DocumentLayout(backend, block_mask=document_block_mask(position_ids))
+        if backend != "sdpa":
+            raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
+        # One host sync per forward (not per layer): a row of one document needs no mask, and without
+        # one SDPA may take its flash kernel and never builds the O(T^2) mask.
+        shared = bool(document_starts(position_ids)[:, 1:].any())
+        return DocumentLayout(backend, mask=document_mask(position_ids) if shared else None)
+
+
+def sdpa_kernel(q, k, v, docs: DocumentLayout):
+    """q (B, T, H, hd), k/v (B, T, KV, hd) -> (B, T, H, hd)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, is_causal=docs.mask is None,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
+_compiled_flex = None
+
+
+def flex_kernel(q, k, v, docs: DocumentLayout):
+    """q (B, T, H, hd), k/v (B, T, KV, hd) -> (B, T, H, hd), through flex_attention and the document BlockMask."""
+    global _compiled_flex
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type == "cpu":
+        return flex_on_cpu(q, k, v, docs.block_mask).transpose(1, 2)
+    if _compiled_flex is None:  # uncompiled, flex_attention materialises the (B, H, T, T) scores
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=docs.block_mask, enable_gqa=gqa).transpose(1, 2)
+
+
+def _identity_score(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def flex_on_cpu(q, k, v, block_mask: BlockMask):
+    """flex_attention on a CPU, with a backward. q (B, H, T, hd), k/v (B, KV, T, hd) -> (B, H, T, hd).
+
+    torch 2.13's public `flex_attention` refuses any CPU input that requires grad, compiled or not
+    (`_validate_device` in torch/nn/attention/flex_attention.py). Its eager path runs the
+    `flex_attention` higher-order operator, whose CPU implementation (`math_attention` and
+    `sdpa_dense_backward` in torch/_higher_order_ops/flex_attention.py: fp32 scores, GQA by repeating
+    k/v) has both passes; we call that operator directly, with the public function's defaults
+    (no score modification, scale 1/sqrt(head dim)). Checked against torch 2.13.
+    """
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
+
+    out, _log2_sum_exp, _max = flex_attention_op(q, k, v, _identity_score, block_mask.as_tuple(),
+                                                 q.shape[-1] ** -0.5, {})
+    return out
+
+
+def varlen_kernel(q, k, v, docs: DocumentLayout):
+    """q (B, T, H, hd), k/v (B, T, KV, hd) -> (B, T, H, hd): documents end to end through the flash kernel."""
+    from torch.nn.attention.varlen import varlen_attn  # ~1 s to import: only when this kernel runs
+
+    B, T = q.shape[:2]
+    # window_size (-1, 0) is how varlen_attn is told "causal" (it compares the tuple); fewer kv heads
+    # go to the kernel as they are (enable_gqa), never repeated.
+    out = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs.cu_seqlens, docs.cu_seqlens,
+                      docs.max_seqlen, docs.max_seqlen, window_size=(-1, 0), enable_gqa=k.shape[2] != q.shape[2])
+    return out.view(B, T, *out.shape[1:])  # out: (B*T, H, hd)
+
+
+ATTENTION_KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel, "varlen": varlen_kernel}
 
 
 class Attention(nn.Module):
@@ -219,16 +257,8 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, KV, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if docs.cu_seqlens is not None:  # flash-attn: documents laid end to end, GQA in the kernel
-            out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs.cu_seqlens,
-                                         docs.cu_seqlens, docs.max_seqlen, docs.max_seqlen, causal=True)
-            return self.o_proj(out.reshape(B, T, -1))  # out: (B*T, H, hd)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask)  # (B, H, T, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        out = ATTENTION_KERNELS[docs.backend](q, k, v, docs)  # (B, T, H, hd)
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -255,6 +285,31 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+IGNORE_INDEX = -100  # the Hugging Face convention for "no loss at this position"
+# fp32 logits per chunk of the chunked loss: 256 tokens of a 128,256-token vocabulary. The chunk's
+# logits, their softmax (in place) and one 16-bit copy are alive at once; nothing of size (B, T, V).
+LOSS_CHUNK_BYTES = 128 * 2**20
+
+
+class LMHead(nn.Linear):
+    """The output projection (its weight is nn.Linear's: the state-dict key stays `lm_head.weight`, and
+    tying assigns the embedding's Parameter to it). Given labels, its forward returns the next-token
+    loss instead of the logits (`chunked_next_token_loss`). The loss is computed here, in this module's
+    own forward, for ZeRO-3: DeepSpeed gathers a module's parameters only around that module's forward
+    and backward, so the weight is gathered once for every chunk of the step (and gathered at all).
+    """
+
+    def __init__(self, dim: int, vocab_size: int):
+        super().__init__(dim, vocab_size, bias=False)
+        self.chunk_tokens: int | None = None  # None: as many tokens as fit LOSS_CHUNK_BYTES of fp32 logits
+
+    def forward(self, x, labels=None, reduction: str = "mean"):
+        if labels is None:
+            return super().forward(x)
+        chunk = self.chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * self.out_features))
+        return chunked_next_token_loss(x, self.weight, labels, reduction, chunk)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -262,15 +317,19 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = LMHead(args.dim, args.vocab_size)
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.activation_checkpointing = False
+        # One of ATTENTION_BACKENDS. "auto" is resolved at every forward from the activations' device and
+        # dtype; a named backend is used as it is (the driver checks it with resolve_attention at start-up).
+        self.attention = "auto"
         init_weights(self)
 
     def forward(self, input_ids, position_ids=None, labels=None, loss_reduction: str = "mean"):
         """input_ids (B, T). Returns logits (B, T, V), or the next-token loss when labels given:
-        its mean over labelled positions, or with loss_reduction="sum" their sum (`next_token_loss`).
+        its mean over labelled positions, or with loss_reduction="sum" their sum (`next_token_loss`
+        defines it; `LMHead` computes it in chunks, never holding the logits).
 
         labels follow the Hugging Face convention: same shape as input_ids, -100 where no loss;
         the shift by one happens here.
@@ -280,16 +339,14 @@ class Transformer(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(position_ids, self.args.head_dim, self.args.rope_theta, x.dtype)
-        docs = DocumentLayout.from_positions(position_ids, varlen=use_flash_varlen(x))
+        backend = resolve_attention("auto", x.device.type, x.dtype) if self.attention == "auto" else self.attention
+        docs = DocumentLayout.from_positions(position_ids, backend)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, docs)
-        logits = self.lm_head(self.norm(x))
-        if labels is None:
-            return logits
-        return next_token_loss(logits, labels, loss_reduction)
+        return self.lm_head(self.norm(x), labels, loss_reduction)
 
 
 def next_token_loss(logits, labels, reduction: str = "mean"):
@@ -300,11 +357,97 @@ def next_token_loss(logits, labels, reduction: str = "mean"):
     the labelled tokens of the whole global batch (SFT, where micro-batches hold different numbers
     of response tokens): each micro-batch's sum is scaled by `global_token_mean_scale` before the
     DeepSpeed backward.
+
+    This is the definition, on full logits; the model computes the same loss with
+    `chunked_next_token_loss` (tests/test_chunked_loss.py holds them equal).
     """
+    check_reduction(reduction)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+
+
+def check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100,
-                           reduction=reduction)
+
+
+def chunked_next_token_loss(hidden, weight, labels, reduction: str = "mean", chunk_tokens: int = 256):
+    """`next_token_loss(hidden @ weight.T, labels, reduction)` without the (B, T, V) logits.
+
+    hidden (B, T, D) (the final norm's output), weight (V, D), labels (B, T). The projection and the
+    cross-entropy run `chunk_tokens` positions at a time, in fp32 like next_token_loss; when gradients
+    are wanted each chunk's gradients are computed right there (softmax minus one-hot, then two
+    matmuls: the technique of Liger's fused linear cross-entropy), so nothing of the chunk is kept for
+    backward. Memory: one chunk's logits, plus d(hidden) (B*T, D) and an fp32 d(weight) (V, D).
+    """
+    check_reduction(reduction)
+    B, T, D = hidden.shape
+    # the token each position predicts: the next label of its row; the last position of a row has none
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(B * T)
+    hidden = hidden.reshape(B * T, D)
+    mean = reduction == "mean"
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedNextTokenLoss.apply(hidden, weight, targets, mean, chunk_tokens)
+    return _loss_and_grads(hidden, weight, targets, mean, chunk_tokens, False, False)[0]
+
+
+class _ChunkedNextTokenLoss(torch.autograd.Function):
+    """Forward computes the loss and its gradients for an upstream gradient of 1; backward scales them by
+    the real one (DeepSpeed's 1/grad_accum, a loss scale, the SFT token scale). The weight is not used in
+    backward, so nothing needs it gathered again there. The gradients are saved with save_for_backward
+    (not as ctx attributes) so that saved-tensor hooks, and the planner's test through them, see them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, mean: bool, chunk_tokens: int):
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        loss, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, mean, chunk_tokens, want_hidden,
+                                                         want_weight)
+        ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
+        ctx.wanted, ctx.used = (want_hidden, want_weight), False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.used:  # the gradients are scaled in place below, so a second pass would be wrong
+            raise RuntimeError("backward through the chunked next-token loss twice (retain_graph) is not supported")
+        ctx.used = True
+        saved = iter(ctx.saved_tensors)
+        grad_hidden, grad_weight = (next(saved).mul_(grad_loss) if wanted else None for wanted in ctx.wanted)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _loss_and_grads(hidden, weight, targets, mean: bool, chunk_tokens: int, want_hidden: bool, want_weight: bool):
+    """(loss, d loss/d hidden or None, d loss/d weight or None); hidden (N, D), targets (N,)."""
+    N = hidden.shape[0]
+    labelled = targets != IGNORE_INDEX  # (N,)
+    # mean: 1/labelled tokens, a tensor (no host sync); with none, nan as F.cross_entropy's mean gives
+    scale = 1.0 / labelled.sum().float() if mean else None
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    # fp32 accumulation over chunks (each chunk's product is rounded once, like the one full matmul)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+    for start in range(0, N, chunk_tokens):
+        h, target, keep = (t[start:start + chunk_tokens] for t in (hidden, targets, labelled))
+        logits = (h @ weight.t()).float()  # (n, V)
+        log_norm = logits.logsumexp(dim=-1)  # (n,)
+        target = torch.where(keep, target, 0)  # any valid index for the ignored positions; masked below
+        loss += ((log_norm - logits.gather(1, target[:, None])[:, 0]) * keep).sum()
+        if not (want_hidden or want_weight):
+            continue
+        dlogits = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
+        dlogits.scatter_add_(1, target[:, None], torch.full_like(log_norm[:, None], -1.0))  # minus one-hot
+        dlogits.mul_((keep * scale if mean else keep)[:, None])
+        dlogits = dlogits.to(h.dtype)  # the dtype next_token_loss's .float() hands its gradient back in
+        if want_hidden:
+            grad_hidden[start:start + chunk_tokens] = dlogits @ weight
+        if want_weight:
+            if dlogits.dtype == torch.float32:
+                grad_weight.addmm_(dlogits.t(), h)
+            else:
+                grad_weight += dlogits.t() @ h
+    if mean:
+        loss = loss * scale
+    return loss, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
 
 
 def global_token_mean_scale(grad_accum: int, world: int, global_tokens: int) -> float:
@@ -358,24 +501,3 @@ def gathered(p):
 def held_numel(model: nn.Module) -> int:
     """Parameter elements this rank holds: its ZeRO-3 partition (padding included), else everything."""
     return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
-
-
-def count_params(args: ModelArgs) -> dict:
-    """Total and non-embedding parameter counts (norms included; a tied head counted once)."""
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    mlp = 3 * args.dim * args.ffn_hidden
-    per_layer = attn + mlp + 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
-    embed = args.vocab_size * args.dim
-    non_embedding = args.n_layers * per_layer + args.dim
-    total = non_embedding + embed + (0 if args.tie_embeddings else embed)
-    return {"total": total, "non_embedding": non_embedding}
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (matmul params) + 12 x n_layers x dim x seq_len (attention scores).
-
-    The attention term counts the full causal-free T x T product (the PaLM convention), an upper bound
-    for packed rows where masked-out blocks are skipped by fused kernels.
-    """
-    n = count_params(args)["non_embedding"] + args.vocab_size * args.dim  # the head's matmul counts
-    return 6 * n + 12 * args.n_layers * args.dim * seq_len

@@ -7,17 +7,127 @@
   learning-rate power law lr = a * (b + P) ** d in the non-embedding parameter count P, one per
   optimizer (`lr: {adamw: {a, b, d}, muon: {...}}`; the older `lr: {a, b, d}` is AdamW's).
 
+Also the sizes themselves: `ModelArgs` (one dataclass, validated in __post_init__), the named
+`PRESETS`, and their arithmetic, `count_params` and `flops_per_token`. Nothing here imports torch:
+`zerotrain plan` and `zerotrain params` use this module without it (modeling/model.py is the model).
+
 Everything raises ValueError with a message that names the offending value; the launcher turns
-it into a one-line flag error. Named presets live beside the model (zerotrain.modeling.model.PRESETS).
+it into a one-line flag error.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from zerotrain import resource_dir
-from zerotrain.modeling.model import ModelArgs
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (plain multi-head attention)
+    ffn_hidden: int | None = None  # None: ffn_mult x dim rounded up to ffn_multiple_of
+    ffn_mult: float = 8 / 3  # only used when ffn_hidden is None
+    ffn_multiple_of: int = 64
+    vocab_size: int = 258  # padded up to vocab_multiple_of in __post_init__
+    vocab_multiple_of: int = 64
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"model args: {msg}")
+
+        def positive_int(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                bad(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len", "vocab_multiple_of",
+                     "ffn_multiple_of"):
+            positive_int(name)
+        for name in ("rope_theta", "norm_eps", "init_std", "ffn_mult"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                bad(f"{name} must be a positive number, got {v!r}")
+        for name in ("tie_embeddings", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        positive_int("n_kv_heads")
+        if self.dim % self.n_heads:
+            bad(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            bad(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            bad(f"head dim {self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.ffn_hidden is None:
+            m = self.ffn_multiple_of
+            object.__setattr__(self, "ffn_hidden", m * math.ceil(int(self.ffn_mult * self.dim) / m))
+        positive_int("ffn_hidden")
+        padded = self.vocab_multiple_of * math.ceil(self.vocab_size / self.vocab_multiple_of)
+        object.__setattr__(self, "vocab_size", padded)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named presets: the shapes this toolkit's users train today (layers x dim). Head dim is 64 below
+# dim 1536 and 128 from there; the MLP is SwiGLU with 8/3 x dim hidden units (multiple of 64)
+# unless stated. `debug` is what the tests and the demo train on 2 CPU cores. The two `ws-`
+# presets are the dual 48 GB workstation configurations; their names are their total counts with
+# an untied 128,256-token vocabulary (the Llama 3 tokenizer): `zerotrain params --vocab-size 128256`.
+PRESETS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=1024),
+    "tiny": ModelArgs(dim=512, n_layers=12, n_heads=8),
+    "small": ModelArgs(dim=768, n_layers=16, n_heads=12),
+    "medium": ModelArgs(dim=1024, n_layers=24, n_heads=16),
+    "medium-large": ModelArgs(dim=1152, n_layers=20, n_heads=18),
+    "large": ModelArgs(dim=1536, n_layers=24, n_heads=12),
+    "xlarge": ModelArgs(dim=1920, n_layers=32, n_heads=15),
+    "ws-760m": ModelArgs(dim=1024, n_layers=24, n_heads=16, ffn_hidden=5376),
+    "ws-1.3b": ModelArgs(dim=1536, n_layers=32, n_heads=12),
+}
+
+
+def preset(name: str, **overrides) -> ModelArgs:
+    if name not in PRESETS:
+        raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+def count_params(args: ModelArgs) -> dict:
+    """Total and non-embedding parameter counts (norms included; a tied head counted once)."""
+    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
+    mlp = 3 * args.dim * args.ffn_hidden
+    per_layer = attn + mlp + 2 * args.dim + (2 * args.head_dim if args.qk_norm else 0)
+    embed = args.vocab_size * args.dim
+    non_embedding = args.n_layers * per_layer + args.dim
+    total = non_embedding + embed + (0 if args.tie_embeddings else embed)
+    return {"total": total, "non_embedding": non_embedding}
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (matmul params) + 12 x n_layers x dim x seq_len (attention scores).
+
+    The attention term counts the full causal-free T x T product (the PaLM convention), an upper bound
+    for packed rows where masked-out blocks are skipped by fused kernels.
+    """
+    n = count_params(args)["non_embedding"] + args.vocab_size * args.dim  # the head's matmul counts
+    return 6 * n + 12 * args.n_layers * args.dim * seq_len
+
 
 RULES_FILE = resource_dir("zerotrain.modeling", "scaling_rules.yaml")
 RULE_KEYS = {"description", "head_dim", "layers_per_head", "mlp_ratio", "kv_heads_ratio", "tie_embeddings",

@@ -17,6 +17,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+from zerotrain.launcher.commands.launch import deepspeed_command, run_preserving_exit_code
+
 DEMO_FLAGS = ["--profile", "cpu", "--model", "debug", "--seq-len", "256", "--micro-batch", "8",
               "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "20", "--max-steps", "400",
               "--save-every-steps", "200"]
@@ -60,8 +62,6 @@ def build_demo_data(out: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    from zerotrain.launcher.commands.launch import deepspeed_command, run_preserving_exit_code
-
     out = Path(os.environ.get("ZEROTRAIN_DEMO_DIR", "runs"))
     mix = build_demo_data(out / "demo-data")
     run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")  # a fresh run each time; earlier ones are kept

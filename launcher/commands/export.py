@@ -20,8 +20,12 @@ import json
 import shutil
 from pathlib import Path
 
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.components import checkpoint
 from zerotrain.launcher.errors import UsageError
+from zerotrain.modeling import hf
+from zerotrain.modeling.sizes import ModelArgs
 
 DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -106,11 +110,6 @@ def copy_tokenizer(name: str, out: Path, tokenizer) -> list[str]:
 
 def export(source: Path, out: Path, dtype: str = "float32", best: bool = False) -> dict:
     import torch
-
-    from zerotrain.dataio.errors import DataError
-    from zerotrain.dataio.tokenizer import load_tokenizer
-    from zerotrain.modeling import hf
-    from zerotrain.modeling.model import ModelArgs
 
     tag_dir, run_dir = find_checkpoint(source, best)
     saved = run_dir / "config.json"

@@ -35,14 +35,26 @@ import gc
 import hashlib
 import io
 import json
+import os
 import socket
 import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotrain.dataio.errors import UsageError, ZerotrainError
-from zerotrain.launcher.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE
+from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.launcher.commands import export as export_command
+from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint
+from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspeed_runner, run_preserving_exit_code
+from zerotrain.launcher.components import checkpoint
+from zerotrain.launcher.components.metrics import read_metrics
+from zerotrain.launcher.config import config_from
+from zerotrain.launcher.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE, UsageError, ZerotrainError
+from zerotrain.launcher.run_plan import plan_run
+from zerotrain.launcher.trainer import run
+from zerotrain.modeling import hf
+from zerotrain.modeling.model import Transformer
+from zerotrain.modeling.sizes import PRESETS, ModelArgs
 
 DATA_FILE_SUFFIXES = (".jsonl", ".parquet", ".txt", ".arrow")
 FINETUNE_DEFAULTS = {"profile": "auto"}  # a notebook runs on whatever this machine has
@@ -69,16 +81,13 @@ class FinetuneResult:
 
     @property
     def metrics(self) -> list[dict]:
-        from zerotrain.launcher.components.metrics import read_metrics
-
         return read_metrics(self.run_dir)
 
     def export(self, out: str | Path, dtype: str = "float32") -> Path:
         """The trained weights as a Hugging Face Llama directory (`zerotrain export`)."""
-        from zerotrain.launcher.commands import export
         if self.checkpoint is None:
             raise UsageError(f"export {self.run_dir}: the run has no complete checkpoint")
-        done = export.export(self.checkpoint, Path(out), dtype)
+        done = export_command.export(self.checkpoint, Path(out), dtype)
         print(f"exported {done['checkpoint']} -> {out}")
         return Path(out)
 
@@ -94,8 +103,6 @@ class FinetuneResult:
 def finetune(model: str | Path | None = None, data: str | Path | None = None, *, launch: bool = False,
              gpus: int | None = None, **flags) -> FinetuneResult:
     """Train `model` on `data` with the driver's flags as keyword arguments (see the module docstring)."""
-    from zerotrain.launcher.config import config_from
-
     try:
         # None means "not given", as for a flag left out; paths may come as Path objects
         values = {**FINETUNE_DEFAULTS, **{k: str(v) if isinstance(v, Path) else v for k, v in flags.items()
@@ -113,8 +120,6 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
             return _launch(cfg, gpus)
         if gpus not in (None, 1):
             raise UsageError(f"gpus={gpus}: this process is one rank; more than one needs launch=True")
-        from zerotrain.launcher.trainer import run
-
         result = run(cfg, hard_exit=False)  # a second interrupt must not kill the kernel
     except UsageError as e:  # DataError too: the CLI's one line, without the driver's stack under it
         raise e.with_traceback(None) from None
@@ -131,8 +136,6 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
 
 def model_values(model: str | Path, values: dict, out: Path) -> dict:
     """The flags `model=` stands for: {"model": preset} or {"init_from": HF dir[, "tokenizer": ...]}."""
-    from zerotrain.modeling.model import PRESETS
-
     where = f"model {model}"
     path = Path(model).expanduser()
     given = [k for k in ("init_from", "depth", "scaling_rule", "model") if values.get(k) is not None]
@@ -169,9 +172,6 @@ def _run_config(run_dir: Path) -> dict | None:
 
 def best_or_newest(run_dir: Path) -> tuple[Path, str]:
     """(checkpoint, why): the run's best checkpoint (checkpoints/best.json) if it is complete, else its newest."""
-    from zerotrain.launcher.components import checkpoint
-    from zerotrain.launcher.commands.export import find_checkpoint
-
     best = checkpoint.read_best(run_dir / "checkpoints")
     if best is not None:
         tag = run_dir / "checkpoints" / best["tag"]
@@ -185,8 +185,6 @@ def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
     """A run's chosen checkpoint as a Hugging Face directory under OUT/.base-models (exported once),
     and the tokenizer to train with. The directory must outlive this call: every resume of the
     fine-tune re-reads --init-from, and its path is part of the fine-tune's run id."""
-    from zerotrain.launcher.commands.export import export
-
     saved = _run_config(run_dir)
     if saved is None:
         raise UsageError(f"model {run_dir}: a run directory without a readable config.json")
@@ -195,7 +193,7 @@ def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
     if not ((hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file()):
         hf_dir.parent.mkdir(parents=True, exist_ok=True)
         with quiet_stderr():
-            export(tag, hf_dir)
+            export_command.export(tag, hf_dir)
     print(f"model {run_dir}: checkpoint {tag.name} ({why}) as {hf_dir}")
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").is_file() else saved.get("tokenizer", "bytes")
     return hf_dir, tokenizer
@@ -248,7 +246,6 @@ def quiet_stderr():
 
 
 def _newest(run_dir) -> Path | None:
-    from zerotrain.launcher.components import checkpoint
     done = checkpoint.complete_checkpoints(Path(run_dir) / "checkpoints")
     return done[-1] if done else None
 
@@ -257,9 +254,6 @@ def _newest(run_dir) -> Path | None:
 
 def _launch(cfg, gpus: int | None) -> FinetuneResult:
     """The same run under the deepspeed launcher on `gpus` local ranks; output streamed here."""
-    from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspeed_runner, run_preserving_exit_code
-    from zerotrain.launcher.run_plan import plan_run
-
     if gpus is None:
         import torch
 
@@ -290,7 +284,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
         tail.append(text)
         del tail[:-50]
 
-    env = {k: v for k, v in __import__("os").environ.items() if k not in RANK_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
     code = run_preserving_exit_code(cmd, env=env, relay=relay)
     lines = "".join(tail).splitlines()
     errors = [ln.removeprefix("zerotrain: error: ") for ln in lines if ln.startswith("zerotrain: error: ")]
@@ -309,12 +303,6 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
 def load_model(source: str | Path, tokenizer: str | None = None):
     """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
     checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json)."""
-    from zerotrain.dataio.tokenizer import load_tokenizer
-    from zerotrain.launcher.components import checkpoint
-    from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint
-    from zerotrain.modeling import hf
-    from zerotrain.modeling.model import ModelArgs, Transformer
-
     source = Path(source)
     if (source / checkpoint.MARKER).is_file() or (source / "checkpoints").is_dir():
         tag, run_dir = find_checkpoint(source)

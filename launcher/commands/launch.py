@@ -34,8 +34,11 @@ import time
 from pathlib import Path
 
 from zerotrain import resource_dir
+from zerotrain.launcher.components import ds_compat, hostfile
 from zerotrain.launcher.components.golden import GoldenCheck
+from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError
+from zerotrain.launcher.profiles import load_profile
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
 # launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
@@ -145,17 +148,13 @@ def launch_main(argv: list[str]) -> None:
         if nproc < 1:
             raise UsageError(f"launch -n {nproc}: must be at least 1")
         # The profile's zerotrain.env (NCCL settings, PYTORCH_CUDA_ALLOC_CONF, ...) applies here too.
-        from zerotrain.launcher.config import resolve_config
-        from zerotrain.launcher.components.hostfile import rank_env
-        from zerotrain.launcher.profiles import load_profile
-
         cfg = resolve_config(argv[2:])  # bad train flags: one line before anything starts
         if cfg.golden:  # a golden file of another config: refused before any rank starts
             GoldenCheck.load(cfg.golden, cfg)
         profile_env = {}
         if cfg.profile != "auto":
             name, profile = load_profile(cfg.profile)
-            profile_env = rank_env(profile, f"profile {name}")[0]
+            profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
         sys.exit(run_preserving_exit_code(deepspeed_command(nproc, argv[2:]), env={**os.environ, **profile_env}))
     head = argv[:argv.index("--")] if "--" in argv else argv
     if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):
@@ -168,9 +167,7 @@ def launch_main(argv: list[str]) -> None:
         if plan.env_file is not None:
             # DS_ENV_FILE is joined to ~ and . by the runner; an absolute path makes both this file.
             path = Path(tmp) / ".deepspeed_env"
-            from zerotrain.launcher.components.hostfile import write_deepspeed_env
-
-            write_deepspeed_env(path, plan.env_file)
+            hostfile.write_deepspeed_env(path, plan.env_file)
             env["DS_ENV_FILE"] = str(path)
         # The runner reads the file when it starts; it is removed when the launch ends.
         code = run_preserving_exit_code(plan.cmd, env=env)
@@ -189,12 +186,10 @@ class HostfileLaunch:
 
 def deepspeed_args(flags: list[str]) -> argparse.Namespace:
     """DeepSpeed's runner flags, parsed by the runner's own parser (one line on an error)."""
-    from deepspeed.launcher.runner import parse_args
-
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return parse_args(flags + [TRAIN_MODULE])
+            return ds_compat.runner_parse_args(flags + [TRAIN_MODULE])
     except SystemExit:
         why = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
         raise UsageError("launch: deepspeed flags: "
@@ -203,10 +198,6 @@ def deepspeed_args(flags: list[str]) -> argparse.Namespace:
 
 def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> HostfileLaunch:
     """Every check of `zerotrain launch --hostfile`, in order; raises a one-line UsageError."""
-    from zerotrain.launcher.components import hostfile
-    from zerotrain.launcher.config import resolve_config
-    from zerotrain.launcher.profiles import load_profile
-
     if "--" not in argv:
         raise UsageError("launch --hostfile: put the train flags after -- (zerotrain launch --hostfile H"
                          " [deepspeed flags] -- [train flags])")
@@ -323,10 +314,6 @@ def node_commands(ns: argparse.Namespace, train_args: list[str], workdir: Path, 
 
 
 def slurm_main(argv: list[str]) -> None:
-    from zerotrain.launcher.components import hostfile
-    from zerotrain.launcher.config import resolve_config
-    from zerotrain.launcher.profiles import load_profile
-
     i = argv.index("--") if "--" in argv else len(argv)
     ns, train_args = slurm_parser().parse_args(argv[:i]), argv[i + 1:]
     for name in ("nodes", "gpus_per_node", "signal_seconds", "master_port"):

@@ -6,14 +6,11 @@ import argparse
 from zerotrain.launcher import optimizers
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import sizes
-from zerotrain.modeling.model import PRESETS, count_params, flops_per_token, preset
+from zerotrain.launcher.config import RunConfig
+from zerotrain.modeling.sizes import PRESETS, count_params, flops_per_token, preset
 
 
 def _params_parser():
-    import argparse
-
-    from zerotrain.modeling import sizes
-
     class Parser(argparse.ArgumentParser):
         def error(self, message):
             raise UsageError(f"params: {message}")
@@ -38,10 +35,6 @@ def _params_laws(ns, rule) -> tuple[list[str], float | None]:
     """(law names to look up in the rule, the lr where there is no law) for `params --optimizer`."""
     if ns.optimizer is None:
         return ["adamw"], None  # AdamW's law, and "-" where there is none
-    from zerotrain.launcher import optimizers
-    from zerotrain.launcher.config import RunConfig
-    from zerotrain.modeling import sizes
-
     name = ns.optimizer
     law_only = rule is not None and name in sizes.rule_laws(rule)  # e.g. `adana`, a user class's law
     if name not in optimizers.REGISTRY and not optimizers.is_user_class(name) and not law_only:
@@ -53,9 +46,6 @@ def _params_laws(ns, rule) -> tuple[list[str], float | None]:
 
 def _params_rows(ns, rule, laws, fallback_lr) -> list[tuple]:
     """(label, ModelArgs, lr or None) for every preset, depth and rule size asked for."""
-    from zerotrain.modeling import sizes
-    from zerotrain.modeling.model import PRESETS, count_params, preset
-
     common = dict(vocab_size=ns.vocab_size, **({"qk_norm": True} if ns.qk_norm else {}))
     rows = []
     for name in ns.presets or ([] if ns.depth or ns.scaling_rule else list(PRESETS)):
@@ -81,9 +71,6 @@ def _params_rows(ns, rule, laws, fallback_lr) -> list[tuple]:
 
 def params_main(argv: list[str]) -> None:
     """`zerotrain params`: sizes, parameter counts and training FLOPs per token."""
-    from zerotrain.modeling import sizes
-    from zerotrain.modeling.model import count_params, flops_per_token
-
     ns = _params_parser().parse_args(argv)
     if ns.heads and not ns.scaling_rule:
         raise UsageError("--heads: only used with --scaling-rule")

@@ -2,11 +2,11 @@
 zerotrain.launcher.components.planner; this is its command line)."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
+from dataclasses import fields
 
+from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from
 from zerotrain.launcher.config import RunConfig, build_parser, load_recipe
@@ -21,12 +21,6 @@ GENERIC_GPU_PROFILE = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": Tr
 
 def plan_main(argv: list[str]) -> dict:
     """`zerotrain plan`: the driver's flags plus hardware and budget; prints the table (or --json)."""
-    from dataclasses import fields
-
-    from zerotrain.launcher import model_spec
-    from zerotrain.launcher.config import RunConfig, build_parser
-    from zerotrain.launcher.profiles import load_profile, resolve_batch
-
     p = build_parser()
     p.prog, p.description = "zerotrain plan", "Memory per GPU, time and money of a run, before it starts."
     p.add_argument("--gpus", type=int, help="GPUs (ranks on a CPU node) per node; default: the profile's")
@@ -51,8 +45,6 @@ def plan_main(argv: list[str]) -> dict:
         raise UsageError(f"--mfu: must be a fraction in (0, 1], got {ns.mfu}")
     if ns.zero is not None and ns.zero not in STAGES:
         raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
-    from zerotrain.launcher.config import load_recipe
-
     values = load_recipe(ns.config) if ns.config else {}
     values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
     cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"})
@@ -68,8 +60,6 @@ def plan_main(argv: list[str]) -> dict:
     if ns.vocab_size is not None:
         vocab = ns.vocab_size
     else:
-        from zerotrain.dataio.tokenizer import load_tokenizer
-
         vocab = load_tokenizer(cfg.tokenizer).vocab_size
     args, _, _ = model_spec.resolve(cfg, vocab)
     hw = zt.get("hardware", {})

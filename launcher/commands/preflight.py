@@ -61,6 +61,7 @@ import time
 import traceback
 from pathlib import Path
 
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.golden import make_golden, mfu_threshold
 from zerotrain.launcher.errors import EXIT_USAGE, UsageError, ZerotrainError, fail, read_json_object
 
@@ -162,9 +163,7 @@ def master_tensors(engine) -> tuple[object, list]:
     """(the torch optimizer inside DeepSpeed's wrapper, the tensors it updates on this rank: the fp32
     master partitions under ZeRO). ZeRO-3 hands its partitions to the torch optimizer only for the
     length of a step (stage3.py `_optimizer_step`), so they are read from the wrapper there."""
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
-    return inner, list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]
+    return ds_compat.zero_master_tensors(engine)  # DeepSpeed's internals are read there
 
 
 def state_digests(engine) -> dict[str, tuple[str, float]]:

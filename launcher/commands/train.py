@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import sys
 
+from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail
+from zerotrain.launcher.trainer import QuietExit, run
 
 
 def main(argv: list[str] | None = None) -> None:
-    from zerotrain.launcher.config import resolve_config
-    from zerotrain.launcher.trainer import QuietExit, run
-
     code = 0
     try:
         result = run(resolve_config(argv))

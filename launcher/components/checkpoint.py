@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.errors import CheckpointError, UsageError  # noqa: F401  (CheckpointError re-exported)
 
 MARKER = "zerotrain.json"
@@ -317,10 +318,7 @@ class _WriteGuard:
         if inner.is_decoupled():  # files would still be in flight when save_checkpoint returns
             raise UsageError(f"checkpoint engine {inner.name}: decoupled (asynchronous) engines are not supported")
         guard = cls(inner, rank)
-        engine.checkpoint_engine = guard
-        copy_scripts = getattr(engine, "_copy_recovery_script", None)
-        if copy_scripts is not None:  # rank 0 copies zero_to_fp32.py next to the tags inside the save
-            engine._copy_recovery_script = lambda save_path: guard.run(copy_scripts, save_path)
+        ds_compat.route_checkpoint_writes(engine, guard)  # and rank 0's copy of zero_to_fp32.py inside the save
         return guard
 
     def begin(self, step: int) -> None:

@@ -54,6 +54,9 @@ PRIVATE_NAMES = (
                 "zerotrain launch --hostfile: the hosts DeepSpeed will use", True),
     PrivateName("deepspeed.launcher.runner", "apply_num_nodes_and_gpus",
                 "zerotrain launch --hostfile: the hosts DeepSpeed will use", True),
+    PrivateName("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._optimizer_step",
+                "zerotrain preflight compares the fp32 master partitions of a resumed ZeRO-3 run", True,
+                source_has="fp32_partitioned_groups_flat"),
     PrivateName("deepspeed.runtime.zero.parameter_offload", "FWD_MODULE_STACK",
                 "a notebook's finished ZeRO-3 run frees its model", False),
     PrivateName("deepspeed.runtime.zero.partitioned_param_coordinator",
@@ -166,6 +169,20 @@ def release_zero3_globals(module) -> None:
     for cell in getattr(release, "__closure__", None) or ():
         if hasattr(cell.cell_contents, "cache_clear"):
             cell.cell_contents.cache_clear()
+
+
+def zero_master_tensors(engine) -> tuple[object, list]:
+    """(the torch optimizer inside DeepSpeed's ZeRO wrapper, the tensors it updates on this rank: the
+    fp32 master partitions under ZeRO; the parameters without ZeRO).
+
+    Matches (0.19.8) deepspeed/runtime/zero/stage_1_and_2.py and stage3.py: the wrapper keeps the torch
+    optimizer as `.optimizer` (`init_optimizer`); ZeRO-1/2 put their fp32 partitions in its param_groups;
+    ZeRO-3 hands its `fp32_partitioned_groups_flat` to it only for the length of a step (`_optimizer_step`
+    swaps them in), so they are read from the wrapper.
+    """
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    return inner, list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]
 
 
 # -- the CPU shared-memory all-reduce ---------------------------------------------------------------

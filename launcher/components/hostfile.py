@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from zerotrain import __version__, resource_dir
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.errors import UsageError
 
 # What version_line() digests: the code and the shipped profiles, found the same way in a checkout
@@ -81,15 +82,12 @@ def parse_hostfile(path: str | Path) -> "OrderedDict[str, int]":
 def active_hosts(hosts: "OrderedDict[str, int]", include: str = "", exclude: str = "", num_nodes: int = -1,
                  num_gpus: int = -1) -> "OrderedDict[str, list[int]]":
     """The hosts and slots DeepSpeed's runner will use, by DeepSpeed's own filter functions."""
-    from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
-
     if (num_nodes >= 0 or num_gpus >= 0) and (include or exclude):
         raise UsageError("launch: --num_nodes/--num_gpus and --include/--exclude: give one (DeepSpeed refuses both)")
     try:
-        active = parse_inclusion_exclusion(hosts, include, exclude)
+        active = ds_compat.runner_active_hosts(hosts, include, exclude, num_nodes, num_gpus)
     except ValueError as e:
         raise UsageError(f"launch --include/--exclude: {e}") from None
-    active = apply_num_nodes_and_gpus(active, num_nodes, num_gpus)
     if not active or not any(active.values()):
         raise UsageError("launch: no host and slot left after --include/--exclude/--num_nodes/--num_gpus")
     return active

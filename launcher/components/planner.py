@@ -4,7 +4,7 @@ driver's fit check (`fit_check`), which refuses a config that cannot fit before 
     zerotrain plan [driver flags] [--gpus N --gpu-mem GiB --nodes M] [--zero S] [--mfu F] [--json]
 
 One source of truth with the model: parameters and training FLOPs per token come from
-`zerotrain.modeling.model.count_params` / `flops_per_token`; the batch from `zerotrain.launcher.profiles.resolve_batch`.
+`zerotrain.modeling.sizes.count_params` / `flops_per_token`; the batch from `zerotrain.launcher.profiles.resolve_batch`.
 
 Memory per rank = model states + ZeRO buffers + activations + context, plus a fragmentation allowance:
 
@@ -45,6 +45,7 @@ import os
 from dataclasses import dataclass, replace
 
 from zerotrain.launcher.errors import UsageError
+from zerotrain.modeling.sizes import count_params, flops_per_token
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1.0 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers per GPU process
@@ -70,8 +71,6 @@ def largest_layer(args) -> int:
 def optimizer_state_bytes(optimizer: str | None, args) -> float:
     """Bytes of optimizer state per parameter (Adam's 8 in DeepSpeed's formula)."""
     if optimizer == "muon":  # momentum (4) on 2-D block weights, AdamW (8) on embeddings, head, norms
-        from zerotrain.modeling.model import count_params
-
         total = count_params(args)["total"]
         norms = args.n_layers * 2 * args.dim + args.dim
         matrices = count_params(args)["non_embedding"] - norms
@@ -220,8 +219,6 @@ class Setup:
 
 def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool) -> dict:
     """Per-rank bytes by component for one ZeRO stage (0-3 or an offload variant)."""
-    from zerotrain.modeling.model import count_params
-
     P = count_params(args)["total"]
     states = model_states_bytes(stage, P, largest_layer(args), setup.gpus_per_node, setup.nodes, setup.mixed,
                                 setup.optimizer_bytes)
@@ -300,8 +297,6 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
               max_hours: float | None = None, budget_usd: float | None = None, gpu_hour_usd: float | None = None,
               max_steps: int | None = None) -> dict:
     """Everything `zerotrain plan` prints, as one JSON-ready dict (keys documented in README "Planning")."""
-    from zerotrain.modeling.model import count_params, flops_per_token
-
     counts = count_params(args)
     fpt = flops_per_token(args, seq_len)
     per_stage = {}
@@ -499,9 +494,10 @@ def fit_check(cfg, model_args, ds_config: dict, zt: dict, world: int) -> dict:
     hardware = {**zt.get("hardware", {}), "accelerator": accel}
     setup = setup_from(ds_config, {**zt, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
                        device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args)
-    from zerotrain.modeling import model as modeling_model
+    from zerotrain.modeling import model as modeling_model  # torch at its top: `zerotrain plan` never gets here
 
-    setup = replace(setup, flash_attn=modeling_model.flash_attn_varlen_func is not None)  # what this node will run
+    # what this node will run: the variable-length flash kernel on a GPU where torch has it
+    setup = replace(setup, flash_attn=modeling_model.varlen_available())
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
         else bool(zt.get("activation_checkpointing", False))

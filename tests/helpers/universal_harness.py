@@ -34,7 +34,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 
-from zerotrain.launcher import universal  # noqa: E402
+from zerotrain.launcher.components import universal  # noqa: E402
 from zerotrain.launcher.errors import UsageError  # noqa: E402
 from zerotrain.launcher.components.schedule import WarmupCosine  # noqa: E402
 from zerotrain.modeling.model import Transformer, preset  # noqa: E402

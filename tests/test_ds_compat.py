@@ -1,0 +1,98 @@
+"""launcher/components/ds_compat.py: the DeepSpeed internals zerotrain relies on are where it says, in the
+DeepSpeed installed here, and a DeepSpeed outside the verified range is met with one line at start-up.
+
+Only our own function that reads the version string (and, for the refusal, our own table of names) is
+faked; every lookup goes to the real DeepSpeed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zerotrain.launcher.components import ds_compat
+from zerotrain.launcher.components.ds_compat import PrivateName
+from zerotrain.launcher.config import config_from
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.trainer import run
+
+
+def test_every_private_name_is_in_the_installed_deepspeed():
+    assert ds_compat.is_verified(ds_compat.deepspeed_version()), "the DeepSpeed under test is the verified one"
+    assert ds_compat.missing() == []
+
+
+def test_inside_the_verified_range_is_silent(monkeypatch):
+    monkeypatch.setattr(ds_compat, "deepspeed_version", lambda: "0.19.8")
+    assert ds_compat.check_deepspeed_version() is None
+    monkeypatch.setattr(ds_compat, "deepspeed_version", lambda: "0.19.12")
+    assert ds_compat.check_deepspeed_version() is None
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.19.7", "1.0.0rc1"])
+def test_outside_the_range_with_every_name_present_is_one_warning(monkeypatch, version):
+    monkeypatch.setattr(ds_compat, "deepspeed_version", lambda: version)
+    line = ds_compat.check_deepspeed_version()
+    assert line.startswith("zerotrain: warning: DeepSpeed " + version) and ds_compat.VERIFIED in line
+    assert "\n" not in line
+
+
+def test_a_missing_name_needed_for_correctness_is_exit_2_and_an_optimisation_a_warning(monkeypatch):
+    monkeypatch.setattr(ds_compat, "deepspeed_version", lambda: "0.21.0")
+    gone = PrivateName("deepspeed.runtime.engine", "DeepSpeedEngine._renamed_in_a_later_release",
+                       "a failed checkpoint write fails the save on every rank", True)
+    monkeypatch.setattr(ds_compat, "PRIVATE_NAMES", (*ds_compat.PRIVATE_NAMES, gone))
+    with pytest.raises(UsageError) as e:
+        ds_compat.check_deepspeed_version()
+    assert "DeepSpeed 0.21.0" in str(e.value) and "_renamed_in_a_later_release" in str(e.value)
+    assert "\n" not in str(e.value)
+    # the same name, relied on only for memory: a warning, the run goes on
+    monkeypatch.setattr(ds_compat, "PRIVATE_NAMES",
+                        (*ds_compat.PRIVATE_NAMES[:-1], PrivateName(gone.module, gone.name, "memory", False)))
+    line = ds_compat.check_deepspeed_version()
+    assert line.startswith("zerotrain: warning:") and "_renamed_in_a_later_release" in line
+
+
+def test_source_text_probe_sees_a_changed_function(monkeypatch):
+    """A name that exists but no longer does what we rely on (its source lacks the text) counts as missing."""
+    real = [n for n in ds_compat.PRIVATE_NAMES if n.source_has and not n.file][0]
+    changed = PrivateName(real.module, real.name, real.needed_for, True, source_has="self._config.no_such_flag")
+    assert ds_compat.missing([real]) == [] and ds_compat.missing([changed]) == [changed]
+
+
+def test_the_driver_refuses_before_writing_anything(tmp_path, mix_path, monkeypatch):
+    """The start-up check runs in the Trainer before the process group, the lock or the run directory."""
+    for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT="29699").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(ds_compat, "deepspeed_version", lambda: "0.21.0")
+    monkeypatch.setattr(ds_compat, "PRIVATE_NAMES", (PrivateName("deepspeed.runtime.engine", "DeepSpeedEngine._gone",
+                                                                 "checkpoint writes", True),))
+    out = tmp_path / "runs"
+    with pytest.raises(UsageError, match="DeepSpeed 0.21.0 is outside"):
+        run(config_from({"data": str(mix_path), "model": "debug", "profile": "cpu", "seq_len": 64, "micro_batch": 2,
+                         "max_steps": 2, "out": str(out), "resume": "never", "fit_check": False}))
+    assert not out.exists()
+
+
+SHM = r"""
+import deepspeed
+from zerotrain.launcher.components import ds_compat
+deepspeed.init_distributed(dist_backend="gloo")
+path = ds_compat.shm_buffer_path(0)
+made = path.exists()
+ds_compat.unlink_shm_buffer(0)
+print("SHM", made, path.exists())
+"""
+
+
+def test_shm_buffer_name_is_the_one_deepspeed_creates(tmp_path):
+    """DeepSpeed's CPU all-reduce buffer, made by the real init_distributed (LOCAL_SIZE: all ranks local),
+    is found under the name ds_compat computes, and removed."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
+    r = subprocess.run([sys.executable, "-c", SHM], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SHM True False" in r.stdout, r.stdout[-2000:]
