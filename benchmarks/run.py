@@ -20,7 +20,8 @@ the matmul peak measured in the same run) and `two_ranks` (deepspeed launcher vs
 scaling efficiency; zerotrain's own collectives and host syncs per step; data wait).
 Start-up, shard verification, checkpoints and packing baselines: benchmarks/startup.py,
 benchmarks/checkpoints.py, benchmarks/packing_baselines.py; fused q/k/v and gate/up weights against our
-separate projections: benchmarks/projections.py.
+separate projections: benchmarks/projections.py; the chunked loss's memory against full logits:
+benchmarks/loss_memory.py.
 
 Data benchmarks (dataio): the demo mix (built offline by launcher/commands/demo.py under runs/demo-data/)
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
@@ -323,6 +324,8 @@ BENCHMARKS = {
                           " pack_dataset (BFD) and datasets.map concatenate-and-chunk: tokens/s, efficiency"),
     "fused_projections": (_module("projections", "bench_fused_projections"), "our model with separate q/k/v and"
                           " gate/up projections vs one fused qkv and gate_up weight per layer"),
+    "loss_memory": (_module("loss_memory", "bench_loss_memory"), "peak RSS and time of one forward + backward,"
+                    " 128,256-token vocabulary: full logits (before) vs the chunked loss"),
     "stream_bytes": (bench_stream_bytes, "loader from the demo mix's files, bytes tokenizer"),
     "shards": (bench_shards, "loader from prepared shards"),
     "stream_bpe": (bench_stream_bpe, "loader from the mix files, BPE tokenized on the fly"),

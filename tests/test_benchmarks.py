@@ -36,15 +36,16 @@ def test_unknown_name_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     assert r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "benchmarks/run.py: unknown benchmark 'trainstep'; known: train_step, two_ranks, startup, shard_verify,"
-        " checkpoint, packing_baselines, fused_projections, stream_bytes, shards, stream_bpe, prepare_verify, packing,"
-        " local_source_memory, planner_rss"]
+        " checkpoint, packing_baselines, fused_projections, loss_memory, stream_bytes, shards, stream_bpe,"
+        " prepare_verify, packing, local_source_memory, planner_rss"]
 
 
 def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "trl.py").write_text("raise ImportError('trl hidden by tests/test_benchmarks.py')\n")
-    r = bench(["shard_verify", "packing_baselines", "fused_projections"], tmp_path, PYTHONPATH=str(hide))
+    r = bench(["shard_verify", "packing_baselines", "fused_projections", "loss_memory"], tmp_path,
+              PYTHONPATH=str(hide))
     assert r.returncode == 0, r.stderr[-3000:]
     missing = [ln for ln in r.stderr.splitlines() if "trl" in ln and not ln.startswith("|")]  # not the tables
     assert missing == ["benchmark packing_baselines: TRL baseline skipped: needs `trl`: pip install -e .[bench]"
@@ -59,6 +60,10 @@ def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
         got = rows[f"fused projections ({shape})"]
         first = got.split("(first loss ")[1].rstrip(")").split(" vs ")
         assert first[0] == first[1] and "ms/step" in got, got
+    # the chunked loss is the full-logits loss, in less memory
+    full, chunked = rows["loss memory: full logits (before)"], rows["loss memory: chunked (LMHead)"]
+    assert float(chunked.split("(relative difference ")[1].rstrip(")")) <= 1e-6, chunked
+    assert float(chunked.split("peak RSS ")[1].split()[0]) < float(full.split("peak RSS ")[1].split()[0])
     # quick verification: the first start hashes every shard, a later one none (file identity cached)
     first, later = rows["shard verify: quick, first start on this node (cold)"], rows["shard verify: quick, later start (cold)"]
     n = first.split(", ")[1].split(" of ")[1].split()[0]

@@ -148,8 +148,9 @@ def test_cu_seqlens_and_mask_describe_the_same_documents():
     doc = flat_doc.view(2, 10)
     expected = (doc[:, :, None] == doc[:, None, :]) & torch.ones(10, 10, dtype=torch.bool).tril()
     assert torch.equal(document_mask(pos)[:, 0], expected)
-    layout = DocumentLayout.from_positions(pos, varlen=True)
-    assert layout.mask is None and torch.equal(layout.cu_seqlens, cu)
+    layout = DocumentLayout.from_positions(pos, "varlen")
+    assert layout.mask is None and torch.equal(layout.cu_seqlens, cu) and layout.max_seqlen == longest
+    assert torch.equal(DocumentLayout.from_positions(pos, "sdpa").mask, document_mask(pos))
 
 
 def test_packed_documents_with_qk_norm_and_mha_are_isolated():
@@ -188,41 +189,3 @@ def test_activation_checkpointing_recomputes_and_leaves_loss_and_grads_unchanged
     assert torch.allclose(loss0, loss1, atol=1e-6)
     assert all(torch.allclose(g0, g1, atol=1e-6) for g0, g1 in zip(grads0, grads1))
     assert math.isfinite(loss0.item())
-
-
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
-    """flash_attn_varlen_func's contract, in plain PyTorch: (total, heads, hd) in, causal per document."""
-    assert causal and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and max_q == max_k
-    out = torch.empty_like(q)
-    rep = q.shape[1] // k.shape[1]  # the kernel takes fewer kv heads (GQA) as they are
-    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-        assert b - a <= max_q
-        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (heads, len, hd)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0), is_causal=True)
-        out[a:b] = o.transpose(0, 1)
-    return out
-
-
-def test_flash_varlen_path_matches_the_mask_path(monkeypatch):
-    """The varlen plumbing (cu_seqlens, flattening, GQA heads) against the SDPA mask path. flash-attn
-    itself needs a GPU; here a plain-PyTorch function with its contract stands in for the kernel."""
-    import zerotrain.modeling.model as mm
-
-    torch.manual_seed(0)
-    model = Transformer(tiny(n_layers=2, n_heads=4, n_kv_heads=2)).eval()
-    x = torch.randint(0, 100, (2, 20))
-    pos = torch.tensor([list(range(8)) + list(range(12)), list(range(3, 13)) + list(range(10))])
-    with torch.no_grad():
-        masked = model(x, pos)
-        calls = []
-
-        def counted(*args, **kwargs):
-            calls.append(1)
-            return reference_varlen(*args, **kwargs)
-
-        monkeypatch.setattr(mm, "flash_attn_varlen_func", counted)
-        monkeypatch.setattr(mm, "use_flash_varlen", lambda x: True)
-        varlen = model(x, pos)
-    assert len(calls) == 2  # one per layer
-    assert torch.allclose(masked, varlen, atol=1e-5)

@@ -138,7 +138,7 @@ def test_installed_training_run_and_demo(installed, tmp_path):
 
 # import name -> the distribution that provides it, where they differ
 DISTRIBUTION = {"yaml": "pyyaml"}
-OPTIONAL = {"flash_attn"}  # guarded imports of packages a user may add; never required
+OPTIONAL: set[str] = set()  # guarded imports of packages a user may add; never required (none since issue 18)
 
 
 def test_every_imported_package_is_declared_and_python_requires_is_honest():

@@ -1,0 +1,259 @@
+"""Attention backends (modeling/model.py): one document contract, three kernels.
+
+- sdpa and flex give the same outputs and gradients (fp32, 1e-5) on packed rows of many documents,
+  with GQA, MQA, MHA + QK-norm and odd lengths;
+- every backend that runs here isolates documents: changing one document never changes another's logits;
+- sdpa passes no mask at all when every row is one document, and never repeats k/v for GQA;
+- varlen: PyTorch's `varlen_attn` runs flash kernels, CUDA only. Here everything of it runs but the kernel:
+  a plain-PyTorch per-document reference is registered as the CPU implementation of the two aten
+  operators torch's varlen op calls (`_flash_attention_forward` / `_backward`), for the length of one
+  test (a scoped torch.library registration). So torch's own wrapper (its GQA check, how it reads
+  window_size as "causal"), its custom op and autograd formula, and our cu_seqlens / max_seqlen /
+  flattening all run, and the reference sees exactly the arguments the kernel would;
+- `resolve_attention`: what auto picks, and one-line refusals of a backend that cannot run here.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zerotrain.modeling.model import (DocumentLayout, ModelArgs, Transformer, cu_seqlens, document_starts,
+                                      resolve_attention, varlen_available)
+
+SHAPES = {
+    "gqa": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2),
+    "mqa": dict(dim=96, n_layers=2, n_heads=6, n_kv_heads=1),
+    "mha-qknorm": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, qk_norm=True),
+}
+
+
+def model_for(shape: str, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(ModelArgs(vocab_size=100, **SHAPES[shape]))
+
+
+def packed_batch(seed: int = 0):
+    """3 rows of 37 tokens: many documents of odd lengths (including 1-token ones), a row that starts
+    mid-document, and a row that is one document."""
+    lengths = [[5, 1, 9, 3, 11, 1, 7], [4, 13, 1, 19], [37]]
+    rows = []
+    for row in lengths:
+        rows.append(torch.cat([torch.arange(n) for n in row]))
+    pos = torch.stack(rows)
+    pos[1, :4] += 6  # the row begins inside a document cut off from the previous row
+    x = torch.randint(0, 100, pos.shape, generator=torch.Generator().manual_seed(seed))
+    return x, pos
+
+
+def forward_backward(model, backend, x, pos):
+    model.attention = backend
+    model.zero_grad(set_to_none=True)
+    logits = model(x, pos)
+    (logits.float().square().mean() + model(x, pos, labels=x)).backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sdpa_and_flex_agree_on_outputs_and_gradients(shape):
+    model = model_for(shape)
+    x, pos = packed_batch()
+    sdpa_out, sdpa_grads = forward_backward(model, "sdpa", x, pos)
+    flex_out, flex_grads = forward_backward(model, "flex", x, pos)
+    assert torch.allclose(sdpa_out, flex_out, atol=1e-5, rtol=0), (sdpa_out - flex_out).abs().max()
+    for name, g in sdpa_grads.items():
+        assert torch.allclose(g, flex_grads[name], atol=1e-5, rtol=0), (name, (g - flex_grads[name]).abs().max())
+
+
+def documents(pos: torch.Tensor):
+    """(row, start, end) of every document, from the positions (as the model derives them)."""
+    starts = document_starts(pos)
+    out = []
+    for r in range(pos.shape[0]):
+        s = starts[r].nonzero().flatten().tolist() + [pos.shape[1]]
+        out += [(r, a, b) for a, b in zip(s[:-1], s[1:])]
+    return out
+
+
+def assert_documents_isolated(model, backend):
+    model.attention = backend
+    x, pos = packed_batch()
+    with torch.no_grad():
+        base = model(x, pos)
+        for r, a, b in documents(pos):
+            changed = x.clone()
+            changed[r, a:b] = (x[r, a:b] + 1 + torch.arange(b - a)) % 100  # every token of this document
+            out = model(changed, pos)
+            inside = torch.zeros_like(pos, dtype=torch.bool)
+            inside[r, a:b] = True
+            assert not torch.allclose(out[inside], base[inside], atol=1e-4), (backend, r, a, b)
+            assert torch.allclose(out[~inside], base[~inside], atol=1e-5, rtol=0), (backend, r, a, b)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_changing_one_document_never_changes_another(backend):
+    assert_documents_isolated(model_for("gqa", seed=1), backend)
+
+
+def test_sdpa_uses_no_mask_for_rows_of_one_document_and_gqa_in_the_kernel(monkeypatch):
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **kw):
+        calls.append((q.shape[1], k.shape[1], attn_mask is not None, is_causal, enable_gqa))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    model = model_for("gqa")
+    model.attention = "sdpa"
+    x = torch.randint(0, 100, (2, 16))
+    one_doc = torch.stack([torch.arange(16), torch.arange(16) + 30])  # the 2nd row continues a document
+    with torch.no_grad():
+        unmasked = model(x, one_doc)
+        assert calls == [(4, 2, False, True, True)] * 2  # 2 layers: no mask, causal, kv heads not repeated
+        calls.clear()
+        assert DocumentLayout.from_positions(one_doc, "sdpa").mask is None
+        masked = model(x, one_doc.clone().index_fill_(1, torch.tensor([8]), 0))  # one row now holds 2 documents
+    assert calls == [(4, 2, True, False, True)] * 2
+    assert torch.allclose(masked[:, :8], unmasked[:, :8], atol=1e-6)  # the mask changes only what it must
+
+
+# -- varlen: everything but the CUDA kernel ---------------------------------------------------------
+
+def reference_flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                            return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
+                            seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+    """aten::_flash_attention_forward's varlen contract in plain PyTorch: (total, H, hd) queries against
+    (total, KV, hd) keys and values, causal within each document of cum_seq_q. Returns its 5 outputs,
+    logsumexp (H, total) among them."""
+    CALLS.append(dict(q=tuple(query.shape), k=tuple(key.shape), cu=cum_seq_q.clone(), cu_k=cum_seq_k.clone(),
+                      max_q=max_q, max_k=max_k, causal=is_causal, window=(window_size_left, window_size_right),
+                      dropout=dropout_p))
+    out, lse = _reference_attention(query, key, value, cum_seq_q, is_causal, scale)
+    return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
+
+
+def _reference_attention(q, k, v, cu, causal, scale):
+    rep = q.shape[1] // k.shape[1]
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    outs, lses = [], []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qd, kd, vd = (t[a:b].transpose(0, 1).float() for t in (q, k, v))  # (heads, len, hd)
+        kd, vd = kd.repeat_interleave(rep, 0), vd.repeat_interleave(rep, 0)
+        s = qd @ kd.transpose(1, 2) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), -math.inf)
+        lses.append(s.logsumexp(-1))
+        outs.append((s.softmax(-1) @ vd).transpose(0, 1))
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, dim=1)
+
+
+def reference_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                             dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
+                             window_size_right=None):
+    """The gradients of the reference above, written out (operators registered for a backend run below
+    autograd, so they cannot ask autograd): dV = P^T dO, dS = P (dP - rowsum(dP P)), dQ = dS K s, dK = dS^T Q s,
+    with the GQA groups' dK and dV summed into their shared kv head."""
+    rep = query.shape[1] // key.shape[1]
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    dq, dk, dv = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    for a, b in zip(cum_seq_q[:-1].tolist(), cum_seq_q[1:].tolist()):
+        q, k, v, do = (t[a:b].transpose(0, 1).float() for t in (query, key, value, grad_out))
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        s = q @ k.transpose(1, 2) * scale
+        if is_causal:
+            s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), -math.inf)
+        p = s.softmax(-1)
+        dp = do @ v.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        dq[a:b] = (ds @ k * scale).transpose(0, 1)
+        dk_full, dv_full = ds.transpose(1, 2) @ q * scale, p.transpose(1, 2) @ do  # (H, len, hd)
+        dk[a:b] = dk_full.unflatten(0, (-1, rep)).sum(1).transpose(0, 1)
+        dv[a:b] = dv_full.unflatten(0, (-1, rep)).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+CALLS: list[dict] = []
+
+
+@pytest.fixture
+def reference_flash_kernel():
+    """The reference as the CPU implementation of the two flash operators, for this test only."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_flash_attention_forward", reference_flash_forward, "CPU")
+    lib.impl("_flash_attention_backward", reference_flash_backward, "CPU")
+    CALLS.clear()
+    yield CALLS
+    lib._destroy()  # the registration goes; the CPU dispatch raises NotImplementedError again
+    CALLS.clear()
+
+
+needs_varlen = pytest.mark.skipif(not varlen_available(), reason="torch.nn.attention.varlen needs torch >= 2.9")
+
+
+@needs_varlen
+def test_varlen_without_a_gpu_is_the_kernels_own_refusal():
+    model = model_for("gqa")
+    model.attention = "varlen"
+    x, pos = packed_batch()
+    with pytest.raises(NotImplementedError, match="_flash_attention_forward"):
+        model(x, pos)
+
+
+@needs_varlen
+@pytest.mark.parametrize("shape", SHAPES)
+def test_varlen_inputs_and_results_match_a_per_document_reference(shape, reference_flash_kernel):
+    model = model_for(shape)
+    x, pos = packed_batch()
+    sdpa_out, sdpa_grads = forward_backward(model, "sdpa", x, pos)
+    varlen_out, varlen_grads = forward_backward(model, "varlen", x, pos)
+    args = model.args
+    B, T = x.shape
+    expected_cu, longest = cu_seqlens(pos)
+    assert expected_cu.tolist() == [0, 5, 6, 15, 18, 29, 30, 37, 41, 54, 55, 74, 111] and longest == 37
+    forwards = [c for c in reference_flash_kernel]
+    assert len(forwards) == 2 * args.n_layers  # the logits pass and the loss pass, every layer
+    for call in forwards:
+        assert call["q"] == (B * T, args.n_heads, args.head_dim)  # flattened, documents end to end
+        assert call["k"] == (B * T, args.n_kv_heads, args.head_dim)  # GQA: kv heads as they are
+        assert call["cu"].dtype == torch.int32 and torch.equal(call["cu"], expected_cu)
+        assert torch.equal(call["cu_k"], expected_cu) and call["max_q"] == call["max_k"] == longest
+        assert call["causal"] and call["window"] == (-1, 0) and call["dropout"] == 0.0
+    assert torch.allclose(varlen_out, sdpa_out, atol=1e-5, rtol=0), (varlen_out - sdpa_out).abs().max()
+    for name, g in sdpa_grads.items():
+        assert torch.allclose(g, varlen_grads[name], atol=1e-5, rtol=0), (name, (g - varlen_grads[name]).abs().max())
+
+
+@needs_varlen
+def test_varlen_plumbing_isolates_documents(reference_flash_kernel):
+    assert_documents_isolated(model_for("mqa", seed=2), "varlen")
+
+
+# -- choosing --------------------------------------------------------------------------------------
+
+def test_auto_and_refusals():
+    assert resolve_attention("auto", "cpu", torch.float32) == "sdpa"
+    assert resolve_attention("auto", "cpu", torch.bfloat16) == "sdpa"
+    assert resolve_attention("auto", "cuda", torch.float32) == "sdpa"  # flash kernels take 16-bit only
+    assert resolve_attention("auto", "cuda", torch.bfloat16) == ("varlen" if varlen_available() else "sdpa")
+    assert resolve_attention("flex", "cpu", torch.float32) == "flex"
+    assert resolve_attention("sdpa", "cuda", torch.float16) == "sdpa"
+    if varlen_available():
+        assert resolve_attention("varlen", "cuda", torch.bfloat16) == "varlen"
+        with pytest.raises(ValueError, match=r"^varlen runs PyTorch's flash kernels, CUDA only; this run is on cpu"):
+            resolve_attention("varlen", "cpu", torch.bfloat16)
+        with pytest.raises(ValueError, match="take bf16 or fp16; this run computes in float32"):
+            resolve_attention("varlen", "cuda", torch.float32)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; choose from auto, sdpa, flex, varlen"):
+        resolve_attention("flash", "cpu", torch.float32)
+
+
+def test_model_default_is_auto_and_the_same_math_as_sdpa():
+    model = model_for("gqa")
+    assert model.attention == "auto"
+    x, pos = packed_batch()
+    with torch.no_grad():
+        auto = model(x, pos)
+        model.attention = "sdpa"
+        assert torch.equal(model(x, pos), auto)
