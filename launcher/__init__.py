@@ -1,13 +1,12 @@
 """zerotrain driver: configuration, profiles, the training loop, checkpoints, the `zerotrain` command.
 
-`from launcher import finetune` is the notebook entry (launcher/commands/finetune.py), imported on first
-use so that `import launcher` stays light for the CLI and the ranks.
+`from zerotrain.launcher import finetune` is the notebook entry (launcher/commands/finetune.py), imported on
+first use so that `import zerotrain.launcher` stays light for the CLI and the ranks (it trains: torch).
 """
+import importlib
 
 
 def __getattr__(name: str):
     if name == "finetune":
-        import importlib
-
         return importlib.import_module("zerotrain.launcher.commands.finetune")  # a module callable as finetune(...)
-    raise AttributeError(f"module 'launcher' has no attribute {name!r}")
+    raise AttributeError(f"module 'zerotrain.launcher' has no attribute {name!r}")

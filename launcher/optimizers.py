@@ -43,7 +43,10 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Callable
+
+from packaging.version import Version
 
 from zerotrain.launcher.errors import UsageError
 
@@ -386,10 +389,6 @@ def resolve_ds_optimizer(ds: dict, cfg, where: str) -> dict:
 
 
 def _check_deepspeed_for_muon() -> None:
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
     have = version("deepspeed")
     if Version(have) < Version(MUON_MIN_DEEPSPEED):
         raise UsageError(f"--optimizer muon: needs DeepSpeed >= {MUON_MIN_DEEPSPEED} (the release verified here;"

@@ -24,7 +24,7 @@ distributed environment itself; a second call reuses the process group), so it c
 again with another model or data. Bad input raises one UsageError / DataError carrying the line
 the CLI prints; a run that diverges or cannot save raises RunFailed; nothing calls sys.exit.
 
-`from launcher import finetune` gives this module, which is callable as the function: a module
+`from zerotrain.launcher import finetune` gives this module, which is callable as the function: a module
 and a function of the same name in one package cannot both be `zerotrain.launcher.commands.finetune` (importing the
 module rebinds the package attribute to it), so the module answers the call itself.
 """

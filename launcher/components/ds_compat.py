@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
+
 from zerotrain.launcher.errors import UsageError
 
 VERIFIED = ">=0.19.8,<0.20"  # every function below was read against these releases' source
@@ -73,8 +75,6 @@ def deepspeed_version() -> str:
 
 
 def is_verified(version: str) -> bool:
-    from packaging.specifiers import SpecifierSet
-
     return SpecifierSet(VERIFIED).contains(version, prereleases=True)
 
 

@@ -25,6 +25,7 @@ import importlib.util
 import json
 import netrc
 import os
+import resource
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -251,8 +252,6 @@ def step_measurements(step_s: float, data_wait_s: float, accelerator=None) -> di
     peak_mem_gib  on an accelerator only: its max_memory_allocated since the process started
                   (torch.cuda.max_memory_allocated on a GPU)
     """
-    import resource
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
     out = {"step_s": round(step_s, 4), "data_wait_s": round(data_wait_s, 4), "peak_rss_gib": round(rss / GIB, 3)}
     if accelerator is not None and accelerator.device_name() != "cpu":
