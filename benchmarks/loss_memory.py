@@ -39,12 +39,12 @@ def one_variant(variant: str, vocab: int, micro: int, seq: int, steps: int, chun
     """Build the model, run `steps` forward + backward passes of one batch; report loss, time, peak RSS."""
     import torch
 
-    from zerotrain.modeling.model import LOSS_CHUNK_BYTES, ModelArgs, Transformer, count_params, next_token_loss
+    from zerotrain.modeling.model import ModelArgs, Transformer, count_params, loss_chunk_tokens, next_token_loss
 
     args = ModelArgs(**{**SHAPE, "vocab_size": vocab})
     torch.manual_seed(0)
     model = Transformer(args)
-    model.lm_head.chunk_tokens = chunk_tokens  # None: the model's default (LOSS_CHUNK_BYTES of fp32 logits)
+    model.lm_head.chunk_tokens = chunk_tokens  # None: the model's default (loss_chunk_tokens)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (micro, seq), generator=g)
     doc = max(2, seq // 8)  # packed rows: documents of seq/8 tokens
@@ -63,7 +63,7 @@ def one_variant(variant: str, vocab: int, micro: int, seq: int, steps: int, chun
     return {"variant": variant, "params": count_params(args)["total"], "loss": loss.item(),
             "step_s": min(times), "peak_rss": peak_rss_bytes(), "rss_before_step": before,
             "threads": torch.get_num_threads(),
-            "chunk_tokens": chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * args.vocab_size))}
+            "chunk_tokens": chunk_tokens or loss_chunk_tokens(args.vocab_size)}
 
 
 def bench_loss_memory() -> list[dict]:

@@ -25,6 +25,7 @@ from zerotrain.launcher.errors import UsageError, read_json_object
 from zerotrain.launcher.model_spec import rule_lr_defaults
 from zerotrain.launcher.optimizers import check_optimizer
 from zerotrain.launcher.profiles import profile_from_accelerate
+from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 
 RECIPE_DIR = resource_dir("zerotrain.recipes")
 
@@ -116,6 +117,10 @@ class RunConfig:
     verify_data: str | None = opt(None, "prepared shards at start-up: quick (default: manifest, sizes, headers and"
                                         " offsets every start; sha256 once per node, remembered by file identity) or"
                                         " full (every byte hashed by every rank, every start)", RUN)
+    # --- attention kernel (issue 18, section 2; modeling/model.py) ---
+    attention: str | None = opt(None, "attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex"
+                                      " or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else"
+                                      " auto. The same math whichever runs: not part of the run id", RUN)
 
     @classmethod
     def kind(cls, name: str) -> str:
@@ -168,6 +173,8 @@ class RunConfig:
             raise UsageError(f"--fit-check: must be true or false, got {self.fit_check!r}")
         if self.verify_data not in (None, "quick", "full"):  # issue 12
             raise UsageError(f"--verify-data: must be quick or full, got {self.verify_data!r}")
+        if self.attention is not None and self.attention not in ATTENTION_BACKENDS:  # issue 18
+            raise UsageError(f"--attention: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
         if self.golden_strict is not None and not isinstance(self.golden_strict, bool):  # issue 10: pre-flight
             raise UsageError(f"--golden-strict: must be true or false, got {self.golden_strict!r}")
         if self.golden_strict and self.golden is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from zerotrain import resource_dir
 from zerotrain.launcher.errors import UsageError, read_json_object
 from zerotrain.launcher.optimizers import resolve_ds_optimizer
+from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 
 PROFILE_DIR = resource_dir("zerotrain.ds_configs")  # the shipped profiles (package data)
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -65,6 +66,10 @@ def validate_profile(profile, where: str) -> None:
         v = zt.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
             raise UsageError(f"{where}: zerotrain.{key} must be a number in (0, 1], got {v!r}")
+    attention = zt.get("attention")  # issue 18: the attention kernel a profile asks for (--attention overrides)
+    if attention is not None and attention not in ATTENTION_BACKENDS:
+        raise UsageError(f"{where}: zerotrain.attention must be one of {', '.join(ATTENTION_BACKENDS)},"
+                         f" got {attention!r}")
     mem = zt.get("hardware", {}).get("device_memory_gib") if isinstance(zt.get("hardware"), dict) else None
     if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
         raise UsageError(f"{where}: zerotrain.hardware.device_memory_gib must be a positive number, got {mem!r}")

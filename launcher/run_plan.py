@@ -8,6 +8,7 @@ The Trainer (zerotrain.launcher.trainer) is built from a RunPlan; `--dry-run` pr
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ from zerotrain.launcher.components.planner import fit_check
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import detect_profile, load_profile, resolve_ds_config
+from zerotrain.modeling.sizes import choose_attention
 
 
 def single_process_env() -> None:
@@ -63,6 +65,8 @@ class RunPlan:
     resume_meta: dict | None = None
     warnings: tuple[str, ...] = ()
     golden: object | None = None  # --golden: a zerotrain.launcher.components.golden.GoldenCheck (issue 10)
+    attention: str = "sdpa"  # the attention kernel the model runs (issue 18; `attention_kernel`)
+    attention_why: str = ""  # how it was chosen, for the start-up line
 
     @property
     def ckpt_dir(self) -> Path:
@@ -87,8 +91,9 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
     loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
+    attention, attention_why = attention_kernel(cfg, zt, ds_config, profile_name)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
-        fit_check(cfg, model_args, ds_config, zt, world)
+        fit_check(cfg, model_args, ds_config, zt, world, attention=attention)
 
     run_id = cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
     run_dir = Path(cfg.out) / run_id
@@ -125,7 +130,37 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
                    zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
                    model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()), golden=golden)
+                   resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()), golden=golden,
+                   attention=attention, attention_why=attention_why)
+
+
+def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: str) -> tuple[str, str]:
+    """(the attention kernel this run's model uses, how it was chosen): --attention, else the profile's
+    zerotrain.attention, else auto, resolved for the accelerator and precision (modeling/sizes.py
+    `choose_attention`). One that cannot run here is refused (UsageError) before anything is written.
+
+    A dry run names what the profile's hardware would run (a CUDA machine for a GPU profile, with a
+    torch that has the varlen kernel); a real run asks this node: DeepSpeed's accelerator choice
+    (DS_ACCELERATOR if set, else CUDA when torch sees a GPU, else the CPU; asked of torch rather than of
+    deepspeed.accelerator, whose import logs a warning line before a refusal's one line) and this torch.
+    """
+    name = cfg.attention or zt.get("attention") or "auto"
+    from_profile = cfg.attention is None and zt.get("attention") is not None
+    source = f"profile {profile_name}: zerotrain.attention" if from_profile else "--attention"
+    precision = next((k for k in ("bf16", "fp16") if isinstance(ds_config.get(k), dict)
+                      and ds_config[k].get("enabled") is True), "fp32")
+    if cfg.dry_run:
+        device, installed = zt.get("hardware", {}).get("accelerator", "cuda"), True
+    else:
+        import torch  # heavy: imported here, as the run is about to build the model with it
+
+        device = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
+        installed = importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch >= 2.9
+    try:
+        kernel = choose_attention(name, device, precision, installed)
+    except ValueError as e:
+        raise UsageError(f"{source} {name}: {e}") from None
+    return kernel, (f"auto on {device}, {precision}" if name == "auto" else f"{source} {name}")
 
 
 def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:

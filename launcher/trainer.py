@@ -195,7 +195,8 @@ class Trainer:
             resolved = {"run": self.cfg.to_dict(), "run_id": plan.run_dir.name, "profile": plan.profile_name,
                         "world_size": self.world, "model": plan.model_args.to_dict(),
                         "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
-                        "identity_hash": self.cfg.identity_hash()}
+                        "identity_hash": self.cfg.identity_hash(),
+                        "attention": plan.attention}  # the kernel resolved (issue 18); "run" has what was asked
             _write_atomic(plan.run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
             _write_atomic(plan.run_dir / "ds_config.json", json.dumps(plan.ds_config, indent=2) + "\n")
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
@@ -228,6 +229,8 @@ class Trainer:
         ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
             else plan.zt.get("activation_checkpointing")
         model.activation_checkpointing = bool(ac)
+        model.attention = plan.attention  # resolved and checked in plan_run (issue 18)
+        self.say(f"attention: {plan.attention} ({plan.attention_why})")
         # issue 11 (optimizer registry, launcher/optimizers.py): a client optimizer or DeepSpeed's own
         # from ds_config; check_engine refuses an engine that would train with another update rule.
         ds_config, optimizer, model_parameters = prepare_optimizer(cfg, ds_config, model)
@@ -701,13 +704,15 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              f" batch {ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} x {world}"
              f" x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
-             f" lr {cfg.lr:g}, optimizer {cfg.optimizer or 'adamw'}"]
+             f" lr {cfg.lr:g}, optimizer {cfg.optimizer or 'adamw'}",
+             f"attention: {plan.attention} ({plan.attention_why})"]
     lines += describe_data(plan.data, cfg.max_steps * ds["train_batch_size"] * cfg.seq_len)
     fits = None
     hw = zt.get("hardware", {})
     if "device_memory_gib" in hw or hw.get("accelerator") == "cpu":
         nodes = hw.get("nodes", 1) if world >= hw.get("nodes", 1) else 1
-        setup = planner.setup_from(ds, zt, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args)
+        setup = planner.setup_from(ds, zt, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args,
+                                   attention=plan.attention)
         ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
             else bool(zt.get("activation_checkpointing", False))
         p = planner.make_plan(args, setup, ds["zero_optimization"].get("stage", 0), ds["train_micro_batch_size_per_gpu"],

@@ -40,8 +40,9 @@ from torch import nn
 
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from zerotrain.modeling.sizes import (PRESETS, ModelArgs, count_params, flops_per_token,  # noqa: F401
-                                      preset)  # the model's sizes, defined without torch
+from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
+                                      choose_attention, count_params, flops_per_token, loss_chunk_tokens,
+                                      preset)  # the model's sizes and which kernels run where, without torch
 
 
 class RMSNorm(nn.Module):
@@ -74,8 +75,7 @@ def apply_rotary(x, cos, sin):
 
 # -- attention: one document contract, three kernels ----------------------------------------------
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
-HALF = (torch.bfloat16, torch.float16)
+PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def varlen_available() -> bool:
@@ -84,26 +84,11 @@ def varlen_available() -> bool:
 
 
 def resolve_attention(name: str, device_type: str, dtype: torch.dtype) -> str:
-    """The kernel `name` means for activations of `dtype` on `device_type` ("cuda", "cpu", ...).
-
-    auto: varlen on CUDA in 16-bit (the flash kernel, no O(T^2) mask), else sdpa. An explicit name is
-    checked against what its kernel needs; ValueError (one line, saying why) if it cannot run here.
-    """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
-    if name == "auto":
-        return "varlen" if device_type == "cuda" and dtype in HALF and varlen_available() else "sdpa"
-    if name == "varlen":
-        if not varlen_available():
-            raise ValueError(f"varlen needs torch.nn.attention.varlen (torch >= 2.9); this is torch {torch.__version__}"
-                             " (use sdpa or flex)")
-        if device_type != "cuda":
-            raise ValueError(f"varlen runs PyTorch's flash kernels, CUDA only; this run is on {device_type}"
-                             " (use sdpa or flex)")
-        if dtype not in HALF:
-            raise ValueError(f"varlen runs flash kernels, which take bf16 or fp16; this run computes in"
-                             f" {str(dtype).removeprefix('torch.')} (enable bf16 in the profile, or use sdpa or flex)")
-    return name
+    """The kernel `name` means for activations of `dtype` on `device_type` ("cuda", "cpu", ...), with
+    this torch: modeling/sizes.py `choose_attention` (auto: varlen on CUDA in 16-bit, else sdpa; ValueError,
+    one line, for a backend that cannot run here)."""
+    return choose_attention(name, device_type, PRECISION.get(dtype, str(dtype).removeprefix("torch.")),
+                            varlen_installed=varlen_available())
 
 
 def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -286,9 +271,6 @@ class Block(nn.Module):
 
 
 IGNORE_INDEX = -100  # the Hugging Face convention for "no loss at this position"
-# fp32 logits per chunk of the chunked loss: 256 tokens of a 128,256-token vocabulary. The chunk's
-# logits, their softmax (in place) and one 16-bit copy are alive at once; nothing of size (B, T, V).
-LOSS_CHUNK_BYTES = 128 * 2**20
 
 
 class LMHead(nn.Linear):
@@ -301,12 +283,12 @@ class LMHead(nn.Linear):
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__(dim, vocab_size, bias=False)
-        self.chunk_tokens: int | None = None  # None: as many tokens as fit LOSS_CHUNK_BYTES of fp32 logits
+        self.chunk_tokens: int | None = None  # None: loss_chunk_tokens(vocab) (LOSS_CHUNK_BYTES of fp32 logits)
 
     def forward(self, x, labels=None, reduction: str = "mean"):
         if labels is None:
             return super().forward(x)
-        chunk = self.chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * self.out_features))
+        chunk = self.chunk_tokens or loss_chunk_tokens(self.out_features)
         return chunked_next_token_loss(x, self.weight, labels, reduction, chunk)
 
 

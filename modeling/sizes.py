@@ -129,6 +129,46 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * n + 12 * args.n_layers * args.dim * seq_len
 
 
+# -- which attention kernel and loss chunk a run gets (modeling/model.py runs them; here without torch,
+# so that `zerotrain plan`, `--help` and the driver's start-up checks can decide before torch loads) --
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+# fp32 logits per chunk of the chunked loss (modeling/model.py LMHead): 261 tokens of a 128,256-token
+# vocabulary. The chunk's logits, their softmax (in place) and one 16-bit copy are alive at once.
+LOSS_CHUNK_BYTES = 128 * 2**20
+
+
+def loss_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss: as many as fit LOSS_CHUNK_BYTES of fp32 logits."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
+def choose_attention(name: str, device_type: str, precision: str, varlen_installed: bool = True) -> str:
+    """The kernel `name` (one of ATTENTION_BACKENDS) means for activations in `precision` ("fp32",
+    "bf16", "fp16") on `device_type` ("cuda", "cpu", ...); `varlen_installed`: torch has
+    torch.nn.attention.varlen (>= 2.9).
+
+    auto: varlen on CUDA in 16-bit (the flash kernel, no O(T^2) mask), else sdpa. An explicit name is
+    checked against what its kernel needs; ValueError (one line, saying why) if it cannot run there.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
+    half = precision in ("bf16", "fp16")
+    if name == "auto":
+        return "varlen" if device_type == "cuda" and half and varlen_installed else "sdpa"
+    if name == "varlen":
+        if not varlen_installed:
+            raise ValueError("varlen needs torch.nn.attention.varlen (torch >= 2.9), which this torch lacks"
+                             " (use sdpa or flex)")
+        if device_type != "cuda":
+            raise ValueError(f"varlen runs PyTorch's flash kernels, CUDA only; this run is on {device_type}"
+                             " (use sdpa or flex)")
+        if not half:
+            raise ValueError(f"varlen runs flash kernels, which take bf16 or fp16; this run computes in {precision}"
+                             " (enable bf16 in the profile, or use sdpa or flex)")
+    return name
+
+
 RULES_FILE = resource_dir("zerotrain.modeling", "scaling_rules.yaml")
 RULE_KEYS = {"description", "head_dim", "layers_per_head", "mlp_ratio", "kv_heads_ratio", "tie_embeddings",
              "qk_norm", "lr"}

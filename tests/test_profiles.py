@@ -79,6 +79,8 @@ def test_inconsistent_batch_triple_refused():
     ('{"train_batch_size": -4}', "train_batch_size must be a positive integer"),
     ('{"zero_optimization": {"stage": 2},', "invalid JSON"),
     ('[1, 2]', "expected a JSON object"),
+    ('{"zerotrain": {"attention": "flash"}}',
+     "zerotrain.attention must be one of auto, sdpa, flex, varlen, got 'flash'"),
 ])
 def test_bad_profiles_refused(tmp_path, body, message):
     p = tmp_path / "bad.json"

@@ -34,6 +34,10 @@ CASES = {
     "early stop without eval": (["--early-stop-patience", "2"], "needs --eval-every-steps"),
     "unknown spike policy": (["--on-spike", "ignore"], "--on-spike 'ignore'"),
     "total tokens below one step": (["--total-tokens", "10"], "less than one optimizer step"),
+    "unknown attention": (["--attention", "flash"],
+                          "--attention: must be one of auto, sdpa, flex, varlen, got 'flash'"),
+    "varlen in fp32 on a CPU": (["--attention", "varlen"], "--attention varlen: varlen runs PyTorch's flash kernels,"
+                                " CUDA only; this run is on cpu (use sdpa or flex)"),
 }
 
 

@@ -66,7 +66,7 @@ def plan_main(argv: list[str]) -> dict:
     nodes = ns.nodes or hw.get("nodes", 1)
     per_node = ns.gpus or hw.get("devices_per_node", 1)
     setup = setup_from(profile, zt, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
-                       getattr(cfg, "optimizer", None), args)
+                       getattr(cfg, "optimizer", None), args, attention=cfg.attention)
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world, f"profile {name}")
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \

@@ -25,8 +25,9 @@ Memory per rank = model states + ZeRO buffers + activations + context, plus a fr
   cost nothing, so a bucket counts min(bucket, P) there, and gloo stages one more bucket-size copy
   in its reduce-scatter / reduce (measured: benchmarks/run.py planner_rss).
 - activations: `activation_bytes` below (formula in its docstring, checked against the tensors
-  autograd really saves in tests/test_planner.py). `zerotrain plan` assumes flash-attn's varlen
-  kernel on a GPU (the driver's GPU path); the fit check uses whatever the node has installed.
+  autograd really saves in tests/test_planner.py), for the attention kernel the run gets
+  (`--attention`, or the profile's `zerotrain.attention`; auto: varlen on a GPU in 16-bit, sdpa
+  otherwise, modeling/sizes.py `choose_attention`); the fit check uses the kernel the driver resolved.
 - context: the CUDA context, cuBLAS/NCCL workspaces (1 GiB per GPU process), or on a CPU node the
   resident size of a driver rank before it builds the model (0.6 GiB, measured here).
 - fragmentation: 10% of everything but the context (PyTorch's caching allocator on a GPU, glibc's
@@ -45,7 +46,7 @@ import os
 from dataclasses import dataclass, replace
 
 from zerotrain.launcher.errors import UsageError
-from zerotrain.modeling.sizes import count_params, flops_per_token
+from zerotrain.modeling.sizes import choose_attention, count_params, flops_per_token, loss_chunk_tokens
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1.0 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers per GPU process
@@ -155,35 +156,46 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
 
         2 RMSNorms    2·(8 + a)·d    fp32 input (4d; the input itself when a = 4), fp32 normalised (4d),
                                      output (a·d, held by the projections after it)
-        attention     a·(2d + 2·KV·h) + 4H   q, k, v, output, fp32 log-sum-exp (flash-attn varlen)
-                      4·a·d + 4H + a·T       the SDPA path: k, v repeated to H heads, and the float
-                                             block-diagonal mask SDPA keeps per call (CPU, or no flash-attn)
+        attention     a·(2d + 2·KV·h) + 4H   q, k, v (KV heads: every kernel takes GQA as it is), output,
+                                             fp32 log-sum-exp (varlen, flex, and sdpa)
+                      + a·T                  sdpa only: the block-diagonal mask as a float, made and kept per
+                                             call (packed rows, where documents share a row: the driver's)
         SwiGLU        4·a·f          gate, silu(gate), up, their product
         + 8                          the norms' rsqrt
         QK-norm       (8h + 4)·(H + KV)   each head's fp32 input and normalised value (the output is not kept:
                                           the rotation after it needs only cos and sin)
 
-    Per token once: final norm (8 + a)·d, rotary cos and sin 2·a·h, ids and labels 16, the SDPA path's
-    boolean mask T, the loss's log-softmax 4·V (V the padded vocabulary).
-    Saved (no checkpointing) = tokens × (n_layers × block + once). With activation checkpointing each
-    block keeps only its input: tokens × (n_layers × a·d + once).
-    Peak = saved + the larger of two transients: at the loss, the logits and their fp32 copy, (a + 4)·V
-    per token; in backward, one block's gradients (one block's activations; with checkpointing two:
+    Per token once: final norm 8·d + 4 (its output is not kept: the chunked loss keeps its gradient
+    instead, a·d), rotary cos and sin 2·a·h, the input ids 8, sdpa's boolean mask T (alive through
+    the forward, and a checkpoint input). Per micro-batch once: the head's weight gradient, a·V·d (V the
+    padded vocabulary): the chunked loss (modeling/model.py `chunked_next_token_loss`) computes its
+    gradients in forward and keeps no logits.
+    Saved (no checkpointing) = tokens × (n_layers × block + once) + a·V·d. With activation checkpointing
+    each block keeps only its input: tokens × (n_layers × a·d + once) + a·V·d.
+    Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c =
+    `loss_chunk_tokens(V)`, at most the micro-batch): its fp32 logits and logsumexp's fp32 temporary
+    8·c·V, and in 16-bit the fp32 accumulator of the weight gradient and one chunk's 16-bit product
+    (4 + a)·V·d; in backward, one block's gradients (one block's activations; with checkpointing two:
     the recomputed block and its gradients).
     """
     d, f, H, KV, h, V, T = args.dim, args.ffn_hidden, args.n_heads, args.n_kv_heads, args.head_dim, \
         args.vocab_size, seq_len
     a = act_bytes
+    if attention not in ("sdpa", "flex", "varlen"):
+        raise ValueError(f"activation_bytes: attention must be a kernel (sdpa, flex or varlen), got {attention!r}")
     sdpa = attention == "sdpa"
     norms = 2 * (8 + a) * d
-    attn = (4 * a * d + a * T if sdpa else a * (2 * d + 2 * KV * h)) + 4 * H
+    attn = a * (2 * d + 2 * KV * h) + 4 * H + (a * T if sdpa else 0)
     qk_norm = (8 * h + 4) * (H + KV) if args.qk_norm else 0  # fp32 input and normalised value, rsqrt, per head
     block = norms + attn + qk_norm + 4 * a * f + 8
-    once = (8 + a) * d + 2 * a * h + 16 + (T if sdpa else 0) + 4 * V
+    once = 8 * d + 4 + a * d + 2 * a * h + 8 + (T if sdpa else 0)
     tokens = micro * seq_len
+    head_grad = a * V * d
     kept_per_block = a * d if checkpointing else block
-    saved = tokens * (args.n_layers * kept_per_block + once)
-    transient = tokens * max((a + 4) * V, (2 if checkpointing else 1) * block)
+    saved = tokens * (args.n_layers * kept_per_block + once) + head_grad
+    chunk = min(tokens, loss_chunk_tokens(V))
+    at_loss = 8 * chunk * V + ((4 + a) * V * d if a < 4 else 0)
+    transient = max(at_loss, tokens * (2 if checkpointing else 1) * block)
     return {"saved": saved, "transient": transient, "peak": saved + transient, "block_per_token": block}
 
 
@@ -201,7 +213,7 @@ class Setup:
     mixed: bool  # bf16 / fp16
     zero: dict  # the profile's zero_optimization section
     optimizer_bytes: float = 8
-    flash_attn: bool | None = None  # None: assumed on a GPU (the driver's GPU path), never on a CPU
+    attention: str = "auto"  # as asked (--attention / zerotrain.attention); `kernel` is what runs
 
     @property
     def world(self) -> int:
@@ -212,9 +224,9 @@ class Setup:
         return self.accelerator == "cpu"
 
     @property
-    def attention(self) -> str:
-        flash = (not self.cpu) if self.flash_attn is None else self.flash_attn and not self.cpu
-        return "flash" if flash else "sdpa"
+    def kernel(self) -> str:
+        """The attention kernel: auto resolved for this hardware and precision (varlen assumed in torch)."""
+        return choose_attention(self.attention, self.accelerator, "bf16" if self.mixed else "fp32")
 
 
 def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool) -> dict:
@@ -223,7 +235,7 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
     states = model_states_bytes(stage, P, largest_layer(args), setup.gpus_per_node, setup.nodes, setup.mixed,
                                 setup.optimizer_bytes)
     buffers = zero_buffers_bytes(stage, P, setup.zero, setup.mixed, setup.cpu)
-    act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.attention)["peak"]
+    act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.kernel)["peak"]
     context = CPU_PROCESS_BYTES if setup.cpu else CUDA_CONTEXT_BYTES
     frag = FRAGMENTATION * (states + buffers + act)
     return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
@@ -231,12 +243,25 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
 
 
 def max_micro_batch(args, setup: Setup, stage, seq_len: int, checkpointing: bool) -> int:
-    """The largest micro-batch whose memory fits the device (0: not even one row). Memory is linear in it."""
-    m1 = memory(args, setup, stage, 1, seq_len, checkpointing)["total"]
-    per_row = memory(args, setup, stage, 2, seq_len, checkpointing)["total"] - m1
-    if m1 > setup.device_bytes:
+    """The largest micro-batch whose memory fits the device (0: not even one row; 2**30: no limit found).
+
+    Memory grows with the micro-batch but not linearly: the chunked loss's transient is a fixed size
+    up to one chunk, so the answer is searched (doubling, then bisection), not extrapolated from two rows.
+    """
+    def fits(micro: int) -> bool:
+        return memory(args, setup, stage, micro, seq_len, checkpointing)["total"] <= setup.device_bytes
+
+    if not fits(1):
         return 0
-    return 1 + int((setup.device_bytes - m1) // per_row) if per_row > 0 else 1 << 30
+    good, bad = 1, 2
+    while fits(bad):
+        good, bad = bad, bad * 2
+        if bad > 1 << 30:
+            return 1 << 30
+    while bad - good > 1:  # fits(good) and not fits(bad)
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
 
 
 def _count(n: float) -> str:
@@ -263,8 +288,11 @@ def _gib(x: float) -> float:
 # ------------------------------------------------------------------------------------------------
 
 def setup_from(ds_config: dict, zt: dict, world: int | None = None, nodes: int | None = None,
-               device_bytes: float | None = None, optimizer: str | None = None, args=None) -> Setup:
-    """A Setup from a profile (DeepSpeed dict + zerotrain section), with hardware overrides."""
+               device_bytes: float | None = None, optimizer: str | None = None, args=None,
+               attention: str | None = None) -> Setup:
+    """A Setup from a profile (DeepSpeed dict + zerotrain section), with hardware overrides.
+    `attention`: --attention, else the profile's zerotrain.attention, else auto; one that cannot run
+    on this hardware and precision is refused (UsageError)."""
     hw = zt.get("hardware", {})
     accel = hw.get("accelerator", "cuda")
     nodes = nodes or hw.get("nodes", 1)
@@ -276,8 +304,14 @@ def setup_from(ds_config: dict, zt: dict, world: int | None = None, nodes: int |
         raise UsageError("the profile does not say how much memory a GPU has (zerotrain.hardware.device_memory_gib);"
                          " give --gpu-mem GiB")
     mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
-    return Setup(accel, per_node, nodes, float(device_bytes), mixed, dict(ds_config.get("zero_optimization", {})),
-                 optimizer_state_bytes(optimizer, args) if args is not None else 8)
+    setup = Setup(accel, per_node, nodes, float(device_bytes), mixed, dict(ds_config.get("zero_optimization", {})),
+                  optimizer_state_bytes(optimizer, args) if args is not None else 8,
+                  attention or zt.get("attention") or "auto")
+    try:
+        setup.kernel
+    except ValueError as e:
+        raise UsageError(f"--attention {setup.attention}: {e}") from None
+    return setup
 
 
 def available_ram() -> float:
@@ -315,7 +349,7 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
         "hardware": {"accelerator": setup.accelerator, "gpus_per_node": setup.gpus_per_node, "nodes": setup.nodes,
                      "world": setup.world, "device_memory_gib": _gib(setup.device_bytes),
                      "peak_flops_per_device": peak_flops},
-        "precision": "bf16/fp16 mixed" if setup.mixed else "fp32",
+        "precision": "bf16/fp16 mixed" if setup.mixed else "fp32", "attention": setup.kernel,
         "zero_stage": stage, "activation_checkpointing": checkpointing, "seq_len": seq_len, "micro_batch": micro,
         "memory": per_stage, "memory_per_gpu_gib": chosen["total_gib"], "fits": chosen["fits"],
         "headroom_gib": round(_gib(setup.device_bytes) - chosen["total_gib"], 2),
@@ -432,7 +466,8 @@ def render(plan: dict) -> str:
              f" vocab {m['vocab_size']}): {plan['params_total']:,} params ({plan['params_non_embedding']:,}"
              f" non-embedding), {plan['flops_per_token']:.3e} training FLOPs/token at seq {plan['seq_len']}",
              f"hardware: {hw['world']} x {hw['accelerator']} ({hw['nodes']} node(s)), {hw['device_memory_gib']} GiB"
-             f" each, {plan['precision']}; batch {plan['micro_batch']} x {plan['grad_accum']} x {hw['world']} x"
+             f" each, {plan['precision']}, attention {plan['attention']}; batch {plan['micro_batch']} x"
+             f" {plan['grad_accum']} x {hw['world']} x"
              f" {plan['seq_len']} = {plan['tokens_per_step']:,} tokens/step", "",
              "| ZeRO | model states | buffers | activations | context | fragm. | total GiB | fits | max micro |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -482,22 +517,20 @@ def device_memory_here(accelerator: str, local_world: int) -> tuple[float, str, 
     return ram / local_world, "cpu", f"{ram / GiB:.1f} GiB RAM available / {local_world} local rank(s)"
 
 
-def fit_check(cfg, model_args, ds_config: dict, zt: dict, world: int) -> dict:
+def fit_check(cfg, model_args, ds_config: dict, zt: dict, world: int, attention: str | None = None) -> dict:
     """Refuse (UsageError, the planner's one-line verdict) a resolved run that cannot fit on this device.
 
-    Called by launcher/trainer.py plan_run before anything is built or written; skipped with
-    --no-fit-check. Returns the chosen stage's memory by component (bytes).
+    Called by launcher/run_plan.py plan_run before anything is built or written; skipped with
+    --no-fit-check. `attention`: the kernel the driver resolved for this node (None: the profile's, else
+    auto). Returns the chosen stage's memory by component (bytes).
     """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     device_bytes, accel, what = device_memory_here(zt.get("hardware", {}).get("accelerator", "cuda"), local_world)
     nodes = max(1, world // max(1, local_world))
     hardware = {**zt.get("hardware", {}), "accelerator": accel}
     setup = setup_from(ds_config, {**zt, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
-                       device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args)
-    from zerotrain.modeling import model as modeling_model  # torch at its top: `zerotrain plan` never gets here
-
-    # what this node will run: the variable-length flash kernel on a GPU where torch has it
-    setup = replace(setup, flash_attn=modeling_model.varlen_available())
+                       device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args,
+                       attention=attention)
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
         else bool(zt.get("activation_checkpointing", False))
