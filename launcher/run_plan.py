@@ -160,6 +160,11 @@ def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: st
         kernel = choose_attention(name, device, precision, installed)
     except ValueError as e:
         raise UsageError(f"{source} {name}: {e}") from None
+    if kernel == "flex" and device == "cpu" and cfg.compile:
+        # torch 2.13 compiles flex_attention for a CPU without a backward (inductor's CPU lowering fails on
+        # the eager operator model.py calls there, and the public function refuses gradients on a CPU)
+        raise UsageError(f"{source} flex with --compile: torch cannot compile flex attention with a backward on a"
+                         " CPU (drop --compile, or use sdpa)")
     return kernel, (f"auto on {device}, {precision}" if name == "auto" else f"{source} {name}")
 
 

@@ -176,12 +176,12 @@ def flex_kernel(q, k, v, docs: DocumentLayout):
     """q (B, T, H, hd), k/v (B, T, KV, hd) -> (B, T, H, hd), through flex_attention and the document BlockMask."""
     global _compiled_flex
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
-    gqa = k.shape[1] != q.shape[1]
-    if q.device.type == "cpu":
+    if q.device.type == "cpu":  # eager, GQA handled by the operator
         return flex_on_cpu(q, k, v, docs.block_mask).transpose(1, 2)
     if _compiled_flex is None:  # uncompiled, flex_attention materialises the (B, H, T, T) scores
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=docs.block_mask, enable_gqa=gqa).transpose(1, 2)
+    out = _compiled_flex(q, k, v, block_mask=docs.block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
 
 
 def _identity_score(score, b, h, q_idx, kv_idx):
@@ -198,8 +198,11 @@ def flex_on_cpu(q, k, v, block_mask: BlockMask):
     k/v) has both passes; we call that operator directly, with the public function's defaults
     (no score modification, scale 1/sqrt(head dim)). Checked against torch 2.13.
     """
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
-
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
+    except ImportError as e:  # a torch that moved it: say what to do instead of a bare import error
+        raise RuntimeError(f"flex attention on a CPU needs torch's flex_attention operator, checked on torch 2.13"
+                           f" ({e}); use sdpa") from None
     out, _log2_sum_exp, _max = flex_attention_op(q, k, v, _identity_score, block_mask.as_tuple(),
                                                  q.shape[-1] ** -0.5, {})
     return out

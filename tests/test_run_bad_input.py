@@ -38,6 +38,8 @@ CASES = {
                           "--attention: must be one of auto, sdpa, flex, varlen, got 'flash'"),
     "varlen in fp32 on a CPU": (["--attention", "varlen"], "--attention varlen: varlen runs PyTorch's flash kernels,"
                                 " CUDA only; this run is on cpu (use sdpa or flex)"),
+    "flex compiled on a CPU": (["--attention", "flex", "--compile"], "--attention flex with --compile: torch cannot"
+                               " compile flex attention with a backward on a CPU"),
 }
 
 
