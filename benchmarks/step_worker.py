@@ -5,7 +5,9 @@ what it needs. Started as `python`, under `deepspeed --num_gpus N` or under `tor
                                              Trainer(plan).train(), unmodified; a metrics sink
                                              (the interface --log sinks use) paces it
     step_worker.py plain [--fused] ...       our zerotrain.modeling.model.Transformer, torch.optim.AdamW
-                                             (as written by a user, or fused=True), clip_grad_norm_
+                                             (as written by a user, or fused=True), clip_grad_norm_;
+                   [--attention K]           with attention kernel K (default: auto, sdpa on a CPU)
+                   [--one-document]          positions of each row as one document (no mask: what HF pays)
     step_worker.py ddp ...                   the same loop inside DistributedDataParallel (torchrun)
     step_worker.py hf ...                    transformers' LlamaForCausalLM (our weights through
                                              modeling/hf.py), the same loop
@@ -264,7 +266,15 @@ def run_zt(a, setup: dict) -> None:
 
 
 def run_plain(a, setup: dict) -> None:
-    loop(a, our_model(a), setup, 0, lambda m, b: m(**b))
+    model = our_model(a)
+    model.attention = a.attention
+    if a.one_document:  # the same rows, attention over the whole row: the cost of document masking, measured
+        import torch
+
+        loop(a, model, setup, 0, lambda m, b: m(b["input_ids"], torch.arange(a.seq).expand(a.micro, a.seq),
+                                                 labels=b["labels"]))
+    else:
+        loop(a, model, setup, 0, lambda m, b: m(**b))
 
 
 def run_ddp(a, setup: dict) -> None:
@@ -351,6 +361,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--batches")
     p.add_argument("--hf-dir")
     p.add_argument("--fused", action="store_true", help="plain loops: AdamW(fused=True)")
+    p.add_argument("--attention", default="auto", help="plain: the model's attention kernel")
+    p.add_argument("--one-document", action="store_true", help="plain: every row one document (no mask)")
     p.add_argument("--compile", action="store_true", help="zt: --compile (torch.compile through DeepSpeed)")
     a = p.parse_args([x for x in argv if not x.startswith("--local_rank")])  # the deepspeed launcher adds it
     a.name = os.environ["ZT_BENCH_NAME"]

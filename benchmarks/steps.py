@@ -3,8 +3,10 @@ otherwise run, side by side in one invocation (benchmarks/harness.py alternates 
 
     train_step   1 rank, fp32, two shapes: zerotrain ZeRO-2 and ZeRO-3 (the cpu profile; the real
                  driver) vs a plain PyTorch loop over the same model (torch.optim.AdamW as a user
-                 writes it, and with fused=True), a plain loop over transformers' LlamaForCausalLM
-                 with the same weights, and the HF Trainer with DeepSpeed ZeRO-2. Also the machine's
+                 writes it, and with fused=True; with each attention kernel that runs on a CPU; and on
+                 the same rows as one document each, which is what the HF loop computes: the share of
+                 the gap to it that document masking explains), a plain loop over transformers'
+                 LlamaForCausalLM with the same weights, and the HF Trainer with DeepSpeed ZeRO-2. Also the machine's
                  fp32 matmul peak, measured before and after, and each program's MFU against it
                  (zerotrain.modeling.model.flops_per_token). BENCH_COMPILE=1 adds zerotrain ZeRO-2 --compile.
     two_ranks    zerotrain ZeRO-2/3 under the `deepspeed` launcher and DDP under `torchrun`, 2 ranks
@@ -153,6 +155,10 @@ def bench_train_step() -> list[dict]:
                         ("zerotrain ZeRO-3", "zt", ["--profile", str(prof[3])]),
                         ("plain PyTorch loop", "plain", []),
                         ("plain PyTorch loop, fused AdamW", "plain", ["--fused"]),
+                        # issue 18: each attention kernel that runs on a CPU (the loop above is auto = sdpa), and
+                        # the same rows as one document each, which HF's loop below is (no mask to pay for)
+                        ("plain PyTorch loop, --attention flex", "plain", ["--attention", "flex"]),
+                        ("plain PyTorch loop, rows as one document (no mask)", "plain", ["--one-document"]),
                         ("HF Llama, plain loop", "hf", []),
                         ("HF Trainer + DeepSpeed ZeRO-2", "hf-trainer", ["--profile", str(prof[2])])]
             if COMPILE:
