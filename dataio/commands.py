@@ -13,12 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
+from zerotrain.cli_args import Parser
 from zerotrain.dataio.errors import DataError, UsageError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message}")
 
 
 def _run(fn, argv):
@@ -43,7 +39,7 @@ def _positive(name):
 # --------------------------------------------------------------------------------------------
 
 def prepare_main(argv):
-    p = _Parser(prog="zerotrain prepare", description="Tokenize a mix into shards + manifest.json.")
+    p = Parser(prog="zerotrain prepare", description="Tokenize a mix into shards + manifest.json.")
     p.add_argument("--data", required=True, help="mix JSON")
     p.add_argument("--tokenizer", default="bytes")
     p.add_argument("--out", required=True, help="new directory to write")
@@ -68,7 +64,7 @@ def prepare_main(argv):
 
 
 def verify_main(argv):
-    p = _Parser(prog="zerotrain verify", description="Check a prepared directory and measure read speed.")
+    p = Parser(prog="zerotrain verify", description="Check a prepared directory and measure read speed.")
     p.add_argument("dir")
     p.add_argument("--tokenizer", default=None, help="also check the shards were made with this tokenizer")
     p.add_argument("--seconds", type=float, default=2.0, help="how long to measure read speed")
@@ -145,7 +141,7 @@ def bench(data_path: str, tokenizer: str = "bytes", seq_len: int = 2048, micro_b
 
 
 def data_bench_main(argv):
-    p = _Parser(prog="zerotrain data-bench", description="Measure the data loader alone, in tokens/s.")
+    p = Parser(prog="zerotrain data-bench", description="Measure the data loader alone, in tokens/s.")
     p.add_argument("--data", required=True, help="mix JSON or prepared directory")
     p.add_argument("--tokenizer", default="bytes")
     p.add_argument("--seq-len", type=_positive("--seq-len"), default=2048)
@@ -180,15 +176,16 @@ def data_bench_main(argv):
 
 
 def tokenizer_main(argv):
-    if not argv or argv[0] != "train":
-        raise UsageError("usage: zerotrain tokenizer train --data MIX.json --vocab-size N --out DIR")
-    p = _Parser(prog="zerotrain tokenizer train", description="Train a byte-level BPE (Hugging Face format).")
+    top = Parser(prog="zerotrain tokenizer", description="Tokenizers for zerotrain (one action: train).")
+    actions = top.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("train", help="train a byte-level BPE on a mix (Hugging Face format)",
+                           description="Train a byte-level BPE (Hugging Face format).")
     p.add_argument("--data", required=True, help="mix JSON")
-    p.add_argument("--vocab-size", type=_positive("--vocab-size"), required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=_positive("--vocab-size"), required=True, help="tokens in the vocabulary")
+    p.add_argument("--out", required=True, help="new (or empty) directory for tokenizer.json")
     p.add_argument("--max-documents", type=_positive("--max-documents"), default=None,
                    help="train on at most this many documents (spread over the sources by weight)")
-    a = p.parse_args(argv[1:])
+    a = top.parse_args(argv)
 
     def go(_):
         from zerotrain.dataio.sources import load_text_source, open_streamed, parse_mix, record_text

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from zerotrain import resource_dir
+from zerotrain.cli_args import Parser
 from zerotrain.launcher.errors import UsageError, read_json_object
-from zerotrain.launcher.model_spec import rule_lr_defaults
+from zerotrain.launcher.hparams import check_schedule, is_resolved, resolve_hparams
 from zerotrain.launcher.optimizers import check_optimizer
 from zerotrain.launcher.profiles import profile_from_accelerate
 from zerotrain.modeling.sizes import ATTENTION_BACKENDS
@@ -30,10 +31,11 @@ from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 RECIPE_DIR = resource_dir("zerotrain.recipes")
 
 IDENTITY, IDENTITY_WHEN_SET, RUN = "identity", "identity-when-set", "run"
+SOURCES = "sources"  # RunConfig.sources: where each value came from; not a flag, not hashed, not in config.json's "run"
 
 
-def opt(default, help: str, kind: str = IDENTITY):
-    return field(default=default, metadata={"help": help, "kind": kind})
+def opt(default, help: str, kind: str = IDENTITY, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "kind": kind, "choices": choices})
 
 
 @dataclass
@@ -48,10 +50,21 @@ class RunConfig:
     grad_accum: int | None = opt(None, "micro-batches per optimizer step (default: the profile's, or derived"
                                        " from --global-batch-tokens)")
     global_batch_tokens: int | None = opt(None, "tokens per optimizer step over all ranks")
-    lr: float = opt(3e-3, "peak learning rate")
-    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay")
-    warmup_steps: int = opt(20, "linear warmup steps")
-    max_steps: int = opt(100, "optimizer steps of the whole run", RUN)
+    # None here: resolved against the profile and the model (launcher/hparams.py), each with its source
+    lr: float | None = opt(None, "peak learning rate (default: the scaling rule's law, else the profile's"
+                                 " optimizer.params.lr, else the optimizer's own, else a per-size rule; the start-up"
+                                 " line says which)")
+    min_lr: float | None = opt(None, "learning rate at the end of the decay (default: the profile scheduler's"
+                                     " cos_min_ratio x lr, else lr / 10)")
+    warmup_steps: int | None = opt(None, "linear warmup steps (default: the profile scheduler's, else 20)")
+    max_steps: int = opt(100, "optimizer steps of the whole run; may grow on resume (see --schedule)", RUN)
+    schedule: str | None = opt(None, "after warmup, cosine (default): decay to --min-lr at --max-steps; wsd"
+                                     " (warmup-stable-decay): hold the peak, then decay linearly over the last"
+                                     " --decay-fraction of the steps. A wsd run resumed in its stable phase with a"
+                                     " larger --max-steps re-plans its decay; a cosine one keeps its length",
+                               IDENTITY_WHEN_SET, ("cosine", "wsd"))
+    decay_fraction: float | None = opt(None, "with --schedule wsd: the fraction of --max-steps spent decaying"
+                                             " (default 0.2)", IDENTITY_WHEN_SET)
     seed: int = opt(1337, "seed of the model init and the data order")
     out: str = opt("runs", "directory holding run directories", RUN)
     run_id: str | None = opt(None, "run directory name (default: derived from the config, so the same command"
@@ -61,7 +74,8 @@ class RunConfig:
                               " checkpoint path", RUN)
     activation_checkpointing: bool | None = opt(None, "recompute activations in backward (default: the profile's)")
     log_data_every_steps: int = opt(100, "log the realised token share per source every N steps (0: never)", RUN)
-    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/packing.py", IDENTITY_WHEN_SET)
+    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/packing.py", IDENTITY_WHEN_SET,
+                              ("best-fit", "greedy"))
     depth: int | None = opt(None, "the depth rule: dim = depth x aspect ratio", IDENTITY_WHEN_SET)
     aspect_ratio: int | None = opt(None, "with --depth (default 64)", IDENTITY_WHEN_SET)
     head_dim: int | None = opt(None, "with --depth (default 128)", IDENTITY_WHEN_SET)
@@ -86,7 +100,7 @@ class RunConfig:
     budget_usd: float | None = opt(None, "stop (after saving) before spending B dollars; needs --gpu-hour-usd", RUN)
     gpu_hour_usd: float | None = opt(None, "price of one GPU-hour; cost = price x world size x hours", RUN)
     on_spike: str = opt("warn", "on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint",
-                        RUN)
+                        RUN, ("warn", "stop", "rollback"))
     piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from"
                                       " --seq-len)", IDENTITY_WHEN_SET)
     # --- observability (issue 10, section 3; launcher/components/metrics.py) ---
@@ -116,11 +130,17 @@ class RunConfig:
     # --- start-up speed (issue 12, section 1.5) ---
     verify_data: str | None = opt(None, "prepared shards at start-up: quick (default: manifest, sizes, headers and"
                                         " offsets every start; sha256 once per node, remembered by file identity) or"
-                                        " full (every byte hashed by every rank, every start)", RUN)
+                                        " full (every byte hashed by every rank, every start)", RUN,
+                                  ("quick", "full"))
     # --- attention kernel (issue 18, section 2; modeling/model.py) ---
     attention: str | None = opt(None, "attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex"
                                       " or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else"
-                                      " auto. The same math whichever runs: not part of the run id", RUN)
+                                      " auto. The same math whichever runs: not part of the run id", RUN,
+                                ATTENTION_BACKENDS)
+
+    # Not a setting: where each value came from ("flag", "recipe", "given"; launcher/hparams.py adds the
+    # resolved ones), for the start-up line. Filled by resolve_config / config_from.
+    sources: dict | None = field(default=None, compare=False, repr=False, metadata={"help": "", "kind": SOURCES})
 
     @classmethod
     def kind(cls, name: str) -> str:
@@ -137,19 +157,22 @@ class RunConfig:
         for name in ("save_every_steps", "warmup_steps", "seed", "log_data_every_steps", "keep_last",
                      "eval_every_steps"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if (v is not None or name != "warmup_steps") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise UsageError(f"{flag(name)}: must be a non-negative integer, got {v!r}")
-        for name in ("lr", "min_lr"):
+        for name in ("lr", "min_lr", "decay_fraction"):  # None: resolved later (launcher/hparams.py)
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v < 0):
                 raise UsageError(f"{flag(name)}: must be a non-negative number, got {v!r}")
         for name in ("save_every_hours", "max_hours", "budget_usd", "gpu_hour_usd"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v <= 0):
                 raise UsageError(f"{flag(name)}: must be a positive number, got {v!r}")
-        if self.lr == 0 or self.min_lr > self.lr:
-            raise UsageError(f"--lr {self.lr} / --min-lr {self.min_lr}: need 0 <= min-lr <= lr and lr > 0")
+        if self.schedule not in (None, "cosine", "wsd"):
+            raise UsageError(f"--schedule: must be cosine or wsd, got {self.schedule!r}")
+        if self.lr is not None and self.min_lr is not None:  # else checked once resolved (launcher/hparams.py)
+            check_schedule(self)
         if self.grad_accum is not None and self.global_batch_tokens is not None:
             raise UsageError("--grad-accum and --global-batch-tokens: give one, the other is derived")
         if self.resume not in ("auto", "never") and not Path(self.resume).exists():
@@ -189,21 +212,34 @@ class RunConfig:
 
     def warnings(self) -> list[str]:
         out = []
-        if self.warmup_steps >= self.max_steps:
+        if self.warmup_steps is not None and self.warmup_steps >= self.max_steps:
             out.append(f"--warmup-steps {self.warmup_steps} >= --max-steps {self.max_steps}: the learning rate never"
                        " reaches its peak and never decays")
         return out
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("sources")
+        return d
 
-    def identity(self) -> dict:
-        """What defines the training (not how long, where, or how it is watched): hashed, and drift-checked."""
+    def identity(self, partial: bool = False) -> dict:
+        """What defines the training (not how long, where, or how it is watched): hashed, and drift-checked.
+
+        The values hashed are those the run trains with: lr, min_lr and warmup_steps left open are resolved
+        first (launcher/hparams.py), against this config's profile. A `--profile auto` config cannot be
+        before the rank detects its profile; `partial` (drift checks made before that) leaves them out.
+        """
+        cfg = self
+        if not is_resolved(self):
+            if self.profile != "auto":
+                cfg = resolve_hparams(self)
+            elif not partial:
+                raise RuntimeError("RunConfig.identity: --profile auto is resolved on the rank (plan_run) first")
         d = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
+        for f in fields(cfg):
+            v = getattr(cfg, f.name)
             kind = f.metadata["kind"]
-            if kind == RUN or (kind == IDENTITY_WHEN_SET and v is None):
+            if kind in (RUN, SOURCES) or (kind == IDENTITY_WHEN_SET and v is None) or (v is None and partial):
                 continue
             d[f.name] = v
         if d.get("model") is None:  # no default value (so a conflict can be seen), but "debug" for the hash
@@ -218,7 +254,9 @@ class RunConfig:
     def drift(self, saved_run: dict) -> list[str]:
         """Identity fields that differ from a saved config.json's "run" section, as 'key old -> new'."""
         old = RunConfig(**{k: v for k, v in saved_run.items() if k in self.__dataclass_fields__}).identity()
-        new = self.identity()
+        new = self.identity(partial=True)
+        if not is_resolved(self):  # --profile auto before detection: the rank checks these once resolved
+            old = {k: v for k, v in old.items() if k in new or k not in ("lr", "min_lr", "warmup_steps")}
         return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
@@ -226,9 +264,8 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"command line: {message}")
+# Every RunConfig field that is a setting (a flag and a recipe key): all but `sources`.
+SETTINGS = tuple(f.name for f in fields(RunConfig) if f.metadata["kind"] != SOURCES)
 
 
 def _arg_type(f):
@@ -236,20 +273,33 @@ def _arg_type(f):
     return int if "int" in t else float if "float" in t else str
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="zerotrain train", description="Train a decoder-only LM with DeepSpeed.",
-                       epilog="Exit status: 0 finished, 2 bad input, 3 diverged, 4 early stop, 5 budget reached,"
-                              " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed, 8 --golden-strict.")
+def add_train_flags(p) -> None:
+    """The driver's flags, generated from RunConfig (help, choices and defaults from each field), plus
+    --config, onto a parser or an argument group (`zerotrain plan` lists them after its own)."""
     p.add_argument("--config", help="recipe JSON with the same keys as the flags; flags override it")
     for f in fields(RunConfig):
-        kind = {IDENTITY: "", IDENTITY_WHEN_SET: "", RUN: " [may change on resume]"}[f.metadata["kind"]]
-        help_text = f.metadata["help"].replace("%", "%%") + kind
+        if f.name not in SETTINGS:
+            continue
+        help_text = f.metadata["help"].replace("%", "%%")
+        if f.default is not None and "default" not in help_text:
+            help_text += f" (default: {f.default})"  # argparse's own default stays None: unset, so a recipe applies
+        help_text += {IDENTITY: "", IDENTITY_WHEN_SET: "", RUN: " [may change on resume]"}[f.metadata["kind"]]
+        choices = f.metadata.get("choices")
         if "bool" in str(f.type):
             p.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            p.add_argument(flag(f.name), type=_arg_type(f), default=None, dest=f.name, help=help_text)
+        else:  # choices are checked by validate(), with the same message for a flag and a recipe key
+            p.add_argument(flag(f.name), type=_arg_type(f), default=None, dest=f.name, help=help_text,
+                           metavar="{" + ",".join(choices) + "}" if choices else None)
     # Injected by the deepspeed launcher (and older torch launchers); the env var is what we use.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="zerotrain train", description="Train a decoder-only LM with DeepSpeed.",
+               epilog="Exit status: 0 finished, 2 bad input, 3 diverged, 4 early stop, 5 budget reached,"
+                      " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed, 8 --golden-strict."
+                      " Every --dashed-flag is also accepted as --underscored_flag.")
+    add_train_flags(p)
     return p
 
 
@@ -268,7 +318,7 @@ def recipe_file(spec: str) -> Path:
 def load_recipe(path: str) -> dict:
     p = recipe_file(path)
     raw = read_json_object(p, f"recipe {path}")
-    known = {f.name for f in fields(RunConfig)}
+    known = set(SETTINGS)
     recipe = {}
     for k, v in raw.items():
         key = k.replace("-", "_")
@@ -278,24 +328,29 @@ def load_recipe(path: str) -> dict:
     return recipe
 
 
-def config_from(values: dict) -> RunConfig:
-    """A validated RunConfig from keyword values (the Python API: same names and checks as the flags)."""
-    known = {f.name for f in fields(RunConfig)}
-    unknown = sorted(set(values) - known)
+def config_from(values: dict, sources: dict | None = None) -> RunConfig:
+    """A validated RunConfig from keyword values (the Python API: same names and checks as the flags).
+
+    `sources`: where each value came from ("flag", "recipe"; default "given"). The values left open are
+    resolved against the profile and the model (launcher/hparams.py); under `--profile auto` that happens
+    on the rank, after detection (run_plan.plan_run).
+    """
+    unknown = sorted(set(values) - set(SETTINGS))
     if unknown:
         raise UsageError(f"unknown setting {unknown[0]!r} (see `zerotrain train --help`)")
-    values = {**values, **rule_lr_defaults(values)}  # a scaling rule's lr law, when --lr is not given
+    sources = {**{k: "given" for k in values}, **(sources or {})}
     values = {**values, **profile_from_accelerate(values)}  # under accelerate, its deepspeed_config_file is the profile
-    cfg = RunConfig(**values)
+    cfg = RunConfig(**values, sources=sources)
     cfg.validate()
-    return cfg
+    return resolve_hparams(cfg) if cfg.profile != "auto" else cfg
 
 
 def resolve_config(argv: list[str] | None) -> RunConfig:
     ns = build_parser().parse_args(argv)
     values = load_recipe(ns.config) if ns.config else {}
-    values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
-    return config_from(values)
+    sources = {k: "recipe" for k in values}
+    flags = {name: getattr(ns, name) for name in SETTINGS if getattr(ns, name) is not None}
+    return config_from({**values, **flags}, {**sources, **{k: "flag" for k in flags}})
 
 
 SINKS = ("jsonl", "tensorboard", "wandb")

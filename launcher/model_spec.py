@@ -92,28 +92,9 @@ def _safe(path: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "model"
 
 
-def rule_lr_defaults(values: dict) -> dict:
-    """{lr, min_lr} when --lr is not given: the scaling rule's law for the run's optimizer, else the
-    optimizer's own default peak lr (launcher/optimizers.py: muon 0.02, lion 3e-4); {} otherwise.
-
-    min_lr defaults to lr / 10 then (the ratio of the built-in defaults). AdamW without a law
-    returns {}: RunConfig's defaults, as before. Any problem with the rule or the optimizer is
-    left for `resolve` / RunConfig.validate to report with the flag named.
-    """
-    if values.get("lr") is not None:
-        return {}
-    optimizer = values.get("optimizer")
-    if optimizer is not None and not isinstance(optimizer, str):
-        return {}
-    lr = _rule_lr(values, optimizers.law_names(optimizer))
-    if lr is None:
-        lr = optimizers.default_lr(optimizer)
-    if lr is None:
-        return {}
-    return {"lr": lr, **({} if values.get("min_lr") is not None else {"min_lr": lr / 10})}
-
-
-def _rule_lr(values: dict, law_names: list[str]) -> float | None:
+def rule_law_lr(values: dict, law_names: list[str]) -> float | None:
+    """The lr the --scaling-rule's law gives for the first of `law_names` it has (launcher/hparams.py), or
+    None (no rule, no law, or a rule problem `resolve` reports with the flag named)."""
     if not values.get("scaling_rule") or values.get("heads") is None:
         return None
     try:

@@ -142,7 +142,46 @@ def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
 
     ds = resolve_ds_optimizer(ds, cfg, where)  # --optimizer: the section DeepSpeed builds, or none for a client one
     ds.pop("scheduler", None)
+    return accumulate_in_fp32(ds)
+
+
+def precision(ds: dict) -> str:
+    """"bf16", "fp16" or "fp32": what a DeepSpeed dict (or a profile) trains in (validate_profile allows one)."""
+    return next((k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True), "fp32")
+
+
+def accumulate_in_fp32(ds: dict) -> dict:
+    """bf16 at ZeRO-2/3: gradients summed over the micro-batches of a step in fp32, unless the dict says.
+
+    DeepSpeed 0.19 accumulates in the model's dtype when `data_types.grad_accum_dtype` is unset: at ZeRO-2/3
+    in bf16 each micro-batch's gradient is added into a bf16 partition, every addition rounded to 8 bits of
+    mantissa (a relative error up to 2**-9 each time, over the 4 to 16 micro-batches of our GPU profiles),
+    which autocast-style fp32 training never does. With "fp32" the partition is fp32 (stage_1_and_2.py's
+    compact fp32 buffer, stage3.py's grad_partitions_flat_buffer); the planner's 18 bytes per parameter
+    already count 4 for fp32 gradients. On 2 CPU ranks (debug model, grad-accum 4) step 1's gradient norm
+    moved from 7.155304 to 7.155446 at both stages. Stages 0 and 1 are left as they are: DeepSpeed 0.19
+    refuses bf16 with fp32 accumulation at stage 0 (NotImplementedError) and swaps in another optimizer
+    wrapper (BF16_Optimizer, another checkpoint layout) at stage 1; offload keeps its own host-side buffers
+    and is not run here.
+    """
+    zero = ds.get("zero_optimization") or {}
+    data_types = ds.get("data_types") or {}
+    offload = any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+    if precision(ds) == "bf16" and zero.get("stage", 0) in (2, 3) and not offload \
+            and "grad_accum_dtype" not in data_types:
+        ds = {**ds, "data_types": {**data_types, "grad_accum_dtype": "fp32"}}
     return ds
+
+
+def describe_precision(ds: dict) -> str:
+    """One line for start-up and --dry-run: what is 16-bit and what stays fp32."""
+    kind = precision(ds)
+    if kind == "fp32":
+        return "precision: fp32 (weights, activations, gradients and optimizer state)"
+    accum = (ds.get("data_types") or {}).get("grad_accum_dtype") or kind
+    what = "dynamic loss scaling" if kind == "fp16" else "no loss scaling"
+    return (f"precision: {kind} (DeepSpeed's {kind} section: {kind} weights, activations and gradients; fp32 master"
+            f" weights and optimizer state; gradients accumulated over micro-batches in {accum}; {what})")
 
 
 def profile_from_accelerate(values: dict, environ=None) -> dict:
@@ -171,3 +210,29 @@ def profile_from_accelerate(values: dict, environ=None) -> dict:
             raise UsageError(f"--profile {given} and {where}: two different profiles; drop --profile (under"
                              " accelerate the config file decides)")
     return {"profile": file.stem if shipped else str(file)}
+
+
+def check_devices(profile_name: str, profile: dict, world: int, device_type: str | None = None,
+                  local_devices: int = 0, detect=detect_profile) -> list[str]:
+    """Warnings about the profile against this launch and machine; UsageError (one line) for a CPU profile on a
+    node where DeepSpeed runs on CUDA (it would put the model on the GPUs with the CPU profile's gloo, fp32 and
+    batch). `device_type`, `local_devices`: what DeepSpeed's accelerator reports on this node (None: not asked,
+    as for --dry-run, which is resolved against the profile's hardware). Pure: the caller asks the machine."""
+    hw = profile.get("zerotrain", {}).get("hardware", {})
+    if hw.get("accelerator") == "cpu" and device_type == "cuda":
+        try:
+            instead = f"--profile {detect()[0]}"
+        except UsageError:
+            instead = "a GPU profile (`zerotrain profiles`; none shipped matches this node)"
+        raise UsageError(f"--profile {profile_name}: a CPU profile, but this node has {local_devices} CUDA GPU(s),"
+                         f" which DeepSpeed would use; use {instead}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to"
+                         " train on the CPU")
+    out = []
+    per_node, nodes = hw.get("devices_per_node"), hw.get("nodes", 1)
+    if per_node is not None and world != per_node * nodes:
+        out.append(f"world size {world} differs from profile {profile_name}'s devices_per_node x nodes ="
+                   f" {per_node} x {nodes} = {per_node * nodes}: the batch is resolved for {world} rank(s)")
+    if world == 1 and device_type == "cuda" and local_devices > 1:
+        out.append(f"this node has {local_devices} GPUs and this run uses one; `zerotrain launch -n {local_devices}"
+                   " <the same flags>` uses them all")
+    return out

@@ -28,7 +28,9 @@ from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.planner import fit_check
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.profiles import detect_profile, load_profile, resolve_ds_config
+from zerotrain.launcher.hparams import resolve_hparams
+from zerotrain.launcher.profiles import check_devices, detect_profile, load_profile, resolve_ds_config
+from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.modeling.sizes import choose_attention
 
 
@@ -84,6 +86,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     if profile_spec == "auto":
         profile_spec, why = detect_profile()
     profile_name, profile = load_profile(profile_spec)
+    cfg = resolve_hparams(cfg, profile_name, profile)  # lr, schedule: flag > recipe > profile > rule (hparams.py)
     ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
     zt = profile.get("zerotrain", {})
     tokenizer = load_tokenizer(cfg.tokenizer)
@@ -91,6 +94,8 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
     loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
+    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else accelerator_devices()),
+                                    detect=detect_profile)
     attention, attention_why = attention_kernel(cfg, zt, ds_config, profile_name)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, zt, world, attention=attention)
@@ -130,8 +135,17 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
                    zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
                    model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=tuple(cfg.warnings()), golden=golden,
+                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings()),
+                   golden=golden,
                    attention=attention, attention_why=attention_why)
+
+
+def accelerator_devices() -> tuple[str, int]:
+    """(device type, devices on this node) as DeepSpeed's accelerator sees them: what the run will train on."""
+    from deepspeed.accelerator import get_accelerator  # heavy: imported here, as the run is about to build
+
+    accel = get_accelerator()
+    return accel.device_name(), accel.device_count() if accel.device_name() == "cuda" else 0
 
 
 def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: str) -> tuple[str, str]:
@@ -147,8 +161,7 @@ def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: st
     name = cfg.attention or zt.get("attention") or "auto"
     from_profile = cfg.attention is None and zt.get("attention") is not None
     source = f"profile {profile_name}: zerotrain.attention" if from_profile else "--attention"
-    precision = next((k for k in ("bf16", "fp16") if isinstance(ds_config.get(k), dict)
-                      and ds_config[k].get("enabled") is True), "fp32")
+    precision = profile_precision(ds_config)
     if cfg.dry_run:
         device, installed = zt.get("hardware", {}).get("accelerator", "cuda"), True
     else:

@@ -45,12 +45,13 @@ from zerotrain.launcher.components import checkpoint, ds_compat, manifest, plann
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
 from zerotrain.launcher.components.metrics import MetricsLogger, StepLogger, read_metrics
-from zerotrain.launcher.components.schedule import make_scheduler
+from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
                                        EXIT_SIGNAL, CheckpointError, UsageError)
-from zerotrain.launcher.optimizers import check_engine, describe, prepare_optimizer
-from zerotrain.launcher.profiles import load_profile
+from zerotrain.launcher.hparams import describe_hparams
+from zerotrain.launcher.optimizers import check_engine, describe, describe_implementation, prepare_optimizer
+from zerotrain.launcher.profiles import describe_precision, load_profile
 from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
 from zerotrain.modeling.hf import load_weights
 from zerotrain.modeling.model import Transformer, count_params, flops_per_token, global_token_mean_scale, held_numel
@@ -238,6 +239,11 @@ class Trainer:
                                                config=ds_config, lr_scheduler=make_scheduler(cfg))
         check_engine(cfg, engine, model)
         self.say(describe(cfg, ds_config))
+        self.say(describe_implementation(cfg, ds_config, accel.device_name()))  # issue 18: what steps, built or not
+        self.say(describe_precision(ds_config))
+        self.say(describe_hparams(cfg))  # each value and where it came from (launcher/hparams.py)
+        if plan.resume_from is None:
+            self.say(engine.lr_scheduler.lr_lambdas[0].describe(cfg.lr))
         if cfg.compile:  # DeepSpeed compiles the module in place: parameter names do not change
             engine.compile(backend=plan.zt.get("compile_backend") or accel.get_compile_backend())
         n_params = count_params(args)
@@ -282,10 +288,21 @@ class Trainer:
         if self.early is not None and guards.get("early_stop"):
             self.early.load_state_dict(guards["early_stop"])
         self.budget.resume(self.elapsed_before, state.get("gpu_seconds"))
+        for line in self._restore_schedule() or [self.engine.lr_scheduler.lr_lambdas[0].describe(self.cfg.lr)]:
+            self.say(line)
         self.last_saved = tag_dir
         self.checkpointer.note_loaded(self.step)
         self.metrics.event("resume", self.step, checkpoint=str(tag_dir))
         self.say(f"resumed from {tag_dir} at step {self.step}")
+
+    def _restore_schedule(self) -> list[str]:
+        """The checkpoint brought back its lr schedule (DeepSpeed saves the LambdaLR, our Schedule's state
+        included): re-plan or keep it for this run's --max-steps (components/schedule.py) and put the lr of
+        the next step into the optimizer. Returns what to say."""
+        scheduler = self.engine.lr_scheduler
+        lines = scheduler.lr_lambdas[0].resume(self.step, self.cfg.max_steps, self.cfg.lr)
+        reapply(scheduler)
+        return lines
 
     # -- one step ---------------------------------------------------------------------------------
     def fetch(self) -> list[int]:
@@ -577,6 +594,7 @@ class Trainer:
         spikes = self.spikes.state_dict()  # the detector keeps what it learnt (spike steps never enter it)
         self.checkpointer.wait()
         state = checkpoint.load(self.engine, tag)["zerotrain"]
+        self._restore_schedule()  # the tag may hold the plan before a resume re-planned it
         self.spikes.load_state_dict(spikes)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.checkpointer.note_loaded(self.step)
@@ -697,15 +715,23 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
         hw = load_profile(cfg.profile)[1].get("zerotrain", {}).get("hardware", {}) if cfg.profile != "auto" else {}
         world = int(os.environ.get("WORLD_SIZE") or hw.get("devices_per_node", 1) * hw.get("nodes", 1))
     plan = plan_run(dataclasses.replace(cfg, dry_run=True), world, 0)  # no fit check against this machine
+    cfg = plan.cfg  # resolved: lr and the schedule from the flags, the recipe, the profile or the model
     ds, zt, args = plan.ds_config, plan.zt, plan.model_args
     n = count_params(args)
+    schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
+                        cfg.decay_fraction)
     lines = [f"dry run: {plan.run_dir} (nothing built or written)",
              f"profile {plan.profile_name}, world {world}, ZeRO-{ds['zero_optimization'].get('stage', 0)},"
              f" batch {ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} x {world}"
              f" x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
-             f" lr {cfg.lr:g}, optimizer {cfg.optimizer or 'adamw'}",
-             f"attention: {plan.attention} ({plan.attention_why})"]
+             f" vocab {args.vocab_size:,} (tokenizer {plan.tokenizer.name}: {plan.tokenizer.vocab_size:,}),"
+             f" optimizer {cfg.optimizer or 'adamw'}",
+             describe_hparams(cfg), schedule.describe(cfg.lr),
+             f"attention: {plan.attention} ({plan.attention_why})",
+             describe_precision(ds),  # issue 18: what a machine of the profile's kind runs, and whether it compiles
+             describe_implementation(cfg, ds, zt.get("hardware", {}).get("accelerator", "cuda")),
+             *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     lines += describe_data(plan.data, cfg.max_steps * ds["train_batch_size"] * cfg.seq_len)
     fits = None
     hw = zt.get("hardware", {})

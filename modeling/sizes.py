@@ -305,3 +305,17 @@ def rule_lr(rule: dict, non_embedding_params: int, optimizer: str | list[str] = 
             law = laws[name]
             return float(law["a"] * (law["b"] + non_embedding_params) ** law["d"])
     return None
+
+
+# The per-size default learning rate, used when neither the command line, a recipe, the scaling rule nor the
+# profile gives one (zerotrain.launcher.hparams): the same law form, lr = a * (b + P) ** d in the
+# non-embedding parameter count P, fitted (least squares in log-log) to the peak learning rates GPT-3 trained
+# its eight sizes with (Brown et al. 2020, Table 2.1: 6e-4 at 125M ... 1e-4 at 13B, 6e-5 at 175B; P =
+# 12 x layers x d_model^2), within 25% of every one of them. It gives 2.1e-4 for `xlarge` (1.4B) and 1.9e-3
+# for `debug` (0.8M). An AdamW law: other optimizers have their own defaults (launcher/optimizers.py).
+DEFAULT_LR_LAWS = {"adamw": {"a": 0.102, "b": 0, "d": -0.294}}
+
+
+def default_lr(non_embedding_params: int) -> float:
+    """The per-size default peak lr (DEFAULT_LR_LAWS) of a model with this many non-embedding parameters."""
+    return rule_lr({"lr": DEFAULT_LR_LAWS}, non_embedding_params, "adamw")

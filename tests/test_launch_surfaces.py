@@ -78,21 +78,65 @@ def env_profile(tmp_path: Path) -> Path:
 
 # -- the hostfile ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, message", [
+# What DeepSpeed's own parser (deepspeed/launcher/runner.py fetch_hostfile) accepts, ours accepts with the same
+# hosts and slots; what it refuses, ours refuses with one line naming the line. Both run on the same file.
+HOSTFILES_DEEPSPEED_ACCEPTS = [
+    "node-a slots=8\nnode-b slots=8\n",
+    "# cluster\n\nnode-a slots=8   # first\n  node-b slots=4\n",
+    "node-a slots=8 max_slots=8\nnode-b slots=8 max_slots=8\n",  # an OpenMPI hostfile: max_slots ignored
+    "node-a\tslots=2\r\nnode-b slots=2\r\n",  # tabs, CRLF line ends
+    "   # indented comment\n\t\nnode-a slots=1\n",
+    "node-a slots=8\nnode-b slots=0\n",  # a host without slots (see the test below)
+    "node#1 slots=2\n",  # '#' only starts a comment at the start of a line
+    "node-a slots=8 node-b slots=8\n",  # DeepSpeed reads the first host of the line only
+    "node-a slots=16gpus\n",
+    "node-a slots=8",  # no newline at the end
+]
+HOSTFILES_DEEPSPEED_REFUSES = [
     ("node-a slots=8\nnode-b slots=8\nnode-a slots=8\n", "line 3: duplicate host node-a (first on line 1)"),
-    ("# two nodes\n\nnode-a slots=8\nnode-b slots=0\n", "line 4: node-b slots=0 (a host needs at least one slot"),
-    ("node-a slots=eight\n", "line 1: slots='eight' is not a whole number"),
+    ("node-a slots=eight\n", "line 1: 'slots=eight': the slot count is not a whole number"),
+    ("node-a slots=-1\n", "line 1: 'slots=-1': the slot count is not a whole number"),
     ("node-a slots=8\nnode-b\n", "line 2: host 'node-b' has no slot count (expected 'HOST slots=N')"),
     ("node-a slots=8\nnode-b gpus=8\n", "line 2: malformed line 'node-b gpus=8' (expected 'HOST slots=N')"),
-    ("node-a slots=8 node-b slots=8\n", "line 1: malformed line"),
+    ("node-a slots = 8\n", "line 1: malformed line 'node-a slots = 8'"),
+    ("slots=8\n", "line 1: host 'slots=8' has no slot count"),
     ("# nothing\n\n", "no hosts (only comments or blank lines)"),
-])
-def test_bad_hostfile_is_one_line_naming_the_line(tmp_path, text, message):
+    ("", "no hosts (only comments or blank lines)"),
+]
+
+
+@pytest.mark.parametrize("text", HOSTFILES_DEEPSPEED_ACCEPTS)
+def test_hostfile_accepts_what_deepspeed_accepts(tmp_path, text):
+    from deepspeed.launcher.runner import fetch_hostfile
+
     path = tmp_path / "hostfile"
-    path.write_text(text)
+    path.write_bytes(text.encode())
+    assert dict(hostfile.parse_hostfile(path)) == dict(fetch_hostfile(str(path)))
+
+
+@pytest.mark.parametrize("text, message", HOSTFILES_DEEPSPEED_REFUSES)
+def test_hostfile_refuses_what_deepspeed_refuses_in_one_line_naming_the_line(tmp_path, text, message):
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    path = tmp_path / "hostfile"
+    path.write_bytes(text.encode())
+    with pytest.raises(ValueError):
+        fetch_hostfile(str(path))
     with pytest.raises(UsageError) as e:
         hostfile.parse_hostfile(path)
     assert str(e.value).startswith(f"hostfile {path}") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_host_without_slots_is_what_deepspeed_makes_of_it(tmp_path):
+    # DeepSpeed keeps it (its launcher starts there, with no rank) unless a filter names it; the profile's
+    # world-size check then sees its 0 slots.
+    path = tmp_path / "hostfile"
+    path.write_text("node-a slots=8\nnode-b slots=0\n")
+    hosts = hostfile.parse_hostfile(path)
+    assert hostfile.active_hosts(hosts) == {"node-a": list(range(8)), "node-b": []}
+    assert hostfile.active_hosts(hosts, exclude="node-b") == {"node-a": list(range(8))}
+    with pytest.raises(UsageError, match=r"world 8 = 2 node\(s\) x \(8, 0\) slots"):
+        hostfile.check_world("h100-80g-x8", {"zerotrain": {"hardware": {"devices_per_node": 8}}}, [8, 0])
 
 
 def test_hostfile_comments_blank_lines_and_deepspeed_filters(tmp_path):

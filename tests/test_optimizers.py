@@ -23,8 +23,8 @@ from conftest import BIN, REPO, free_port, launch, read_metrics
 from zerotrain.launcher.cli import main as cli
 from zerotrain.launcher.config import RunConfig, config_from, resolve_config
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.model_spec import rule_lr_defaults
-from zerotrain.launcher.optimizers import REGISTRY, prepare_optimizer, resolve
+from zerotrain.launcher.model_spec import rule_law_lr
+from zerotrain.launcher.optimizers import REGISTRY, law_names, prepare_optimizer, resolve
 from zerotrain.launcher.profiles import list_profiles, load_profile, resolve_ds_config
 from zerotrain.modeling import sizes
 from zerotrain.modeling.model import count_params
@@ -271,7 +271,7 @@ def test_per_optimizer_lr_laws(tmp_path):
     assert cfg(**base, optimizer="lion").lr == 3e-4  # no law for it: Lion's own default
     assert cfg(**base, optimizer="muon", lr=1e-3).lr == 1e-3  # --lr wins
     # a user's class finds its law by its class name (no import needed to pick the lr)
-    assert rule_lr_defaults({**base, "optimizer": "mylab.dana:ADana"})["lr"] == pytest.approx(p ** -0.25)
+    assert rule_law_lr(base, law_names("mylab.dana:ADana")) == pytest.approx(p ** -0.25)
     old = tmp_path / "old.yaml"  # the single-law form: AdamW's
     old.write_text("r:\n  head_dim: 64\n  layers_per_head: [1, 2]\n  mlp_ratio: 3\n  lr: {a: 2.0, b: 0, d: -0.5}\n")
     r = sizes.get_rule("r", old)

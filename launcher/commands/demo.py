@@ -17,6 +17,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from zerotrain.cli_args import Parser
 from zerotrain.launcher.commands.launch import deepspeed_command, run_preserving_exit_code
 
 DEMO_FLAGS = ["--profile", "cpu", "--model", "debug", "--seq-len", "256", "--micro-batch", "8",
@@ -62,6 +63,13 @@ def build_demo_data(out: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
+    p = Parser(prog="zerotrain demo", allow_abbrev=False, usage="%(prog)s [-h] [train flags]",
+               description="Write the offline demo mix (Python's own docs and standard library) under"
+                           " $ZEROTRAIN_DEMO_DIR/demo-data (default runs/) and train the debug model for 400 steps on"
+                           " 2 CPU ranks under DeepSpeed (the settings of the cpu-debug recipe).",
+               epilog="Any other flags go to zerotrain train after these and override them (see its --help),"
+                      " e.g. zerotrain demo --max-steps 50.")
+    p.parse_known_args(argv)  # -h/--help: the usage, exit 0, nothing written or started
     out = Path(os.environ.get("ZEROTRAIN_DEMO_DIR", "runs"))
     mix = build_demo_data(out / "demo-data")
     run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")  # a fresh run each time; earlier ones are kept

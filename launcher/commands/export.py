@@ -13,13 +13,13 @@ DeepSpeed pickles that our own runs wrote; the directory written holds none.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import shutil
 from pathlib import Path
 
+from zerotrain.cli_args import Parser
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.components import checkpoint
@@ -29,11 +29,6 @@ from zerotrain.modeling.sizes import ModelArgs
 
 DTYPES = ("float32", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"export: {message}")
 
 
 def find_checkpoint(source: Path, best: bool = False) -> tuple[Path, Path]:
@@ -145,7 +140,7 @@ def export(source: Path, out: Path, dtype: str = "float32", best: bool = False) 
 
 
 def main(argv: list[str]) -> None:
-    p = _Parser(prog="zerotrain export", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="zerotrain export", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("--to", required=True, help="the Hugging Face directory to write (new or empty)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="tensor dtype in model.safetensors")

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from zerotrain import resource_dir
+from zerotrain.cli_args import Parser
 from zerotrain.launcher.components import ds_compat, hostfile
 from zerotrain.launcher.components.golden import GoldenCheck
 from zerotrain.launcher.config import resolve_config
@@ -137,7 +138,28 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+def launch_parser() -> Parser:
+    """`zerotrain launch --help`. The command line itself is read by launch_main: after -n N every flag is a
+    train flag, after a hostfile's -- too, and DeepSpeed's runner parses its own flags."""
+    p = Parser(prog="zerotrain launch", usage=USAGE.removeprefix("usage: "),
+               description="The driver on N local ranks, or on every node of a hostfile, under DeepSpeed's launcher,"
+                           " with the profile's zerotrain.env for every rank.",
+               epilog="deepspeed flags: those of DeepSpeed's runner (python -m deepspeed.launcher.runner --help), e.g."
+                      " --include, --exclude, --num_nodes, --num_gpus, --no_ssh --node_rank R, --master_addr,"
+                      " --master_port, --ssh_port. train flags: those of zerotrain train (see its --help).")
+    p.add_argument("-n", "--nproc", type=int, metavar="N", help="ranks on this node (one per GPU)")
+    p.add_argument("--hostfile", "-H", metavar="H", help="DeepSpeed's hostfile: one 'HOST slots=N' per line")
+    p.add_argument("--force", action="store_true", help="with --hostfile: launch although the world size differs"
+                                                        " from the profile's devices_per_node x nodes")
+    p.add_argument("--skip-host-checks", action="store_true", help="with --hostfile: do not check each host over"
+                                                                   " ssh (reachable, same zerotrain)")
+    return p
+
+
 def launch_main(argv: list[str]) -> None:
+    head = argv[:argv.index("--")] if "--" in argv else argv
+    if argv[:1] in (["-h"], ["--help"]) or (argv[:1] not in (["-n"], ["--nproc"]) and {"-h", "--help"} & set(head)):
+        launch_parser().parse_args(["--help"])  # prints the usage, exits 0: nothing starts
     if argv[:1] in (["-n"], ["--nproc"]):
         if len(argv) < 2:
             raise UsageError(USAGE)
@@ -156,7 +178,6 @@ def launch_main(argv: list[str]) -> None:
             name, profile = load_profile(cfg.profile)
             profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
         sys.exit(run_preserving_exit_code(deepspeed_command(nproc, argv[2:]), env={**os.environ, **profile_env}))
-    head = argv[:argv.index("--")] if "--" in argv else argv
     if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):
         raise UsageError(USAGE)
     plan = plan_hostfile_launch(argv)
@@ -203,6 +224,7 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
                          " [deepspeed flags] -- [train flags])")
     i = argv.index("--")
     ours, train_args = argv[:i], argv[i + 1:]
+    ours = launch_parser().dashed(ours)  # --skip_host_checks too; DeepSpeed's own flags are left as they are
     force, skip_hosts = "--force" in ours, "--skip-host-checks" in ours
     ds_flags = [a for a in ours if a not in ("--force", "--skip-host-checks")]
     ds = deepspeed_args(ds_flags)
@@ -250,20 +272,16 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
 
 # -- Slurm -----------------------------------------------------------------------------------
 
-class _SlurmParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"slurm: {message}")
-
-
-def slurm_parser() -> argparse.ArgumentParser:
-    p = _SlurmParser(prog="zerotrain slurm", description="Render launcher/slurm/train.sbatch and submit it.",
-                     usage="zerotrain slurm [options] -- [train flags]")
+def slurm_parser() -> Parser:
+    p = Parser(prog="zerotrain slurm", description="Render launcher/slurm/train.sbatch and submit it.",
+               usage="zerotrain slurm [options] -- [train flags]",
+               epilog="The train flags after -- are those of zerotrain train (see its --help).")
     p.add_argument("--nodes", type=int, default=1, help="nodes (one srun task each)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node = slots per hostfile line")
     p.add_argument("--time", default="24:00:00", help="wall-clock limit of one job (sbatch --time)")
-    p.add_argument("--job-name", default="zerotrain")
-    p.add_argument("--partition", default=None)
-    p.add_argument("--account", default=None)
+    p.add_argument("--job-name", default="zerotrain", help="sbatch --job-name")
+    p.add_argument("--partition", default=None, help="sbatch --partition")
+    p.add_argument("--account", default=None, help="sbatch --account")
     p.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per node")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="one more #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)")
@@ -271,7 +289,7 @@ def slurm_parser() -> argparse.ArgumentParser:
                    help="requeue after a stop by signal (exit 6) at most this many times (0: never)")
     p.add_argument("--signal-seconds", type=int, default=120,
                    help="SIGTERM this many seconds before the time limit (#SBATCH --signal=B:TERM@S)")
-    p.add_argument("--master-port", type=int, default=29500)
+    p.add_argument("--master-port", type=int, default=29500, help="the rendezvous port on the first node")
     p.add_argument("--python", default=sys.executable, help="the Python of the zerotrain install on the nodes")
     p.add_argument("--workdir", default=None, help="logs, hostfiles and exit codes (default OUT/slurm)")
     p.add_argument("--force", action="store_true", help="skip the world-size check against the profile")

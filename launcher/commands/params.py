@@ -1,29 +1,23 @@
 """`zerotrain params`: parameter counts and training FLOPs per token of presets, depths and scaling rules."""
 from __future__ import annotations
 
-import argparse
-
+from zerotrain.cli_args import Parser
 from zerotrain.launcher import optimizers
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import sizes
-from zerotrain.launcher.config import RunConfig
 from zerotrain.modeling.sizes import PRESETS, count_params, flops_per_token, preset
 
 
 def _params_parser():
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise UsageError(f"params: {message}")
-
     p = Parser(prog="zerotrain params", description="Parameter counts and training FLOPs per token.")
     p.add_argument("presets", nargs="*", help="preset names (default: all, unless --depth or --scaling-rule)")
     p.add_argument("--depth", type=int, action="append", default=[], help="the depth rule; repeatable")
-    p.add_argument("--aspect-ratio", type=int, default=64)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--scaling-rule")
+    p.add_argument("--aspect-ratio", type=int, default=64, help="with --depth: dim = depth x aspect ratio")
+    p.add_argument("--head-dim", type=int, default=128, help="with --depth")
+    p.add_argument("--scaling-rule", help="a rule in --rules-file, with --heads")
     p.add_argument("--heads", type=int, action="append", default=[], help="with --scaling-rule; repeatable")
-    p.add_argument("--rules-file", default=str(sizes.RULES_FILE))
-    p.add_argument("--qk-norm", action="store_true")
+    p.add_argument("--rules-file", default=str(sizes.RULES_FILE), help="scaling rules YAML")
+    p.add_argument("--qk-norm", action="store_true", help="count the RMSNorm on queries and keys")
     p.add_argument("--vocab-size", type=int, default=258, help="default: the byte tokenizer's 258")
     p.add_argument("--seq-len", type=int, default=2048, help="for the attention term of FLOPs per token")
     p.add_argument("--optimizer", help="print the peak lr a run with this optimizer would use: the rule's law for it,"
@@ -41,7 +35,7 @@ def _params_laws(ns, rule) -> tuple[list[str], float | None]:
         raise UsageError(f"--optimizer {name}: unknown optimizer; known: {optimizers.known()}"
                          + (f", or a law of rule {ns.scaling_rule}: {', '.join(sizes.rule_laws(rule))}"
                             if rule is not None and sizes.rule_laws(rule) else ""))
-    return optimizers.law_names(name), optimizers.default_lr(name) or RunConfig.__dataclass_fields__["lr"].default
+    return optimizers.law_names(name), optimizers.default_lr(name)  # None: per size (sizes.default_lr)
 
 
 def _params_rows(ns, rule, laws, fallback_lr) -> list[tuple]:
@@ -93,6 +87,8 @@ def params_main(argv: list[str]) -> None:
           f"{'FLOPs/tok':>11}{'lr':>10}")
     for label, args, lr in rows:
         n = count_params(args)
+        if lr is None and ns.optimizer is not None:  # no law, no optimizer default: the per-size rule
+            lr = sizes.default_lr(n["non_embedding"])
         print(f"{label:<14}{args.n_layers:>7}{args.dim:>6}{args.n_heads:>6}{args.n_kv_heads:>4}{args.ffn_hidden:>7}"
               f"{n['total']:>15,}{n['non_embedding']:>15,}{flops_per_token(args, ns.seq_len):>11.3e}"
               f"{(f'{lr:.3e}' if lr is not None else '-'):>10}")
@@ -100,5 +96,7 @@ def params_main(argv: list[str]) -> None:
         has_law = rule is not None and any(n in sizes.rule_laws(rule) for n in laws)
         print(f"lr: the peak lr of a run with --optimizer {ns.optimizer} and no --lr: "
               + (f"rule {ns.scaling_rule}'s law for {'/'.join(laws)}" if has_law else
-                 f"{fallback_lr:g}, its default" + (f" (rule {ns.scaling_rule} has no law for it)" if ns.scaling_rule
-                                                     else "")))
+                 (f"{fallback_lr:g}, its default" if fallback_lr is not None else
+                  ("the profile's optimizer.params.lr, else " if ns.optimizer == "adamw" else "")
+                  + "the per-size rule shown (modeling/sizes.py DEFAULT_LR_LAWS)")
+                 + (f" (rule {ns.scaling_rule} has no law for it)" if ns.scaling_rule else "")))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import fields
 
+from zerotrain.cli_args import Parser
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from
-from zerotrain.launcher.config import RunConfig, build_parser, load_recipe
+from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import load_profile, resolve_batch
 
@@ -21,8 +21,9 @@ GENERIC_GPU_PROFILE = {"zero_optimization": {"stage": 0}, "bf16": {"enabled": Tr
 
 def plan_main(argv: list[str]) -> dict:
     """`zerotrain plan`: the driver's flags plus hardware and budget; prints the table (or --json)."""
-    p = build_parser()
-    p.prog, p.description = "zerotrain plan", "Memory per GPU, time and money of a run, before it starts."
+    p = Parser(prog="zerotrain plan", description="Memory per GPU, time and money of a run, before it starts.",
+               usage="%(prog)s [-h] [plan flags below] [training flags: those of zerotrain train]",
+               epilog="Every --dashed-flag is also accepted as --underscored_flag.")
     p.add_argument("--gpus", type=int, help="GPUs (ranks on a CPU node) per node; default: the profile's")
     p.add_argument("--gpu-mem", type=float, help="GiB per GPU as torch reports it (CPU: per rank); default: the"
                                                  " profile's, or available RAM / ranks on a CPU node")
@@ -32,6 +33,7 @@ def plan_main(argv: list[str]) -> dict:
     p.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU (default: the profile's)")
     p.add_argument("--vocab-size", type=int, help="vocabulary size (default: the --tokenizer's)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_train_flags(p.add_argument_group("training flags (as for zerotrain train)"))
     ns = p.parse_args(argv)
     for name in ("gpus", "nodes", "vocab_size"):
         v = getattr(ns, name)
@@ -46,7 +48,7 @@ def plan_main(argv: list[str]) -> dict:
     if ns.zero is not None and ns.zero not in STAGES:
         raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
     values = load_recipe(ns.config) if ns.config else {}
-    values.update({f.name: getattr(ns, f.name) for f in fields(RunConfig) if getattr(ns, f.name) is not None})
+    values.update({name: getattr(ns, name) for name in SETTINGS if getattr(ns, name) is not None})
     cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"})
     cfg.validate()  # the driver's own checks and messages
 
@@ -58,9 +60,10 @@ def plan_main(argv: list[str]) -> dict:
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
     if ns.vocab_size is not None:
-        vocab = ns.vocab_size
-    else:
-        vocab = load_tokenizer(cfg.tokenizer).vocab_size
+        vocab, vocab_from = ns.vocab_size, "--vocab-size"
+    else:  # the tokenizer the run would train with: its vocabulary sizes the embedding and the head
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        vocab, vocab_from = tokenizer.vocab_size, f"tokenizer {tokenizer.name}"
     args, _, _ = model_spec.resolve(cfg, vocab)
     hw = zt.get("hardware", {})
     nodes = ns.nodes or hw.get("nodes", 1)
@@ -75,6 +78,7 @@ def plan_main(argv: list[str]) -> dict:
     mfu = ns.mfu or zt.get("expected_mfu")
     plan = make_plan(args, setup, profile.get("zero_optimization", {}).get("stage", 0), micro, accum, cfg.seq_len, ac,
                      peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps)
-    plan["profile"] = name
-    print(json.dumps(plan, indent=2) if ns.json else f"profile {name}\n" + render(plan))
+    plan["profile"], plan["vocab_from"] = name, vocab_from
+    print(json.dumps(plan, indent=2) if ns.json else f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
+          + render(plan))
     return plan

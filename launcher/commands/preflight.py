@@ -61,9 +61,11 @@ import time
 import traceback
 from pathlib import Path
 
+from zerotrain.cli_args import Parser
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.golden import make_golden, mfu_threshold
 from zerotrain.launcher.errors import EXIT_USAGE, UsageError, ZerotrainError, fail, read_json_object
+from zerotrain.launcher.hparams import resolve_hparams
 
 STAGES = {"v1": "stability", "v2": "throughput", "v3": "dress rehearsal"}
 EXIT_FAILED = 9  # a pre-flight check failed (2: bad input before any check ran)
@@ -95,9 +97,7 @@ def device_description() -> str:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(pre-flight's own options, the train flags)."""
-    from zerotrain.launcher.config import _OneLineParser
-
-    p = _OneLineParser(prog="zerotrain preflight", allow_abbrev=False,
+    p = Parser(prog="zerotrain preflight", allow_abbrev=False,
                        description="Staged checks before a long run (README \"Pre-flight\").",
                        epilog="Then the run's own flags, exactly as for `zerotrain train` (see its --help).")
     p.add_argument("--stage", required=True, help="v1 (stability), v2 (throughput), v3 (dress rehearsal), or"
@@ -140,6 +140,7 @@ def run_dir_of(cfg) -> tuple[Path, str, dict]:
 
     spec = cfg.profile if cfg.profile != "auto" else detect_profile()[0]
     name, profile = load_profile(spec)
+    cfg = resolve_hparams(cfg, name, profile)  # as plan_run does: the run id hashes the values the run trains with
     _, label, _ = model_spec.resolve(cfg, load_tokenizer(cfg.tokenizer).vocab_size)
     return Path(cfg.out) / (cfg.run_id or f"{label}-{name}-{cfg.identity_hash()}"), name, profile
 
@@ -242,6 +243,7 @@ class Preflight:
         self.world, self.rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         self.is_main = self.rank == 0
         self.run_dir, self.profile_name, self.profile = run_dir_of(self.cfg)  # bad input: UsageError, exit 2
+        self.cfg = resolve_hparams(self.cfg, self.profile_name, self.profile)  # --profile auto: now detected
         self.zt = self.profile.get("zerotrain", {})
         self.root = self.run_dir / "preflight"
         failed = False

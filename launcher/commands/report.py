@@ -18,8 +18,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from zerotrain.cli_args import Parser
 from zerotrain.launcher.components import checkpoint
-from zerotrain.launcher.config import _OneLineParser
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.components.manifest import read_manifest
 from zerotrain.launcher.components.metrics import read_metrics
@@ -502,7 +502,7 @@ def _duration(seconds: float) -> str:
 # -- the commands -----------------------------------------------------------------------------------
 
 def report_main(argv: list[str]) -> None:
-    p = _OneLineParser(prog="zerotrain report", description="Plots and a summary of a run, in RUN_DIR/report/.")
+    p = Parser(prog="zerotrain report", description="Plots and a summary of a run, in RUN_DIR/report/.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--compare", nargs="+", default=[], metavar="RUN_DIR", help="overlay these runs on the plots")
     p.add_argument("--out", help="write here instead of RUN_DIR/report/")
@@ -517,7 +517,7 @@ def report_main(argv: list[str]) -> None:
 
 
 def runs_main(argv: list[str]) -> None:
-    p = _OneLineParser(prog="zerotrain runs", description="The run directories under OUT and how each stands.")
+    p = Parser(prog="zerotrain runs", description="The run directories under OUT and how each stands.")
     p.add_argument("out", nargs="?", default="runs", metavar="OUT", help="directory holding run directories (runs)")
     p.add_argument("--json", action="store_true", help="one JSON object per run instead of a table")
     ns = p.parse_args(argv)

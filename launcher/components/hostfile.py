@@ -4,9 +4,15 @@ the profile, the hosts themselves (ssh, same zerotrain), and the environment the
 Used by `zerotrain launch --hostfile` (launcher/commands/launch.py) and `zerotrain slurm`. Everything
 here either returns plain values or raises a one-line UsageError; nothing is launched.
 
-The hostfile format is DeepSpeed's (deepspeed/launcher/runner.py `_parse_hostfile`): one
-`HOST slots=N` per line, `#` comments and blank lines allowed. DeepSpeed refuses a bad file only
-after it has started, with the whole file in the log; here each problem is named with its line.
+The hostfile format is DeepSpeed's, read the way its runner reads it (deepspeed/launcher/runner.py
+`fetch_hostfile` / `_parse_hostfile`, 0.19): each stripped line starting with `#` or empty is skipped;
+any other must begin `HOST slots=N` (the regex `^(\S+)\s+slots=(\d+)`), and whatever follows is ignored
+(`node-a slots=8 max_slots=8`, an OpenMPI hostfile's line, is 8 slots; so is `node-a slots=8  # gpu`).
+A host with slots=0 is accepted too (DeepSpeed starts its launcher there, with no rank, unless --include or
+--exclude leaves it out; the profile's world-size check sees its 0). What DeepSpeed
+refuses (a line without a slot count, a host twice, no host at all) it refuses only after it has started,
+with the whole file in the log; here each is one line naming its line number. tests/test_launch_surfaces.py
+runs DeepSpeed's parser on the same inputs.
 
 The profile's `zerotrain.env` section (read by `profile_env`):
 
@@ -39,6 +45,7 @@ from zerotrain.launcher.errors import UsageError
 CODE_FILES = {"zerotrain.launcher": ("**/*.py",), "zerotrain.modeling": ("**/*.py", "*.yaml"),
               "zerotrain.dataio": ("**/*.py",), "zerotrain.ds_configs": ("*.json",)}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own pattern (runner.py _parse_hostfile)
 # DeepSpeed's PDSH runner wraps a value in double quotes only; these would break out of them.
 _UNSAFE_VALUE = re.compile(r'["$`\\\n\r]')
 
@@ -51,26 +58,25 @@ def parse_hostfile(path: str | Path) -> "OrderedDict[str, int]":
     if not path.is_file():
         raise UsageError(f"{where}: no such file")
     try:
-        lines = path.read_text().splitlines()
+        with open(path) as f:  # as DeepSpeed reads it: text mode, lines split where readlines() splits them
+            lines = f.readlines()
     except UnicodeDecodeError:
         raise UsageError(f"{where}: not a text file") from None
     hosts: OrderedDict[str, int] = OrderedDict()
     first_line: dict[str, int] = {}
     for n, raw in enumerate(lines, start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
-        fields = line.split()
-        if len(fields) == 1:
-            raise UsageError(f"{where} line {n}: host {fields[0]!r} has no slot count (expected 'HOST slots=N')")
-        if len(fields) != 2 or not fields[1].startswith("slots="):
-            raise UsageError(f"{where} line {n}: malformed line {raw.strip()!r} (expected 'HOST slots=N')")
-        host, count = fields[0], fields[1].removeprefix("slots=")
-        if not count.isdigit():
-            raise UsageError(f"{where} line {n}: slots={count!r} is not a whole number")
-        if int(count) == 0:
-            raise UsageError(f"{where} line {n}: {host} slots=0 (a host needs at least one slot; remove the line"
-                             " to leave it out)")
+        match = _HOST_LINE.search(line)
+        if match is None:
+            fields = line.split()
+            if len(fields) == 1:
+                raise UsageError(f"{where} line {n}: host {fields[0]!r} has no slot count (expected 'HOST slots=N')")
+            if fields[1].startswith("slots="):
+                raise UsageError(f"{where} line {n}: {fields[1]!r}: the slot count is not a whole number")
+            raise UsageError(f"{where} line {n}: malformed line {line!r} (expected 'HOST slots=N')")
+        host, count = match.group(1), match.group(2)
         if host in hosts:
             raise UsageError(f"{where} line {n}: duplicate host {host} (first on line {first_line[host]})")
         hosts[host], first_line[host] = int(count), n

@@ -8,7 +8,7 @@ settings (fp32, gradient clipping 1.0), the stage overridden:
 2. update rule: from the fixed initial state, STEPS_CHECKED steps on fixed batches, and after each
    the parameters are compared with a plain-PyTorch reference written here, independently of
    DeepSpeed and of launcher/client_optimizers.py (same gradients: the mean over the ranks'
-   micro-batches, clipped by global norm; same lr per step from launcher/schedule.WarmupCosine).
+   micro-batches, clipped by global norm; same lr per step from launcher/components/schedule.Schedule).
    Per tensor, err = |dW_ds - dW_ref| / |dW_ref| with dW the change from the initial weights;
    `contrast` is the same measure against AdamW on every tensor (what a wrong rule would score);
 3. the loss falls: STEPS_TRAINED steps on a small repeating byte corpus;
@@ -238,7 +238,9 @@ def build(stage: int, opt_spec: str, world: int):
               "warmup_steps": 2, "seed": SEED, "optimizer": name}
     if args_json:
         values["optimizer_args"] = args_json
-    cfg = config_from(values)  # the lr: the optimizer's default (muon 0.02, lion 3e-4, else 3e-3)
+    # the lr: the optimizer's default (muon 0.02, lion 3e-4), else the cpu profile's (adamw, 3e-3) or the per-size
+    # rule (launcher/hparams.py)
+    cfg = config_from(values)
     _, profile = load_profile("cpu")
     profile["zero_optimization"]["stage"] = stage
     ds_config = resolve_ds_config(profile, cfg, world, f"cpu at stage {stage}")
@@ -274,7 +276,7 @@ def train_step(engine, s: int, rank: int, world: int) -> float:
 
 def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     from zerotrain.launcher.optimizers import resolve
-    from zerotrain.launcher.components.schedule import WarmupCosine
+    from zerotrain.launcher.components.schedule import Schedule
     from zerotrain.modeling.model import preset
 
     t0 = time.time()
@@ -283,7 +285,7 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     args = preset("debug", max_seq_len=SEQ_LEN)
     _, hp = resolve(cfg.optimizer, cfg.optimizer_args)
     update = reference_update(cfg.optimizer, hp, cfg, ds_config)
-    sched = WarmupCosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    sched = Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
     clip = ds_config.get("gradient_clipping", 0.0)
     ref = contrast_ref = None
     if rank == 0:  # the same for every stage (same start, data, schedule): computed once per optimizer

@@ -36,7 +36,7 @@ from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 
 from zerotrain.launcher.components import universal  # noqa: E402
 from zerotrain.launcher.errors import UsageError  # noqa: E402
-from zerotrain.launcher.components.schedule import WarmupCosine  # noqa: E402
+from zerotrain.launcher.components.schedule import Schedule  # noqa: E402
 from zerotrain.modeling.model import Transformer, preset  # noqa: E402
 
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -90,7 +90,7 @@ def build(variant: str, world: int, universal_load: bool):
             model = Transformer(args)
     else:
         model = Transformer(args)
-    sched = lambda opt: LambdaLR(opt, WarmupCosine(LR, LR / 10, 2, 10))  # noqa: E731
+    sched = lambda opt: LambdaLR(opt, Schedule(LR, LR / 10, 2, 10))  # noqa: E731
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
                                            lr_scheduler=sched)
     return engine

@@ -1,0 +1,231 @@
+"""The run's schedule hyper-parameters where the command line and the recipe leave them open, and where each
+came from.
+
+    resolve_hparams(cfg, profile_name=None, profile=None) -> RunConfig
+        lr, min_lr, warmup_steps, max_steps, schedule, decay_fraction made concrete against the profile (loaded
+        from cfg.profile when not given) and the model; cfg.sources names where each came from.
+        Idempotent: a resolved config comes back as it is.
+    describe_hparams(cfg) -> str        the start-up (and --dry-run) line: each value and its source
+
+The first that says wins:
+    lr              --lr | recipe | the --scaling-rule's lr law for the run's optimizer (modeling/scaling_rules.yaml)
+                    | the profile's optimizer.params.lr, when the run uses the profile's optimizer section (the
+                      default adamw) | the optimizer's own default (muon 0.02, lion 3e-4; launcher/optimizers.py)
+                    | the per-size rule (modeling/sizes.py DEFAULT_LR_LAWS: GPT-3's learning rates by size)
+    min_lr          --min-lr | recipe | the profile's scheduler cos_min_ratio x lr | lr / 10, except with an
+                    explicit lr of at least 3e-4: 3e-4 (the fixed default before 0.2; kept so those run ids stay)
+    warmup_steps    --warmup-steps | recipe | the profile's scheduler warmup_num_steps | 20
+    max_steps       --max-steps | recipe | the profile's scheduler total_num_steps | 100
+    schedule        --schedule | recipe | cosine (kept as None in the config, so the run id is the one before wsd)
+    decay_fraction  --decay-fraction | recipe | 0.2, with wsd only
+
+A scaling rule's law comes before the profile: it was fitted for that model family and chosen with it; a
+profile's lr is one value for whatever model runs on that hardware. The per-size rule is last: it is a
+documented guess where nothing more specific says.
+
+The profile's "scheduler" section (DeepSpeed's, in a profile written from a DeepSpeed config) never reaches
+DeepSpeed: the schedule is zerotrain's (launcher/components/schedule.py). A WarmupCosineLR section is read as
+above; any other type, or a setting zerotrain's schedule cannot honour, is refused with one line naming it,
+never dropped silently.
+
+The run id hashes the resolved values (launcher/config.py RunConfig.identity): a value a run took from its
+profile is part of what it trains with, like one given by flag. Runs that gave their values keep the ids they
+had; the CPU profiles' lr is 3e-3, the value every CPU run without --lr has trained with, so theirs stay too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zerotrain.launcher import model_spec, optimizers
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.profiles import load_profile
+from zerotrain.modeling.sizes import ModelArgs, count_params, default_lr
+
+DEFAULTS = {"warmup_steps": 20, "max_steps": 100, "decay_fraction": 0.2}
+LEGACY_MIN_LR = 3e-4  # min_lr's fixed default before 0.2, kept for runs that give --lr >= it
+SCHEDULES = ("cosine", "wsd")
+SCHEDULER_KEYS = ("warmup_num_steps", "total_num_steps", "cos_min_ratio", "warmup_min_ratio", "warmup_type")
+SHOWN = ("lr", "min_lr", "warmup_steps", "max_steps", "schedule", "decay_fraction")
+
+
+def is_resolved(cfg) -> bool:
+    return (cfg.lr is not None and cfg.min_lr is not None and cfg.warmup_steps is not None
+            and (cfg.schedule != "wsd" or cfg.decay_fraction is not None))
+
+
+def given(cfg, name: str) -> str | None:
+    """Where a value the config holds came from ("flag", "recipe", "given" for the Python API), or None when it
+    was not given. Without recorded sources (a RunConfig built directly) a value differing from the field's
+    default counts as given."""
+    if cfg.sources and name in cfg.sources:
+        return cfg.sources[name] if cfg.sources[name] in ("flag", "recipe", "given") else None
+    default = type(cfg).__dataclass_fields__[name].default
+    return "given" if getattr(cfg, name) is not None and getattr(cfg, name) != default else None
+
+
+def resolve_hparams(cfg, profile_name: str | None = None, profile: dict | None = None):
+    """The config with every schedule hyper-parameter concrete (see the module docstring); UsageError for a
+    profile scheduler section that cannot be honoured or values that do not fit together."""
+    if profile is None:
+        if cfg.profile == "auto":
+            raise RuntimeError("resolve_hparams: --profile auto is resolved on the rank, after detection (plan_run)")
+        profile_name, profile = load_profile(cfg.profile)
+    where = f"profile {profile_name}"
+    sources = dict(cfg.sources or {})
+    if is_resolved(cfg) and all(n in sources for n in ("lr", "min_lr", "warmup_steps", "max_steps", "schedule")):
+        return cfg  # resolved before (config_from, then plan_run)
+    for name in SHOWN:
+        source = given(cfg, name)
+        if source:
+            sources[name] = source
+    sched = profile_schedule(profile, where)
+    values = {}
+
+    lr, lr_source = _lr(cfg, where, profile)
+    values["lr"], sources["lr"] = lr, sources.get("lr") or lr_source
+    if cfg.min_lr is None:
+        if "min_ratio" in sched:
+            values["min_lr"], sources["min_lr"] = _round(lr * sched["min_ratio"]), f"{where}: scheduler cos_min_ratio x lr"
+        elif given(cfg, "lr") and lr >= LEGACY_MIN_LR:
+            values["min_lr"], sources["min_lr"] = LEGACY_MIN_LR, "default with an explicit lr"
+        else:
+            values["min_lr"], sources["min_lr"] = _round(lr / 10), "lr / 10"
+    if cfg.warmup_steps is None:
+        values["warmup_steps"], sources["warmup_steps"] = ((sched["warmup_steps"], f"{where}: scheduler"
+                                                           " warmup_num_steps") if "warmup_steps" in sched
+                                                          else (DEFAULTS["warmup_steps"], "default"))
+    if given(cfg, "max_steps"):
+        if sched.get("max_steps", cfg.max_steps) != cfg.max_steps:
+            sources["max_steps"] += f"; {where}'s scheduler total_num_steps {sched['max_steps']} not used"
+    elif "max_steps" in sched:
+        values["max_steps"], sources["max_steps"] = sched["max_steps"], f"{where}: scheduler total_num_steps"
+    else:
+        sources["max_steps"] = "default"
+    schedule = cfg.schedule or "cosine"
+    if schedule == "cosine":
+        values["schedule"] = None  # the default, spelled out or not: the same run id
+        sources["schedule"] = sources.get("schedule") or "default"
+    if schedule == "wsd" and cfg.decay_fraction is None:
+        values["decay_fraction"], sources["decay_fraction"] = DEFAULTS["decay_fraction"], "default"
+    out = dataclasses.replace(cfg, **values, sources=sources)
+    check_schedule(out)
+    return out
+
+
+def profile_schedule(profile: dict, where: str) -> dict:
+    """{warmup_steps, max_steps, min_ratio} a profile's DeepSpeed "scheduler" section gives (each optional);
+    UsageError (one line) for a section zerotrain's schedule cannot honour."""
+    section = profile.get("scheduler")
+    if section is None:
+        return {}
+    advice = ("zerotrain runs its own schedule (--schedule cosine|wsd, --warmup-steps, --min-lr, --max-steps);"
+              " remove the section or set those")
+    if not isinstance(section, dict) or section.get("type") != "WarmupCosineLR":
+        kind = section.get("type") if isinstance(section, dict) else section
+        raise UsageError(f"{where}: scheduler {kind!r} is not read (only a WarmupCosineLR section is): {advice}")
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        raise UsageError(f"{where}: scheduler.params must be an object")
+    unknown = sorted(set(params) - set(SCHEDULER_KEYS))
+    if unknown:
+        raise UsageError(f"{where}: scheduler.params.{unknown[0]} is not read by zerotrain's schedule: {advice}")
+    if params.get("warmup_min_ratio", 0) not in (0, 0.0):
+        raise UsageError(f"{where}: scheduler.params.warmup_min_ratio {params['warmup_min_ratio']!r}: zerotrain's"
+                         " warmup rises linearly from lr / warmup-steps at step 1 (use 0 or remove it)")
+    if params.get("warmup_type", "linear") != "linear":
+        raise UsageError(f"{where}: scheduler.params.warmup_type {params['warmup_type']!r}: zerotrain's warmup is"
+                         " linear (set \"linear\" or remove it)")
+    out = {}
+    for key, name in (("warmup_num_steps", "warmup_steps"), ("total_num_steps", "max_steps")):
+        v = params.get(key, "auto")
+        if v == "auto":
+            continue
+        lowest = 0 if name == "warmup_steps" else 1
+        if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
+            raise UsageError(f"{where}: scheduler.params.{key} must be an integer >= {lowest} or \"auto\", got {v!r}")
+        out[name] = v
+    ratio = params.get("cos_min_ratio", "auto")
+    if ratio != "auto":
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            raise UsageError(f"{where}: scheduler.params.cos_min_ratio must be a number in [0, 1], got {ratio!r}")
+        out["min_ratio"] = float(ratio)
+    return out
+
+
+def _lr(cfg, where: str, profile: dict) -> tuple[float, str]:
+    if cfg.lr is not None:
+        return cfg.lr, "given"
+    names = optimizers.law_names(cfg.optimizer if isinstance(cfg.optimizer, str) else None)
+    law = model_spec.rule_law_lr(vars(cfg), names)
+    if law is not None:
+        return law, f"rule {cfg.scaling_rule}: lr law for {names[0]}"
+    section = profile.get("optimizer")
+    if isinstance(section, dict) and _runs_profile_optimizer(cfg, section):
+        lr = (section.get("params") or {}).get("lr", "auto")
+        if lr != "auto":
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+                raise UsageError(f"{where}: optimizer.params.lr must be a positive number or \"auto\", got {lr!r}")
+            return float(lr), f"{where}: optimizer.params.lr"
+    own = optimizers.default_lr(cfg.optimizer if isinstance(cfg.optimizer, str) else None)
+    if own is not None:
+        return own, f"optimizer {cfg.optimizer}'s default"
+    args, _, _ = model_spec.resolve(cfg, ModelArgs.vocab_size)  # the vocabulary does not count
+    p = count_params(args)["non_embedding"]
+    return float(f"{default_lr(p):.3g}"), f"per-size rule for {p / 1e6:,.1f}M non-embedding parameters"
+
+
+def _round(x: float) -> float:
+    """Without the float noise of a product (3e-3 / 10 is 0.00030000000000000003): 3e-4, the value a person
+    would write, and the one hashed into run ids before these were derived."""
+    return float(f"{x:.12g}")
+
+
+def _runs_profile_optimizer(cfg, section: dict) -> bool:
+    """Whether the run trains with the profile's optimizer section (launcher/optimizers.py resolve_ds_optimizer):
+    the default optimizer, or adamw given by name when the profile's section is an AdamW."""
+    if cfg.optimizer is None and not cfg.optimizer_args:
+        return True
+    return cfg.optimizer in (None, "adamw") and str(section.get("type", "")).lower() == "adamw"
+
+
+def check_schedule(cfg) -> None:
+    """The resolved values fit together; the message says where each came from."""
+    src = cfg.sources or {}
+
+    def named(name):
+        return f"{flag(name)} {getattr(cfg, name):g} ({src.get(name, 'given')})"
+
+    for name in ("lr", "min_lr"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise UsageError(f"{flag(name)}: must be a non-negative number, got {v!r}")
+    if cfg.lr == 0 or cfg.min_lr > cfg.lr:
+        raise UsageError(f"{named('lr')} / {named('min_lr')}: need 0 <= min-lr <= lr and lr > 0")
+    if cfg.schedule not in (None, *SCHEDULES):
+        raise UsageError(f"--schedule: must be cosine or wsd, got {cfg.schedule!r}")
+    if cfg.decay_fraction is not None:
+        f = cfg.decay_fraction
+        if cfg.schedule != "wsd":
+            raise UsageError(f"--decay-fraction {f}: only used with --schedule wsd")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise UsageError(f"--decay-fraction: must be a number in (0, 1], got {f!r}")
+
+
+def describe_hparams(cfg) -> str:
+    """'hyper-parameters: lr 0.0003 (profile a100-80g-x8: optimizer.params.lr), min-lr 3e-05 (lr / 10), ...'"""
+    src = cfg.sources or {}
+    parts = []
+    for name in SHOWN:
+        v = getattr(cfg, name)
+        if name == "schedule":
+            v = v or "cosine"
+        if v is None:
+            continue
+        parts.append(f"{flag(name)[2:]} {v:g} ({src.get(name, 'given')})" if isinstance(v, float) else
+                     f"{flag(name)[2:]} {v} ({src.get(name, 'given')})")
+    return "hyper-parameters: " + ", ".join(parts)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

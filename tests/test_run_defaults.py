@@ -1,0 +1,206 @@
+"""Defaults that fit a real run (issue 19, section 3): where each hyper-parameter comes from (flag, recipe,
+profile, rule, default; launcher/hparams.py), the profile against the machine (profiles.check_devices), a
+schedule that can be extended on resume (components/schedule.py), and the plan sized by the tokenizer given."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import WORDS, launch, read_metrics
+from zerotrain.errors import UsageError
+from zerotrain.launcher import run_plan
+from zerotrain.launcher.cli import main as cli
+from zerotrain.launcher.config import RunConfig, config_from, resolve_config
+from zerotrain.launcher.hparams import resolve_hparams
+from zerotrain.launcher.profiles import check_devices, load_profile, resolve_ds_config
+from zerotrain.modeling.sizes import count_params, default_lr, preset
+
+A100 = ["--profile", "a100-80g-x8", "--model", "xlarge", "--seq-len", "2048"]
+
+
+def profile_file(tmp_path: Path, name: str = "a100-80g-x8", **changes) -> str:
+    """A shipped profile with sections replaced (a value None removes the key), as a JSON path."""
+    profile = load_profile(name)[1]
+    for key, value in changes.items():
+        if value is None:
+            profile.pop(key, None)
+        else:
+            profile[key] = value
+    path = tmp_path / f"{name}-changed.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+# -- where each value comes from ----------------------------------------------------------------
+
+def test_dry_run_of_the_8_gpu_profile_uses_its_lr_and_says_so(mix_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli(["train", *A100, "--data", str(mix_path), "--out", str(tmp_path / "runs"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and not (tmp_path / "runs").exists()
+    assert ("hyper-parameters: lr 0.0003 (profile a100-80g-x8: optimizer.params.lr), min-lr 3e-05 (lr / 10),"
+            " warmup-steps 20 (default), max-steps 100 (default), schedule cosine (default)") in out
+    assert "schedule cosine: warmup 20 step(s) to lr 0.0003, cosine decay to 3e-05 at step 100" in out
+    assert "vocab 320 (tokenizer bytes: 258)" in out
+
+
+def test_a_flag_or_a_recipe_wins_and_is_named(tmp_path):
+    cfg = resolve_config(["--data", "m.json", *A100, "--lr", "1e-3"])
+    assert (cfg.lr, cfg.sources["lr"]) == (1e-3, "flag")
+    # an explicit lr keeps min-lr's fixed default of before 0.2, so the run ids of such runs stay
+    assert (cfg.min_lr, cfg.sources["min_lr"]) == (3e-4, "default with an explicit lr")
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"lr": 5e-4, "warmup_steps": 7}))
+    cfg = resolve_config(["--data", "m.json", *A100, "--config", str(recipe), "--warmup-steps", "9"])
+    assert (cfg.lr, cfg.sources["lr"], cfg.warmup_steps, cfg.sources["warmup_steps"]) == (5e-4, "recipe", 9, "flag")
+    assert config_from({"data": "m.json", "lr": 2e-4}).sources["lr"] == "given"  # the Python API
+
+
+def test_without_a_profile_lr_the_per_size_rule_fits_the_model(tmp_path):
+    no_lr = load_profile("a100-80g-x8")[1]["optimizer"]
+    no_lr["params"].pop("lr")
+    cfg = resolve_config(["--data", "m.json", *A100, "--profile", profile_file(tmp_path, optimizer=no_lr)])
+    p = count_params(preset("xlarge"))["non_embedding"]
+    assert cfg.lr == pytest.approx(default_lr(p), rel=1e-2) and 1.5e-4 < cfg.lr < 3e-4  # GPT-3's 1.3B: 2e-4
+    assert cfg.sources["lr"] == "per-size rule for 1,415.7M non-embedding parameters"
+    debug = resolve_config(["--data", "m.json", "--profile", profile_file(tmp_path, optimizer=no_lr)])
+    assert 1e-3 < debug.lr < 3e-3  # a 0.8M model: about what the demo trains with
+    # another optimizer than the profile's: its own default, not the profile's AdamW lr
+    muon = resolve_config(["--data", "m.json", *A100, "--optimizer", "muon"])
+    assert (muon.lr, muon.sources["lr"], muon.min_lr) == (0.02, "optimizer muon's default", 2e-3)
+
+
+def test_a_profile_scheduler_section_is_read_or_refused_never_dropped(tmp_path):
+    cosine = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 50, "cos_min_ratio": 0.05,
+                                                   "total_num_steps": 2000, "warmup_type": "linear"}}
+    path = profile_file(tmp_path, scheduler=cosine)
+    cfg = resolve_config(["--data", "m.json", "--model", "xlarge", "--profile", path])
+    assert (cfg.warmup_steps, cfg.min_lr, cfg.max_steps) == (50, pytest.approx(0.05 * 3e-4), 2000)
+    assert cfg.sources["max_steps"] == "profile a100-80g-x8-changed: scheduler total_num_steps"
+    cfg = resolve_config(["--data", "m.json", "--model", "xlarge", "--profile", path, "--max-steps", "10"])
+    assert cfg.max_steps == 10 and "scheduler total_num_steps 2000 not used" in cfg.sources["max_steps"]
+    assert "scheduler" not in resolve_ds_config(load_profile(path)[1], cfg, 8, "p")  # never DeepSpeed's
+    for section, message in [
+        ({"type": "WarmupDecayLR", "params": {}}, "scheduler 'WarmupDecayLR' is not read"),
+        ({"type": "WarmupCosineLR", "params": {"warmup_max_lr": 1}}, "scheduler.params.warmup_max_lr is not read"),
+        ({"type": "WarmupCosineLR", "params": {"warmup_type": "log"}}, "warmup_type 'log': zerotrain's warmup is"),
+    ]:
+        with pytest.raises(UsageError, match=message) as e:
+            resolve_config(["--data", "m.json", "--profile", profile_file(tmp_path, scheduler=section)])
+        assert "\n" not in str(e.value)
+
+
+def test_run_ids_hash_the_values_trained_with():
+    assert RunConfig(data="mix.json").identity_hash() == "cea5eb6e"  # the cpu profile's lr: what CPU runs used
+    assert config_from({"data": "mix.json", "schedule": "cosine"}).identity_hash() == "cea5eb6e"  # spelled out
+    explicit = config_from({"data": "mix.json", "profile": "a100-80g-x8", "lr": 3e-3, "min_lr": 3e-4,
+                            "warmup_steps": 20})
+    assert explicit.identity()["lr"] == 3e-3  # given: the profile's 3e-4 does not replace it
+    from_profile = config_from({"data": "mix.json", "profile": "a100-80g-x8"})
+    assert (from_profile.identity()["lr"], from_profile.identity()["min_lr"]) == (3e-4, 3e-5)
+    wsd = config_from({"data": "mix.json", "schedule": "wsd"}).identity()
+    assert (wsd["schedule"], wsd["decay_fraction"]) == ("wsd", 0.2)
+    auto = config_from({"data": "mix.json", "profile": "auto"})
+    assert auto.lr is None  # resolved on the rank, once the profile is detected
+    with pytest.raises(RuntimeError, match="--profile auto"):
+        auto.identity()
+    assert auto.drift({**auto.to_dict(), "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20}) == []
+    with pytest.raises(UsageError, match="--decay-fraction 0.5: only used with --schedule wsd"):
+        config_from({"data": "mix.json", "decay_fraction": 0.5})
+
+
+# -- the profile against the machine ---------------------------------------------------------------
+
+def detect_h100():
+    return "h100-80g-x8", "8 x NVIDIA H100 80GB HBM3 (80 GiB), 1 node(s)"
+
+
+def test_a_cpu_profile_on_a_cuda_node_is_refused_naming_the_profile_to_use():
+    cpu = load_profile("cpu")[1]
+    with pytest.raises(UsageError) as e:
+        check_devices("cpu", cpu, 1, "cuda", 8, detect=detect_h100)
+    assert "--profile cpu: a CPU profile, but this node has 8 CUDA GPU(s)" in str(e.value)
+    assert "use --profile h100-80g-x8" in str(e.value) and "\n" not in str(e.value)
+    assert check_devices("cpu", cpu, 2, "cpu", 0) == []
+
+
+def test_world_size_against_the_profile_and_one_process_on_many_gpus():
+    a100 = load_profile("a100-80g-x8")[1]
+    assert check_devices("a100-80g-x8", a100, 8, "cuda", 8) == []
+    one = check_devices("a100-80g-x8", a100, 1, "cuda", 8)
+    assert one == ["world size 1 differs from profile a100-80g-x8's devices_per_node x nodes = 8 x 1 = 8: the batch"
+                   " is resolved for 1 rank(s)",
+                   "this node has 8 GPUs and this run uses one; `zerotrain launch -n 8 <the same flags>` uses them all"]
+    assert check_devices("a100-80g-x8", a100, 4, "cuda", 4) == [
+        "world size 4 differs from profile a100-80g-x8's devices_per_node x nodes = 8 x 1 = 8: the batch is"
+        " resolved for 4 rank(s)"]
+
+
+def test_plan_run_asks_the_machine(mix_path, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_plan, "accelerator_devices", lambda: ("cuda", 8))
+    monkeypatch.setattr(run_plan, "detect_profile", detect_h100)
+    argv = ["--data", str(mix_path), "--out", str(tmp_path / "runs")]
+    with pytest.raises(UsageError, match="use --profile h100-80g-x8"):
+        run_plan.plan_run(resolve_config(argv), world=1)
+    assert not (tmp_path / "runs").exists()
+
+
+# -- extending a run ------------------------------------------------------------------------------------
+
+def test_a_wsd_run_extended_in_its_stable_phase_replans_its_decay(tmp_path, mix_path):
+    """Planned for 10 steps, stopped by its token budget at step 4 (checkpoint saved), resumed with
+    --max-steps 20: the decay moves to steps 17-20 (a cosine would have kept its 10)."""
+    out = tmp_path / "runs"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "w", "--model", "debug", "--seq-len", "64",
+            "--micro-batch", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "1", "--schedule", "wsd"]
+    first = launch("python", args + ["--max-steps", "10", "--total-tokens", str(4 * 2 * 64)])
+    assert first.returncode == 5, first.stdout[-2000:] + first.stderr[-2000:]  # budget reached, saved
+    assert "schedule wsd: warmup 1 step(s) to lr 0.001, held to step 8, then linear decay over steps 9-10" in first.stdout
+    second = launch("python", args + ["--max-steps", "20"])
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert "resumed at step 4 in its stable phase: decay re-planned for --max-steps 20" in second.stdout
+    lrs = [m["lr"] for m in read_metrics(out / "w")]
+    assert len(lrs) == 20 and lrs[:16] == pytest.approx([1e-3] * 16)
+    assert lrs[16:] == pytest.approx([1e-3 - 9e-4 * k / 4 for k in range(1, 5)])  # steps 17-20, min-lr at 20
+
+
+# -- the plan sized by the tokenizer given -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama3_sized_tokenizer(tmp_path_factory) -> Path:
+    """A word-level tokenizer with Llama 3's 128,256 entries, built here (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "<|begin_of_text|>": 1, "[UNK]": 2}
+    for word in [*WORDS, "."]:  # the words of the test mixes (conftest.synthetic_docs), so data tokenizes
+        vocab.setdefault(word, len(vocab))
+    for i in range(len(vocab), 128256):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    out = tmp_path_factory.mktemp("tok")
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_plan_and_dry_run_use_the_tokenizer_given(llama3_sized_tokenizer, mix_path, tmp_path, monkeypatch, capsys):
+    tok = str(llama3_sized_tokenizer)
+    plan = cli(["plan", *A100, "--tokenizer", tok, "--json"]) or json.loads(capsys.readouterr().out)
+    byte = cli(["plan", *A100, "--json"]) or json.loads(capsys.readouterr().out)
+    assert plan["model"]["vocab_size"] == 128256 and plan["vocab_from"] == f"tokenizer {tok}/tokenizer.json"
+    assert byte["model"]["vocab_size"] == 320 and byte["vocab_from"] == "tokenizer bytes"
+    args = preset("xlarge", vocab_size=128256)
+    assert plan["params_total"] == count_params(args)["total"] == 1_908_205_440
+    assert plan["memory_per_gpu_gib"] > byte["memory_per_gpu_gib"]  # the embedding, the head and their states
+    # at ZeRO-0 it does not fit on 80 GB, and the plan lists what would
+    cli(["plan", *A100, "--tokenizer", tok, "--zero", "0"])
+    text = capsys.readouterr().out
+    assert text.startswith(f"profile a100-80g-x8; vocabulary 128,256 (tokenizer {tok}/tokenizer.json)")
+    assert "does not fit: needs" in text and "would fit:" in text
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        cli(["train", *A100, "--tokenizer", tok, "--data", str(mix_path), "--out", str(tmp_path), "--dry-run"])
+    assert f"vocab 128,256 (tokenizer {tok}/tokenizer.json: 128,256)" in capsys.readouterr().out
