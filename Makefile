@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.zerotrain-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/run.py
+
+# One CUDA GPU: xlarge (1.4B) at seq 2048 in bf16, ZeRO-2/3 x each attention kernel, one table for
+# benchmarks/RESULTS.md (benchmarks/gpu.py). Without CUDA: one line, exit 0, nothing run.
+bench-gpu: install
+	$(BIN)/python benchmarks/gpu.py
 
 clean:
 	rm -rf runs .pytest_cache

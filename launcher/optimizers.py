@@ -122,7 +122,7 @@ class Spec:
     state_bytes: str  # optimizer state per parameter, fp32 (README table; measured by the harness)
     configure: Callable  # (ds, hparams, cfg) -> ds: the exact DeepSpeed dict for this optimizer
     client: Callable | None = None  # (params, hparams, cfg) -> torch optimizer, when configure drops "optimizer"
-    lr: float | None = None  # default peak lr when neither --lr nor a scaling-rule law gives one (None: 3e-3)
+    lr: float | None = None  # default peak lr when neither --lr nor a law gives one (None: launcher/hparams.py)
     stages: tuple = ALL_STAGES
     notes: str = ""
     open_args: bool = False  # a user class taking **kwargs: any argument name is passed on
@@ -139,7 +139,32 @@ def _adamw_configure(ds, hp, cfg):
     if str(section.get("type", "")).lower() != "adamw":  # a profile naming another type: --optimizer adamw means AdamW
         section = {"type": "AdamW", "params": dict(ADAMW_FALLBACK)}
     given = {k: v for k, v in hp.items() if v is not None}  # None: the profile's value
-    return {**ds, "optimizer": {**section, "params": {**section.get("params", {}), **given, "lr": cfg.lr}}}
+    params = {**section.get("params", {}), **given, "lr": cfg.lr}
+    if params.get("torch_adam") is False:  # DeepSpeed's FusedAdam / CPU Adam take no `fused` (TypeError)
+        params.pop("fused", None)
+    ds = {**ds, "optimizer": {**section, "params": params}}
+    return ds if "torch_adam" in given else _cpu_adam_when_offloaded(ds)
+
+
+NO_BUILD_ADAMW = {"torch_adam": True, "fused": True}  # the shipped profiles' AdamW: torch.optim.AdamW(fused=True)
+
+
+def offloads_optimizer(ds: dict) -> bool:
+    device = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    return device in ("cpu", "nvme")
+
+
+def _cpu_adam_when_offloaded(ds: dict) -> dict:
+    """A profile's AdamW says torch_adam (every shipped one does: nothing to compile); with the optimizer
+    offloaded to the host, DeepSpeed's own CPU Adam is the one ZeRO-Offload is built around (AVX kernels over
+    the fp32 partitions in host memory), but DeepSpeed 0.19's get_optimizer_configuration tests torch_adam
+    first and would run torch's AdamW there instead. So torch_adam and fused are dropped under offload (unless
+    --optimizer-args gives torch_adam), and DeepSpeed builds DeepSpeedCPUAdam (a C++ op: `implementation`)."""
+    section = ds.get("optimizer") or {}
+    if not offloads_optimizer(ds) or str(section.get("type", "")).lower() not in ("adam", "adamw"):
+        return ds
+    params = {k: v for k, v in section.get("params", {}).items() if k not in NO_BUILD_ADAMW}
+    return {**ds, "optimizer": {**section, "params": params}}
 
 
 def _muon_configure(ds, hp, cfg):
@@ -351,7 +376,8 @@ def check_optimizer(name, args) -> tuple[str | None, dict | None]:
 
 
 def default_lr(name: str | None) -> float | None:
-    """The optimizer's own default peak lr, or None where RunConfig's default (3e-3) applies."""
+    """The optimizer's own default peak lr, or None: then the profile's lr or the per-size rule
+    (zerotrain.launcher.hparams)."""
     spec = REGISTRY.get(name or DEFAULT)
     return spec.lr if spec is not None else None
 
@@ -377,7 +403,7 @@ def resolve_ds_optimizer(ds: dict, cfg, where: str) -> dict:
     if name is None and not args:  # the default: exactly what the driver did before the registry
         ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
         ds["optimizer"].setdefault("params", {})["lr"] = cfg.lr
-        return ds
+        return _cpu_adam_when_offloaded(ds)
     spec, hp = resolve(name, args)
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
     if stage not in spec.stages:
@@ -434,6 +460,43 @@ def check_engine(cfg, engine, model) -> None:
         problem = "the model has no matrix for Muon"
     if problem:
         raise UsageError(f"--optimizer muon: refused: {problem}; DeepSpeed would train with another update rule")
+
+
+def implementation(cfg, ds_config: dict, accelerator: str) -> tuple[str, str | None]:
+    """(the optimizer class this run steps with on `accelerator` ("cuda", "cpu"), what must be compiled
+    for it or None): the choice DeepSpeed 0.19.8 makes in engine.py `_configure_basic_optimizer` /
+    `get_optimizer_configuration` (torch_adam first, then CPU Adam under optimizer offload, else FusedAdam),
+    or our client optimizer. DeepSpeed's ops are JIT-built on first use unless pre-built (docs/gpu.md)."""
+    name = getattr(cfg, "optimizer", None)
+    section = ds_config.get("optimizer")
+    cuda = accelerator != "cpu"
+    if section is None:  # a client optimizer (launcher/optimizers.py REGISTRY or a user's class)
+        spec, _ = resolve(name, getattr(cfg, "optimizer_args", None))
+        if spec.name == "lion":
+            return (("deepspeed.ops.lion.FusedLion", "DeepSpeed's fused_lion CUDA op: nvcc, or DS_BUILD_FUSED_LION=1")
+                    if cuda else ("deepspeed.ops.lion.DeepSpeedCPULion", "DeepSpeed's cpu_lion C++ op: a host C++"
+                                  " compiler, or DS_BUILD_CPU_LION=1"))
+        return spec.origin, None
+    kind, params = str(section.get("type", "")).lower(), section.get("params", {})
+    if kind == "muon":
+        return "DeepSpeed MuonWithAuxAdam, its AdamW half torch.optim.AdamW", None
+    if kind not in ("adam", "adamw"):
+        return f"DeepSpeed's {section.get('type')}", None
+    torch_name = "torch.optim.AdamW" if kind == "adamw" or params.get("adam_w_mode", True) else "torch.optim.Adam"
+    if params.get("torch_adam"):
+        return f"{torch_name}({'fused=True' if params.get('fused') else 'foreach'}) through DeepSpeed", None
+    if offloads_optimizer(ds_config):
+        return ("deepspeed.ops.adam.DeepSpeedCPUAdam on the host (optimizer offload)",
+                "DeepSpeed's cpu_adam C++ op: a host C++ compiler, or DS_BUILD_CPU_ADAM=1")
+    return ("deepspeed.ops.adam.FusedAdam", "DeepSpeed's fused_adam " + (
+        "CUDA op: nvcc matching torch's CUDA, or DS_BUILD_FUSED_ADAM=1" if cuda else "C++ op: a host C++ compiler"))
+
+
+def describe_implementation(cfg, ds_config: dict, accelerator: str) -> str:
+    """The start-up / --dry-run line: the class that steps, and whether anything is compiled for it."""
+    what, build = implementation(cfg, ds_config, accelerator)
+    return f"optimizer implementation on {accelerator}: {what}" + (
+        f"; JIT-compiled on first use: {build}" if build else "; nothing to compile")
 
 
 def describe(cfg, ds_config: dict) -> str:
