@@ -1,4 +1,4 @@
-"""The run configuration: one typed dataclass, filled from defaults < recipe JSON < command line.
+"""The run configuration: one typed dataclass, filled from defaults < profile < recipe JSON < command line.
 
 Every field carries metadata (litgpt / torchtitan habit): its `--help` text and its `kind`:
 - "identity": defines the training; hashed into the run id; changing it on resume is drift;
@@ -6,9 +6,11 @@ Every field carries metadata (litgpt / torchtitan habit): its `--help` text and 
   so the run ids of earlier runs, and so their resumes, stay valid);
 - "run": how long, where, how often, how watched (steps, cadence, logging, budgets, mirror):
   may change on resume and never changes the run id.
-`--help` is generated from this table. Flag names use dashes (`--seq-len`), recipe keys may use
-dashes or underscores. Unknown recipe keys are refused, never ignored. The batch triple is
-resolved later, against the profile and the world size (zerotrain.launcher.profiles.resolve_batch).
+`--help` is generated from this table. Flag names use dashes (`--seq-len`; `--seq_len` is accepted too:
+zerotrain/cli_args.py), recipe keys may use dashes or underscores. Unknown recipe keys are refused, never ignored. The schedule's values a run
+leaves open (lr, min_lr, warmup_steps; None here) come from the profile or the model (launcher/hparams.py, which
+records where each came from in `sources`). The batch triple is resolved later, against the profile and the
+world size (zerotrain.launcher.profiles.resolve_batch).
 """
 from __future__ import annotations
 

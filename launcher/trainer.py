@@ -197,6 +197,7 @@ class Trainer:
                         "world_size": self.world, "model": plan.model_args.to_dict(),
                         "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
                         "identity_hash": self.cfg.identity_hash(),
+                        "run_sources": self.cfg.sources,  # where lr, the schedule, ... came from (hparams.py)
                         "attention": plan.attention}  # the kernel resolved (issue 18); "run" has what was asked
             _write_atomic(plan.run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
             _write_atomic(plan.run_dir / "ds_config.json", json.dumps(plan.ds_config, indent=2) + "\n")

@@ -162,6 +162,8 @@ def test_a_wsd_run_extended_in_its_stable_phase_replans_its_decay(tmp_path, mix_
     second = launch("python", args + ["--max-steps", "20"])
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert "resumed at step 4 in its stable phase: decay re-planned for --max-steps 20" in second.stdout
+    sources = json.loads((out / "w" / "config.json").read_text())["run_sources"]
+    assert (sources["lr"], sources["schedule"], sources["decay_fraction"]) == ("flag", "flag", "default")
     lrs = [m["lr"] for m in read_metrics(out / "w")]
     assert len(lrs) == 20 and lrs[:16] == pytest.approx([1e-3] * 16)
     assert lrs[16:] == pytest.approx([1e-3 - 9e-4 * k / 4 for k in range(1, 5)])  # steps 17-20, min-lr at 20

@@ -55,7 +55,7 @@ class Parser(argparse.ArgumentParser):
         for i, arg in enumerate(args):
             if arg == "--":
                 return out + args[i:]
-            name, eq, value = arg.partition("=")
+            name, eq, value = arg.partition("=") if isinstance(arg, str) else ("", "", "")
             if name.startswith("--") and "_" in name and name not in known:
                 dashed = "--" + name[2:].replace("_", "-")
                 if dashed in known:
