@@ -123,8 +123,8 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "load": load_average(), "python": platform.python_version()}
 
 
-def matmul_peak(threads: int, n: int = 2048, seconds: float = 2.0) -> float:
-    """The machine's fp32 matmul FLOP/s with `threads` threads: the best of repeated n x n GEMMs
+def matmul_peak(threads: int, n: int = 2048, seconds: float = 2.0, dtype: str = "float32") -> float:
+    """The machine's matmul FLOP/s in `dtype` with `threads` threads: the best of repeated n x n GEMMs
     (the best, not the median: a peak is what the hardware can do when nobody else runs)."""
     import torch
 
@@ -133,7 +133,7 @@ def matmul_peak(threads: int, n: int = 2048, seconds: float = 2.0) -> float:
     try:
         if TINY:
             n, seconds = 512, 0.2
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
         torch.mm(a, b)  # warm-up: the first call picks kernels
         best, t_end = 0.0, time.perf_counter() + seconds
         while time.perf_counter() < t_end:
