@@ -1,5 +1,5 @@
 """Checkpoint benchmark (issue 12, section 1.6): save and load times of zerotrain's real save path
-(launcher/components/checkpoint.py's Checkpointer around DeepSpeed's save_checkpoint; `checkpoint.load`)
+(launcher/components/checkpointer.py's Checkpointer around DeepSpeed's save_checkpoint; `checkpointer.load`)
 for a ~25M and a ~100M model under ZeRO-2 and ZeRO-3, fp32 with AdamW states, 1 rank, against this
 disk's sequential write bandwidth measured in the same run; and how long a save blocks the
 training loop without and with `--mirror` (the mirror copy runs on a background thread, like the
@@ -53,7 +53,7 @@ def worker(stage: int, model: str, out: Path, saves: int, loads: int, mirrored: 
     import deepspeed
     import torch
 
-    from zerotrain.launcher.components import checkpoint
+    from zerotrain.launcher.components import checkpoint, checkpointer
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling import sizes
     from zerotrain.modeling.model import Transformer, count_params, preset
@@ -76,8 +76,8 @@ def worker(stage: int, model: str, out: Path, saves: int, loads: int, mirrored: 
     engine.step()  # AdamW's states exist from here: the checkpoint holds them
     report = {"params": count_params(args)["total"]}
     for label, n, mirror in (("plain", saves, None), ("mirror", mirrored, out / "mirror")):
-        ckpt = checkpoint.Checkpointer(out / f"run-{label}" / "checkpoints", "run", 0, 1, keep_last=1, mirror=mirror,
-                                       say=lambda m: None)
+        ckpt = checkpointer.Checkpointer(out / f"run-{label}" / "checkpoints", "run", 0, 1, keep_last=1, mirror=mirror,
+                                         say=lambda m: None)
         blocked, marker, mirrored_s = [], [], []
         for i in range(1, n + 1):
             ckpt.save(engine, i, {"zerotrain": {"step": i}}, {"step": i, "world_size": 1})
@@ -92,7 +92,7 @@ def worker(stage: int, model: str, out: Path, saves: int, loads: int, mirrored: 
         load_s = []
         for _ in range(loads if label == "plain" else 0):
             t0 = time.perf_counter()
-            checkpoint.load(engine, tag)
+            checkpointer.load(engine, tag)
             load_s.append(time.perf_counter() - t0)
         ckpt.close()
         report[label] = {"blocked": blocked, "marker": marker, "mirrored": mirrored_s, "bytes": size, "load": load_s}

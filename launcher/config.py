@@ -108,11 +108,13 @@ class RunConfig:
     # --- observability (issue 10, section 3; launcher/components/metrics.py) ---
     log: str | None = opt(None, "metrics sinks besides metrics.jsonl, comma-separated: tensorboard"
                                 " (RUN_DIR/tensorboard/), wandb (offline unless an API key is set)", RUN)
-    wandb_project: str | None = opt(None, "with --log wandb: the W&B project (default zerotrain)", RUN)
-    wandb_entity: str | None = opt(None, "with --log wandb: the W&B entity (default: your default entity)", RUN)
-    wandb_group: str | None = opt(None, "with --log wandb: the W&B group", RUN)
-    wandb_name: str | None = opt(None, "with --log wandb: the W&B display name (default: the run id; the W&B run"
-                                       " id is always the run id)", RUN)
+    wandb_project: str | None = opt(None, "with --log wandb: the W&B project (default: $WANDB_PROJECT, else"
+                                          " zerotrain)", RUN)
+    wandb_entity: str | None = opt(None, "with --log wandb: the W&B entity (default: $WANDB_ENTITY, else your"
+                                         " default entity)", RUN)
+    wandb_group: str | None = opt(None, "with --log wandb: the W&B group (default: $WANDB_RUN_GROUP)", RUN)
+    wandb_name: str | None = opt(None, "with --log wandb: the W&B display name (default: $WANDB_NAME, else the run"
+                                       " id; the W&B run id is $WANDB_RUN_ID, else the run id)", RUN)
     # --- optimizers (issue 11; launcher/optimizers.py) ---
     optimizer: str | None = opt(None, "adamw (default: the profile's), muon, lion, adamw-decaying-wd, ademamix, or"
                                       " module.path:ClassName (README \"Optimizers\")", IDENTITY_WHEN_SET)
@@ -125,7 +127,7 @@ class RunConfig:
     dry_run: bool | None = opt(None, "resolve everything (profile, batch, model, data, plan) against the world"
                                      " size, print it and exit 0 without building or writing anything", RUN)
     description: str | None = opt(None, "free text; recipes use it to say what they are for", RUN)
-    # --- pre-flight golden steps (issue 10, section 2; launcher/commands/preflight.py) ---
+    # --- pre-flight golden steps (issue 10, section 2; launcher/commands/preflight/) ---
     golden: str | None = opt(None, "a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak"
                                    " memory at its golden steps is more than 10% off (another config is refused)", RUN)
     golden_strict: bool | None = opt(None, "with --golden: stop (checkpoint saved, exit 8) instead of warning", RUN)

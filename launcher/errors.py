@@ -1,34 +1,123 @@
-"""Errors and exit codes of the driver.
+"""Errors, and the one table of how a run ends: kind -> exit code, checkpoint saved or not, what it means.
 
-The exception types live in `zerotrain.dataio.errors` (a module with no imports, so every package can use
-them); they are re-exported here. Exit codes are chosen only in `zerotrain.launcher.train.main()` and
-`zerotrain.launcher.cli.main()` from the table below (also in README.md, "Long runs").
+The exception types live in `zerotrain.errors` (a module with no imports, so every package can use
+them); they are re-exported here. END_KINDS below is read by everything that names an end: the trainer
+raises `StopRun(kind, message)` and exits with the kind's code; finetune's result and RunFailed;
+`zerotrain runs`/`report`'s status words; manifest.json (each launch's end kind, code and message);
+pre-flight's exit code; and README.md's "Exit codes" table (tests/test_end_kinds.py parses it and
+compares). Adding a kind is one entry here plus its README row.
 """
+from __future__ import annotations
+
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
-from zerotrain.dataio.errors import DataError, UsageError, ZerotrainError  # noqa: F401  (re-exported)
+from zerotrain.errors import DataError, UsageError, ZerotrainError  # noqa: F401  (re-exported)
 
-# Exit status of `zerotrain train` / `launch`: a scheduler can tell every way a run ends apart.
-EXIT_OK = 0            # finished: --max-steps reached, or a "stop" data source ran out
-EXIT_CRASH = 1         # an unexpected error (a traceback)
-EXIT_USAGE = 2         # bad input: config, profile, mix, data, checkpoint to resume (nothing written)
-EXIT_DIVERGED = 3      # non-finite loss or grad norm, or a loss spike with --on-spike stop
-EXIT_EARLY_STOP = 4    # --early-stop-patience: validation loss stopped improving (checkpoint saved)
-EXIT_BUDGET = 5        # --max-hours / --total-tokens / --budget-usd reached (checkpoint saved)
-EXIT_SIGNAL = 6        # SIGTERM / SIGINT: stopped at a step boundary, checkpoint saved; resume with --resume auto
-EXIT_SAVE_FAILED = 7   # a checkpoint could not be written (disk full, I/O error): the previous one is intact
-EXIT_GOLDEN = 8        # --golden-strict: tokens/s or peak memory more than 10% off the rehearsal (checkpoint saved)
-EXIT_SIGNAL_HARD = 130  # a second signal: exited at once, nothing saved
+
+@dataclass(frozen=True)
+class EndKind:
+    kind: str
+    exit_code: int  # what `zerotrain train` / `launch` / `preflight` exits with: a scheduler tells every end apart
+    saves: bool  # a checkpoint is saved at this end (resume from it with the same command)
+    failed: bool  # an error: one line on stderr, finetune raises RunFailed, `zerotrain runs` says "failed"
+    status: str  # the words `zerotrain runs` / `report` show
+    meaning: str  # one line, as in README.md "Exit codes"
+
+
+END_KINDS = {e.kind: e for e in (
+    EndKind("finished", 0, True, False, "finished", "`--max-steps` reached"),
+    EndKind("data-exhausted", 0, True, False, "finished (data exhausted)",
+            "a source with `on_exhausted: stop` ran out"),
+    EndKind("dry-run", 0, False, False, "dry run", "`--dry-run`: resolved and printed, nothing built or written"),
+    EndKind("crash", 1, False, True, "failed (crashed)", "an unexpected error (a traceback)"),
+    EndKind("usage", 2, False, True, "failed (bad input)", "bad input: one line naming the input, nothing written"),
+    EndKind("diverged", 3, False, True, "failed (diverged)",
+            "non-finite loss or gradient norm, a loss spike with `--on-spike stop`, or rollbacks used up"),
+    EndKind("early-stop", 4, True, False, "stopped (early-stop)",
+            "`--early-stop-patience`: validation loss stopped improving"),
+    EndKind("budget", 5, True, False, "stopped (budget)", "`--max-hours`, `--total-tokens` or `--budget-usd` reached"),
+    EndKind("signal", 6, True, False, "stopped (signal)",
+            "SIGTERM/SIGINT: stopped at a step boundary, to resume with the same command"),
+    EndKind("save-failed", 7, False, True, "failed (checkpoint write failed)",
+            "a checkpoint could not be written (disk full, I/O error); the previous one is intact"),
+    EndKind("golden", 8, True, False, "stopped (golden)",
+            "`--golden-strict`: tokens/s or peak memory more than 10% off the pre-flight rehearsal"),
+    EndKind("preflight-failed", 9, False, True, "failed (pre-flight check)",
+            "`zerotrain preflight`: a check failed (it says what to fix)"),
+    EndKind("hard-signal", 130, False, True, "failed (second signal)",
+            "a second signal: exited at once, nothing saved"),
+)}
+
+
+def end_kind(kind: str) -> EndKind:
+    """The table's entry for `kind`; a kind not in it is a programming error (ValueError naming the known ones)."""
+    try:
+        return END_KINDS[kind]
+    except KeyError:
+        raise ValueError(f"unknown end kind {kind!r} (known: {', '.join(END_KINDS)})") from None
+
+
+def kind_of_exit(code: int) -> str:
+    """The end kind an exit code stands for (the first kind with that code: 0 is "finished"); an exit code
+    no kind has (a launcher's own, a kill) is a "crash"."""
+    return next((e.kind for e in END_KINDS.values() if e.exit_code == code), "crash")
+
+
+def status_of(kind: str | None) -> str:
+    """What `zerotrain runs` shows for a launch that ended as `kind` (a kind this version does not know,
+    from a newer one: "stopped (kind)")."""
+    return END_KINDS[kind].status if kind in END_KINDS else f"stopped ({kind})"
+
+
+def exit_code_table() -> list[str]:
+    """README.md's "Exit codes" table, one row per kind, as the table says it."""
+    return ["| code | end kind | meaning |", "|---|---|---|"] + [
+        f"| {e.exit_code} | `{e.kind}` | {e.meaning}{' (checkpoint saved)' if e.saves else ''} |"
+        for e in END_KINDS.values()]
+
+
+class StopRun(Exception):
+    """How a run ends, by kind: raised inside the training loop (and returned by it), recorded in manifest.json.
+    The exit code and whether a checkpoint is saved come from END_KINDS."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.end = end_kind(kind)
+        self.kind, self.message = kind, message
+
+    @property
+    def exit_code(self) -> int:
+        return self.end.exit_code
+
+    @property
+    def save(self) -> bool:
+        return self.end.saves
+
+
+# The codes by name, for code that exits without a StopRun (bad input, a second signal, a launcher).
+EXIT_OK = END_KINDS["finished"].exit_code
+EXIT_CRASH = END_KINDS["crash"].exit_code
+EXIT_USAGE = END_KINDS["usage"].exit_code
+EXIT_DIVERGED = END_KINDS["diverged"].exit_code
+EXIT_EARLY_STOP = END_KINDS["early-stop"].exit_code
+EXIT_BUDGET = END_KINDS["budget"].exit_code
+EXIT_SIGNAL = END_KINDS["signal"].exit_code
+EXIT_SAVE_FAILED = END_KINDS["save-failed"].exit_code
+EXIT_GOLDEN = END_KINDS["golden"].exit_code
+EXIT_PREFLIGHT_FAILED = END_KINDS["preflight-failed"].exit_code
+EXIT_SIGNAL_HARD = END_KINDS["hard-signal"].exit_code
 
 
 class CheckpointError(ZerotrainError):
     """A checkpoint save failed on some rank; every rank raises it (exit EXIT_SAVE_FAILED)."""
 
 
-def fail(message: str, code: int = EXIT_USAGE) -> "NoReturn":  # noqa: F821
+def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print one line (rank 0 only, so a 2-rank launch does not say it twice) and exit."""
     if os.environ.get("RANK", "0") == "0":
         print(f"zerotrain: error: {message}", file=sys.stderr, flush=True)

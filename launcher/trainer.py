@@ -41,14 +41,17 @@ from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
-from zerotrain.launcher.components import checkpoint, ds_compat, manifest, planner, universal
+from zerotrain import durable
+from zerotrain.launcher.components import checkpoint, checkpointer, ds_compat, manifest, planner, universal
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
+from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.metrics import MetricsLogger, StepLogger, read_metrics
+from zerotrain.launcher.components.process_group import init_process_group
+from zerotrain.launcher.components.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
-                                       EXIT_SIGNAL, CheckpointError, UsageError)
+from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun
 from zerotrain.launcher.hparams import describe_hparams
 from zerotrain.launcher.optimizers import check_engine, describe, describe_implementation, prepare_optimizer
 from zerotrain.launcher.profiles import describe_precision, load_profile
@@ -64,11 +67,12 @@ ROLLBACKS_MAX = 3  # --on-spike rollback gives up (exit 3) after this many rollb
 
 @dataclass
 class RunResult:
-    """How a run ended. `exit_code` is what `zerotrain train` exits with (launcher/errors.py)."""
+    """How a run ended. `stop` is its kind, `exit_code` what `zerotrain train` exits with (both from
+    launcher/errors.py's END_KINDS)."""
     run_dir: Path
     step: int
     tokens_seen: int
-    stop: str  # finished | data-exhausted | budget | signal | early-stop | diverged | save-failed
+    stop: str  # the end kind: a key of launcher/errors.py END_KINDS (finished, signal, diverged, ...)
     message: str
     exit_code: int
     last_checkpoint: Path | None = None
@@ -78,14 +82,6 @@ class RunResult:
     @property
     def metrics(self) -> list[dict]:
         return read_metrics(self.run_dir)
-
-
-class StopRun(Exception):
-    """Raised inside the loop to end the run with a RunResult-worthy reason."""
-
-    def __init__(self, stop: str, message: str, exit_code: int, save: bool):
-        super().__init__(message)
-        self.stop, self.message, self.exit_code, self.save = stop, message, exit_code, save
 
 
 class QuietExit(Exception):
@@ -111,8 +107,6 @@ class Trainer:
     def __init__(self, plan: RunPlan, hard_exit: bool = True):
         import deepspeed
         import torch
-        import torch.distributed as dist
-        from deepspeed.accelerator import get_accelerator
 
         self.plan, self.cfg = plan, plan.cfg
         self.world, self.rank, self.is_main = plan.world, plan.rank, plan.rank == 0
@@ -120,15 +114,9 @@ class Trainer:
         warning = ds_compat.check_deepspeed_version()  # one line, exit 2, before anything is built or written
         if warning:
             self.say(warning)
-        self.torch, self.dist = torch, dist
-        self.accel = accel = get_accelerator()
-        if not dist.is_initialized():  # a notebook's second run() reuses the process group
-            deepspeed.init_distributed(dist_backend=plan.zt.get("dist_backend") or accel.communication_backend_name())
-        if accel.device_name() != "cpu":
-            accel.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        elif "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks on this node
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        self.hooks = TestHooks.from_env()  # read once here, never in the step loop
+        self.torch = torch
+        self.dist, self.accel = init_process_group(plan.zt)
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
         budget = Budget(plan.cfg.max_hours, plan.cfg.total_tokens, plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
@@ -137,7 +125,7 @@ class Trainer:
             self.say(budget.describe())
         for w in plan.warnings:
             self.say(f"zerotrain: warning: {w}")
-        self.lock = self._take_lock()
+        self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
         ds_compat.unlink_shm_buffer(self.rank)
         self.universal_dir = None
         if plan.resume_from is not None and plan.resume_meta["world_size"] != self.world:
@@ -146,12 +134,12 @@ class Trainer:
             self.say(f"converted {plan.resume_from} (saved by {plan.resume_meta['world_size']} ranks) to a universal"
                      f" checkpoint for {self.world} rank(s): {self.universal_dir}")
         self._write_run_dir()
-        self.engine = self._build_engine(deepspeed, accel)
+        self.engine = self._build_engine(deepspeed, self.accel)
         self.loader = self._build_data()
-        self.checkpointer = checkpoint.Checkpointer(
+        self.checkpointer = checkpointer.Checkpointer(
             plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=self.cfg.save_every_steps,
             save_every_hours=self.cfg.save_every_hours, keep_last=self.cfg.keep_last,
-            mirror=Path(self.cfg.mirror) if self.cfg.mirror else None, say=self.say)
+            mirror=Path(self.cfg.mirror) if self.cfg.mirror else None, say=self.say, hooks=self.hooks)
         self.step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
         self.last_saved: Path | None = None
         self.final_loader_state = None  # set when the data runs out: the state before the unfinished step
@@ -173,21 +161,6 @@ class Trainer:
             self._resume(plan.resume_from)
 
     # -- building ---------------------------------------------------------------------------------
-    def _take_lock(self):
-        """Rank 0 takes the run directory's lock; every rank learns the verdict (one line, exit 2)."""
-        verdict = [None]
-        lock = None
-        if self.is_main:
-            try:
-                lock = checkpoint.RunLock(self.plan.run_dir, say=self.say)
-                lock.acquire()
-            except UsageError as e:
-                verdict[0] = str(e)
-        self.dist.broadcast_object_list(verdict, src=0)
-        if verdict[0]:
-            raise UsageError(verdict[0])
-        return lock
-
     def _write_run_dir(self) -> None:
         plan = self.plan
         hosts = self._hosts()  # a collective: every rank, outside the rank-0 branch
@@ -199,8 +172,8 @@ class Trainer:
                         "identity_hash": self.cfg.identity_hash(),
                         "run_sources": self.cfg.sources,  # where lr, the schedule, ... came from (hparams.py)
                         "attention": plan.attention}  # the kernel resolved (issue 18); "run" has what was asked
-            _write_atomic(plan.run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
-            _write_atomic(plan.run_dir / "ds_config.json", json.dumps(plan.ds_config, indent=2) + "\n")
+            durable.write_json(plan.run_dir / "config.json", resolved)  # read back: drift checks, export, resume
+            durable.write_json(plan.run_dir / "ds_config.json", plan.ds_config)
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
                                      profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
                                      hosts=hosts, resumed_from=str(plan.resume_from or "") or None)
@@ -272,7 +245,7 @@ class Trainer:
             # a rollback reloads one of our own (same-world) tags.
             ds_compat.stop_loading_universal(self.engine)
         else:
-            state = checkpoint.load(self.engine, tag_dir)["zerotrain"]
+            state = checkpointer.load(self.engine, tag_dir)["zerotrain"]
         self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
         states = state["loader_states"]
         if len(states) != self.world:  # saved by another number of ranks: re-split what was left
@@ -371,9 +344,9 @@ class Trainer:
             raise QuietExit()
         if any(r[0] for r in rows):
             self.final_loader_state = self.state_before_fetch
+            where = f": {self.loader.exhausted!r}" if self.loader.exhausted else " on another rank"
             raise StopRun("data-exhausted", f"data ran out before step {self.step + 1} (a source with on_exhausted:"
-                          f" stop{': ' + repr(self.loader.exhausted) if self.loader.exhausted else ' on another rank'})",
-                          EXIT_OK, save=True)
+                          f" stop{where})")
         tokens_sha = hashlib.blake2b(b"".join(int(r[2]).to_bytes(8, "little") for r in rows),
                                      digest_size=8).hexdigest()
         self.step_labelled = sum(int(r[3]) for r in rows)
@@ -404,7 +377,7 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             loss_sum += loss.detach().double()
-        return loss_sum * (_test_spike_factor(self.rank, self.step + 1) if not self.rollbacks else 1.0)
+        return loss_sum * (self.hooks.spike_factor(self.rank, self.step + 1) if not self.rollbacks else 1.0)
 
     def signal_seen(self) -> bool:
         """Any rank signalled? (one tiny all-reduce; called after an evaluation or a save)."""
@@ -460,21 +433,21 @@ class Trainer:
                 try:
                     self.save()
                 except CheckpointError as e:
-                    stop = StopRun("save-failed", str(e), EXIT_SAVE_FAILED, save=False)
+                    stop = StopRun("save-failed", str(e))
             self.checkpointer.wait()  # pending hashing and mirror copies
         finally:
             self.signals.restore()
             logger.close()
-        self.metrics.event("stop", self.step, reason=stop.stop, message=stop.message, saves=self.saves,
+        self.metrics.event("stop", self.step, reason=stop.kind, message=stop.message, saves=self.saves,
                            save_blocked_s=round(self.save_seconds, 3))
         self.metrics.close()
         if self.is_main:
-            manifest.record_end(plan.run_dir, stop.stop, self.step)
+            manifest.record_end(plan.run_dir, stop, self.step)  # the kind, its exit code and the message
             report_exit(stop.exit_code)
         # Nobody exits before rank 0's last write: DeepSpeed's launcher SIGTERMs the other ranks as
         # soon as one exits non-zero (codes 3-7 are non-zero by design).
         self.dist.barrier()
-        if stop.exit_code in (EXIT_DIVERGED, EXIT_SAVE_FAILED):  # failures: one line on stderr, as for bad input
+        if stop.end.failed:  # one line on stderr, as for bad input
             if self.is_main:
                 print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)
         else:
@@ -484,7 +457,7 @@ class Trainer:
 
             self.say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")
         self.say(f"run directory: {plan.run_dir.resolve()}")
-        return RunResult(run_dir=plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.stop,
+        return RunResult(run_dir=plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.kind,
                          message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved)
 
     def _loop(self, tokens_per_step: int, logger) -> StopRun:
@@ -529,19 +502,17 @@ class Trainer:
                     signalled = signalled or self.signal_seen()  # a signal during the evaluation or the save
                 if signalled:
                     raise StopRun("signal", f"stopped by {self.signals.requested or 'a signal on another rank'}"
-                                  f" at step {self.step}; resume with --resume auto", EXIT_SIGNAL, save=True)
+                                  f" at step {self.step}; resume with --resume auto")
                 if over_budget:
                     raise StopRun("budget", f"budget reached at step {self.step}:"
-                                  f" {budget_why or 'rank 0 clock (--max-hours / --budget-usd)'}", EXIT_BUDGET,
-                                  save=True)
+                                  f" {budget_why or 'rank 0 clock (--max-hours / --budget-usd)'}")
                 if self.early is not None and self.early.should_stop:
-                    raise StopRun("early-stop", f"early stop at step {self.step}: {self.early.message()}",
-                                  EXIT_EARLY_STOP, save=True)
-            return StopRun("finished", f"reached --max-steps {cfg.max_steps}", EXIT_OK, save=True)
+                    raise StopRun("early-stop", f"early stop at step {self.step}: {self.early.message()}")
+            return StopRun("finished", f"reached --max-steps {cfg.max_steps}")
         except StopRun as s:
             return s
         except CheckpointError as e:
-            return StopRun("save-failed", str(e), EXIT_SAVE_FAILED, save=False)
+            return StopRun("save-failed", str(e))
 
     def read_best(self) -> dict | None:
         """best.json as rank 0 sees it, on every rank (the decision to save a new best is collective)."""
@@ -578,12 +549,11 @@ class Trainer:
             self.say(f"zerotrain: warning: {what}")
             return False
         if self.cfg.on_spike == "stop":
-            raise StopRun("diverged", f"{what}; stopping (--on-spike stop). Last checkpoint: {self.last_saved or 'none'}",
-                          EXIT_DIVERGED, save=False)
+            raise StopRun("diverged", f"{what}; stopping (--on-spike stop). Last checkpoint:"
+                                      f" {self.last_saved or 'none'}")
         if self.last_saved is None or self.rollbacks >= ROLLBACKS_MAX:
             why = "no checkpoint to roll back to" if self.last_saved is None else f"{ROLLBACKS_MAX} rollbacks already"
-            raise StopRun("diverged", f"{what}; {why}; stopping. Last checkpoint: {self.last_saved or 'none'}",
-                          EXIT_DIVERGED, save=False)
+            raise StopRun("diverged", f"{what}; {why}; stopping. Last checkpoint: {self.last_saved or 'none'}")
         self.rollback(what)
         return True
 
@@ -594,7 +564,7 @@ class Trainer:
         self.rollbacks += 1
         spikes = self.spikes.state_dict()  # the detector keeps what it learnt (spike steps never enter it)
         self.checkpointer.wait()
-        state = checkpoint.load(self.engine, tag)["zerotrain"]
+        state = checkpointer.load(self.engine, tag)["zerotrain"]
         self._restore_schedule()  # the tag may hold the plan before a resume re-planned it
         self.spikes.load_state_dict(spikes)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
@@ -606,7 +576,7 @@ class Trainer:
         if self.is_main:
             path = self.plan.run_dir / "rollbacks.json"
             done = json.loads(path.read_text()) if path.is_file() else []
-            _write_atomic(path, json.dumps(done + [window], indent=2) + "\n")
+            durable.write_json(path, done + [window])
         self.metrics.event("rollback", self.step, **window)
         self.say(f"zerotrain: warning: {what}; rolled back to {tag} (step {self.step}); the data of steps"
                  f" {first_skipped}-{spiked_at} is skipped (recorded in rollbacks.json)")
@@ -619,7 +589,7 @@ class Trainer:
         if bad:
             # Nothing of this step is logged or saved; the last checkpoint is the last good state.
             raise StopRun("diverged", f"step {self.step}: {bad}; stopping. Last checkpoint:"
-                          f" {self.last_saved or 'none'}", EXIT_DIVERGED, save=False)
+                                      f" {self.last_saved or 'none'}")
 
     def close(self) -> None:
         if self.lock is not None:
@@ -655,7 +625,7 @@ class Trainer:
             self.say(f"zerotrain: warning: {off}")
             self.metrics.event("golden", self.step, message=off)
             if self.cfg.golden_strict:
-                raise StopRun("golden", f"{off}; stopping (--golden-strict)", EXIT_GOLDEN, save=True)
+                raise StopRun("golden", f"{off}; stopping (--golden-strict)")
 
 
 def report_exit(code: int) -> None:
@@ -664,24 +634,6 @@ def report_exit(code: int) -> None:
     path = os.environ.get("ZEROTRAIN_EXIT_FILE")
     if path:
         Path(path).write_text(f"{code}\n")
-
-
-def _test_spike_factor(rank: int, step: int) -> float:
-    """Test hook: ZEROTRAIN_TEST_SPIKE="RANK:FIRST-LAST:FACTOR" multiplies the loss that rank reports
-    for those steps (the detector's input only; not again after a rollback), so a spike can be planted on
-    one rank."""
-    spec = os.environ.get("ZEROTRAIN_TEST_SPIKE")
-    if not spec:
-        return 1.0
-    r, steps, factor = spec.split(":")
-    first, last = (int(x) for x in steps.split("-"))
-    return float(factor) if int(r) == rank and first <= step <= last else 1.0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -751,5 +703,6 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
         lines.append("plan: " + planner.verdict(p))
     for line in lines:
         print(line, flush=True)
-    return RunResult(run_dir=plan.run_dir, step=0, tokens_seen=0, stop="dry-run", message="dry run", exit_code=EXIT_OK,
+    return RunResult(run_dir=plan.run_dir, step=0, tokens_seen=0, stop="dry-run", message="dry run",
+                     exit_code=END_KINDS["dry-run"].exit_code,
                      extra={"fits": fits, "world": world, "ds_config": ds})

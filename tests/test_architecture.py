@@ -1,7 +1,7 @@
 """The layers import one way (issue 17), read from the code itself: an AST walk of every module of
 zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
 
-    0  zerotrain (__version__, resource_dir, errors, cli_args), the data packages ds_configs/ and recipes/
+    0  zerotrain (__version__, resource_dir, errors, cli_args, durable), the data packages ds_configs/ and recipes/
     1  dataio/*, modeling/*       below everything; neither imports the other
     2  launcher/errors
     3  the config layer: config, hparams, profiles, model_spec, optimizers, client_optimizers
@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 # module (exact) or "package.*" (the package and every module under it) -> layer
 LAYERS = {
     "zerotrain": 0, "zerotrain.ds_configs": 0, "zerotrain.recipes": 0, "zerotrain.errors": 0, "zerotrain.cli_args": 0,
+    "zerotrain.durable": 0,
     "zerotrain.dataio.*": 1, "zerotrain.modeling.*": 1,
     "zerotrain.launcher.errors": 2,
     "zerotrain.launcher.config": 3, "zerotrain.launcher.profiles": 3, "zerotrain.launcher.model_spec": 3,

@@ -20,9 +20,12 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from zerotrain.launcher.components.checkpoint import (BEST, LOCK, MARKER, CheckpointError, Checkpointer, RunLock, check_mirror,
-                                 complete_checkpoints, find_resume, read_meta, rotation_victims, tag_for, verify)
-from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.components.checkpoint import (BEST, MARKER, check_mirror, complete_checkpoints, find_resume,
+                                                      read_meta, rotation_victims, tag_for, verify)
+from zerotrain.launcher.components.checkpointer import Checkpointer
+from zerotrain.launcher.components.hooks import TestHooks
+from zerotrain.launcher.components.run_lock import LOCK, RunLock
+from zerotrain.launcher.errors import CheckpointError, UsageError
 
 HARNESS = REPO / "tests" / "helpers" / "ckpt_harness.py"
 
@@ -178,7 +181,7 @@ def test_resume_falls_back_past_a_corrupted_checkpoint_saying_so(tmp_path, engin
 def test_a_failed_write_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(tmp_path, engine, monkeypatch):
     ckpt, _ = make(tmp_path)
     save(ckpt, engine, 1)
-    monkeypatch.setenv("ZEROTRAIN_TEST_FAIL_SAVE", "0:2")
+    monkeypatch.setattr(ckpt, "hooks", TestHooks(fail_save=frozenset({(0, 2)})))
     with pytest.raises(CheckpointError) as e:
         save(ckpt, engine, 2)
     msg = str(e.value)
@@ -384,7 +387,7 @@ def test_two_ranks_failed_saves_rotation_mirror_and_load(tmp_path):
 def test_slow_save_hook_leaves_a_half_written_tag_for_the_kill_tests(tmp_path, engine, monkeypatch):
     """ZEROTRAIN_TEST_SLOW_SAVE: inside the save, after the first file, nothing complete on disk."""
     ckpt, _ = make(tmp_path)
-    monkeypatch.setenv("ZEROTRAIN_TEST_SLOW_SAVE", "1")
+    monkeypatch.setattr(ckpt, "hooks", TestHooks(slow_save_s=1.0))
     saver = threading.Thread(target=save, args=(ckpt, engine, 1))
     saver.start()
     tag_dir = ckpt.ckpt_dir / "global_step1"

@@ -1,4 +1,5 @@
-"""Stop policies without a process group: signals, spikes, budgets, early stopping, non-finite values."""
+"""Stop policies without a process group: signals, spikes, budgets, early stopping (non-finite values: the
+Trainer's own check, tests/test_train_integration.py; the end kinds: tests/test_end_kinds.py)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.launcher.errors import EXIT_BUDGET, EXIT_DIVERGED, EXIT_SIGNAL, EXIT_SIGNAL_HARD, UsageError
-from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector, StopReason, non_finite
+from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
+from zerotrain.launcher.errors import EXIT_SIGNAL_HARD, UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -248,26 +249,15 @@ def test_early_stopping_counts_evaluations_without_improvement_and_resumes():
         EarlyStopping(0)
 
 
-# -- non-finite and stop reasons ------------------------------------------------------------
-def test_non_finite_names_the_value_and_the_last_checkpoint():
-    assert non_finite(5, 2.3, 1.1, None) is None
-    r = non_finite(2, float("nan"), 1.0, "runs/r/checkpoints/global_step1")
-    assert r == StopReason("diverged", "step 2: loss is nan; stopping. Last checkpoint: runs/r/checkpoints/global_step1",
-                           EXIT_DIVERGED)
-    assert non_finite(3, 2.0, float("inf"), None).message == "step 3: gradient norm is inf; stopping. Last checkpoint: none"
-    assert StopReason.of("budget", "x").exit_code == EXIT_BUDGET
-    assert StopReason.of("signal", "x").exit_code == EXIT_SIGNAL
-
-
 # -- signals --------------------------------------------------------------------------------
 def test_first_signal_sets_the_flag_duplicates_are_absorbed_and_restore_puts_handlers_back():
     before = {s: signal.getsignal(s) for s in SignalStop.SIGNALS}
     # hard_exit=False: if the grace window broke, the test fails instead of os._exit-ing pytest.
     stop = SignalStop(grace_s=60.0, hard_exit=False, announce=False).install()
     try:
-        assert stop.installed and stop.requested is None and stop.flag == 0
+        assert stop.installed and stop.requested is None
         os.kill(os.getpid(), signal.SIGTERM)  # CPython runs the handler before os.kill returns
-        assert stop.requested == "SIGTERM" and stop.flag == 1
+        assert stop.requested == "SIGTERM"
         try:
             os.kill(os.getpid(), signal.SIGINT)  # within the grace window: the same request
         except KeyboardInterrupt:

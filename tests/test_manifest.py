@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.components.guards import StopReason
+from zerotrain.launcher.errors import StopRun
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = dict(run_id="debug-cpu-abc123", config_hash="abc123", profile="cpu", seed=1337)
@@ -25,7 +25,7 @@ def test_first_launch_then_resumes_append_segments(tmp_path):
     assert on_disk["versions"]["torch"] == importlib.metadata.version("torch")
     assert set(manifest.PACKAGES) <= set(on_disk["versions"])
     assert on_disk["started"].endswith("+00:00") and on_disk["segments"][0]["started"] == on_disk["started"]
-    manifest.record_end(run, StopReason.of("signal", "SIGTERM at step 40; checkpoint saved"), 40, rank0_only=False)
+    manifest.record_end(run, StopRun("signal", "SIGTERM at step 40; checkpoint saved"), 40, rank0_only=False)
 
     # The second launch: resumed on other hosts with another world size; the top level stays.
     manifest.write_or_extend(run, **ARGS, world_size=1, hosts=["node-b"],
@@ -42,10 +42,11 @@ def test_first_launch_then_resumes_append_segments(tmp_path):
     assert second["from_checkpoint"] == "runs/r/checkpoints/global_step40"
     assert second["hosts"] == ["node-b"] and second["world_size"] == 1 and "ended" not in second
     # record_end closes the current (last) segment only.
-    manifest.record_end(run, "finished", 100, rank0_only=False)
+    manifest.record_end(run, StopRun("finished", "reached --max-steps 100"), 100, rank0_only=False)
     m = manifest.read_manifest(run)
     assert "ended" not in m["segments"][1]
-    assert (m["segments"][2]["end_reason"], m["segments"][2]["end_step"]) == ("finished", 100)
+    assert (m["segments"][2]["end_reason"], m["segments"][2]["end_step"], m["segments"][2]["end_exit_code"]) == \
+        ("finished", 100, 0)
     assert m["segments"][0]["end_step"] == 40
     assert sorted(p.name for p in run.iterdir()) == ["manifest.json"]  # no temporary file left behind
 

@@ -20,10 +20,9 @@ import pytest
 
 from conftest import launch
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.components.checkpoint import RunLock
+from zerotrain.launcher.components.run_lock import RunLock
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.components.guards import StopReason
+from zerotrain.launcher.errors import StopRun, UsageError
 from zerotrain.launcher.components.metrics import MetricsLogger, read_metrics, scalars, step_measurements
 from zerotrain.launcher.config import parse_sinks
 
@@ -55,13 +54,13 @@ def wandb_offline_runs(run_dir: Path) -> list[dict]:
         while (not records or records[-1].WhichOneof("record_type") != "exit") and time.time() < deadline:
             time.sleep(0.2)
             records = _wandb_records(path)
-        run_id = next(r.run.run_id for r in records if r.WhichOneof("record_type") == "run")
+        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
         history = {}
         for r in records:
             if r.WhichOneof("record_type") == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                 history[items["_step"]] = {k: v for k, v in items.items() if not k.startswith("_")}
-        found.append({"id": run_id, "history": history})
+        found.append({"id": run.run_id, "project": run.project, "name": run.display_name, "history": history})
     return sorted(found, key=lambda run: min(run["history"], default=0))
 
 
@@ -196,6 +195,34 @@ def test_wandb_asks_nothing_with_a_terminal_attached(tmp_path, no_wandb_account)
     assert [r["history"] for r in wandb_offline_runs(tmp_path)] == [{1: {"loss": 2.5}}]
 
 
+def test_wandb_settings_users_set_in_the_environment_are_kept(tmp_path, no_wandb_account, monkeypatch):
+    """WANDB_PROJECT, WANDB_NAME, WANDB_RUN_ID, WANDB_DIR, WANDB_RESUME win over our defaults; a
+    --wandb-* flag wins over them. Read back from the run record wandb itself wrote (offline)."""
+    from zerotrain.launcher.components.metrics import wandb_init_args
+
+    run = tmp_path / RUN_ID
+    run.mkdir()
+    env = {"WANDB_PROJECT": "x", "WANDB_NAME": "their-name", "WANDB_RUN_ID": "their-id",
+           "WANDB_DIR": str(tmp_path / "wb"), "WANDB_RESUME": "must", "WANDB_RUN_GROUP": "g"}
+    defaults = wandb_init_args(run, RunConfig(data="m", log="wandb"), {})
+    assert defaults == {"project": "zerotrain", "entity": None, "group": None, "name": RUN_ID, "id": RUN_ID,
+                        "dir": str(run), "resume": "allow"}
+    flags = RunConfig(data="m", log="wandb", wandb_project="flag", wandb_name="flag-name", wandb_group="fg")
+    assert wandb_init_args(run, flags, env) == {"project": "flag", "entity": None, "group": "fg",
+                                                "name": "flag-name", "id": "their-id", "dir": str(tmp_path / "wb"),
+                                                "resume": "must"}
+    for name, value in {**env, "WANDB_RESUME": "allow"}.items():  # "must" needs a run on the server
+        monkeypatch.setenv(name, value)
+    (tmp_path / "wb").mkdir()
+    logger = MetricsLogger(run, True, RunConfig(data="m", log="wandb"))
+    logger.log(step_record(1, 3.0))
+    logger.close()
+    (recorded,) = wandb_offline_runs(tmp_path / "wb")  # WANDB_DIR: not under the run directory
+    assert (recorded["project"], recorded["name"], recorded["id"]) == ("x", "their-name", "their-id")
+    assert recorded["history"] == {1: pytest.approx(scalars(step_record(1, 3.0)))}
+    assert not (run / "wandb").exists()
+
+
 def test_only_rank_0_writes(tmp_path, no_wandb_account):
     run = tmp_path / RUN_ID
     run.mkdir()
@@ -327,7 +354,7 @@ def test_runs_lists_status_of_each_run(real_run, tmp_path):
     args = dict(config_hash="h", profile="cpu", seed=1, world_size=1, hosts=["vm"], rank0_only=False)
     budget = copy_run(real_run, out / "budget-run")
     manifest.write_or_extend(budget, run_id="budget-run", resumed_from="x/global_step6", **args)
-    manifest.record_end(budget, StopReason.of("budget", "budget reached"), 6, rank0_only=False)
+    manifest.record_end(budget, StopRun("budget", "budget reached"), 6, rank0_only=False)
     killed = copy_run(real_run, out / "killed-run")
     manifest.write_or_extend(killed, run_id="killed-run", resumed_from="x/global_step6", **args)
     live = copy_run(real_run, out / "live-run")

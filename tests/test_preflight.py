@@ -1,8 +1,8 @@
-"""Pre-flight (`zerotrain preflight`, launcher/commands/preflight.py) and the golden-step check of a real run.
+"""Pre-flight (`zerotrain preflight`, launcher/commands/preflight/) and the golden-step check of a real run.
 
 A fault is planted for each stage and that stage catches it: a corrupted shard byte (v1 data), a
-checkpoint whose read-back differs (v1, READBACK_HOOK), a data loader slowed on purpose (v2,
-SLOW_LOADER_HOOK), a step-time regression against a golden file (--golden-strict). One healthy
+checkpoint whose read-back differs (v1, ZEROTRAIN_TEST_PREFLIGHT_READBACK), a data loader slowed on
+purpose (v2, ZEROTRAIN_TEST_SLOW_LOADER), a step-time regression against a golden file (--golden-strict). One healthy
 2-rank launch under the real `deepspeed` launcher runs all three stages and must pass them all
 without touching the real run's files; the faults use 1-rank `python` launches. The golden
 comparison's arithmetic is unit-tested without a process group.
@@ -21,10 +21,10 @@ import pytest
 
 from conftest import BIN, REPO, free_port, write_mix
 from zerotrain.launcher.commands import preflight
-from zerotrain.launcher.config import config_from
-from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.commands.preflight import parse_args
-from zerotrain.launcher.components import golden
+from zerotrain.launcher.components import golden, hooks
+from zerotrain.launcher.config import config_from
+from zerotrain.launcher.errors import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED, UsageError
 from zerotrain.launcher.components.golden import GoldenCheck, golden_steps, make_golden, mfu_threshold
 
 PREFLIGHT = "zerotrain.launcher.commands.preflight"  # run as a module, like the driver
@@ -143,7 +143,7 @@ def test_v1_catches_a_corrupted_shard_byte(setup):
     victim.write_bytes(bytes(raw))
     out = setup["root"] / "runs-bad"
     proc = launch_preflight("python", ["--stage", "v1", *flags(setup, out, data=bad)])
-    assert proc.returncode == preflight.EXIT_FAILED, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_PREFLIGHT_FAILED, proc.stderr[-2000:]
     assert "  FAIL  data" in proc.stdout and f"{victim.name}: sha256 mismatch" in proc.stdout
     assert "fix: fix or re-prepare the data" in proc.stdout
     rep = report(out / "r", "v1")
@@ -155,8 +155,8 @@ def test_v1_catches_a_differing_read_back_and_v2_a_slow_loader(setup):
     out = setup["root"] / "runs-hooks"
     proc = launch_preflight("python", ["--stage", "v1,v2", "--sweep", "4", "--sweep-steps", "3", "--loader-seconds",
                                        "1", *flags(setup, out)],
-                            env_extra={preflight.READBACK_HOOK: "perturb", preflight.SLOW_LOADER_HOOK: "0.5"})
-    assert proc.returncode == preflight.EXIT_FAILED, proc.stderr[-2000:]
+                            env_extra={hooks.PREFLIGHT_READBACK: "perturb", hooks.SLOW_LOADER: "0.5"})
+    assert proc.returncode == EXIT_PREFLIGHT_FAILED, proc.stderr[-2000:]
     v1, v2 = report(out / "r", "v1"), report(out / "r", "v2")
     assert {k for k, v in status(v1).items() if v != "PASS"} == {"checkpoint read-back"}  # only the planted fault
     readback = next(c for c in v1["checks"] if c["name"] == "checkpoint read-back")
@@ -182,7 +182,7 @@ def test_golden_strict_stops_a_run_slower_than_its_rehearsal(setup, healthy):
     path.write_text(json.dumps(golden))
     out = setup["root"] / "runs-golden"
     proc = launch("python", [*flags(setup, out), "--max-steps", "8", "--golden", str(path), "--golden-strict"])
-    assert proc.returncode == preflight.EXIT_GOLDEN, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == EXIT_GOLDEN, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "golden step 6: tokens/s" in proc.stdout
     steps = read_metrics(out / "r")
     assert steps[-1]["step"] == 6

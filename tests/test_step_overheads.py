@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.launcher.components import checkpoint
+from zerotrain.launcher.components import checkpointer
 REPO = Path(__file__).resolve().parent.parent
 
 COUNT_COLLECTIVES = r"""
@@ -60,7 +60,7 @@ def test_checkpoint_writes_skip_the_zip_crc_and_restore_torchs_setting(tmp_path)
     path = tmp_path / "states.pt"
     x = {"w": torch.arange(1000, dtype=torch.float32)}
     before = torch.serialization.get_crc32_options()
-    with checkpoint._no_zip_crc32():
+    with checkpointer._no_zip_crc32():
         torch.save(x, path)
     assert torch.serialization.get_crc32_options() == before
     with zipfile.ZipFile(path) as z:

@@ -42,6 +42,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerotrain import durable
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.commands import export as export_command
 from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint
@@ -49,7 +50,7 @@ from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspee
 from zerotrain.launcher.components import checkpoint
 from zerotrain.launcher.components.metrics import read_metrics
 from zerotrain.launcher.config import config_from
-from zerotrain.launcher.errors import EXIT_DIVERGED, EXIT_SAVE_FAILED, EXIT_USAGE, UsageError, ZerotrainError
+from zerotrain.launcher.errors import END_KINDS, EXIT_USAGE, UsageError, ZerotrainError, kind_of_exit
 from zerotrain.launcher.run_plan import plan_run
 from zerotrain.launcher.trainer import run
 from zerotrain.modeling import hf
@@ -73,7 +74,7 @@ class RunFailed(ZerotrainError):
 class FinetuneResult:
     """A finished run: where it is, how it ended, and its trained weights."""
     run_dir: Path
-    stop: str  # finished | data-exhausted | budget | signal | early-stop | diverged | save-failed
+    stop: str  # the end kind: a key of launcher/errors.py END_KINDS (finished, budget, signal, diverged, ...)
     exit_code: int
     message: str
     checkpoint: Path | None  # the last complete checkpoint: the trained weights
@@ -127,7 +128,7 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
         gc.collect()  # the engine of this run is unreachable now: give its memory back before the next
     done = FinetuneResult(run_dir=Path(result.run_dir), stop=result.stop, exit_code=result.exit_code,
                           message=result.message, checkpoint=result.last_checkpoint or _newest(result.run_dir))
-    if result.exit_code in (EXIT_DIVERGED, EXIT_SAVE_FAILED):
+    if END_KINDS[result.stop].failed:
         raise RunFailed(result.message, done)
     return done
 
@@ -237,7 +238,7 @@ def _record_format(path: Path) -> dict:
 def write_if_changed(path: Path, text: str) -> None:
     if not path.is_file() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        durable.write_text(path, text)  # the mix the run reads (and a resume reads again)
 
 
 def quiet_stderr():
@@ -269,7 +270,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
         recipe["profile"] = plan.profile_name  # the ranks do not detect again
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     recipe_path = plan.run_dir / "recipe.json"
-    recipe_path.write_text(json.dumps(recipe, indent=2) + "\n")
+    durable.write_json(recipe_path, recipe)  # what the launched ranks read
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -288,12 +289,12 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     code = run_preserving_exit_code(cmd, env=env, relay=relay)
     lines = "".join(tail).splitlines()
     errors = [ln.removeprefix("zerotrain: error: ") for ln in lines if ln.startswith("zerotrain: error: ")]
-    stops = {0: "finished", 3: "diverged", 4: "early-stop", 5: "budget", 6: "signal", 7: "save-failed", 8: "golden"}
-    result = FinetuneResult(run_dir=plan.run_dir, stop=stops.get(code, "crashed"), exit_code=code,
+    kind = kind_of_exit(code)  # 0 reads as "finished": the ranks' own result is not returned across the launch
+    result = FinetuneResult(run_dir=plan.run_dir, stop=kind, exit_code=code,
                             message=errors[-1] if errors else f"exit {code}", checkpoint=_newest(plan.run_dir))
     if code == EXIT_USAGE:
         raise UsageError(result.message)
-    if code not in stops or code in (EXIT_DIVERGED, EXIT_SAVE_FAILED):
+    if END_KINDS[kind].failed:
         raise RunFailed(result.message if errors else f"the launched run exited {code}; its output is above", result)
     return result
 

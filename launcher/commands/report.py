@@ -5,7 +5,7 @@
 
 Only files are read (nothing is imported from torch or DeepSpeed, so both are quick on a login
 node while the run trains): metrics.jsonl through `read_metrics`, config.json, manifest.json,
-checkpoints/*/zerotrain.json and best.json, and the run directory's lock (launcher/components/checkpoint.py).
+checkpoints/*/zerotrain.json and best.json, and the run directory's lock (launcher/components/run_lock.py).
 A run's status: running while a live process holds the lock; otherwise how the last launch ended
 (manifest segments' end_reason, else the last "stop" event): finished, stopped (why), failed (why);
 a last launch that never recorded an end was killed or crashed.
@@ -20,14 +20,12 @@ from pathlib import Path
 
 from zerotrain.cli_args import Parser
 from zerotrain.launcher.components import checkpoint
-from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.errors import END_KINDS, UsageError, status_of
 from zerotrain.launcher.components.manifest import read_manifest
 from zerotrain.launcher.components.metrics import read_metrics
+from zerotrain.launcher.components.run_lock import live_holder
 
 RUN_FILES = ("metrics.jsonl", "config.json", "manifest.json")  # any one of them makes a run directory
-# end reasons (launcher/components/guards.py STOP_KINDS) -> status; any other reason is "stopped (reason)"
-STATUS_OF = {"finished": "finished", "data-exhausted": "finished (data exhausted)",
-             "diverged": "failed (diverged)", "save-failed": "failed (checkpoint write failed)"}
 
 
 @dataclass
@@ -76,17 +74,8 @@ def load_run(path: str | Path) -> Run:
 
 # -- status and summary ---------------------------------------------------------------------------
 
-def lock_holder(run_dir: Path) -> dict | None:
-    """The live process holding the run's lock ({"host", "pid", ...}), or None."""
-    lock = checkpoint.RunLock(run_dir, say=lambda *a: None)  # not acquired: only its staleness test is used
-    holder, age = lock._holder()
-    if holder is None:
-        return None
-    return holder if lock._stale(holder, age) is None else None
-
-
 def run_status(run: Run) -> str:
-    holder = lock_holder(run.path)
+    holder = live_holder(run.path)
     if holder is not None:
         return f"running (pid {holder.get('pid')} on {holder.get('host')})"
     segments = (run.manifest or {}).get("segments") or []
@@ -98,7 +87,7 @@ def run_status(run: Run) -> str:
         reason = stops[-1].get("reason") if stops else None
     if reason is None:
         return "unknown (no launch recorded)"
-    return STATUS_OF.get(reason, f"stopped ({reason})")
+    return status_of(reason)  # the words of launcher/errors.py's END_KINDS
 
 
 def summarize(run: Run) -> dict:
@@ -446,8 +435,12 @@ def _segments(run: Run) -> list[str]:
     lines = ["## Launches (manifest.json)", "", "| # | started | ended | world | hosts | from checkpoint | end |",
              "|---|---|---|---|---|---|---|"]
     for i, seg in enumerate(segments, 1):
-        end = (f"{seg.get('end_reason')} at step {seg.get('end_step')}" if "ended" in seg
-               else "no end recorded (killed or crashed)")
+        end = "no end recorded (killed or crashed)"
+        if "ended" in seg:
+            kind, code = seg.get("end_reason"), seg.get("end_exit_code")
+            if code is None and kind in END_KINDS:  # a manifest written before the code was recorded
+                code = END_KINDS[kind].exit_code
+            end = f"{kind} at step {seg.get('end_step')}" + (f", exit {code}" if code is not None else "")
         frm = Path(seg["from_checkpoint"]).name if seg.get("from_checkpoint") else "-"
         lines.append(f"| {i} | {seg.get('started')} | {seg.get('ended', '-')} | {seg.get('world_size')} |"
                      f" {', '.join(seg.get('hosts') or [])} | {frm} | {end} |")

@@ -1,12 +1,12 @@
 """Stop policies the training loop consults at every step boundary: signals, loss spikes,
-budgets, early stopping and non-finite values.
+budgets and early stopping (non-finite values are the Trainer's own check, on the step's agreed loss).
 
 Everything here is plain Python with no process group: the Trainer does the collectives
 (all-reduced loss, the OR of every rank's signal flag, rank 0's clock broadcast) and hands these
 objects values that every rank already agrees on, so every rank reaches the same decision at the
 same step. What must survive a resume has `state_dict()` / `load_state_dict()` (JSON-safe: it
-travels in DeepSpeed's `client_state`). A decision to stop is a `StopReason`; exit codes are
-chosen from it only in `main()` (the table is in `zerotrain.launcher.errors`).
+travels in DeepSpeed's `client_state`). The Trainer turns a decision to stop into a
+`StopRun(kind, message)`; the kind's exit code is in the table of `zerotrain.launcher.errors`.
 """
 from __future__ import annotations
 
@@ -17,35 +17,8 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from zerotrain.launcher.errors import (EXIT_BUDGET, EXIT_DIVERGED, EXIT_EARLY_STOP, EXIT_GOLDEN, EXIT_OK, EXIT_SAVE_FAILED,
-                             EXIT_SIGNAL, EXIT_SIGNAL_HARD, UsageError)
-
-
-# -- how a run ended ------------------------------------------------------------------------
-STOP_KINDS = {
-    "finished": EXIT_OK,              # --max-steps reached
-    "data-exhausted": EXIT_OK,        # a source with on_exhausted: stop ran out
-    "diverged": EXIT_DIVERGED,        # non-finite loss / grad norm, a spike with --on-spike stop, rollbacks used up
-    "early-stop": EXIT_EARLY_STOP,    # --early-stop-patience evaluations without improvement
-    "budget": EXIT_BUDGET,            # --max-hours, --total-tokens or --budget-usd would be exceeded by the next step
-    "signal": EXIT_SIGNAL,            # SIGTERM / SIGINT: stopped at a step boundary after saving
-    "save-failed": EXIT_SAVE_FAILED,  # a checkpoint write failed; the previous complete one is intact
-    "golden": EXIT_GOLDEN,            # --golden-strict: off the rehearsal's golden steps by more than 10%
-}
-
-
-@dataclass(frozen=True)
-class StopReason:
-    """Why the loop stopped: `kind` (a key of STOP_KINDS), a one-line `message`, the exit code."""
-    kind: str
-    message: str
-    exit_code: int
-
-    @classmethod
-    def of(cls, kind: str, message: str) -> "StopReason":
-        return cls(kind, message, STOP_KINDS[kind])
+from zerotrain.launcher.errors import EXIT_SIGNAL_HARD, UsageError
 
 
 # -- signals --------------------------------------------------------------------------------
@@ -106,11 +79,6 @@ class SignalStop:
 
     def __exit__(self, *exc) -> None:
         self.restore()
-
-    @property
-    def flag(self) -> int:
-        """1 if a stop was requested on this rank: the value to OR (all-reduce MAX) across ranks."""
-        return int(self.requested is not None)
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -378,16 +346,6 @@ class EarlyStopping:
     def load_state_dict(self, state: dict) -> None:
         self.best = None if state["best"] is None else float(state["best"])
         self.bad_evals = int(state["bad_evals"])
-
-
-# -- non-finite values ----------------------------------------------------------------------
-def non_finite(step: int, loss: float, grad_norm: float | None, last_checkpoint) -> StopReason | None:
-    """A 'diverged' StopReason if the (all-reduced) loss or the global grad norm is NaN or infinite."""
-    for what, value in (("loss", loss), ("gradient norm", grad_norm)):
-        if value is not None and not math.isfinite(float(value)):
-            return StopReason.of("diverged", f"step {step}: {what} is {float(value)}; stopping."
-                                             f" Last checkpoint: {last_checkpoint or 'none'}")
-    return None
 
 
 # -- helpers --------------------------------------------------------------------------------

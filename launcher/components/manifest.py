@@ -1,13 +1,15 @@
 """`manifest.json`: where, with what and how each launch of a run ran.
 
-One file per run directory, written by rank 0 only, atomically (a temporary file renamed over
-the old one, so a kill leaves the previous version). The top level describes the run as first
+One file per run directory, written by rank 0 only, atomically (a kill leaves the previous version). The top level describes the run as first
 launched: run id, config hash, profile, seed, package versions, zerotrain's git commit (when the
 source tree is a git checkout), hosts, world size, start time. `segments` holds one entry per
 launch, the first included: time, hosts, world size, the checkpoint it resumed from, versions
-and commit (an upgrade between resumes shows), and, once `record_end` ran, when and how it ended.
-A segment without `ended` was killed (kill -9, node loss) or crashed before it could say so.
-`zerotrain runs` reads it with `read_manifest`.
+and commit (an upgrade between resumes shows), and, once `record_end` ran, when and how it ended:
+`ended`, `end_step`, `end_reason` (the end kind of launcher/errors.py's END_KINDS: the key keeps its
+first name, so manifests of every version read alike), `end_exit_code` and `end_message` (older
+manifests may lack these two: readers take the code from the table). A segment without `ended` was
+killed (kill -9, node loss) or crashed before it could say so. `zerotrain runs` reads it with
+`read_manifest`. Written with zerotrain.durable (temp file, fsync, rename, fsync the directory).
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from zerotrain import resource_dir
-from zerotrain.launcher.components.guards import StopReason
+from zerotrain import durable, resource_dir
+from zerotrain.launcher.errors import StopRun
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -98,24 +100,22 @@ def write_or_extend(run_dir: Path, *, run_id: str, config_hash: str, profile: st
                     "hosts": segment["hosts"], "world_size": world_size, "started": segment["started"],
                     "segments": []}
     manifest["segments"].append(segment)
-    _write_atomic(run_dir / MANIFEST, manifest)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    durable.write_json(run_dir / MANIFEST, manifest)
     return manifest
 
 
-def record_end(run_dir: Path, reason: StopReason | str, step: int, rank0_only: bool = True) -> dict | None:
-    """Close the current (last) segment: when it ended, at which step, and why (a StopReason's
-    kind, message and exit code, or a plain kind string)."""
+def record_end(run_dir: Path, stop: StopRun, step: int, rank0_only: bool = True) -> dict | None:
+    """Close the current (last) segment: when it ended, at which step, and how: the end kind, its exit
+    code (from the table) and the run's one-line message."""
     if rank0_only and not _is_rank0():
         return None
     manifest = read_manifest(run_dir)
     if manifest is None or not manifest["segments"]:
         return None  # nothing to close (the manifest was never written); not worth failing a run over
-    if isinstance(reason, StopReason):
-        end = {"reason": reason.kind, "message": reason.message, "exit_code": reason.exit_code}
-    else:
-        end = {"reason": str(reason)}
-    manifest["segments"][-1].update(ended=now_iso(), end_step=step, **{f"end_{k}": v for k, v in end.items()})
-    _write_atomic(Path(run_dir) / MANIFEST, manifest)
+    manifest["segments"][-1].update(ended=now_iso(), end_step=step, end_reason=stop.kind,
+                                    end_exit_code=stop.exit_code, end_message=stop.message)
+    durable.write_json(Path(run_dir) / MANIFEST, manifest)
     return manifest
 
 
@@ -128,19 +128,3 @@ def _is_rank0() -> bool:
     except ImportError:
         pass
     return os.environ.get("RANK", "0") == "0"
-
-
-def _write_atomic(path: Path, data: dict) -> None:
-    """Write to a temporary file in the same directory, fsync, rename over `path`: a reader or a
-    kill at any moment sees the old manifest or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open(), not mkstemp: keep the umask's mode
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -32,10 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+from zerotrain import durable
+from zerotrain.launcher.components.checkpoint import MARKER as COMPLETE_MARKER
 from zerotrain.launcher.errors import UsageError
 
 MARKER = "zerotrain_universal.json"  # written last inside the converted tag: what it was made from
-COMPLETE_MARKER = "zerotrain.json"  # zerotrain.launcher.components.checkpoint.MARKER (not imported: it pulls torch.distributed)
 ADAM_TYPES = ("adam", "adamw")  # the converter copies exp_avg / exp_avg_sq and nothing else
 
 
@@ -147,12 +148,12 @@ def convert(tag_dir: Path, out_dir: Path | None = None, workers: int | None = No
         lines = [ln for ln in done.stderr.splitlines() if ln.strip()] or done.stdout.splitlines()
         raise UsageError(f"checkpoint {tag_dir}: DeepSpeed's universal conversion failed (exit {done.returncode}):"
                          f" {lines[-1] if lines else 'no output'}")
-    (staged / MARKER).write_text(json.dumps({
-        "source": str(tag_dir.resolve()), "source_files": _source_files(tag_dir),
-        "seconds": round(time.time() - t0, 2)}, indent=2) + "\n")
+    durable.write_json(staged / MARKER, {"source": str(tag_dir.resolve()), "source_files": _source_files(tag_dir),
+                                         "seconds": round(time.time() - t0, 2)})
     if out.exists():  # an older conversion of a tag that has since been re-saved
         out.rename(work / "replaced")
     staged.rename(out)  # atomic: `out` is either absent or complete
+    durable.fsync_dir(out.parent)
     shutil.rmtree(work, ignore_errors=True)
     return out
 

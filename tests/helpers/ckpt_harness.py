@@ -79,14 +79,18 @@ def fingerprint(engine) -> float:
 def check(out: Path) -> None:
     import torch.distributed as dist
 
-    from zerotrain.launcher.components.checkpoint import (BEST, MARKER, CheckpointError, Checkpointer, complete_checkpoints,
-                                     incomplete_checkpoints, load, read_meta, tag_for, verify)
+    from zerotrain.launcher.components.checkpoint import (BEST, MARKER, complete_checkpoints, incomplete_checkpoints,
+                                                          read_meta, tag_for, verify)
+    from zerotrain.launcher.components.checkpointer import Checkpointer, load
+    from zerotrain.launcher.components.hooks import TestHooks
+    from zerotrain.launcher.errors import CheckpointError
 
     engine, train_step = build()
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_dir, mirror = out / "run" / "checkpoints", out / "mirror"
     said = []
-    ckpt = Checkpointer(ckpt_dir, "run", rank, world, keep_last=2, mirror=mirror, say=said.append)
+    ckpt = Checkpointer(ckpt_dir, "run", rank, world, keep_last=2, mirror=mirror, say=said.append,
+                        hooks=TestHooks.from_env())  # ZEROTRAIN_TEST_FAIL_SAVE from the test
     result = {"errors": {}, "save_s": {}}
     for step in range(1, 7):
         train_step()
@@ -136,7 +140,7 @@ def check(out: Path) -> None:
 def measure(out: Path, saves: int, model_preset: str) -> None:
     import torch.distributed as dist
 
-    from zerotrain.launcher.components.checkpoint import Checkpointer
+    from zerotrain.launcher.components.checkpointer import Checkpointer
 
     engine, train_step = build(model_preset)
     rank, world = dist.get_rank(), dist.get_world_size()

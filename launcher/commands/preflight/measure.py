@@ -1,0 +1,102 @@
+"""What pre-flight's stages measure with: state digests, peak memory, rates, and the thresholds they judge by.
+
+Plain helpers, no process group (unit-tested without one); torch is imported where tensors are handled.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import time
+from pathlib import Path
+
+from zerotrain.launcher.components import ds_compat
+from zerotrain.launcher.components.hooks import TestHooks
+
+DATA_RATIO_MIN = 2.0  # the loader must produce at least twice what the model consumes (headroom for hiccups)
+DATA_WAIT_MAX = 0.10  # at most 10% of a step waiting on data
+SIGTERM_GRACE_S = 30  # DeepSpeed's launcher kills the ranks 30 s after forwarding SIGTERM
+GiB = 2 ** 30
+
+
+def rehearsal_steps(max_steps: int) -> int:
+    """v3's default N from the run's scale: 1% of the run, at least 20 and at most 200 steps."""
+    return min(max_steps, max(20, min(200, max_steps // 100)))
+
+
+def device_description() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def peak_rss() -> float | None:
+    """Peak RSS of this process since the last `reset_peak_rss` (Linux /proc), bytes."""
+    try:
+        m = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+        return int(m.group(1)) * 1024 if m else None
+    except OSError:
+        return None
+
+
+def reset_peak_rss() -> None:
+    """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0): a sweep candidate's peak is its own."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def master_tensors(engine) -> tuple[object, list]:
+    """(the torch optimizer inside DeepSpeed's wrapper, the tensors it updates on this rank: the fp32
+    master partitions under ZeRO). ZeRO-3 hands its partitions to the torch optimizer only for the
+    length of a step (stage3.py `_optimizer_step`), so they are read from the wrapper there."""
+    return ds_compat.zero_master_tensors(engine)  # DeepSpeed's internals are read there
+
+
+def state_digests(engine) -> dict[str, tuple[str, float]]:
+    """Per tensor of this rank's training state: (sha256 of its bytes, its sum).
+
+    The module's parameters as this rank holds them (its ZeRO-3 partition `ds_tensor`, else the
+    tensor), the fp32 master partitions and their optimizer state (exp_avg, ...). Hashes, not
+    copies: the comparison needs no second copy of the model in memory."""
+    import torch
+
+    out = {}
+
+    def add(name, t):
+        t = t.detach().reshape(-1).contiguous().cpu()
+        out[name] = (hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:20], float(t.double().sum()))
+
+    for name, p in engine.module.named_parameters():
+        add(f"parameter {name}", p.ds_tensor if hasattr(p, "ds_tensor") else p)
+    inner, masters = master_tensors(engine)
+    for i, p in enumerate(masters):
+        add(f"fp32 master partition {i}", p)
+        for key, value in inner.state.get(p, {}).items():
+            if torch.is_tensor(value):
+                add(f"{key} of fp32 master partition {i}", value)
+    return out
+
+
+class SlowLoader:
+    """Test hook (ZEROTRAIN_TEST_SLOW_LOADER, components/hooks.py): the loader, S seconds slower per batch."""
+
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds = inner, seconds
+
+    def next(self):
+        time.sleep(self.seconds)
+        return self.inner.next()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def slowed(loader, hooks: TestHooks):
+    return SlowLoader(loader, hooks.slow_loader_s) if hooks.slow_loader_s else loader
+
+
+def rate(x: float) -> str:
+    return f"{x / 1e6:,.2f}M" if x >= 1e6 else f"{x / 1e3:,.1f}k" if x >= 1e3 else f"{x:,.0f}"

@@ -1,0 +1,508 @@
+"""The Checkpointer: when to save, the (collective) save itself, its completion on background threads,
+rotation, best.json and the mirror copy. The format it writes and verifies is components/checkpoint.py.
+
+- **The save.** DeepSpeed's `engine.save_checkpoint` writes the files; `_WriteGuard` stands in for the
+  engine's checkpoint engine so that a failed write on any rank fails that save on every rank
+  (`CheckpointError`), with no rank left waiting in a collective; the half-written tag is removed,
+  older ones untouched.
+- **Completion.** Rank 0 writes the marker (zerotrain.durable) after every rank has written its
+  files. Hashing runs on a background thread on every rank, each rank hashing the files it wrote (so
+  a 32-rank checkpoint is hashed 32 ways at once: the marker of a final save must fit in the
+  launcher's 30 s grace after SIGTERM); the hashes meet on rank 0 over a gloo group of their own. The
+  loop only waits for DeepSpeed's own writes.
+- **Rotation** (`keep_last`), **best.json** (`mark_best`), **mirror** (a background copy to other
+  storage, verified, renamed into place).
+
+Not here: what goes into client_state and meta (the Trainer's), and sharing `hours_due` between
+ranks (rank 0 decides, the Trainer broadcasts). Test hooks (failed and slow saves, slow markers and
+mirror copies) come in as one `TestHooks` object (components/hooks.py), read once at start.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from zerotrain import durable
+from zerotrain.launcher.components import ds_compat
+from zerotrain.launcher.components.checkpoint import (BEST, MARKER, PARTIAL, check_files, complete_checkpoints,
+                                                      drop_tag, hash_file, hash_files, incomplete_checkpoints,
+                                                      one_line, read_best, read_meta, rotation_victims, step_of,
+                                                      tag_dirs, tag_for)
+from zerotrain.launcher.components.hooks import NO_HOOKS, TestHooks
+from zerotrain.launcher.errors import CheckpointError, UsageError
+
+
+def _free_space(path: str) -> str:
+    try:
+        return f" ({shutil.disk_usage(os.path.dirname(path)).free / 2**20:,.0f} MiB free there)"
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def _no_zip_crc32():
+    """torch.save without the zip format's CRC-32 of every record. Measured here (benchmarks/RESULTS.md,
+    `checkpoint`): the CRC was most of a save's time (114M model, ZeRO-2, 1.7 GB: 2.0 s -> 0.5-0.9 s),
+    and the marker's sha256 of every file, checked before any resume, already catches what it would.
+    torch.load reads these files as any other. Process-wide in torch, so restored afterwards."""
+    import torch.serialization as ts
+
+    if not hasattr(ts, "set_crc32_options"):  # torch < 2.6: always computed
+        yield
+        return
+    before = ts.get_crc32_options()
+    ts.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        ts.set_crc32_options(before)
+
+
+class _WriteGuard:
+    """Stands in for `engine.checkpoint_engine` and records a failed write instead of raising it.
+
+    DeepSpeed 0.19's save_checkpoint runs collectives between its writes: a barrier after rank 0's
+    makedirs, two all_reduces validating the tag, a final barrier. A rank that raised out of it (a
+    full disk on one node) would leave the others in a barrier forever. So every write through the
+    engine (torch.save of model and optimizer states, makedirs) and rank 0's copy of the recovery
+    scripts is caught; DeepSpeed runs its collectives to the end on every rank, and the Checkpointer
+    then agrees on the outcome with one all_gather. Outside a save it passes everything through.
+    """
+
+    def __init__(self, inner, rank: int, hooks: TestHooks = NO_HOOKS):
+        self.inner, self.rank, self.hooks = inner, rank, hooks
+        self.active = False
+        self.error: str | None = None
+        self.written: list[str] = []
+
+    @classmethod
+    def install(cls, engine, rank: int, hooks: TestHooks = NO_HOOKS) -> "_WriteGuard":
+        inner = engine.checkpoint_engine
+        if isinstance(inner, cls):
+            inner.hooks = hooks
+            return inner
+        if inner.is_decoupled():  # files would still be in flight when save_checkpoint returns
+            raise UsageError(f"checkpoint engine {inner.name}: decoupled (asynchronous) engines are not supported")
+        guard = cls(inner, rank, hooks)
+        ds_compat.route_checkpoint_writes(engine, guard)  # and rank 0's copy of zero_to_fp32.py inside the save
+        return guard
+
+    def begin(self, step: int) -> None:
+        self.active, self.error, self.written, self.step = True, None, [], step
+        self.inject_failure = self.hooks.fails_save(self.rank, step)
+
+    def end(self) -> None:
+        self.active = False
+
+    def run(self, fn, *args, where: str | None = None, **kwargs):
+        if not self.active:
+            return fn(*args, **kwargs)
+        if self.error:  # the disk already failed: do not spend time writing the rest
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - torch.save reports a full disk as a RuntimeError
+            self.error = one_line(e)
+            if where:  # torch.save's message names neither the file nor the cause: add both hints
+                named = self.error if where in self.error else f"writing {where}: {self.error}"
+                self.error = named + _free_space(where)
+            return None
+
+    def save(self, state_dict, path: str):
+        def write():
+            if self.inject_failure:
+                self.inject_failure = False
+                with open(path, "wb") as f:
+                    f.write(b"half a file")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (ZEROTRAIN_TEST_FAIL_SAVE)", path)
+            with _no_zip_crc32():
+                self.inner.save(state_dict, path)
+            self.written.append(path)
+            if len(self.written) == 1:
+                self.hooks.sleep(self.hooks.slow_save_s)
+        return self.run(write, where=path)
+
+    def makedirs(self, path, exist_ok=False):
+        return self.run(self.inner.makedirs, path, exist_ok=exist_ok)
+
+    def __getattr__(self, name):  # load, create, commit, is_decoupled, ...: DeepSpeed's own
+        return getattr(self.inner, name)
+
+
+# -- background work on rank 0 ------------------------------------------------------------------
+
+class _Worker:
+    """One daemon thread running jobs in order. A job reports its own errors; a killed process
+    leaves at worst an incomplete tag or a `.partial` mirror copy, both ignored and cleaned later."""
+
+    def __init__(self, name: str, say):
+        self._jobs: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._say = say
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> None:
+        with self._cv:
+            self._pending += 1
+        self._jobs.put((fn, args))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - last resort: the thread must survive
+                self._say(f"warning: {self._thread.name}: {one_line(e)}")
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def join(self, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+
+# -- the Checkpointer -----------------------------------------------------------------------------
+
+class Checkpointer:
+    """When to save, the (collective) save, completion, rotation, best.json and the mirror.
+
+    Every rank builds one with the same arguments (the constructor is collective when world > 1);
+    `save` is collective; everything after the files are written runs on background threads:
+    hashing on every rank, then marker, rotation and mirror on rank 0.
+
+        ckpt = Checkpointer(run_dir / "checkpoints", run_id, rank, world, save_every_steps=500,
+                            save_every_hours=4, keep_last=3, mirror="/nfs/ckpt", say=say)
+        hours = ckpt.hours_due()            # rank 0's answer; broadcast it
+        if ckpt.due(step, hours, last_step=step == max_steps):
+            ckpt.save(engine, step, client_state, meta)
+        ...
+        ckpt.close()                        # waits for the marker and the mirror copies
+    """
+
+    def __init__(self, ckpt_dir: Path, run_id: str, rank: int, world: int, save_every_steps: int = 0,
+                 save_every_hours: float | None = None, keep_last: int = 0, mirror: Path | str | None = None,
+                 say: Callable[[str], None] = print, clock: Callable[[], float] = time.time,
+                 hooks: TestHooks = NO_HOOKS):
+        for flag, value in (("--save-every-steps", save_every_steps), ("--keep-last", keep_last)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"{flag}: must be an integer >= 0, got {value!r}")
+        hours = save_every_hours
+        if hours is not None and (isinstance(hours, bool) or not isinstance(hours, (int, float)) or not hours > 0):
+            raise UsageError(f"--save-every-hours: must be a positive number, got {hours!r}")
+        self.ckpt_dir, self.run_id, self.rank, self.world = Path(ckpt_dir), run_id, rank, world
+        self.save_every_steps, self.save_every_hours, self.keep_last = save_every_steps, save_every_hours, keep_last
+        self.say, self.clock, self.hooks = say, clock, hooks
+        self.mirror_dir = Path(mirror) / run_id / "checkpoints" if mirror else None
+        self.last_saved_step: int | None = None
+        self._last_saved_dir: Path | None = None
+        self.last_blocked_s: float | None = None  # how long the last save() held the caller
+        self._last_save_time = clock()
+        self._lock = threading.Lock()  # rotation, and the tags being written or mirrored
+        self._writing: str | None = None
+        self._mirroring: set[str] = set()
+        self._errors: list[str] = []  # this rank's failed completions, reported to all at the next save
+        self._finalize_hold: threading.Event | None = None  # tests: hold a completion back
+        self._mirror_hold: threading.Event | None = None  # tests: hold a mirror copy back
+        self._group = None
+        if world > 1:
+            import torch.distributed as dist
+
+            # The background threads exchange hashes on a gloo group of their own, so they never
+            # interleave with the loop's collectives on the main (NCCL) group. Collective: every rank
+            # builds its Checkpointer at the same point.
+            self._group = dist.new_group(backend="gloo")
+        self._finalizer = _Worker("zerotrain-checkpoint", say)
+        self._mirror = None
+        if rank != 0:
+            return
+        if self.mirror_dir is not None:
+            try:
+                self.mirror_dir.mkdir(parents=True, exist_ok=True)
+                probe = self.mirror_dir / f".probe-{os.getpid()}"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as e:
+                self._warn(f"--mirror {mirror}: not writable ({one_line(e)}); training goes on without a mirror")
+            else:
+                self._mirror = _Worker("zerotrain-mirror", say)
+
+    # -- when ------------------------------------------------------------------------------------
+    def hours_due(self, now: float | None = None) -> bool:
+        """--save-every-hours elapsed since the last save (or since start)? `now` on the `clock` (wall
+        clock, time.time() by default). Rank 0 asks, then broadcasts."""
+        if not self.save_every_hours:
+            return False
+        now = self.clock() if now is None else now
+        return now - self._last_save_time >= self.save_every_hours * 3600
+
+    def due(self, step: int, hours_flag: bool = False, last_step: bool = False) -> bool:
+        """Save at this step? At the last step always, then every N steps or when hours_flag (whichever
+        comes first: any save restarts the clock); never twice for one step."""
+        if step == self.last_saved_step:
+            return False
+        return (last_step or hours_flag
+                or bool(self.save_every_steps and step % self.save_every_steps == 0))
+
+    def note_loaded(self, step: int) -> None:
+        """The engine now holds checkpoint `step` (a resume or a rollback): a save of that step is
+        not due, and a later save of a step saved before the rollback writes it anew."""
+        self.last_saved_step = step
+        self._last_saved_dir = self.ckpt_dir / tag_for(step)
+        self._last_save_time = self.clock()
+
+    def discard_after(self, step: int) -> list[str]:
+        """Rank 0: delete the tags newer than `step`, here and in the mirror: a timeline given up by
+        a rollback or by --resume of an older tag, which a later `find_resume` (newest first) must
+        not pick. best.json goes too if it names one of them. Waits for pending background work.
+        Returns the deleted tags (other ranks: [])."""
+        if self.rank != 0:
+            return []
+        self.wait()
+        victims = []
+        with self._lock:
+            for d in (self.ckpt_dir, self.mirror_dir if self._mirror is not None else None):
+                if d is None:
+                    continue
+                best = read_best(d)
+                for p in tag_dirs(d):
+                    if step_of(p.name) > step:
+                        drop_tag(p)
+                        victims.append(p.name)
+                        if best and best["tag"] == p.name:
+                            (d / BEST).unlink(missing_ok=True)
+        victims = sorted(set(victims), key=step_of)
+        if victims:
+            self.say(f"removed checkpoints newer than step {step} (a timeline given up): {', '.join(victims)}")
+        return victims
+
+    # -- the save (collective) -----------------------------------------------------------------
+    def save(self, engine, step: int, client_state: dict, meta: dict) -> Path:
+        """Write tag global_stepN on every rank; returns its path once every rank's files are written.
+
+        The tag becomes complete once the ranks' background threads have hashed their files and
+        rank 0 has written the marker (`wait()` waits for that). If a write failed on any rank, or an
+        earlier completion failed, raises CheckpointError on every rank; the failed tag is removed,
+        older ones are untouched.
+        """
+        tag = tag_for(step)
+        tag_dir = self.ckpt_dir / tag
+        if step == self.last_saved_step:
+            return tag_dir
+        t0 = time.perf_counter()
+        guard = _WriteGuard.install(engine, self.rank, self.hooks)
+        if self.rank == 0:
+            with self._lock:
+                self._writing = tag
+            if tag_dir.exists():  # left by a failed save or an abandoned timeline: never mix its files with ours
+                drop_tag(tag_dir)
+        guard.begin(step)
+        error = None
+        try:
+            engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+        except Exception as e:  # noqa: BLE001 - outside the guarded writes; other ranks may be in a collective
+            error = one_line(e)
+        finally:
+            guard.end()
+        error = error or guard.error
+        written = sorted({Path(p).relative_to(tag_dir).as_posix() for p in guard.written
+                          if Path(p).is_relative_to(tag_dir)})
+        earlier = self._errors.pop(0) if self._errors else None
+        outcome = self._all_gather((error, written, earlier))
+        if self.rank == 0:
+            with self._lock:
+                self._writing = None
+        failed = [(r, e) for r, (e, _, _) in enumerate(outcome) if e]
+        before = next((x for _, _, x in outcome if x), None)
+        if failed or before:
+            if self.rank == 0:
+                drop_tag(tag_dir)
+            if before:
+                raise CheckpointError(f"an earlier checkpoint could not be completed: {before}")
+            r, e = failed[0]
+            raise CheckpointError(f"checkpoint {tag_dir} failed on rank {r}: {e}; it was removed, "
+                                  + self._previous())
+        self.last_saved_step = step
+        self._last_saved_dir = tag_dir
+        self._last_save_time = self.clock()
+        self._finalizer.submit(self._finalize, tag_dir, dict(meta), written)
+        self.last_blocked_s = time.perf_counter() - t0
+        return tag_dir
+
+    def _previous(self) -> str:
+        """The checkpoint a restart would use, as far as every rank can tell without waiting: the last
+        one this Checkpointer saved (its marker may still be in progress), else the newest on disk."""
+        done = complete_checkpoints(self.ckpt_dir)
+        previous = self._last_saved_dir or (done[-1] if done else None)
+        return f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+
+    def _all_gather(self, mine) -> list:
+        """On the main group: the gloo group belongs to the background threads, and two threads
+        issuing collectives on one group could pair them up differently on different ranks."""
+        if self.world == 1:
+            return [mine]
+        import torch.distributed as dist
+
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
+        return every
+
+    # -- completion (every rank), rotation and mirror (rank 0): background threads -------------
+    def _finalize(self, tag_dir: Path, meta: dict, written: list[str]) -> None:
+        """Every rank: hash the files it wrote; rank 0: merge, write the marker, rotate, mirror."""
+        try:
+            if self.rank == 0:
+                if self._finalize_hold is not None:
+                    self._finalize_hold.wait()
+                self.hooks.sleep(self.hooks.slow_marker_s)
+            error, mine = None, {}
+            try:
+                mine = {rel: hash_file(tag_dir / rel) for rel in written}
+            except Exception as e:  # noqa: BLE001 - still take part in the exchange below
+                error = one_line(e)
+            every = [(error, mine)]
+            if self._group is not None:
+                import torch.distributed as dist
+
+                every = [None] * self.world
+                dist.all_gather_object(every, (error, mine), group=self._group)
+            bad = next(((r, e) for r, (e, _) in enumerate(every) if e), None)
+            if bad:
+                raise CheckpointError(f"rank {bad[0]} could not hash its files: {bad[1]}")
+            if self.rank != 0:
+                return
+            files = {rel: h for _, hashes in every for rel, h in hashes.items()}
+            for rel, h in files.items():
+                p = tag_dir / rel
+                if not p.is_file() or p.stat().st_size != h["size"]:
+                    raise CheckpointError(f"rank 0 does not see {rel} as another rank wrote it: the checkpoint"
+                                          " directory must be storage shared by all nodes")
+            files.update(hash_files(tag_dir, skip=files))  # anything written outside the engine's save
+            durable.write_json(tag_dir / MARKER, {**meta, "files": dict(sorted(files.items()))})
+            durable.write_text(self.ckpt_dir / "latest", tag_dir.name)  # for DeepSpeed's zero_to_fp32.py; never read by us
+        except Exception as e:  # noqa: BLE001 - reported to every rank at the next save
+            self._errors.append(f"{tag_dir.name}: {one_line(e)}")
+            self._warn(f"checkpoint {tag_dir} not completed: {one_line(e)}")
+            return
+        if self._mirror is not None:
+            with self._lock:
+                self._mirroring.add(tag_dir.name)
+            self._mirror.submit(self._mirror_tag, tag_dir.name)
+        self._rotate(self.ckpt_dir)
+
+    def _rotate(self, ckpt_dir: Path) -> None:
+        if self.keep_last == 0 and not incomplete_checkpoints(ckpt_dir):
+            return
+        with self._lock:
+            best = read_best(self.ckpt_dir)
+            protected = set(self._mirroring) | ({best["tag"]} if best else set())
+            if self._writing:
+                protected.add(self._writing)
+            complete = [p.name for p in complete_checkpoints(ckpt_dir)]
+            incomplete = [p.name for p in incomplete_checkpoints(ckpt_dir)]
+            victims = rotation_victims(complete, incomplete, self.keep_last, protected)
+            for tag in victims:
+                drop_tag(ckpt_dir / tag)
+        if victims:
+            self.say(f"checkpoint rotation (--keep-last {self.keep_last}): removed {', '.join(victims)}"
+                     f" from {ckpt_dir}")
+
+    def _mirror_tag(self, tag: str) -> None:
+        tmp = self.mirror_dir / f".{tag}{PARTIAL}"
+        try:
+            if self._mirror_hold is not None:
+                self._mirror_hold.wait()
+            self.hooks.sleep(self.hooks.slow_mirror_s)
+            src = self.ckpt_dir / tag
+            files = read_meta(src)["files"]
+            self.mirror_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.mirror_dir.glob(f".global_step*{PARTIAL}"):  # copies cut short by a killed run
+                shutil.rmtree(stale, ignore_errors=True)
+            for rel in files:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src / rel, tmp / rel)
+            problem = check_files(tmp, files)  # read back from the mirror: what a resume would read
+            if problem:
+                raise CheckpointError(f"the copy does not verify: {problem}")
+            shutil.copyfile(src / MARKER, tmp / MARKER)  # last: a copy counts only with its marker
+            final = self.mirror_dir / tag
+            if final.exists():
+                drop_tag(final)
+            os.rename(tmp, final)
+            durable.fsync_dir(self.mirror_dir)
+        except Exception as e:  # noqa: BLE001 - the mirror is best effort: warn, train on
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._warn(f"--mirror {self.mirror_dir}: copy of {tag} failed ({one_line(e)}); training goes on")
+        finally:
+            with self._lock:
+                self._mirroring.discard(tag)
+        self._rotate(self.mirror_dir)
+        self._rotate(self.ckpt_dir)  # the tag just copied is no longer protected here
+
+    # -- best ----------------------------------------------------------------------------------
+    def mark_best(self, tag: str, step: int, val_loss: float) -> None:
+        """Name `tag` in checkpoints/best.json (and the mirror's); rank 0, after the tag's marker."""
+        if self.rank == 0:
+            self._finalizer.submit(self._write_best, {"tag": tag, "step": step, "val_loss": val_loss})
+
+    def _write_best(self, best: dict) -> None:
+        if not (self.ckpt_dir / best["tag"] / MARKER).is_file():
+            self._warn(f"best.json not updated: {best['tag']} is not a complete checkpoint")
+            return
+        durable.write_json(self.ckpt_dir / BEST, best)
+        if self._mirror is not None:
+            self._mirror.submit(self._mirror_best, best)
+
+    def _mirror_best(self, best: dict) -> None:
+        try:
+            durable.write_json(self.mirror_dir / BEST, best)
+        except OSError as e:
+            self._warn(f"--mirror {self.mirror_dir}: best.json not written ({one_line(e)})")
+
+    # -- end -------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None, mirror: bool = True) -> bool:
+        """Wait for this rank's background work: its hashing and, on rank 0, the markers (and mirror
+        copies unless mirror=False). False on timeout. Raises CheckpointError (on the rank that saw
+        it) if a checkpoint could not be completed. Call it on every rank."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
+        done = self._finalizer.join(left())
+        if done and mirror and self._mirror is not None:
+            done = self._mirror.join(left())
+        if self._errors:
+            raise CheckpointError(f"checkpoint not completed: {self._errors.pop(0)}")
+        return done
+
+    def close(self) -> None:
+        """wait(), then stop the background threads."""
+        try:
+            self.wait()
+        finally:
+            for worker in (self._finalizer, self._mirror):
+                if worker is not None:
+                    worker.close()
+
+    def _warn(self, message: str) -> None:
+        self.say(f"warning: {message}")
+
+
+def load(engine, tag_dir: Path) -> dict:
+    """Load a complete checkpoint into the engine; returns the client_state."""
+    path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag_dir}")
+    return client_state

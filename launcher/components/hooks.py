@@ -1,0 +1,94 @@
+"""Test hooks: faults and delays the end-to-end tests plant in real launched ranks.
+
+The tests launch real ranks (deepspeed, torchrun, python), so the environment is how a hook reaches
+those processes. It is read ONCE, at start (`TestHooks.from_env()`, built by the Trainer and by
+pre-flight, handed to the Checkpointer), never in the step loop; with no ZEROTRAIN_TEST_* variable set
+the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install one with
+`monkeypatch.setattr(checkpointer, "hooks", TestHooks(...))`.
+
+    ZEROTRAIN_TEST_SPIKE=RANK:FIRST-LAST:FACTOR      the loss that rank reports for steps FIRST..LAST is
+                                                     multiplied by FACTOR (the spike detector's input only;
+                                                     not again after a rollback)
+    ZEROTRAIN_TEST_FAIL_SAVE=RANK:STEP[,RANK:STEP]   that rank's first write of that save half-writes a file
+                                                     and raises OSError(ENOSPC)
+    ZEROTRAIN_TEST_SLOW_SAVE=S                       sleep S s inside every save after each rank's first file
+                                                     (a half-written tag on disk, for the kill tests)
+    ZEROTRAIN_TEST_SLOW_MARKER=S                     delay each completion marker by S s
+    ZEROTRAIN_TEST_SLOW_MIRROR=S                     delay each mirror copy by S s
+    ZEROTRAIN_TEST_PREFLIGHT_READBACK=perturb        pre-flight v1 changes one value of the read-back state
+    ZEROTRAIN_TEST_SLOW_LOADER=S                     pre-flight's data loaders sleep S s per batch
+
+A malformed value is a UsageError naming the variable (exit 2 before anything is built).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from zerotrain.launcher.errors import UsageError
+
+PREFIX = "ZEROTRAIN_TEST_"
+SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MARKER, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER = (
+    PREFIX + name for name in ("SPIKE", "FAIL_SAVE", "SLOW_SAVE", "SLOW_MARKER", "SLOW_MIRROR", "PREFLIGHT_READBACK",
+                               "SLOW_LOADER"))
+
+
+@dataclass(frozen=True)
+class TestHooks:
+    __test__ = False  # pytest: not a test class
+
+    spike: tuple[int, int, int, float] | None = None  # (rank, first step, last step, factor)
+    fail_save: frozenset[tuple[int, int]] = frozenset()  # (rank, step)
+    slow_save_s: float = 0.0
+    slow_marker_s: float = 0.0
+    slow_mirror_s: float = 0.0
+    preflight_readback: str | None = None  # "perturb"
+    slow_loader_s: float = 0.0
+
+    @classmethod
+    def from_env(cls, environ=None) -> "TestHooks":
+        env = os.environ if environ is None else environ
+        if not any(k.startswith(PREFIX) for k in env):
+            return NO_HOOKS
+        hooks = {}
+        try:
+            if env.get(SPIKE):
+                rank, steps, factor = env[SPIKE].split(":")
+                first, last = (int(x) for x in steps.split("-"))
+                hooks["spike"] = (int(rank), first, last, float(factor))
+        except ValueError:
+            raise UsageError(f"{SPIKE}={env[SPIKE]}: expected RANK:FIRST-LAST:FACTOR") from None
+        try:
+            hooks["fail_save"] = frozenset(tuple(map(int, s.split(":"))) for s in env.get(FAIL_SAVE, "").split(",")
+                                           if s)
+            if any(len(pair) != 2 for pair in hooks["fail_save"]):
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"{FAIL_SAVE}={env[FAIL_SAVE]}: expected RANK:STEP[,RANK:STEP...]") from None
+        for field, name in (("slow_save_s", SLOW_SAVE), ("slow_marker_s", SLOW_MARKER),
+                            ("slow_mirror_s", SLOW_MIRROR), ("slow_loader_s", SLOW_LOADER)):
+            try:
+                hooks[field] = float(env.get(name) or 0.0)
+            except ValueError:
+                raise UsageError(f"{name}={env[name]}: expected seconds") from None
+        hooks["preflight_readback"] = env.get(PREFLIGHT_READBACK) or None
+        return cls(**hooks)
+
+    def spike_factor(self, rank: int, step: int) -> float:
+        """What the loss `rank` reports at `step` is multiplied by (1.0: no spike planted)."""
+        if self.spike is None:
+            return 1.0
+        r, first, last, factor = self.spike
+        return factor if r == rank and first <= step <= last else 1.0
+
+    def fails_save(self, rank: int, step: int) -> bool:
+        return (rank, step) in self.fail_save
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        if seconds:
+            time.sleep(seconds)
+
+
+NO_HOOKS = TestHooks()
