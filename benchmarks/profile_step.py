@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from zerotrain.dataio.loader import Batches, load_data, open_data
-    from zerotrain.dataio.sources import default_piece_len
+    from zerotrain.dataio.pieces import default_piece_len
     from zerotrain.dataio.tokenizer import ByteTokenizer
     from step_worker import CLIP, adamw, model_args, our_model
 

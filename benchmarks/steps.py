@@ -64,7 +64,7 @@ def save_batches(work: Path, mix: Path, seq: int, micro: int, world: int, n: int
     import numpy as np
 
     from zerotrain.dataio.loader import Batches, load_data, open_data
-    from zerotrain.dataio.sources import default_piece_len
+    from zerotrain.dataio.pieces import default_piece_len
     from zerotrain.dataio.tokenizer import ByteTokenizer
 
     out = work / f"batches-{seq}x{micro}-w{world}"

@@ -15,6 +15,13 @@ from pathlib import Path
 
 from zerotrain.cli_args import Parser
 from zerotrain.dataio.errors import DataError, UsageError
+from zerotrain.dataio.mix import parse_mix
+from zerotrain.dataio.pieces import default_piece_len
+from zerotrain.dataio.readers import find_files, load_text_source
+from zerotrain.dataio.sft import ChatRenderer, labelled_tokens
+from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
+from zerotrain.dataio.streamed import open_streamed, record_text
+from zerotrain.dataio.tokenizer import HFTokenizer, load_tokenizer, train_bpe
 
 
 def _run(fn, argv):
@@ -49,9 +56,6 @@ def prepare_main(argv):
     a = p.parse_args(argv)
 
     def go(_):
-        from zerotrain.dataio.shards import prepare, read_manifest, verify
-        from zerotrain.dataio.tokenizer import load_tokenizer
-
         tok = load_tokenizer(a.tokenizer)
         t0 = time.time()
         out = prepare(a.data, tok, a.out, a.shard_tokens, a.max_tokens_per_source)
@@ -71,9 +75,6 @@ def verify_main(argv):
     a = p.parse_args(argv)
 
     def go(_):
-        from zerotrain.dataio.shards import read_manifest, read_speed, verify
-        from zerotrain.dataio.tokenizer import load_tokenizer
-
         root = Path(a.dir)
         manifest = read_manifest(root)
         t0 = time.time()
@@ -96,8 +97,8 @@ def bench(data_path: str, tokenizer: str = "bytes", seq_len: int = 2048, micro_b
           workers: int = 0, progress: bool = True, packing: str = "best-fit", piece_len: int | None = None) -> dict:
     """Run the loader alone; tokens/s, load time, per-source shares and epochs.
     piece_len: as in training, default_piece_len(seq_len) when None."""
-    from zerotrain.dataio.loader import Batches, default_piece_len, load_data, open_data
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    # Here, not at the top: the loader imports torch, which prepare, verify and tokenizer train never need.
+    from zerotrain.dataio.loader import Batches, load_data, open_data
 
     t0 = time.time()
     data = load_data(open_data(data_path, load_tokenizer(tokenizer)), piece_len or default_piece_len(seq_len),
@@ -188,9 +189,6 @@ def tokenizer_main(argv):
     a = top.parse_args(argv)
 
     def go(_):
-        from zerotrain.dataio.sources import load_text_source, open_streamed, parse_mix, record_text
-        from zerotrain.dataio.tokenizer import train_bpe
-
         out = Path(a.out)
         if out.exists() and any(out.iterdir()):
             raise DataError(f"--out {out}: exists and is not empty")
@@ -212,8 +210,6 @@ def tokenizer_main(argv):
                         yield store.text(d)
         t0 = time.time()
         train_bpe(texts(), a.vocab_size, out)
-        from zerotrain.dataio.tokenizer import HFTokenizer
-
         tok = HFTokenizer(out)
         print(f"trained byte-level BPE, vocab {tok.vocab_size}, eos {tok.eos_id}, bos {tok.bos_id},"
               f" saved to {out} ({time.time() - t0:.1f}s)")
@@ -268,8 +264,6 @@ def _files_part(data, spec, store) -> str:
     if store is not None:
         n, what = len(store.files), "shard file" if data.kind == "shards" else "file"
     elif spec.hf is None or spec.local_hf:  # a local source read as a stream: its files, found again (cheap)
-        from zerotrain.dataio.sources import find_files
-
         n, what = len(find_files(spec).files), "file"
     else:
         return ""
@@ -279,8 +273,6 @@ def _files_part(data, spec, store) -> str:
 def _records_line(data, spec, store) -> str:
     """An SFT source, e.g. "1,200 chat records, mean 96 / max 250 tokens, 31% of the tokens (EOS included)
     take loss (responses); overflow truncate_prompt at seq len 256: truncated 3, dropped 1"."""
-    from zerotrain.dataio.sft import ChatRenderer, labelled_tokens
-
     n, total = len(store), int(store.lengths.sum())
     what = (f"{spec.format} records" + (f" ({ChatRenderer(data.tokenizer).name})" if spec.format == "chat" else ""))
     held = data.eval_stores[list(data.specs).index(spec)] if data.eval_stores else None

@@ -43,10 +43,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from zerotrain.dataio.docstore import DocStore
 from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.mix import SourceSpec
 from zerotrain.dataio.packing import BestFitPacker
 from zerotrain.dataio.sft import ChatRenderer, is_sft, stream_block
-from zerotrain.dataio.sources import DocStore, SourceSpec, open_streamed, record_text
+from zerotrain.dataio.streamed import open_streamed, record_text
 
 MAX_FRACTION = 0.10  # the most a holdout takes from a source, of its documents and of its tokens
 HOLDOUT_SALT = 0x686F6C64  # "hold": keeps the holdout order apart from the loader's epoch orders

@@ -35,11 +35,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio import shards
+from zerotrain.dataio.docstore import DocStore
+from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.holdout import split_holdout
+from zerotrain.dataio.mix import Mix, SourceSpec, parse_mix
 from zerotrain.dataio.packing import check_packing, make_packer, to_torch
+from zerotrain.dataio.pieces import make_pieces
+from zerotrain.dataio.readers import load_text_source, record_where
 from zerotrain.dataio.sft import ChatRenderer, is_sft, stream_block, tokenize_store
-from zerotrain.dataio.sources import (DocStore, Mix, SourceSpec, default_piece_len, load_text_source, make_pieces,  # noqa: F401
-                            open_streamed, parse_mix, record_text, record_where)
+from zerotrain.dataio.streamed import open_streamed, record_text
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
@@ -95,8 +100,6 @@ def open_data(path: str, tokenizer) -> Data:
     """Parse a mix file or a prepared shard directory (cheap: nothing is read yet)."""
     p = Path(path)
     if p.is_dir():
-        from zerotrain.dataio import shards
-
         manifest = shards.read_manifest(p)
         shards.check_tokenizer(p, manifest, tokenizer)
         return Data(kind="shards", path=str(p), specs=shards.manifest_specs(manifest), tokenizer=tokenizer,
@@ -113,7 +116,7 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     any model is built, and give the same result on every rank (nothing depends on the rank).
 
     piece_len: the piece bound in the loader's units (tokens for shards, bytes for text; see
-    zerotrain.dataio.sources); the driver passes `--piece-len` or `default_piece_len(seq_len)`; None: no
+    zerotrain.dataio.pieces); the driver passes `--piece-len` or `default_piece_len(seq_len)`; None: no
     bound (documents are cut only where a source has fewer than world x workers of them).
     world, workers: the ranks and the data workers per rank (the profile's zerotrain.dataloader
     workers, 0 for none) that the documents will be split across, as in `Batches`.
@@ -123,8 +126,6 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     """
     data.seq_len = seq_len
     if data.kind == "shards":
-        from zerotrain.dataio import shards
-
         shards.verify(Path(data.path), data.manifest, data.tokenizer, mode=verify)
         stores = shards.load_stores(Path(data.path), data.manifest)
     else:
@@ -133,8 +134,6 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
         stores = [tokenize_store(st, s, data.tokenizer, seq_len, lambda d, st=st: record_where(st, d))
                   if st is not None and is_sft(s) else st for s, st in zip(data.specs, stores)]
     if holdout is not None:  # (seed, eval_tokens): whole documents held out for evaluation, before any cutting
-        from zerotrain.dataio.holdout import split_holdout
-
         stores, data.eval_stores = split_holdout(stores, data.specs, *holdout, data.tokenizer)
     return cut_data(data, stores, piece_len, world, workers)
 
@@ -337,8 +336,7 @@ class StreamedSource:
         except DataError:
             raise
         except Exception as e:  # a corrupt shard met mid-stream: `datasets`/pyarrow raise many types
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise DataError(f"{self.spec.where()}: reading the stream: {first}") from None
+            raise DataError(f"{self.spec.where()}: reading the stream: {first_line(e)}") from None
         if not texts:  # the stream ended
             if self.spec.on_exhausted == "stop":
                 return False

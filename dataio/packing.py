@@ -40,6 +40,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from zerotrain.dataio.errors import DataError
+
 OPEN_TOKENS = 16384  # best-fit: rows open at once = clamp(OPEN_TOKENS // seq_len, 8, 64)
 PACKINGS = ("best-fit", "greedy")
 
@@ -93,8 +95,6 @@ class Packer:
 
 def _check_packing(state: dict, kind: str) -> None:
     if state.get("packing", "greedy") != kind:
-        from zerotrain.dataio.errors import DataError
-
         raise DataError(f"loader state was saved with {state.get('packing')!r} packing, this run packs {kind!r}")
 
 
@@ -194,8 +194,6 @@ class BestFitPacker:
 
 def check_packing(packing: str, specs=()) -> str:
     """`packing` if known and right for the mix's sources (`specs`: SFT sources need best-fit)."""
-    from zerotrain.dataio.errors import DataError
-
     if packing not in PACKINGS:
         raise DataError(f"--packing {packing!r}: must be {' or '.join(PACKINGS)}")
     sft = [s.name for s in specs if getattr(s, "format", "text") != "text"]
@@ -256,8 +254,6 @@ def best_fit_efficiency(lengths, seq_len: int, open_rows: int = 64) -> tuple[flo
     fits it; when none fits and `open_rows` are open, the fullest row is closed (padded).
     Used by the benchmark to justify greedy packing; not used for training.
     """
-    import bisect
-
     rooms: list[int] = []  # remaining room of the open rows, sorted
     rows = tokens = 0
     for length in lengths:

@@ -1,6 +1,6 @@
 """Supervised fine-tuning records: rendering, the response mask, overflow, and how the mask travels.
 
-A mix source with `"format": "sft"` or `"format": "chat"` (zerotrain.dataio.sources documents the keys)
+A mix source with `"format": "sft"` or `"format": "chat"` (zerotrain.dataio.mix documents the keys)
 holds records, not documents:
 
 - "sft": `{"prompt": ..., "response": ...}` (field names: `prompt_field`, `response_field`),
@@ -57,9 +57,13 @@ what fills the rows; a mix may hold SFT and pretraining sources side by side.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.errors import DataError, first_line
 
 FORMATS = ("text", "sft", "chat")
 OVERFLOWS = ("truncate_prompt", "drop", "error")
@@ -158,14 +162,10 @@ def render_record(spec, record: dict, renderer: ChatRenderer, on_bad) -> tuple[s
     """(text, spans as a (k, 2) int64 array of BYTE offsets) of one record, or None after
     on_bad(why) when the record is bad (missing or empty response, bad chat, ...)."""
     if spec.format == "sft":
-        prompt, response = record.get(spec.prompt_field), record.get(spec.response_field)
-        for field, value in ((spec.prompt_field, prompt), (spec.response_field, response)):
-            if value is None:
-                on_bad(f"no {field!r} value")
-                return None
-            if not isinstance(value, str):
-                on_bad(f"{field!r} is {type(value).__name__}, not text")
-                return None
+        prompt = text_value(record, spec.prompt_field, on_bad)
+        response = None if prompt is None else text_value(record, spec.response_field, on_bad)
+        if response is None:
+            return None
         if not response:
             on_bad(f"empty {spec.response_field!r} (nothing to train on)")
             return None
@@ -184,12 +184,25 @@ def render_record(spec, record: dict, renderer: ChatRenderer, on_bad) -> tuple[s
                             " follow, so the assistant turns' text cannot be located; use a template without"
                             " that (or one plain prompt/response per record, format sft)") from None
         except Exception as e:  # a template's own raise_exception (jinja2 TemplateError) and the like
-            on_bad(f"{renderer.name} refused it: {_first_line(e)}")
+            on_bad(f"{renderer.name} refused it: {first_line(e)}")
             return None
         if not spans:
             on_bad("the chat template renders no assistant text")
             return None
     return text, _byte_spans(text, spans)
+
+
+def text_value(record: dict, field: str, on_bad) -> str | None:
+    """record[field] if it is text, else None after on_bad(why) (missing, or not a string). The rule for
+    every field read as text: an SFT record's prompt and response, a streamed text record's text_field."""
+    value = record.get(field)
+    if value is None:
+        on_bad(f"no {field!r} value")
+        return None
+    if not isinstance(value, str):
+        on_bad(f"{field!r} is {type(value).__name__}, not text")
+        return None
+    return value
 
 
 def _byte_spans(text: str, spans) -> np.ndarray:
@@ -279,11 +292,9 @@ def labelled_tokens(store) -> int:
 # --------------------------------------------------------------------------------------------
 
 def tokenize_store(store, spec, tokenizer, seq_len: int | None, where_record):
-    """A DocStore of rendered SFT records (sources._sft_docstore) -> a DocStore of signed tokens
+    """A DocStore of rendered SFT records (readers._sft_docstore) -> a DocStore of signed tokens
     (kind "tokens", one in-memory chunk), overflow applied and counted. `where_record(d)` names
     record d for an error ("FILE line N")."""
-    from dataclasses import replace
-
     docs, truncated, dropped = [], 0, 0
     for lo in range(0, len(store), ENCODE_BLOCK):
         ids = range(lo, min(len(store), lo + ENCODE_BLOCK))
@@ -333,9 +344,6 @@ def sniff_format(path) -> str:
     ("prompt" and "response"), else "text". Reads the first record of json lines or the schema of
     a parquet file; anything else (or unreadable) is "text", left to the normal checks. For
     callers that wrap one file into a mix (zerotrain.launcher.commands.finetune)."""
-    import json
-    from pathlib import Path
-
     p = Path(path)
     fields: set = set()
     try:
@@ -360,8 +368,3 @@ def sniff_format(path) -> str:
 def _short(value) -> str:
     s = repr(value)
     return s if len(s) <= 40 else s[:37] + "..."
-
-
-def _first_line(e: Exception) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__

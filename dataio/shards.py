@@ -12,12 +12,12 @@ The manifest records, per shard: file names, sha256 of both files, token and doc
 dtype, the tokenizer's sha256, and the source it came from; per source its documents, tokens,
 bad records and the number of data files it was read from (null when streamed); plus the
 tokenizer and the mix (weights and policies) it was made from. `prepare` reads every source
-form a mix takes (a glob, a directory of shards, an `hf` snapshot directory: zerotrain.dataio.sources). Files are standard `.npy` (read with
+form a mix takes (a glob, a directory of shards, an `hf` snapshot directory: zerotrain.dataio.mix). Files are standard `.npy` (read with
 `np.load(mmap_mode="r")`, `allow_pickle=False`): nothing is unpickled. Training memory-maps
 them; every check in `verify()` runs at start-up, per shard in parallel threads.
 
 Shards hold whole documents: the manifest's counts and hashes describe what `prepare` wrote.
-Long documents are cut into pieces at load (`zerotrain.dataio.loader.load_data`, `zerotrain.dataio.sources.cut_pieces`),
+Long documents are cut into pieces at load (`zerotrain.dataio.loader.load_data`, `zerotrain.dataio.pieces.cut_pieces`),
 in tokens, with the same bound and rules as a mix (byte-tokenizer shards only at UTF-8 character
 starts, so a byte-tokenized mix and its shards give the same pieces and the same stream); the
 pieces are index arrays over the memory-mapped shards, and nothing about them is written here.
@@ -39,8 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.sources import DocStore, SourceSpec, _first_line, load_text_source, open_streamed, record_text
+from zerotrain.dataio.docstore import DocStore
+from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.mix import SourceSpec, parse_mix
+from zerotrain.dataio.readers import load_text_source
+from zerotrain.dataio.streamed import open_streamed, record_text
 from zerotrain.dataio.tokenizer import token_dtype
 
 FORMAT, VERSION = "zerotrain-shards", 1
@@ -109,8 +112,6 @@ def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_0
             max_tokens_per_source: int | None = None, log=print) -> Path:
     """Tokenize every source of a mix into shards under `out` (written to a temporary directory
     first, then renamed: an existing `out` is never touched)."""
-    from zerotrain.dataio.sources import parse_mix
-
     mix = parse_mix(mix_path)
     for spec in mix.sources:  # shards hold unsigned token ids: no room for the response mask (dataio/sft.py)
         if spec.format != "text":
@@ -245,7 +246,7 @@ def _load_npy(path: Path, dtype: str, length: int, what: str) -> np.ndarray:
     except FileNotFoundError:
         raise DataError(f"{what}: file missing") from None
     except (ValueError, OSError, EOFError) as e:
-        raise DataError(f"{what}: corrupt or truncated .npy file ({_first_line(e)})") from None
+        raise DataError(f"{what}: corrupt or truncated .npy file ({first_line(e)})") from None
     if arr.dtype != np.dtype(dtype) or arr.ndim != 1:
         raise DataError(f"{what}: holds {arr.dtype} with shape {arr.shape}, manifest says 1-D {dtype}")
     if len(arr) != length:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.errors import DataError, first_line
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|begin_of_text|>")  # what `zerotrain tokenizer train` adds
 
@@ -59,8 +59,7 @@ class HFTokenizer:
         try:
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            why = str(e).splitlines()[0] if str(e) else repr(e)
-            raise DataError(f"tokenizer {file}: cannot be loaded ({why})") from None
+            raise DataError(f"tokenizer {file}: cannot be loaded ({first_line(e)})") from None
         self.name = str(file)
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -113,9 +112,8 @@ class HFTokenizer:
 
                 self._transformers = AutoTokenizer.from_pretrained(str(Path(self.name).parent), local_files_only=True)
             except Exception as e:
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise DataError(f"tokenizer {self.name}: transformers cannot load it to apply its chat template"
-                                f" ({why})") from None
+                                f" ({first_line(e)})") from None
         out = []
         for gen in (False, True):  # apply_chat_template takes one add_generation_prompt per call
             batch = [c for c, g in zip(conversations, add_generation_prompt) if g == gen]

@@ -19,7 +19,7 @@ from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.loader import dataloader_settings, load_data, open_data
 from zerotrain.dataio.packing import check_packing
 from zerotrain.dataio.reshard import check_reshard
-from zerotrain.dataio.sources import default_piece_len
+from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components import checkpoint, universal

@@ -6,10 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zerotrain.dataio.docstore import DocStore
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.loader import Batches, Data, cut_data, load_data, make_loader, open_data, plain
+from zerotrain.dataio.mix import SourceSpec
 from zerotrain.dataio.packing import PACKINGS, make_packer
-from zerotrain.dataio.sources import DocStore, SourceSpec
 from zerotrain.dataio.tokenizer import ByteTokenizer
 
 ALPHABETS = {"short": "abcdefgh", "long": "0123456789", "mid": "!#$%&()*+"}

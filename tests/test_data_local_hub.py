@@ -207,7 +207,7 @@ def test_exact_resume_over_multi_file_sources_read_and_streamed(local_hub):
     assert all(np.array_equal(b.next()["input_ids"], e) for e in expected)
     assert a.tokens_per_source()[3] > 0  # the streamed source took part
     # The streamed glob is the same files in the same sorted order as the directory.
-    from zerotrain.dataio.sources import find_files
+    from zerotrain.dataio.readers import find_files
 
     assert find_files(data.specs[3]).files == data.stores[1].files
 
@@ -337,7 +337,8 @@ def fake_hub_cache(root, repo="owner/name"):
 OFFLINE_READ = """
 import sys
 from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.sources import open_streamed, parse_mix
+from zerotrain.dataio.mix import parse_mix
+from zerotrain.dataio.streamed import open_streamed
 edu, other = parse_mix(sys.argv[1]).sources
 print("edu records", sum(1 for _ in open_streamed(edu, 0, 1)))
 try:

@@ -1,4 +1,4 @@
-"""Long documents cut into pieces before the split across ranks (zerotrain.dataio.sources.make_pieces):
+"""Long documents cut into pieces before the split across ranks (zerotrain.dataio.pieces.make_pieces):
 a single-document source trains on any number of ranks, token shares and exactly-once hold over
 pieces, text is cut only at UTF-8 character starts, prepared shards are cut like the mix, and
 the summary before training names documents, pieces and a .txt file that gave few documents."""
@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerotrain.dataio.commands import describe_data
+from zerotrain.dataio.docstore import DocStore
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data
-from zerotrain.dataio.sources import DocStore, cut_pieces, default_piece_len, make_pieces
+from zerotrain.dataio.pieces import cut_pieces, default_piece_len, make_pieces
 from zerotrain.dataio.tokenizer import ByteTokenizer
 
 # Disjoint byte alphabets: a byte of a packed row says by itself which source it came from.

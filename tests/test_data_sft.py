@@ -16,9 +16,10 @@ from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.holdout import holdout_rows
 from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data, token_weighted, trainable_tokens
+from zerotrain.dataio.mix import SourceSpec, parse_mix
 from zerotrain.dataio.packing import check_packing
+from zerotrain.dataio.readers import load_text_source
 from zerotrain.dataio.sft import ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format, split_masked
-from zerotrain.dataio.sources import SourceSpec, load_text_source, parse_mix
 from zerotrain.dataio.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()

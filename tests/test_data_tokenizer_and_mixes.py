@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO
 from zerotrain.dataio.loader import load_data, make_loader, open_data
-from zerotrain.dataio.sources import parse_mix
+from zerotrain.dataio.mix import parse_mix
 from zerotrain.dataio.tokenizer import HFTokenizer
 
 
@@ -58,7 +58,7 @@ def test_shipped_mixes_validate():
     assert shares == {"fineweb-edu": 0.45, "cosmopedia": 0.25, "finepdfs": 0.20, "medqa-usmle": 0.10}
     assert all(s.hf and s.streamed for s in mix.sources)
     qa = mix.sources[-1]
-    from zerotrain.dataio.sources import record_text
+    from zerotrain.dataio.streamed import record_text
 
     record = {"question": "Q?", "options": {"A": "a", "B": "b", "C": "c", "D": "d"}, "answer_idx": "B",
               "answer": "b"}

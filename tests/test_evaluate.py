@@ -21,7 +21,8 @@ from conftest import BIN, REPO, free_port, write_mix
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.holdout import MAX_FRACTION, holdout_rows, holdout_summary, mix_rows, pack_rows, split_holdout
 from zerotrain.dataio.loader import cut_data, make_loader, open_data
-from zerotrain.dataio.sources import default_piece_len, load_text_source
+from zerotrain.dataio.pieces import default_piece_len
+from zerotrain.dataio.readers import load_text_source
 from zerotrain.dataio.tokenizer import ByteTokenizer
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.modeling.model import ModelArgs, Transformer
@@ -149,7 +150,8 @@ def test_holdout_of_a_hugging_face_tokenized_source(tmp_path, data):
 
 
 def test_holdout_of_prepared_token_shards():
-    from zerotrain.dataio.sources import DocStore, SourceSpec
+    from zerotrain.dataio.docstore import DocStore
+    from zerotrain.dataio.mix import SourceSpec
 
     tokens = (np.arange(1000) % 250).astype(np.uint16)
     store = DocStore(name="s", kind="tokens", chunks=[tokens], chunk=np.zeros(100, np.int32),

@@ -51,7 +51,7 @@ def main(mix: str, out_dir: str) -> None:
 
     from zerotrain.dataio.holdout import holdout_rows, split_holdout
     from zerotrain.dataio.loader import cut_data, make_loader, open_data
-    from zerotrain.dataio.sources import load_text_source
+    from zerotrain.dataio.readers import load_text_source
     from zerotrain.dataio.tokenizer import ByteTokenizer
     from zerotrain.launcher.components.evaluate import Evaluator
     from zerotrain.launcher.profiles import load_profile

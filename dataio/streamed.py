@@ -1,0 +1,88 @@
+"""Streamed sources: hub datasets, and local sources with `"streaming": true`, opened as this rank's part
+of a `datasets.IterableDataset` (`open_streamed`), read in order, never shuffled, size unknown; and the
+text of one streamed record (`record_text`). Offline, a hub name is read from its snapshot in the
+Hugging Face hub cache when one is there (`hub_location`).
+
+Not here: what a mix may say (zerotrain.dataio.mix), local sources read whole into DocStores
+(zerotrain.dataio.readers, whose dataset-directory helpers this module shares), the position in a
+stream and its state (zerotrain.dataio.loader's StreamedSource). `datasets` and `huggingface_hub` are
+imported inside the functions that use them (seconds to import).
+"""
+from __future__ import annotations
+
+import os
+
+from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.mix import SourceSpec
+from zerotrain.dataio.readers import (SAVED, SourceFiles, dataset_dir_args, dataset_dir_files, find_files,
+                                      quiet_datasets, render_template)
+from zerotrain.dataio.sft import is_sft, text_value
+from zerotrain.dataio.sft import record_text as sft_record_text
+
+
+def open_streamed(spec: SourceSpec, rank: int, world: int):
+    """This rank's part of a streamed source as a `datasets.IterableDataset` (nothing read yet)."""
+    datasets = quiet_datasets()
+    from datasets.distributed import split_dataset_by_node
+
+    what = spec.location()
+    try:
+        if spec.hf is not None:
+            where = spec.hf
+            if spec.local_hf:
+                _check_streamable(spec, dataset_dir_files(spec))  # checks the split; names the builder
+            else:
+                where = hub_location(spec.hf)
+                what = f"hub dataset {spec.hf!r}" + (f" (local snapshot {where})" if where != spec.hf else "")
+            args = dataset_dir_args(where, spec) if os.path.isdir(where) else {
+                "data_dir": spec.data_dir, "data_files": spec.data_files}
+            ds = datasets.load_dataset(where, spec.config, split=spec.split, streaming=True, **args)
+        else:
+            found = find_files(spec)
+            _check_streamable(spec, found)
+            # The files in our sorted order; datasets gives each rank whole files when their number
+            # divides by the ranks, else every rank reads all and keeps its share of the records.
+            ds = datasets.load_dataset(found.fmt, data_files=list(found.files), split="train", streaming=True)
+    except DataError:
+        raise
+    except Exception as e:
+        hint = ""
+        if spec.hf is not None and not spec.local_hf and datasets.config.HF_HUB_OFFLINE:
+            hint = (f"; offline, it must be in the local Hugging Face cache: `huggingface-cli download --repo-type"
+                    f" dataset {spec.hf}` on a machine with network (or point hf at a downloaded directory)")
+        raise DataError(f"{spec.where()}: cannot open {what} for streaming: {first_line(e)}{hint}") from None
+    return split_dataset_by_node(ds, rank=rank, world_size=world) if world > 1 else ds
+
+
+def _check_streamable(spec: SourceSpec, found: SourceFiles) -> None:
+    """datasets streams data files and hub datasets; .txt (our own reader) and save_to_disk are not streamed."""
+    if found.fmt in ("text", SAVED):
+        raise DataError(f"{spec.where()}: streaming applies to jsonl/parquet/arrow data files and hub"
+                        f" datasets, not to {'.txt files' if found.fmt == 'text' else 'save_to_disk'}")
+
+
+def hub_location(name: str) -> str:
+    """Where a hub dataset is read from: offline (HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1), its
+    snapshot in the Hugging Face hub cache when one is there (`huggingface-cli download`; datasets
+    by itself, offline, looks only in its own Arrow cache); otherwise the name itself (datasets
+    streams it from the hub, or offline from its Arrow cache of an earlier load_dataset)."""
+    datasets = quiet_datasets()
+    if not datasets.config.HF_HUB_OFFLINE:
+        return name
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, repo_type="dataset", local_files_only=True)
+    except Exception:  # not in the hub cache: datasets' own cache may still have it
+        return name
+
+
+def record_text(spec: SourceSpec, record: dict, on_bad) -> str | None:
+    """The document text of one streamed record, or None (after on_bad) when it has none. An SFT
+    record's rendered text (the plain chat template: for tokenizer training; training itself
+    renders streamed SFT records with zerotrain.dataio.sft.stream_block)."""
+    if is_sft(spec):
+        return sft_record_text(spec, record, on_bad)
+    if spec.template is not None:
+        return render_template(spec, record, on_bad)
+    return text_value(record, spec.text_field, on_bad)
