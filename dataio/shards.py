@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from zerotrain import durable
 from zerotrain.dataio.docstore import DocStore
 from zerotrain.dataio.errors import DataError, first_line
 from zerotrain.dataio.mix import SourceSpec, parse_mix
@@ -177,8 +178,9 @@ def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_0
             read = f"{len(store.files):,} file(s)" if store else "the stream"
             log(f"prepare: {spec.name}: {n_docs:,} documents, {n_tok:,} tokens from {read} in {k} shard(s)"
                 f" ({n_tok / max(dt, 1e-9) / 1e6:.1f}M tokens/s)")
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        durable.write_json(tmp / "manifest.json", manifest)
         tmp.rename(out)
+        durable.fsync_dir(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -335,9 +337,7 @@ class VerifiedCache:
                 merged = {**self._read(), **self.added}  # another process may have written meanwhile
                 prefix = f"{self.host}:"  # forget this node's files that are gone (test and scratch data)
                 merged = {k: v for k, v in merged.items() if not k.startswith(prefix) or os.path.exists(k[len(prefix):])}
-                tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
-                os.replace(tmp, self.path)
+                durable.write_json(self.path, merged, indent=0, sort_keys=True)
         except OSError:
             pass
         finally:

@@ -42,7 +42,7 @@ END_KINDS = {e.kind: e for e in (
             "`--early-stop-patience`: validation loss stopped improving"),
     EndKind("budget", 5, True, False, "stopped (budget)", "`--max-hours`, `--total-tokens` or `--budget-usd` reached"),
     EndKind("signal", 6, True, False, "stopped (signal)",
-            "SIGTERM/SIGINT: stopped at a step boundary, to resume with the same command"),
+            "SIGTERM/SIGINT: stopped at a step boundary; resume with the same command"),
     EndKind("save-failed", 7, False, True, "failed (checkpoint write failed)",
             "a checkpoint could not be written (disk full, I/O error); the previous one is intact"),
     EndKind("golden", 8, True, False, "stopped (golden)",
