@@ -110,7 +110,8 @@ def test_sigterm_saves_once_and_resumes_exactly_with_eval_best_rotation_and_mirr
     assert json.loads((mirrored / "best.json").read_text())["step"] == best_step
     assert not list(mirrored.glob("*.tmp*"))
     manifest = json.loads((run / "manifest.json").read_text())
-    assert [s.get("end_reason") for s in manifest["segments"]] == ["signal", "finished"]
+    assert [(s.get("end_reason"), s.get("end_exit_code")) for s in manifest["segments"]] == [("signal", 6), ("finished", 0)]
+    assert manifest["segments"][0]["end_message"].startswith("stopped by SIGTERM at step")
     assert not (run / "run.lock").exists()
 
 
