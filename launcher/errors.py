@@ -49,6 +49,8 @@ END_KINDS = {e.kind: e for e in (
             "`--golden-strict`: tokens/s or peak memory more than 10% off the pre-flight rehearsal"),
     EndKind("preflight-failed", 9, False, True, "failed (pre-flight check)",
             "`zerotrain preflight`: a check failed (it says what to fix)"),
+    EndKind("export-check-failed", 10, False, True, "failed (export check)",
+            "`zerotrain export`: the export's loss differs from the checkpoint's beyond tolerance"),
     EndKind("hard-signal", 130, False, True, "failed (second signal)",
             "a second signal: exited at once, nothing saved"),
 )}
@@ -110,6 +112,7 @@ EXIT_SIGNAL = END_KINDS["signal"].exit_code
 EXIT_SAVE_FAILED = END_KINDS["save-failed"].exit_code
 EXIT_GOLDEN = END_KINDS["golden"].exit_code
 EXIT_PREFLIGHT_FAILED = END_KINDS["preflight-failed"].exit_code
+EXIT_EXPORT_CHECK = END_KINDS["export-check-failed"].exit_code
 EXIT_SIGNAL_HARD = END_KINDS["hard-signal"].exit_code
 
 

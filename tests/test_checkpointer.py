@@ -1,5 +1,5 @@
-"""launcher/components/checkpoint.py: when to save, completion markers with sizes and sha256, verification and
-fallback on resume, rotation, best.json, the mirror, failed saves, the run directory lock.
+"""launcher/components/checkpoint.py, checkpointer.py and run_lock.py: when to save, completion markers with sizes
+and sha256, verification and fallback on resume, rotation, best.json, the mirror, failed saves, the run directory lock.
 
 The policy and file logic run in-process without a process group (world 1): `save()` drives a
 small engine stand-in whose writes go through DeepSpeed's own TorchCheckpointEngine, the way

@@ -435,10 +435,12 @@ class Checkpointer:
             for rel in files:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src / rel, tmp / rel)
+                with open(tmp / rel, "rb") as f:  # on the mirror's disk before its marker claims it
+                    os.fsync(f.fileno())
             problem = check_files(tmp, files)  # read back from the mirror: what a resume would read
             if problem:
                 raise CheckpointError(f"the copy does not verify: {problem}")
-            shutil.copyfile(src / MARKER, tmp / MARKER)  # last: a copy counts only with its marker
+            durable.write_json(tmp / MARKER, read_meta(src))  # last: a copy counts only with its marker
             final = self.mirror_dir / tag
             if final.exists():
                 drop_tag(final)

@@ -1,4 +1,4 @@
-"""Test harness for launcher/components/checkpoint.py's Checkpointer under a real `deepspeed` launch
+"""Test harness for launcher/components/checkpointer.py's Checkpointer under a real `deepspeed` launch
 (tests/test_checkpointer.py), and the measurement of how long a save blocks the loop.
 
 The debug model under ZeRO-3 with the cpu profile's settings, trained on random tokens.
