@@ -219,6 +219,18 @@ def test_profile_environment_for_the_ranks(tmp_path, monkeypatch):
     assert "WANDB_API_KEY (value not shown)" in str(e.value) and 'a"b$c' not in str(e.value)
     with pytest.raises(UsageError, match="zerotrain.env must be an object with 'set' and/or 'pass'"):
         hostfile.profile_env({"zerotrain": {"env": {"NCCL_IB_DISABLE": "0"}}}, "profile p")
+    # HF_*, WANDB_*, the compile caches and the allocator's settings go whatever the profile (none here);
+    # a forwarded value pdsh cannot carry is left out and named, never shown, never a refusal
+    forwarded = {"HF_HOME": "/hf", "HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "1", "WANDB_PROJECT": "p",
+                 "WANDB_NOTES": 'say "hi"', "TRITON_CACHE_DIR": "/t",
+                 "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                 "OTHER": "not forwarded"}
+    env, passed, missing = hostfile.rank_env({}, "profile auto", forwarded)
+    assert env == {k: v for k, v in forwarded.items() if k not in ("OTHER", "WANDB_NOTES")}
+    assert passed == ["HF_HOME", "HF_HUB_OFFLINE", "HF_TOKEN", "TRITON_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF",
+                      "WANDB_PROJECT"]
+    line = hostfile.describe_env(env, passed, missing)
+    assert SECRET not in line and "/hf" not in line and '"hi"' not in line and "WANDB_NOTES (set here, but" in line
     # the environment file: private, and a user's own .deepspeed_env (home, then here) keeps its values
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
@@ -237,8 +249,14 @@ def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_pa
     hf = tmp_path / "hostfile"
     hf.write_text("node-a slots=1\nnode-b slots=1\n")
     out, log = tmp_path / "runs", tmp_path / "pdsh.log"
+    # what a user sets once on the launching node: forwarded to every rank without a profile entry
+    forwarded = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
+                 "HF_DATASETS_CACHE": str(tmp_path / "hf" / "ds"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                 "HF_TOKEN": SECRET + "-hf", "WANDB_PROJECT": "x", "WANDB_MODE": "offline",
+                 "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+                 "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "WANDB_API_KEY": SECRET,
-           "FAKE_LOG": str(log)}
+           "FAKE_LOG": str(log), **forwarded}
     proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--hostfile", str(hf), "--master_addr",
                            "127.0.0.1", "--master_port", str(free_port()), "--",
                            "--profile", str(env_profile(tmp_path)), "--data", str(mix_path), "--out", str(out),
@@ -246,12 +264,16 @@ def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_pa
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 host(s) reachable over ssh, all running zerotrain" in proc.stdout
-    assert "passed through (values not shown): WANDB_API_KEY; not set here, not passed: ZT_TEST_NOT_SET" in proc.stdout
+    assert "passed through (values not shown): WANDB_API_KEY, HF_HOME," in proc.stdout
+    assert "; not set here, not passed: ZT_TEST_NOT_SET" in proc.stdout
     assert [m["step"] for m in read_metrics(out / "ssh")] == [1, 2]
     assert json.loads((out / "ssh" / "config.json").read_text())["world_size"] == 2
     recorded = log.read_text()
     assert "export NCCL_ASYNC_ERROR_HANDLING=1;" in recorded and f"export WANDB_API_KEY={SECRET};" in recorded
-    assert SECRET not in proc.stdout + proc.stderr
+    for name, value in forwarded.items():  # the ranks run in an empty environment (FAKE_PDSH): only exports reach them
+        assert f"export {name}={value};" in recorded, name
+        assert name in proc.stdout.split("passed through (values not shown): ", 1)[1].split("\n", 1)[0]
+    assert SECRET not in proc.stdout + proc.stderr and forwarded["HF_HOME"] not in proc.stdout + proc.stderr
     assert not any(SECRET.encode() in p.read_bytes() for p in (out / "ssh").rglob("*") if p.is_file())
     env_file = Path(recorded.split("DS_ENV_FILE ", 1)[1].split()[0])
     assert env_file.name == ".deepspeed_env" and not env_file.exists()

@@ -241,7 +241,7 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
     cfg = resolve_config(train_args)  # the driver's own validation of the train flags, before any node starts
     if cfg.golden:  # a golden file of another config: refused before any rank starts
         GoldenCheck.load(cfg.golden, cfg)
-    env, passed = {}, []
+    name, profile = "auto", {}
     if cfg.profile == "auto":
         messages.append("launch: --profile auto: each node picks its profile; no world-size check, no profile"
                         " environment")
@@ -251,8 +251,9 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
             messages.append(f"launch: --force: world size not checked against profile {name}")
         else:
             hostfile.check_world(name, profile, slots)
-        env, passed, missing = hostfile.rank_env(profile, f"profile {name}")
-        messages.append("launch: " + hostfile.describe_env(env, passed, missing))
+    # the profile's zerotrain.env, and hostfile.FORWARDED (HF_*, WANDB_*, ...) whatever the profile
+    env, passed, missing = hostfile.rank_env(profile, f"profile {name}")
+    messages.append("launch: " + hostfile.describe_env(env, passed, missing))
     ssh_mode = not ds.no_ssh and (len(active) > 1 or ds.force_multi)
     if ssh_mode and check_hosts_over_ssh and not skip_hosts:
         hostfile.check_hosts(list(active), ds.ssh_port)

@@ -23,6 +23,14 @@ The profile's `zerotrain.env` section (read by `profile_env`):
 shell's value); `pass` names variables whose value is copied from the launching shell to every
 node. Values of `pass` variables are secrets: they are never printed, and never reach a
 config, a log or a checkpoint (the launch file holding them is private and removed afterwards).
+
+Whatever the profile (`--profile auto` too), the variables in FORWARDED (and every `WANDB_*`) are
+passed the same way when the launching shell sets them: where the Hugging Face cache is and whether it
+is offline, the hub token, W&B's settings, the compile caches and the CUDA allocator's settings are
+what a user sets once on the node they launch from. DeepSpeed's own ssh path would forward none of
+them (its runner exports only NCCL/PYTHON/MV2/UCX variables and `.deepspeed_env`). A forwarded
+variable whose value DeepSpeed's pdsh command could not carry is left out and named, not refused:
+the user did not ask for it. docs/launching.md lists them and how to add more.
 """
 from __future__ import annotations
 
@@ -48,6 +56,10 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own pattern (runner.py _parse_hostfile)
 # DeepSpeed's PDSH runner wraps a value in double quotes only; these would break out of them.
 _UNSAFE_VALUE = re.compile(r'["$`\\\n\r]')
+# Passed to every rank when set on the launching node, whatever the profile says (module docstring).
+FORWARDED = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN",
+             "TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "PYTORCH_CUDA_ALLOC_CONF")
+FORWARDED_PREFIXES = ("WANDB_",)
 
 
 def parse_hostfile(path: str | Path) -> "OrderedDict[str, int]":
@@ -134,11 +146,19 @@ def profile_env(profile: dict, where: str) -> tuple[dict[str, str], list[str]]:
     return {k: str(v) for k, v in values.items()}, names
 
 
+def forwarded_names(environ) -> list[str]:
+    """The FORWARDED variables and WANDB_* set in `environ`, in a stable order."""
+    return [n for n in FORWARDED if n in environ] + sorted(
+        n for n in environ if n.startswith(FORWARDED_PREFIXES) and n not in FORWARDED)
+
+
 def rank_env(profile: dict, where: str, environ=None) -> tuple[dict[str, str], list[str], list[str]]:
     """(variables for every rank, names passed through, names of `pass` not set here).
 
     The launching shell wins over the profile's `set` (an explicit `NCCL_IB_DISABLE=1 zerotrain
-    launch ...` is a choice); `pass` variables not set in the shell are skipped and named.
+    launch ...` is a choice); `pass` variables not set in the shell are skipped and named. The
+    FORWARDED ones set here are passed too (after the profile's `pass`, values never shown); one
+    whose value DeepSpeed's ssh command cannot carry is skipped and named in `missing`.
     """
     environ = os.environ if environ is None else environ
     values, names = profile_env(profile, where)
@@ -151,7 +171,16 @@ def rank_env(profile: dict, where: str, environ=None) -> tuple[dict[str, str], l
             shown = value if name not in passed else "(value not shown)"
             raise UsageError(f"launch: environment variable {name} {shown}: contains one of \" $ ` \\ or a newline,"
                              " which DeepSpeed's ssh launcher cannot pass on")
-    return out, passed, [n for n in names if n not in environ]
+    missing = [n for n in names if n not in environ]
+    for name in forwarded_names(environ):
+        if name in out:
+            continue
+        if _UNSAFE_VALUE.search(environ[name]):
+            missing.append(f"{name} (set here, but its value holds a character DeepSpeed's ssh launcher cannot carry)")
+            continue
+        out[name] = environ[name]
+        passed.append(name)
+    return out, passed, missing
 
 
 def read_env_file(path: Path) -> dict[str, str]:

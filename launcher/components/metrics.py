@@ -10,8 +10,10 @@ step k drops what was logged after k before it). Only rank 0 writes.
 - tensorboard: event files in RUN_DIR/tensorboard/, one scalar per numeric key of the record, its
   name the metrics.jsonl key (a nested dict gives `key/sub`, e.g. `data_shares/prose`), x = step.
 - wandb: a W&B run whose id is the zerotrain run id (resume="allow": a resumed run continues it),
-  files under RUN_DIR/wandb/, the same scalars. Online only when credentials exist; otherwise
-  offline (`wandb sync` uploads later), so wandb never asks for a key, terminal or not.
+  files under RUN_DIR/wandb/, the same scalars; WANDB_PROJECT, WANDB_NAME, WANDB_RUN_ID, WANDB_DIR,
+  WANDB_RESUME set by the user win over these defaults, the --wandb-* flags over both
+  (`wandb_init_args`). Online only when credentials exist; otherwise offline (`wandb sync`
+  uploads later), so wandb never asks for a key, terminal or not.
 Both import their package only when asked for. A sink that cannot start warns and is left out:
 metrics.jsonl keeps everything, and a watcher's trouble never stops a multi-week run.
 
@@ -103,14 +105,32 @@ def wandb_credentials() -> bool:
         return False
 
 
-def wandb_mode() -> tuple[str, str | None]:
+def wandb_mode(files: str = "RUN_DIR") -> tuple[str, str | None]:
     """(mode for wandb.init, a note to print or None). WANDB_MODE is honoured, except that a mode
-    that would go online without credentials becomes offline: wandb would prompt for a key."""
+    that would go online without credentials becomes offline: wandb would prompt for a key.
+    `files`: the directory wandb writes under (its wandb/ folder), for the note."""
     mode = os.environ.get("WANDB_MODE") or "online"
     if mode in ("offline", "dryrun", "disabled") or wandb_credentials():
         return mode, None
     return "offline", ("no W&B API key (WANDB_API_KEY or `wandb login`): logging offline; upload later with"
-                       " `wandb sync RUN_DIR/wandb/offline-run-*`")
+                       f" `wandb sync {files}/wandb/offline-run-*`")
+
+
+def wandb_init_args(run_dir: Path, cfg, environ=None) -> dict:
+    """project, name, id, dir, resume, entity and group for wandb.init: a flag wins, then the
+    environment W&B users set (WANDB_PROJECT, WANDB_NAME, WANDB_RUN_ID, WANDB_DIR, WANDB_RESUME,
+    WANDB_ENTITY, WANDB_RUN_GROUP), then our default (project zerotrain; name and id the run id, so
+    a resumed run continues its W&B run; files under RUN_DIR; resume "allow"). wandb.init's
+    arguments override its environment, so our defaults are only passed where the user set nothing."""
+    environ = os.environ if environ is None else environ
+
+    def pick(flag, var, default):
+        return getattr(cfg, flag, None) if flag and getattr(cfg, flag, None) else environ.get(var) or default
+
+    return dict(project=pick("wandb_project", "WANDB_PROJECT", "zerotrain"),
+                entity=pick("wandb_entity", "WANDB_ENTITY", None), group=pick("wandb_group", "WANDB_RUN_GROUP", None),
+                name=pick("wandb_name", "WANDB_NAME", run_dir.name), id=pick(None, "WANDB_RUN_ID", run_dir.name),
+                dir=pick(None, "WANDB_DIR", str(run_dir)), resume=pick(None, "WANDB_RESUME", "allow"))
 
 
 class WandbSink:
@@ -124,15 +144,12 @@ class WandbSink:
         import wandb
 
         self.say = say
-        mode, note = wandb_mode()
+        kwargs = wandb_init_args(run_dir, cfg)
+        mode, note = wandb_mode(kwargs["dir"] if "WANDB_DIR" in os.environ else "RUN_DIR")
         if note:
             say(f"zerotrain: note: {note}")
         config_path = run_dir / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else cfg.to_dict()
-        kwargs = dict(project=getattr(cfg, "wandb_project", None) or "zerotrain",
-                      entity=getattr(cfg, "wandb_entity", None), group=getattr(cfg, "wandb_group", None),
-                      name=getattr(cfg, "wandb_name", None) or run_dir.name, id=run_dir.name, resume="allow",
-                      dir=str(run_dir), config=config)
+        kwargs["config"] = json.loads(config_path.read_text()) if config_path.is_file() else cfg.to_dict()
         try:
             self.run = wandb.init(mode=mode, **kwargs)
         except Exception as e:  # online: network down, key refused. W&B's errors have no common base
