@@ -4,12 +4,13 @@
     Trainer(plan)          process group, run directory, model, engine, data, components, resume
     Trainer.train()        the loop: a list of calls to small components
 
-The components (each its own module, unit-tested without a process group where possible):
-launcher/components/checkpoint.py (when to save, completion, verification, rotation, best, mirror),
-launcher/components/evaluate.py (all-rank evaluation), launcher/components/guards.py (signals, spikes, budgets, early
-stop), launcher/components/metrics.py (sinks, and StepLogger: each step's record and the progress bar),
-launcher/components/manifest.py (who ran what, when), launcher/components/ds_compat.py (every DeepSpeed
-internal we rely on).
+The components (launcher/components/, each its own module, unit-tested without a process group where
+possible): checkpointer.py (when to save, completion, rotation, best, mirror; the on-disk format and its
+verification in checkpoint.py), run_lock.py and process_group.py (shared with pre-flight), hooks.py (test
+hooks, read once here), evaluate.py (all-rank evaluation), guards.py (signals, spikes, budgets, early
+stop), metrics.py (sinks, and StepLogger: each step's record and the progress bar), manifest.py (who ran
+what, when, and how each launch ended), ds_compat.py (every DeepSpeed internal we rely on). How a run
+ends (StopRun by kind, its exit code): launcher/errors.py.
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
 (Trainer.agree) of each rank's row: this step's loss sum and signal flag, the decisions only rank 0
