@@ -39,6 +39,7 @@ from zerotrain.dataio import shards
 from zerotrain.dataio.docstore import DocStore
 from zerotrain.dataio.errors import DataError, first_line
 from zerotrain.dataio.holdout import split_holdout
+from zerotrain.dataio.hub import materialise
 from zerotrain.dataio.mix import Mix, SourceSpec, parse_mix
 from zerotrain.dataio.packing import check_packing, make_packer, to_torch
 from zerotrain.dataio.pieces import make_pieces
@@ -96,8 +97,10 @@ class Data:
         return out
 
 
-def open_data(path: str, tokenizer) -> Data:
-    """Parse a mix file or a prepared shard directory (cheap: nothing is read yet)."""
+def open_data(path: str, tokenizer, fetch: bool = True) -> Data:
+    """Parse a mix file or a prepared shard directory (nothing is read yet). A mix's `"download": true`
+    hub sources become their local snapshot directories: cached, else downloaded now unless fetch=False
+    (a dry run); offline, a hub source with nothing cached is refused (zerotrain.dataio.hub.materialise)."""
     p = Path(path)
     if p.is_dir():
         manifest = shards.read_manifest(p)
@@ -105,7 +108,7 @@ def open_data(path: str, tokenizer) -> Data:
         return Data(kind="shards", path=str(p), specs=shards.manifest_specs(manifest), tokenizer=tokenizer,
                     stores=[], warn_epochs=manifest["mix"].get("warn_epochs", 4.0), manifest=manifest)
     mix: Mix = parse_mix(p)
-    return Data(kind="mix", path=str(p), specs=mix.sources, tokenizer=tokenizer, stores=[],
+    return Data(kind="mix", path=str(p), specs=materialise(mix.sources, fetch), tokenizer=tokenizer, stores=[],
                 warn_epochs=mix.warn_epochs)
 
 

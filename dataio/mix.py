@@ -34,7 +34,15 @@ one weight, its documents split across ranks over the whole source:
   with `split` (default "train"). Offline (`HF_HUB_OFFLINE=1` or `HF_DATASETS_OFFLINE=1`) a hub
   name is read from its snapshot in the Hugging Face hub cache if one is there (datasets alone
   would only look in its own Arrow cache), else from datasets' Arrow cache of an earlier
-  `load_dataset`; nothing is downloaded.
+  `load_dataset`; nothing is downloaded. A streamed hub source has no known size (no epochs, no
+  `on_exhausted` warning before training), no held-out documents (evaluate with --eval-data) and is
+  read in order; its resume position is the stream's own state.
+- `"download": true` with a hub name: the source is materialised once instead of streamed: its
+  config's files (and README.md) are downloaded into the Hugging Face hub cache by
+  `huggingface_hub.snapshot_download` (HF_HOME / HF_HUB_CACHE, HF_TOKEN; offline: the cache only) when
+  the run starts, then read as that local snapshot directory: counted, held out for evaluation, visited
+  in epochs and re-split on another world size like local files (zerotrain.dataio.hub).
+  `zerotrain prepare` is the other way: it tokenizes a streamed source into shards.
 
 Local sources (`path`, `hf` directories) are read file by file with `datasets.load_dataset`
 (the file's builder: parquet, json, arrow, csv), which converts each file once into its Arrow
@@ -106,7 +114,7 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".txt": "text"
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # json lines only: datasets decompresses them
 GLOB_CHARS = "*?["
 SOURCE_KEYS = {"name", "path", "hf", "config", "split", "text_field", "template", "weight", "sample_by",
-               "on_exhausted", "bad_records", "streaming", "data_dir", "data_files",
+               "on_exhausted", "bad_records", "streaming", "download", "data_dir", "data_files",
                "format", "prompt_field", "response_field", "separator", "messages_field", "overflow"}
 SFT_KEYS = {"sft": {"prompt_field", "response_field", "separator", "overflow"}, "chat": {"messages_field", "overflow"}}
 TEXT_ONLY_KEYS = ("text_field", "template", "sample_by")  # what makes a document of a text record
@@ -138,6 +146,8 @@ class SourceSpec:
     separator: str = "\n"  # sft: between prompt and response
     messages_field: str = "messages"  # chat
     overflow: str = "truncate_prompt"  # sft, chat: a record longer than --seq-len
+    download: bool = False  # a hub name: downloaded once into the hub cache and read as local files (dataio/hub.py)
+    hub: str | None = None  # a downloaded source: the hub name; `hf` is then its local snapshot directory
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -160,6 +170,8 @@ class SourceSpec:
 
     def location(self) -> str:
         """What the mix named, for messages and the summary."""
+        if self.hub is not None:
+            return f"{self.hub}, downloaded: {self.hf}"
         return self.hf or ", ".join(self.paths) or self.name
 
     def to_dict(self) -> dict:
@@ -266,6 +278,12 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
     streaming = src.get("streaming", False)
     if not isinstance(streaming, bool):
         raise DataError(f"{at}: streaming must be true or false, got {streaming!r}")
+    download = src.get("download", False)
+    if not isinstance(download, bool):
+        raise DataError(f"{at}: download must be true or false, got {download!r}")
+    if download and (hf is None or os.path.isabs(hf) or streaming):
+        raise DataError(f"{at}: download goes with a hub dataset name in 'hf' (not a local directory or 'path'),"
+                        " and not with streaming")
     if streaming and any(not has_glob(e) and file_format(e) == "text" for e in (path or ())):
         raise DataError(f"{at}: streaming applies to jsonl/parquet/arrow/hub sources, not .txt")
     if fmt != "text" and any(not has_glob(e) and file_format(e) == "text" for e in (path or ())):
@@ -276,7 +294,7 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
         template=src.get("template"), sample_by=sample_by, streaming=streaming, data_dir=src.get("data_dir"),
         data_files=src.get("data_files"), format=fmt, prompt_field=src.get("prompt_field", "prompt"),
         response_field=src.get("response_field", "response"), separator=src.get("separator", "\n"),
-        messages_field=src.get("messages_field", "messages"), overflow=overflow,
+        messages_field=src.get("messages_field", "messages"), overflow=overflow, download=download,
         on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
         bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at))
 

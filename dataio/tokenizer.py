@@ -1,8 +1,10 @@
-"""Tokenizers: the offline byte-level one, Hugging Face tokenizers on disk, and BPE training.
+"""Tokenizers: the offline byte-level one, Hugging Face tokenizers on disk or named on the hub
+(`org/name[@revision]`, found as transformers finds it: zerotrain.dataio.hub), and BPE training.
 
 Both kinds expose `encode(text) -> list[int]`, `encode_batch(texts) -> list[np.ndarray]`,
-`decode(ids)`, `vocab_size`, `bos_id`, `eos_id`, `name` and `sha256` (identifies the exact
-vocabulary; prepared shards record it and training refuses shards made with another one), and
+`decode(ids)`, `vocab_size`, `bos_id`, `eos_id`, `pad_id` (None when none), `name` and `sha256`
+(identifies the exact vocabulary; prepared shards record it and training refuses shards made with
+another one), and
 `chat_template` (None for the byte tokenizer; a Hugging Face directory's template, from
 tokenizer_config.json `chat_template` or chat_template.jinja) for SFT chats (dataio/sft.py).
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.hub import split_name, tokenizer_snapshot
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|begin_of_text|>")  # what `zerotrain tokenizer train` adds
 
@@ -31,6 +34,8 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    pad_id = None
+    origin = None
     sha256 = hashlib.sha256(b"zerotrain bytes tokenizer v1: ids 0-255 = UTF-8 bytes, 256 BOS, 257 EOS").hexdigest()
 
     def encode(self, text: str) -> list[int]:
@@ -44,11 +49,15 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face fast tokenizer (`tokenizer.json`), loaded with the `tokenizers` library."""
+    """A Hugging Face fast tokenizer (`tokenizer.json`), loaded with the `tokenizers` library.
+
+    `name`: what the run records and `zerotrain export` resolves again: the tokenizer.json path, or for
+    a hub tokenizer "org/name@<commit>" (`origin` then says where it was found); `directory`: where its
+    files are (export copies them)."""
 
     EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, name: str | None = None, origin: str | None = None):
         from tokenizers import Tokenizer
 
         path = Path(path)
@@ -60,7 +69,7 @@ class HFTokenizer:
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise DataError(f"tokenizer {file}: cannot be loaded ({first_line(e)})") from None
-        self.name = str(file)
+        self.name, self.origin, self.directory = name or str(file), origin, file.parent
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = {}
@@ -74,6 +83,7 @@ class HFTokenizer:
         self._transformers = None  # the transformers tokenizer, loaded on the first chat rendered
         self.eos_id = self._token_id(special.get("eos_token"), self.EOS_CANDIDATES)
         self.bos_id = self._token_id(special.get("bos_token"), ("<|begin_of_text|>", "<s>", "<bos>"))
+        self.pad_id = self._token_id(special.get("pad_token"), ())  # None: the tokenizer names no pad token
         if self.eos_id is None:
             raise DataError(f"tokenizer {file}: has no end-of-text token (tried {', '.join(self.EOS_CANDIDATES)})")
 
@@ -110,7 +120,7 @@ class HFTokenizer:
             try:
                 from transformers import AutoTokenizer
 
-                self._transformers = AutoTokenizer.from_pretrained(str(Path(self.name).parent), local_files_only=True)
+                self._transformers = AutoTokenizer.from_pretrained(str(self.directory), local_files_only=True)
             except Exception as e:
                 raise DataError(f"tokenizer {self.name}: transformers cannot load it to apply its chat template"
                                 f" ({first_line(e)})") from None
@@ -144,11 +154,25 @@ def _chat_template(config: dict, directory: Path, cfg_file: Path) -> str | None:
 
 
 def load_tokenizer(spec: str):
+    """`bytes`, a tokenizer.json or a directory holding one, or a hub name `org/name[@revision]`: found
+    through huggingface_hub as AutoTokenizer.from_pretrained finds it (cache, HF_TOKEN, HF_HUB_OFFLINE;
+    zerotrain.dataio.hub). A path that exists wins over a hub name, as in transformers."""
     if spec == "bytes":
         return ByteTokenizer()
-    if not Path(spec).exists():
-        raise DataError(f"tokenizer {spec}: no such file or directory (use 'bytes' or a tokenizer.json / directory)")
-    return HFTokenizer(spec)
+    if Path(spec).exists():
+        return HFTokenizer(spec)
+    if split_name(spec) is None:
+        raise DataError(f"tokenizer {spec}: no such file or directory (use 'bytes', a tokenizer.json / directory,"
+                        " or a Hugging Face hub name ORG/NAME[@REVISION])")
+    try:
+        directory, name, origin = tokenizer_snapshot(spec)
+    except DataError as e:
+        if "/" in spec:
+            raise
+        # a bare word is a hub name to transformers too (gpt2), but more likely a path mistyped
+        raise DataError(f"tokenizer {spec}: no such file or directory; as a hub name:"
+                        f" {str(e).removeprefix(f'tokenizer {spec}: ')}") from None
+    return HFTokenizer(directory, name=name, origin=origin)
 
 
 def token_dtype(vocab_size: int):

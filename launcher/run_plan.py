@@ -90,7 +90,8 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
     zt = profile.get("zerotrain", {})
     tokenizer = load_tokenizer(cfg.tokenizer)
-    data = open_data(cfg.data, tokenizer)  # a mix file or a prepared shard directory
+    # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
+    data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
     loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
     loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
@@ -210,11 +211,12 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
     if not cfg.eval_every_steps:
         return data, None
     if cfg.eval_data is not None:
-        eval_rows = mix_rows(load_data(open_data(cfg.eval_data, tokenizer), seq_len=cfg.seq_len), cfg.seq_len,
-                             cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
+        eval_data = load_data(open_data(cfg.eval_data, tokenizer, fetch=not cfg.dry_run), seq_len=cfg.seq_len)
+        eval_rows = mix_rows(eval_data, cfg.seq_len, cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
     else:
         eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.seq_len)
-    if not eval_rows:
+    if not eval_rows and not (cfg.dry_run and any(s.download and s.streamed for s in data.specs)):
+        # (a dry run leaves "download": true sources not cached yet as hub names: the run holds them out)
         raise UsageError(f"--eval-every-steps {cfg.eval_every_steps}: no eval data (every source is streamed);"
                          " give --eval-data MIX.json")
     return data, eval_rows

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
@@ -687,6 +688,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              describe_implementation(cfg, ds, zt.get("hardware", {}).get("accelerator", "cuda")),
              *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     lines += describe_data(plan.data, cfg.max_steps * ds["train_batch_size"] * cfg.seq_len)
+    lines += hub_lines(plan.data.specs, plan.tokenizer)  # each hub name: cached, reachable, or refused (exit 2)
     fits = None
     hw = zt.get("hardware", {})
     if "device_memory_gib" in hw or hw.get("accelerator") == "cpu":

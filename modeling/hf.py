@@ -11,8 +11,9 @@ Reading a directory never unpickles: config.json through `json`, weights through
 `safetensors.safe_open`, one tensor at a time. A directory that holds only `pytorch_model.bin`
 pickles is refused. Errors are ValueError with a message naming the file and what is wrong.
 
-torch is imported by the functions that handle tensors: reading and checking a config.json needs none
-(`zerotrain plan --init-from` resolves the model through this module).
+torch (and transformers, for writing config.json) is imported by the functions that handle tensors:
+reading and checking a config.json needs none (`zerotrain plan --init-from` resolves the model through
+this module).
 """
 from __future__ import annotations
 
@@ -247,17 +248,36 @@ def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs, dtype=No
 
 
 def save(out_dir: str | Path, state_dict: dict[str, torch.Tensor], args: ModelArgs, bos_id=None, eos_id=None,
-         dtype: torch.dtype | None = None) -> None:
-    """config.json + model.safetensors for our state dict (names as in Transformer.state_dict()), in
-    `dtype` (default float32)."""
+         dtype: torch.dtype | None = None, pad_id=None, max_shard_size: int | str = "5GB") -> list[str]:
+    """A Hugging Face directory shaped as `save_pretrained` leaves one, for our state dict (names as in
+    Transformer.state_dict()) in `dtype` (default float32); returns the weight files written.
+
+    Weights: safetensors shards of at most `max_shard_size` (bytes, or "5GB"/"500MB"/"100KB" as in
+    save_pretrained; one tensor larger than that gets a shard of its own), split by huggingface_hub's
+    `split_torch_state_dict_into_shards` (what save_pretrained calls): one `model.safetensors`, or
+    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. config.json and
+    generation_config.json (bos/eos/pad) are written by transformers' own config classes."""
     import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig
 
     dtype = torch.float32 if dtype is None else dtype
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = hf_state_dict(state_dict, args, dtype)
-    save_file(dict(sorted(tensors.items())), str(out_dir / SINGLE_FILE), metadata={"format": "pt"})
+    # Split by shape and dtype alone (meta tensors): DeepSpeed's consolidated fp32 weights are views of one
+    # flat buffer, which huggingface_hub would take for tied tensors and keep in one shard; ours share
+    # nothing (a tied head is dropped by hf_state_dict).
+    split = split_torch_state_dict_into_shards({n: t.to("meta") for n, t in tensors.items()},
+                                               max_shard_size=max_shard_size)
+    for file, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in sorted(names)}, str(out_dir / file), metadata={"format": "pt"})
+    if split.is_sharded:  # the index save_pretrained writes: metadata.total_size and the weight map
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     cfg = hf_config(args, bos_id, eos_id, dtype=str(dtype).removeprefix("torch."))
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    config = AutoConfig.for_model(cfg.pop("model_type"), pad_token_id=pad_id, **cfg)
+    config.save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out_dir)
+    return sorted(split.filename_to_tensors)

@@ -109,6 +109,70 @@ def test_init_from_hf_then_zero2_and_zero3_exports_agree(runs, assets, tmp_path)
     assert tokenizer.eos_token_id == ours.eos_id == model.config.eos_token_id
 
 
+def test_export_shards_like_save_pretrained_and_checks_itself(runs, assets, tmp_path, capsys, monkeypatch):
+    """--max-shard-size: several safetensors shards (none over the size but for a lone larger tensor) and
+    their index, loaded by transformers; config.json and generation_config.json from transformers' own
+    classes; the check's figure printed and in the model card. A converter bug (here the embedding rows
+    shifted by one, as an off-by-one in a vocabulary mapping would) fails the check: exit 10, one line."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from zerotrain.launcher.cli import main as cli
+    from zerotrain.modeling import hf
+
+    out = tmp_path / "sharded"
+    cli(["export", str(runs[2][0]), "--to", str(out), "--max-shard-size", "100KB"])
+    printed = capsys.readouterr().out
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists(), printed
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [s.name for s in shards]
+    total = 0
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            sizes = [f.get_tensor(k).nbytes for k in f.keys()]
+        assert sum(sizes) <= 100_000 or len(sizes) == 1, (shard, sizes)
+        total += sum(sizes)
+    assert index["metadata"]["total_size"] == total
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert json.loads((out / "config.json").read_text())["transformers_version"]  # written by LlamaConfig itself
+    assert GenerationConfig.from_pretrained(out).eos_token_id == model.config.eos_token_id is not None
+    check = re.search(r"check: loss on [\d,]+ pseudo-random token ids \(seed 0; the run held out no documents.*\):"
+                      r" checkpoint \(fp32, zerotrain\) ([\d.]+), export \(float32, transformers\) ([\d.]+),"
+                      r" relative difference (\S+) \(within the float32 tolerance 0.0001\)", printed)
+    assert check and float(check.group(3)) < 1e-4, printed
+    card = (out / "README.md").read_text()
+    assert "library_name: transformers" in card and f"relative difference {check.group(3)}" in card
+    assert "**passed**" in card
+
+    capsys.readouterr()  # transformers' own loading bars above
+    for size, why in (("5 GiB", "expected bytes or a size like 5GB, 500MB, 100KB"), ("0MB", "must be more than 0")):
+        with pytest.raises(SystemExit) as e:
+            cli(["export", str(runs[2][0]), "--to", str(tmp_path / "never"), "--max-shard-size", size])
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert e.value.code == 2 and len(lines) == 1 and why in lines[0], lines
+    assert not (tmp_path / "never").exists()
+
+    shifted = hf.hf_state_dict  # a converter bug: every token gets its neighbour's embedding
+
+    def off_by_one(*args, **kwargs):
+        tensors = shifted(*args, **kwargs)
+        return {**tensors, "model.embed_tokens.weight": tensors["model.embed_tokens.weight"].roll(1, 0)}
+
+    monkeypatch.setattr(hf, "hf_state_dict", off_by_one)
+    cli(["export", str(runs[2][0]), "--to", str(tmp_path / "bad"), "--no-check"])  # nothing compared: it passes
+    assert "check: skipped (--no-check)" in capsys.readouterr().out
+    assert "Not checked (`--no-check`)." in (tmp_path / "bad" / "README.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        cli(["export", str(runs[2][0]), "--to", str(tmp_path / "bad2")])
+    assert e.value.code == 10
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "the export's loss differs from the checkpoint's by" in lines[0], lines
+    assert "beyond the float32 tolerance 0.0001; do not ship it" in lines[0]
+    assert "FAILED: do not ship this export" in (tmp_path / "bad2" / "README.md").read_text()
+
+
 def test_compile_and_activation_checkpointing_leave_the_loss_unchanged(runs):
     plain, fancy = runs[3][1], runs[2][1]
     graphs = re.search(r"torch.compile: (\d+) graphs compiled", fancy)

@@ -1,8 +1,14 @@
-"""`zerotrain export RUN_DIR|CHECKPOINT --to DIR [--dtype float32|bfloat16] [--best]`.
+"""`zerotrain export RUN_DIR|CHECKPOINT --to DIR [--dtype float32|bfloat16] [--best] [--max-shard-size 5GB]
+[--no-check]`.
 
-Writes a Hugging Face directory that `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
-loads as `LlamaForCausalLM` (`Qwen3ForCausalLM` for a QK-norm model): `config.json`,
-`model.safetensors`, and the tokenizer files when the run's tokenizer is a Hugging Face one.
+Writes a Hugging Face directory shaped as `save_pretrained` and the Hub leave one, which
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as `LlamaForCausalLM` (`Qwen3ForCausalLM`
+for a QK-norm model): safetensors shards of at most --max-shard-size (default 5GB, as save_pretrained;
+`model.safetensors`, or `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`),
+`config.json` and `generation_config.json` (bos/eos/pad from the tokenizer) written by transformers' own
+config classes (zerotrain.modeling.hf.save), the tokenizer's files when it is a Hugging Face one (the
+chat template included; a hub tokenizer is resolved again by the name the run recorded, pinned to its
+commit), and a README.md model card.
 
 RUN_DIR means its newest complete checkpoint that verifies; with --best the one
 checkpoints/best.json names (the lowest validation loss: the one users ship). The weights are the fp32 master weights, put
@@ -10,25 +16,53 @@ together by DeepSpeed's own consolidation (`deepspeed.utils.zero_to_fp32`) from 
 ZeRO-1/2/3 partition files in this one CPU process: no launch at the original world size. The
 model's shape comes from RUN_DIR/config.json, written by the driver. The checkpoint's files are
 DeepSpeed pickles that our own runs wrote; the directory written holds none.
+
+Checked export (`--no-check` skips it, for a model too large to hold twice in CPU memory): after
+writing, DIR is loaded with AutoModelForCausalLM (in the export's dtype) and its loss on a fixed batch
+is compared with the live model's: the checkpoint's consolidated fp32 weights in our own Transformer.
+The batch is up to CHECK_ROWS x CHECK_LEN tokens of the documents the run held out for evaluation
+(re-drawn from its mix with its seed and --eval-tokens, as the driver draws them) or of its
+--eval-data; a run that held out nothing, or whose data is not readable here, gets a fixed batch of
+pseudo-random token ids (seed 0), and the check says which. Both models see plain causal rows
+(transformers' Llama has no document mask). The relative difference |export - live| / live is printed
+and written into the model card. Beyond CHECK_TOLERANCE the command exits 10
+(`export-check-failed`, launcher/errors.py) with one line, and DIR stays for inspection, its card
+saying the check failed. The tolerance: fp32 1e-4 (the same weights in two implementations:
+measured 8e-8 to 1e-7 on the tests' models); bf16 1e-2 (the weights are rounded to bf16's 8
+significant bits, up to 2^-9 relative each, and the export computes in bf16 too: the bound leaves room
+for that on a trained model; measured 3e-7 and 4e-5 on the tests' near-initial models). On a model
+near its initialisation even a real conversion bug moves the loss little (the embedding rows shifted
+by one: 2.8e-3 relative, caught at fp32's bound, not at bf16's): export fp32 to check such a model.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
+from zerotrain import __version__
 from zerotrain.cli_args import Parser
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.holdout import holdout_rows, mix_rows
+from zerotrain.dataio.hub import TOKENIZER_FILES
+from zerotrain.dataio.loader import load_data, open_data
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.components import checkpoint
-from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.errors import EXIT_EXPORT_CHECK, UsageError, ZerotrainError, fail
 from zerotrain.modeling import hf
-from zerotrain.modeling.sizes import ModelArgs
+from zerotrain.modeling.sizes import ModelArgs, count_params
 
 DTYPES = ("float32", "bfloat16")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CHECK_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}  # relative loss difference (module docstring)
+CHECK_ROWS, CHECK_LEN = 4, 256  # the fixed batch of the check: at most 4 rows of 256 tokens
+
+
+class ExportCheckFailed(ZerotrainError):
+    """The export's loss differs from the checkpoint's beyond tolerance (exit EXPORT_CHECK: 10)."""
 
 
 def find_checkpoint(source: Path, best: bool = False) -> tuple[Path, Path]:
@@ -67,35 +101,47 @@ def find_checkpoint(source: Path, best: bool = False) -> tuple[Path, Path]:
 
 
 def consolidated_state_dict(tag_dir: Path) -> dict:
-    """fp32 weights from every rank's ZeRO partitions, by DeepSpeed's zero_to_fp32 (its chatter muted)."""
+    """fp32 weights from every rank's ZeRO partitions, by DeepSpeed's zero_to_fp32 (its chatter and progress
+    bars muted: an error of ours stays one line; one of DeepSpeed's is raised)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if not any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         raise UsageError(f"export {tag_dir}: no ZeRO partition files (*zero_pp_rank_*_optim_states.pt); export reads"
                          " checkpoints of ZeRO stage 1, 2 or 3 profiles")
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
 
 
-def copy_tokenizer(name: str, out: Path, tokenizer) -> list[str]:
-    """Copy a Hugging Face tokenizer's files next to the weights; [] for the byte tokenizer."""
-    if name == "bytes":
+def live_model(state: dict, args: ModelArgs, where: str):
+    """Our Transformer (CPU, eval mode) holding a consolidated state dict's tensors themselves (built on
+    the meta device and assigned: no second copy of the weights)."""
+    import torch
+
+    from zerotrain.modeling.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    missing = set(model.load_state_dict(state, strict=False, assign=True).missing_keys)
+    if args.tie_embeddings:  # assign replaced the embedding's Parameter: tie the head to the new one
+        model.lm_head.weight = model.embed_tokens.weight
+    if missing - ({"lm_head.weight"} if args.tie_embeddings else set()):
+        raise UsageError(f"{where}: the checkpoint lacks {sorted(missing)[0]}")
+    return model.eval()
+
+
+def copy_tokenizer(tokenizer, out: Path) -> list[str]:
+    """Copy a Hugging Face tokenizer's files (those AutoTokenizer reads, the chat template included)
+    next to the weights; [] for the byte tokenizer."""
+    if tokenizer.name == "bytes":
         return []
-    src = Path(name)
-    src_dir = src if src.is_dir() else src.parent
-    if not (src_dir / "tokenizer.json").is_file():
-        raise UsageError(f"export: the run's tokenizer {name} is gone (no tokenizer.json); it is needed next to"
-                         " the weights")
-    copied = []
-    for file in TOKENIZER_FILES:
-        if (src_dir / file).is_file():
-            shutil.copyfile(src_dir / file, out / file)
-            copied.append(file)
+    copied = [f for f in TOKENIZER_FILES if (tokenizer.directory / f).is_file()]
+    for file in copied:
+        shutil.copyfile(tokenizer.directory / file, out / file)  # a hub cache's symlinks: their content
     if "tokenizer_config.json" not in copied:  # transformers needs a class name and the special tokens
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(src_dir / "tokenizer.json"))
-        ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+        tok = Tokenizer.from_file(str(tokenizer.directory / "tokenizer.json"))
+        ids = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id}
         special = {key: tok.id_to_token(i) for key, i in ids.items() if i is not None}
         (out / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=2) + "\n")
@@ -103,7 +149,101 @@ def copy_tokenizer(name: str, out: Path, tokenizer) -> list[str]:
     return copied
 
 
-def export(source: Path, out: Path, dtype: str = "float32", best: bool = False) -> dict:
+# -- the check -----------------------------------------------------------------------------------
+
+def check_batch(run: dict, tokenizer, args: ModelArgs):
+    """(input_ids, labels, what they are): the fixed batch of the check (module docstring)."""
+    import torch
+
+    cfg = run.get("run", {})
+    length = min(CHECK_LEN, cfg.get("seq_len") or CHECK_LEN, args.max_seq_len)
+    rows, why = None, "the run held out no documents (no --eval-tokens) and has no --eval-data"
+    try:  # the driver's own draw (launcher/run_plan.py _load_plan_data), packed into rows of `length`
+        if cfg.get("eval_data"):
+            what = f"--eval-data {cfg['eval_data']}"
+            rows = mix_rows(load_data(open_data(cfg["eval_data"], tokenizer), seq_len=length, verify="quick"), length,
+                            CHECK_ROWS * length)
+        elif cfg.get("eval_tokens") and cfg.get("data"):
+            what = f"the documents the run held out of {cfg['data']}"
+            data = load_data(open_data(cfg["data"], tokenizer), holdout=(cfg.get("seed"), cfg["eval_tokens"]),
+                             seq_len=length, verify="quick")
+            rows = holdout_rows(data.eval_stores, data.specs, tokenizer, length)
+            why = "every source of the run is streamed: none held out"
+    except DataError as e:
+        rows, why = None, f"the run's data cannot be read here ({first_line(e)})"
+    if rows:
+        ids = torch.cat([r["input_ids"] for r in rows.values()])[:CHECK_ROWS]
+        labels = torch.cat([r["labels"] for r in rows.values()])[:CHECK_ROWS]
+        return ids, labels, f"{int((labels[:, 1:] != -100).sum()):,} tokens of {what}"
+    ids = torch.randint(0, tokenizer.vocab_size, (CHECK_ROWS, length), generator=torch.Generator().manual_seed(0))
+    return ids, ids.clone(), f"{ids.numel() - CHECK_ROWS:,} pseudo-random token ids (seed 0; {why})"
+
+
+def check_export(hf_dir: Path, state: dict, args: ModelArgs, batch, dtype: str, where: str) -> dict:
+    """The live model's loss and the export's (loaded by transformers, in `dtype`) on `batch`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    ids, labels, what = batch
+    model = live_model(state, args, where)
+    with torch.no_grad():
+        live = float(model(ids, labels=labels))
+    del model
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # "Loading weights" bars: the one line below says what happened
+    try:
+        theirs = AutoModelForCausalLM.from_pretrained(hf_dir).to(getattr(torch, dtype)).eval()  # bf16 values: exact
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+    with torch.no_grad():
+        exported = float(theirs(input_ids=ids, labels=labels).loss)
+    del theirs
+    diff = abs(exported - live) / abs(live)
+    return {"live": live, "export": exported, "relative": diff, "tolerance": CHECK_TOLERANCE[dtype],
+            "passed": diff <= CHECK_TOLERANCE[dtype], "batch": what, "dtype": dtype}
+
+
+def check_line(c: dict) -> str:
+    return (f"check: loss on {c['batch']}: checkpoint (fp32, zerotrain) {c['live']:.6f}, export ({c['dtype']},"
+            f" transformers) {c['export']:.6f}, relative difference {c['relative']:.2e}"
+            f" ({'within' if c['passed'] else 'BEYOND'} the {c['dtype']} tolerance {c['tolerance']:g})")
+
+
+def model_card(run: dict, meta: dict, tag_dir: Path, args: ModelArgs, dtype: str, tokenizer,
+               check: dict | None) -> str:
+    """README.md: the Hub's front matter, where the weights come from, and the check's figure."""
+    arch = hf.ARCHITECTURES["qwen3" if args.qk_norm else "llama"]
+    n = count_params(args)
+    if check is None:
+        checked = "Not checked (`--no-check`)."
+    else:
+        checked = (f"Loss on a fixed batch of {check['batch']}, as plain causal rows: the checkpoint's fp32 weights in"
+                   f" zerotrain's model {check['live']:.6f}; this directory loaded with `AutoModelForCausalLM` in"
+                   f" {dtype} {check['export']:.6f}; relative difference {check['relative']:.2e}, tolerance"
+                   f" {check['tolerance']:g}: **{'passed' if check['passed'] else 'FAILED: do not ship this export'}**"
+                   ".")
+    return "\n".join([
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- zerotrain", "---", "",
+        f"# {run.get('run_id', tag_dir.parent.parent.name)}", "",
+        f"A {arch} ({n['total']:,} parameters, {dtype}) exported by zerotrain {__version__} from checkpoint"
+        f" `{tag_dir.name}` (step {meta.get('step')}, {meta.get('tokens_seen', 0):,} tokens seen) of run"
+        f" `{run.get('run_id', '')}`.", "",
+        f"- tokenizer: `{tokenizer.name}`" + ("" if tokenizer.name != "bytes" else
+                                             " (zerotrain's byte tokenizer: ids 0-255 are UTF-8 bytes, 256 BOS,"
+                                             " 257 EOS; not a Hugging Face one, so no tokenizer files here)"),
+        f"- layers {args.n_layers}, hidden {args.dim}, heads {args.n_heads} (kv {args.n_kv_heads}), vocabulary"
+        f" {args.vocab_size:,}, context {args.max_seq_len:,}", "",
+        "## Export check", "", checked, ""])
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def export(source: Path, out: Path, dtype: str = "float32", best: bool = False, max_shard_size: int | str = "5GB",
+           check: bool = True) -> dict:
+    """Write the Hugging Face directory; returns {"checkpoint", "args", "tokenizer_files", "weight_files",
+    "check" (None with check=False)}. A failed check raises ExportCheckFailed after the directory is written."""
     import torch
 
     tag_dir, run_dir = find_checkpoint(source, best)
@@ -125,9 +265,15 @@ def export(source: Path, out: Path, dtype: str = "float32", best: bool = False) 
     state = consolidated_state_dict(tag_dir)
     tmp = out.with_name(out.name + ".partial")  # written whole, then renamed: no half-written DIR
     shutil.rmtree(tmp, ignore_errors=True)
+    result = None
     try:
-        hf.save(tmp, state, args, tokenizer.bos_id, tokenizer.eos_id, dtype=getattr(torch, dtype))
-        tokenizer_files = copy_tokenizer(run.get("tokenizer", "bytes"), tmp, tokenizer)
+        weight_files = hf.save(tmp, state, args, tokenizer.bos_id, tokenizer.eos_id, dtype=getattr(torch, dtype),
+                               pad_id=tokenizer.pad_id, max_shard_size=max_shard_size)
+        tokenizer_files = copy_tokenizer(tokenizer, tmp)
+        if check:
+            result = check_export(tmp, state, args, check_batch(run, tokenizer, args), dtype, f"export {tag_dir}")
+        (tmp / "README.md").write_text(model_card(run, checkpoint.read_meta(tag_dir), tag_dir, args, dtype,
+                                                  tokenizer, result))
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, ValueError):
@@ -136,19 +282,51 @@ def export(source: Path, out: Path, dtype: str = "float32", best: bool = False) 
     if out.exists():
         out.rmdir()
     tmp.rename(out)
-    return {"checkpoint": tag_dir, "args": args, "tokenizer_files": tokenizer_files}
+    done = {"checkpoint": tag_dir, "args": args, "tokenizer_files": tokenizer_files, "weight_files": weight_files,
+            "check": result}
+    if result is not None and not result["passed"]:
+        raise ExportCheckFailed(f"export {tag_dir} -> {out}: the export's loss differs from the checkpoint's by"
+                                f" {result['relative']:.2e} relative ({result['export']:.6f} vs {result['live']:.6f}),"
+                                f" beyond the {dtype} tolerance {result['tolerance']:g}; do not ship it")
+    return done
+
+
+def shard_size(text: str) -> int | str:
+    """--max-shard-size: bytes, or a size as save_pretrained takes it ("5GB", "500MB", "100KB"), checked by
+    huggingface_hub's own parser (the one save_pretrained uses)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    value = int(text) if text.isdigit() else text
+    try:
+        split_torch_state_dict_into_shards({}, max_shard_size=value)  # parses the size, splits nothing
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes or a size like 5GB, 500MB, 100KB") from None
+    number = re.match(r"\s*(\d+(\.\d*)?)", text)
+    if number is None or float(number.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0")
+    return value
 
 
 def main(argv: list[str]) -> None:
     p = Parser(prog="zerotrain export", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a run directory (its newest complete checkpoint) or a checkpoint directory")
     p.add_argument("--to", required=True, help="the Hugging Face directory to write (new or empty)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="tensor dtype in model.safetensors")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="tensor dtype of the safetensors files")
     p.add_argument("--best", action="store_true", help="the checkpoint checkpoints/best.json names (lowest val loss)")
+    p.add_argument("--max-shard-size", type=shard_size, default="5GB", metavar="SIZE",
+                   help="largest safetensors shard, as save_pretrained: bytes or 5GB, 500MB, 100KB")
+    p.add_argument("--no-check", action="store_true", help="skip loading the export with transformers and"
+                                                           " comparing its loss with the checkpoint's")
     ns = p.parse_args(argv)
-    done = export(Path(ns.source), Path(ns.to), ns.dtype, ns.best)
+    try:
+        done = export(Path(ns.source), Path(ns.to), ns.dtype, ns.best, ns.max_shard_size, not ns.no_check)
+    except ExportCheckFailed as e:
+        fail(str(e), EXIT_EXPORT_CHECK)
     arch = "Qwen3ForCausalLM" if done["args"].qk_norm else "LlamaForCausalLM"
-    print(f"exported {done['checkpoint']} -> {ns.to} ({arch}, {ns.dtype})")
+    files = done["weight_files"]
+    print(f"exported {done['checkpoint']} -> {ns.to} ({arch}, {ns.dtype}, "
+          + (files[0] if len(files) == 1 else f"{len(files)} shards + {hf.INDEX_FILE}") + ")")
     print("tokenizer: " + (", ".join(done["tokenizer_files"]) if done["tokenizer_files"] else
                            "none written: the byte tokenizer is not a Hugging Face one (ids 0-255 are UTF-8 bytes,"
                            " 256 BOS, 257 EOS)"))
+    print(check_line(done["check"]) if done["check"] else "check: skipped (--no-check)")

@@ -45,7 +45,7 @@ from pathlib import Path
 from zerotrain import durable
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.commands import export as export_command
-from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint
+from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint, live_model
 from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspeed_runner, run_preserving_exit_code
 from zerotrain.launcher.components import checkpoint
 from zerotrain.launcher.components.metrics import read_metrics
@@ -84,12 +84,17 @@ class FinetuneResult:
     def metrics(self) -> list[dict]:
         return read_metrics(self.run_dir)
 
-    def export(self, out: str | Path, dtype: str = "float32") -> Path:
-        """The trained weights as a Hugging Face Llama directory (`zerotrain export`)."""
+    def export(self, out: str | Path, dtype: str = "float32", max_shard_size: int | str = "5GB",
+               check: bool = True) -> Path:
+        """The trained weights as a Hugging Face Llama directory (`zerotrain export`: sharded at
+        `max_shard_size`, checked against the checkpoint unless check=False; a failed check raises
+        zerotrain.launcher.commands.export.ExportCheckFailed)."""
         if self.checkpoint is None:
             raise UsageError(f"export {self.run_dir}: the run has no complete checkpoint")
-        done = export_command.export(self.checkpoint, Path(out), dtype)
+        done = export_command.export(self.checkpoint, Path(out), dtype, max_shard_size=max_shard_size, check=check)
         print(f"exported {done['checkpoint']} -> {out}")
+        if done["check"] is not None:
+            print(export_command.check_line(done["check"]))
         return Path(out)
 
     def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
@@ -191,10 +196,11 @@ def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
         raise UsageError(f"model {run_dir}: a run directory without a readable config.json")
     tag, why = best_or_newest(run_dir)
     hf_dir = out / ".base-models" / f"{run_dir.resolve().name}-{tag.name}"
-    if not ((hf_dir / "config.json").is_file() and (hf_dir / "model.safetensors").is_file()):
+    weights = (hf_dir / hf.SINGLE_FILE, hf_dir / hf.INDEX_FILE)  # one file, or shards and their index
+    if not ((hf_dir / "config.json").is_file() and any(w.is_file() for w in weights)):
         hf_dir.parent.mkdir(parents=True, exist_ok=True)
-        with quiet_stderr():
-            export_command.export(tag, hf_dir)
+        with quiet_stderr():  # read back by our own loader (hf.load_weights), not transformers: no check
+            export_command.export(tag, hf_dir, check=False)
     print(f"model {run_dir}: checkpoint {tag.name} ({why}) as {hf_dir}")
     tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").is_file() else saved.get("tokenizer", "bytes")
     return hf_dir, tokenizer
@@ -310,12 +316,9 @@ def load_model(source: str | Path, tokenizer: str | None = None):
         saved = _run_config(run_dir)
         if saved is None:
             raise UsageError(f"generate {source}: no readable {run_dir / 'config.json'}")
-        model = Transformer(ModelArgs(**saved["model"]))
         with quiet_stderr():
             state = consolidated_state_dict(tag)
-        missing = set(model.load_state_dict(state, strict=False).missing_keys)
-        if missing - ({"lm_head.weight"} if model.args.tie_embeddings else set()):
-            raise UsageError(f"generate {tag}: the checkpoint lacks {sorted(missing)[0]}")
+        model = live_model(state, ModelArgs(**saved["model"]), f"generate {tag}")
         tok = load_tokenizer(tokenizer or saved.get("tokenizer", "bytes"))
     else:
         try:

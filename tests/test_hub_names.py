@@ -1,0 +1,194 @@
+"""Issue 19 section 4: Hugging Face hub names resolve as they do everywhere else (zerotrain.dataio.hub).
+
+Nothing is downloaded: each test builds a Hugging Face cache on disk by hand, in the layout `hf download`
+leaves (models--org--name/snapshots/<commit>/..., refs/main; datasets--owner--name/... for a dataset,
+tests/test_data_local_hub.py `fake_hub_cache`), and runs zerotrain in a fresh process with
+HF_HUB_OFFLINE=1 and HF_HOME / HF_HUB_CACHE pointing there (huggingface_hub reads them at import, as a
+user's shell sets them). One 1-rank run trains with `--tokenizer org/name` found only in that cache; its
+export copies the tokenizer (chat template included), shards at --max-shard-size 1MB and checks itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch, read_metrics, synthetic_docs
+from test_data_local_hub import fake_hub_cache
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.mix import parse_mix
+from zerotrain.dataio.tokenizer import train_bpe
+
+COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
+DATASET_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # fake_hub_cache's
+CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+TRAIN = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--warmup-steps", "1"]
+
+
+def tokenizer_cache(hub: Path, repo: str = "org/name", commit: str = COMMIT) -> Path:
+    """A byte-level BPE with a chat template as the hub cache holds `repo` at `commit` (refs/main)."""
+    top = hub / f"models--{repo.replace('/', '--')}"
+    snap = top / "snapshots" / commit
+    train_bpe(synthetic_docs(300, seed=5), 300, snap)
+    (snap / "chat_template.jinja").write_text(CHAT)
+    (top / "refs").mkdir(parents=True, exist_ok=True)
+    (top / "refs" / "main").write_text(commit)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, mix_path):
+    """HF_HOME with a tokenizer and a dataset in its hub cache, and mixes naming hub sources."""
+    root = tmp_path_factory.mktemp("hub")
+    tokenizer_cache(root / "hf" / "hub")
+    fake_hub_cache(root / "hf" / "hub")  # owner/name: README configs, sample/10BT/ 2 parquet files x 200 records
+    mixes = {"hub": [{"name": "edu", "weight": 0.5, "hf": "owner/name", "config": "sample-10BT", "download": True},
+                     {"name": "web", "weight": 0.2, "hf": "owner/name", "config": "sample-10BT"},
+                     {"name": "prose", "weight": 0.3, "path": str(mix_path.parent / "prose.jsonl")}],
+             "absent": [{"name": "gone", "weight": 1, "hf": "owner/absent"}],
+             "absent-download": [{"name": "gone", "weight": 1, "hf": "owner/absent", "download": True}]}
+    for name, sources in mixes.items():
+        (root / f"{name}.json").write_text(json.dumps({"sources": sources}))
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(root / "hf"), "HF_DATASETS_CACHE": str(root / "ds")}
+    for var in ("HF_HUB_CACHE", "HF_DATASETS_OFFLINE", "HF_TOKEN"):
+        env[var] = ""  # not the machine's own: HF_HOME decides (an empty value is unset to huggingface_hub)
+    return root, env
+
+
+def zerotrain(args: list[str], env: dict, cwd=REPO) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **env}.items() if v != ""}
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], capture_output=True, text=True, cwd=cwd,
+                          env=environ, timeout=600)
+
+
+def one_error_line(proc) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "[WARNING]" not in ln]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("zerotrain: error:"), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_a_tokenizer_only_in_the_hf_cache_trains_offline_and_exports(hub, tmp_path):
+    """`--tokenizer org/name`, present only in HF_HOME's hub cache, with HF_HUB_OFFLINE=1: a short 1-rank run
+    trains on a mix whose "download": true source is its cached snapshot (counted and held out like local
+    files), records the tokenizer pinned to its commit; `zerotrain export --max-shard-size 1MB` resolves it
+    again, copies its files and chat template, writes several shards and an index transformers loads,
+    and prints the check's figure (the loss on the documents the run held out)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, env = hub
+    out = tmp_path / "runs"
+    proc = launch("python", ["--data", str(root / "hub.json"), "--tokenizer", "org/name", "--out", str(out),
+                             "--run-id", "hubtok", *TRAIN, "--max-steps", "3", "--eval-every-steps", "3",
+                             "--eval-tokens", "2000"],
+                  env_extra={k: v for k, v in env.items() if v}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = json.loads((out / "hubtok" / "config.json").read_text())
+    assert saved["tokenizer"] == f"org/name@{COMMIT}" and saved["model"]["vocab_size"] == 320
+    edu = next(s for s in saved["sources"] if s["name"] == "edu")
+    assert edu["hub"] == "owner/name" and edu["hf"].endswith(f"datasets--owner--name/snapshots/{DATASET_COMMIT}")
+    assert re.search(r"edu +weight +50\.0% +~[\d,]+ tokens +~[\d.]+ epochs", proc.stdout), proc.stdout[-3000:]
+    metrics = read_metrics(out / "hubtok")
+    assert [m["step"] for m in metrics] == [1, 2, 3] and "edu" in metrics[-1]["val_loss_per_source"]
+
+    hf_dir = tmp_path / "hf"
+    proc = zerotrain(["export", str(out / "hubtok"), "--to", str(hf_dir), "--max-shard-size", "1MB"], env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shards = sorted(hf_dir.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3 and all(s.stat().st_size < 1_100_000 for s in shards), shards
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [s.name for s in shards]
+    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    check = re.search(r"check: loss on ([\d,]+) tokens of the documents the run held out of .*: checkpoint \(fp32,"
+                      r" zerotrain\) ([\d.]+), export \(float32, transformers\) ([\d.]+), relative difference"
+                      r" (\S+) \(within the float32 tolerance 0.0001\)", proc.stdout)
+    assert check, proc.stdout[-2000:]
+    assert float(check.group(4)) < 1e-4 and check.group(4) in (hf_dir / "README.md").read_text()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        assert (hf_dir / name).read_bytes() == (root / "hf" / "hub" / "models--org--name" / "snapshots" / COMMIT
+                                                / name).read_bytes(), name
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    assert tokenizer.chat_template == CHAT
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == model.config.eos_token_id
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id is not None
+
+
+TOKENIZERS_OFFLINE = f"""
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.tokenizer import load_tokenizer
+for name in ("org/name", "org/name@main", "org/name@{COMMIT}", "org/absent", "org/name@v2", "mytok", "./nope"):
+    try:
+        tok = load_tokenizer(name)
+        print("OK", name, tok.name, tok.vocab_size)
+    except DataError as e:
+        print("ERR", name, e)
+"""
+
+
+def test_hub_tokenizer_names_revisions_and_refusals_offline(hub):
+    """org/name, @branch and @commit resolve from the cache (as AutoTokenizer.from_pretrained would,
+    revision included); what the cache lacks is one line naming the name and the command that fetches it."""
+    root, env = hub
+    proc = subprocess.run([sys.executable, "-c", TOKENIZERS_OFFLINE], capture_output=True, text=True, cwd=REPO,
+                          env={k: v for k, v in {**os.environ, **env}.items() if v != ""}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = {ln.split(" ", 2)[1]: ln for ln in proc.stdout.splitlines()}
+    for name in ("org/name", "org/name@main", f"org/name@{COMMIT}"):
+        assert got[name] == f"OK {name} org/name@{COMMIT} 300"
+    cache = str(root / "hf" / "hub")
+    assert got["org/absent"] == (f"ERR org/absent tokenizer org/absent: not in the Hugging Face cache ({cache}) and"
+                                 " offline mode is on: `hf download org/absent --include tokenizer.json"
+                                 " tokenizer_config.json special_tokens_map.json added_tokens.json"
+                                 " chat_template.jinja` on a machine with network into the same HF_HOME /"
+                                 " HF_HUB_CACHE, or unset HF_HUB_OFFLINE")
+    assert "--revision v2` on a machine" in got["org/name@v2"]
+    assert got["mytok"].startswith("ERR mytok tokenizer mytok: no such file or directory; as a hub name: not in")
+    assert got["./nope"] == ("ERR ./nope tokenizer ./nope: no such file or directory (use 'bytes', a tokenizer.json"
+                             " / directory, or a Hugging Face hub name ORG/NAME[@REVISION])")
+
+
+def test_dry_run_checks_every_hub_name_and_refuses_what_is_not_cached_offline(hub, tmp_path):
+    """--dry-run says where the tokenizer and each hub source come from; offline with nothing cached a
+    streamed source (today: "size unknown (streamed)", exit 0) or a "download": true one is refused in one
+    line, exit 2, nothing written."""
+    root, env = hub
+    common = ["--tokenizer", "org/name", "--out", str(tmp_path / "runs"), *TRAIN, "--dry-run"]
+    by_hub_cache = {**env, "HF_HUB_CACHE": str(root / "hf" / "hub"), "HF_HOME": str(tmp_path / "elsewhere")}
+    proc = zerotrain(["train", "--data", str(root / "hub.json"), "--eval-every-steps", "2", "--eval-tokens", "2000",
+                      *common], by_hub_cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    snap = root / "hf" / "hub" / "datasets--owner--name" / "snapshots" / DATASET_COMMIT
+    assert (f"hub: tokenizer org/name, commit {COMMIT[:12]}, from the Hugging Face cache (offline):"
+            f" {root / 'hf' / 'hub' / 'models--org--name' / 'snapshots' / COMMIT}") in proc.stdout
+    assert (f"hub: source 'edu': owner/name downloaded (\"download\": true) in {snap}: sized, held out and re-split"
+            " like local files") in proc.stdout
+    assert f"hub: source 'web': owner/name streamed, offline, from the Hugging Face cache's snapshot {snap}" \
+        in proc.stdout
+    assert re.search(r"edu +weight +50\.0% +~[\d,]+ tokens", proc.stdout)  # counted, where streamed is not:
+    assert "web            weight  20.0%  size unknown" in proc.stdout
+    for mix, what in (("absent", "(streamed)"), ("absent-download", "(\"download\": true)")):
+        line = one_error_line(zerotrain(["train", "--data", str(root / f"{mix}.json"), *common], env))
+        assert (f"source 'gone': hub dataset 'owner/absent' {what}: nothing cached and offline mode is on"
+                f" ({root / 'hf' / 'hub'}): `hf download --repo-type dataset owner/absent`") in line, line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_download_is_a_mix_key_for_hub_names(tmp_path):
+    (tmp_path / "d").mkdir()
+    for source, message in (
+            ({"path": "d", "download": True}, "download goes with a hub dataset name in 'hf'"),
+            ({"hf": "d", "download": True}, "download goes with a hub dataset name in 'hf'"),
+            ({"hf": "owner/name", "download": True, "streaming": True}, "and not with streaming"),
+            ({"hf": "owner/name", "download": "yes"}, "download must be true or false, got 'yes'")):
+        (tmp_path / "mix.json").write_text(json.dumps({"sources": [{"name": "s", "weight": 1, **source}]}))
+        with pytest.raises(DataError, match=re.escape(message)):
+            parse_mix(tmp_path / "mix.json")
+    (tmp_path / "mix.json").write_text(json.dumps({"sources": [{"name": "s", "weight": 1, "hf": "owner/name",
+                                                                "download": True}]}))
+    (spec,) = parse_mix(tmp_path / "mix.json").sources
+    assert spec.download and spec.streamed and spec.hub is None  # a hub name until materialised
