@@ -51,6 +51,8 @@ END_KINDS = {e.kind: e for e in (
             "`zerotrain preflight`: a check failed (it says what to fix)"),
     EndKind("export-check-failed", 10, False, True, "failed (export check)",
             "`zerotrain export`: the export's loss differs from the checkpoint's beyond tolerance"),
+    EndKind("hung", 11, False, True, "failed (hung)",
+            "a rank made no progress for `--hang-timeout` seconds: stacks in RUN_DIR/hangs/; restartable"),
     EndKind("hard-signal", 130, False, True, "failed (second signal)",
             "a second signal: exited at once, nothing saved"),
 )}
@@ -113,6 +115,7 @@ EXIT_SAVE_FAILED = END_KINDS["save-failed"].exit_code
 EXIT_GOLDEN = END_KINDS["golden"].exit_code
 EXIT_PREFLIGHT_FAILED = END_KINDS["preflight-failed"].exit_code
 EXIT_EXPORT_CHECK = END_KINDS["export-check-failed"].exit_code
+EXIT_HUNG = END_KINDS["hung"].exit_code
 EXIT_SIGNAL_HARD = END_KINDS["hard-signal"].exit_code
 
 

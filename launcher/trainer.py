@@ -49,6 +49,7 @@ from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.metrics import MetricsLogger, StepLogger, read_metrics
+from zerotrain.launcher.components.phases import PhaseClock
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
@@ -117,6 +118,7 @@ class Trainer:
         if warning:
             self.say(warning)
         self.hooks = TestHooks.from_env()  # read once here, never in the step loop
+        self.clock = PhaseClock()  # where this rank is (the watchdog) and where its time went (health)
         self.torch = torch
         self.dist, self.accel = init_process_group(plan.zt)
         if plan.profile_why:
@@ -291,7 +293,8 @@ class Trainer:
         error = None
         t_data = time.time()
         try:
-            batches = [self.loader.next() for _ in range(accum)]  # every rank: the same count, or all stop
+            with self.clock.phase("data"):
+                batches = [self.loader.next() for _ in range(accum)]  # every rank: the same count, or all stop
         except DataError as e:  # a bad record met mid-stream (streamed sources), on any rank
             error, batches = e, []
         self.fetched = (batches, error, time.time() - t_data)
@@ -310,6 +313,10 @@ class Trainer:
         norm (the same on every rank: one reader suffices). Returns (data rows of every rank, loss,
         [any rank signalled, *rank 0's flags], gradient norm or None).
         """
+        with self.clock.phase("agree"):
+            return self._agree(data_row, loss_sum, rank0_flags)
+
+    def _agree(self, data_row: list[int], loss_sum, rank0_flags: tuple):
         torch = self.torch
         device = self.engine.device
         grad_norm = self.engine.get_global_grad_norm() if (self.is_main and loss_sum is not None) else None
@@ -365,6 +372,10 @@ class Trainer:
 
     def train_step(self, batches) -> float:
         """Forward, backward and optimizer step over the micro-batches; returns the rank-mean loss sum."""
+        with self.clock.phase("compute"):
+            return self._train_step(batches)
+
+    def _train_step(self, batches) -> float:
         # Pretraining mixes: each micro-batch's mean loss, as before (bit-compatible runs). A mix with an
         # SFT source: each micro-batch's loss SUM, scaled so that DeepSpeed's backward (/ accum, mean over
         # ranks) gives the mean over the global batch's labelled tokens.
@@ -390,6 +401,10 @@ class Trainer:
 
     # -- saving -----------------------------------------------------------------------------------
     def save(self) -> Path:
+        with self.clock.phase("save"):
+            return self._save()
+
+    def _save(self) -> Path:
         states = [None] * self.world
         self.dist.all_gather_object(states, self.loader_state())
         client_state = {"zerotrain": {"step": self.step, "tokens_seen": self.tokens_seen, "loader_states": states,
@@ -436,7 +451,8 @@ class Trainer:
                     self.save()
                 except CheckpointError as e:
                     stop = StopRun("save-failed", str(e))
-            self.checkpointer.wait()  # pending hashing and mirror copies
+            with self.clock.phase("mirror"):
+                self.checkpointer.wait()  # pending hashing and mirror copies
         finally:
             self.signals.restore()
             logger.close()
@@ -485,15 +501,17 @@ class Trainer:
                     ahead, loss_sum, (save_hours, budget_why is not None))
                 pending = rows if self.fetched is not None else None
                 self.step += 1
+                self.clock.set_step(self.step)
                 self.tokens_seen += tokens_per_step
                 self.check_finite(loss)
                 if self.on_spike(loss, tokens_sha):
                     continue  # rolled back to the last good checkpoint: the loop goes on from there
                 val = self.maybe_evaluate()
-                record = logger.log(self.step, loss, lr, tokens_sha, step_time, data_wait_s=self.data_wait,
-                                    grad_norm=self.grad_norm, tokens_seen=self.tokens_seen, elapsed_s=self.elapsed(),
-                                    val=val, data_shares=self.data_shares())
-                self.check_golden(record)
+                with self.clock.phase("log"):
+                    record = logger.log(self.step, loss, lr, tokens_sha, step_time, data_wait_s=self.data_wait,
+                                        grad_norm=self.grad_norm, tokens_seen=self.tokens_seen,
+                                        elapsed_s=self.elapsed(), val=val, data_shares=self.data_shares())
+                    self.check_golden(record)
                 last = self.step >= cfg.max_steps
                 new_best = val is not None and self.note_best(val["val_loss"])
                 if (self.checkpointer.due(self.step, save_hours, last) and not last) or new_best:
@@ -528,7 +546,8 @@ class Trainer:
         if self.evaluator is None or self.step % self.cfg.eval_every_steps:
             return None
         t0 = time.time()
-        val = self.evaluator.evaluate(self.engine, device=self.engine.device)
+        with self.clock.phase("eval"):
+            val = self.evaluator.evaluate(self.engine, device=self.engine.device)
         val.pop("val_tokens", None)
         val["eval_s"] = round(time.time() - t0, 3)
         return val

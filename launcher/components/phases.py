@@ -1,0 +1,93 @@
+"""Where this rank is, and where its wall time went: one clock the trainer moves, two readers.
+
+The trainer wraps each part of a step in `clock.phase(name)`; nothing else is measured twice.
+- The watchdog thread (components/watchdog.py) reads `clock.now_state()` (step, phase, seconds in it)
+  to decide that this rank has stopped making progress, and writes it as the rank's heartbeat.
+- The health check (components/health.py) takes `clock.take_window()` once per logging window: the
+  seconds spent in each phase since the last window, measured, not estimated.
+
+Phases nest (a save's all-gather inside "save" counts as "save"): entering an inner phase pauses the
+outer one, so the window's seconds add up to its wall time. The state is one tuple assigned at once,
+so a reader on another thread never sees a phase with another phase's start time. Cost: two
+`time.monotonic()` calls and a dict add per phase, a few per step (no I/O, no collective).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+# What a step is made of, in the order a step meets them; the health event and the hang summary name these.
+PHASES = {
+    "start": "starting (building the engine, resuming)",
+    "data": "data wait (the loader)",
+    "compute": "forward/backward/optimizer",
+    "agree": "the step's agreement collective",
+    "eval": "evaluation",
+    "save": "saving a checkpoint",
+    "mirror": "waiting for checkpoint completion or the mirror copy",
+    "log": "logging",
+    "end": "finishing",
+}
+
+
+class PhaseClock:
+    """The phase this rank is in, since when, at which step; and seconds per phase in the current window."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        now = clock()
+        self.state = (0, "start", now)  # (step, phase, monotonic time the phase was entered): one assignment
+        self._window: dict[str, float] = {}
+        self._window_start = now
+        self._lock = threading.Lock()  # take_window against a phase ending on the main thread
+        self.longest: dict[str, float] = {}  # the longest single stay in each phase so far (hang-timeout default)
+
+    def _account(self, phase: str, start: float, now: float) -> None:
+        spent = now - start
+        with self._lock:
+            self._window[phase] = self._window.get(phase, 0.0) + spent
+        if spent > self.longest.get(phase, 0.0):
+            self.longest[phase] = spent
+
+    @contextmanager
+    def phase(self, name: str):
+        """`with clock.phase("save"): ...`: the time inside counts as `name` (an outer phase is paused)."""
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r} (known: {', '.join(PHASES)})")
+        step, outer, outer_start = self.state
+        now = self._clock()
+        self._account(outer, outer_start, now)
+        self.state = (step, name, now)
+        try:
+            yield
+        finally:
+            step, _, start = self.state
+            now = self._clock()
+            self._account(name, start, now)
+            self.state = (step, outer, now)
+
+    def set_step(self, step: int) -> None:
+        """The trainer finished `step` (progress: the watchdog's clock of the current phase restarts)."""
+        _, phase, start = self.state
+        now = self._clock()
+        self._account(phase, start, now)
+        self.state = (step, phase, now)
+
+    def now_state(self) -> tuple[int, str, float]:
+        """(step, phase, seconds spent in that phase so far): safe to call from any thread."""
+        step, phase, start = self.state
+        return step, phase, max(0.0, self._clock() - start)
+
+    def take_window(self) -> tuple[float, dict[str, float]]:
+        """(wall seconds, {phase: seconds}) since the last call, the current phase's time so far included;
+        starts a new window."""
+        step, phase, start = self.state
+        now = self._clock()
+        with self._lock:
+            window = dict(self._window)
+            window[phase] = window.get(phase, 0.0) + (now - start)
+            self._window = {}
+            wall, self._window_start = now - self._window_start, now
+        self.state = (step, phase, now)
+        return wall, {k: v for k, v in window.items() if v > 0}
