@@ -224,13 +224,20 @@ def streamed_offline(spec: SourceSpec) -> str:
 
 
 def _reachable(repo: str, repo_type: str) -> str:
-    """'reachable on the hub, commit abc123456789' or DataError: an online dry run's check."""
+    """An online dry run's check of a hub name: 'reachable on the hub, commit abc123456789'; DataError
+    when the hub answers that it cannot be used (no such repository, gated); 'not checked (...)' when
+    the hub cannot be reached from here. A dry run is often made away from the machines that train (a
+    laptop, a login node, CI without network): an unreachable hub is a warning there, not a refusal;
+    the run itself, and pre-flight on the cluster, still stop in one line if it cannot read the source."""
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         info = HfApi().repo_info(repo, repo_type=repo_type)
-    except Exception as e:
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise DataError(f"hub {repo_type} {repo!r}: {_problem(e, repo, repo_type, None, False)}") from None
+    except Exception as e:  # connection refused, DNS, proxy, timeout: the hub said nothing about the name
+        return f"not checked: the hub cannot be reached from here ({first_line(e)[:120]})"
     return f"reachable on the hub, commit {str(info.sha)[:12]}"
 
 

@@ -192,3 +192,25 @@ def test_download_is_a_mix_key_for_hub_names(tmp_path):
                                                                 "download": True}]}))
     (spec,) = parse_mix(tmp_path / "mix.json").sources
     assert spec.download and spec.streamed and spec.hub is None  # a hub name until materialised
+
+
+def test_an_online_dry_run_refuses_what_the_hub_refuses_and_warns_when_it_cannot_be_reached(monkeypatch):
+    """The hub's own answers (no such repository, gated) are refusals; no answer at all (no network
+    where the dry run is made: a laptop, a login node) is a 'not checked' line, not a refusal."""
+    import huggingface_hub
+    import requests
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from zerotrain.dataio import hub
+
+    def answer(error):
+        def repo_info(self, repo, repo_type=None):
+            raise error
+        monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", repo_info)
+
+    answer(RepositoryNotFoundError("404 Client Error", response=requests.Response()))
+    with pytest.raises(DataError, match=r"hub dataset 'org/missing': no dataset repository of that name"):
+        hub._reachable("org/missing", "dataset")
+    answer(requests.ConnectionError("Failed to resolve 'huggingface.co'"))
+    assert hub._reachable("org/any", "dataset").startswith(
+        "not checked: the hub cannot be reached from here (Failed to resolve")

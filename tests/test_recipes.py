@@ -150,7 +150,11 @@ def test_recipe_resolves_and_fits(path, stand_ins, demo_data, offline, tmp_path,
     result = dry_run(cfg)
     printed = capsys.readouterr().out
 
-    assert offline == [], f"the dry run tried the network: {offline}"
+    # The one network use a dry run has: asking the hub whether each streamed source exists. Refused
+    # here, it is a warning line (a dry run is often made where there is no network), never a refusal.
+    assert set(offline) <= {("huggingface.co", 443)}, f"the dry run tried the network: {offline}"
+    if offline:
+        assert "not checked: the hub cannot be reached from here" in printed, printed
     assert result.exit_code == 0 and result.stop == "dry-run"
     assert not out.exists(), "a dry run wrote something"
     marker = re.search(r"DOES NOT FIT:\s*(.*)", description)
