@@ -29,7 +29,7 @@ one weight, its documents split across ranks over the whole source:
   are ignored; the files found are de-duplicated and sorted, so the order is deterministic.
 - `hf`: a hub dataset name (`owner/name`, streamed with `datasets` `streaming=True`) or a local
   directory (relative to the mix file; one that exists there wins over a hub name, as in
-  load_dataset): a hub snapshot as `huggingface-cli download` / `snapshot_download` leave it, read
+  load_dataset): a hub snapshot as `hf download` / `snapshot_download` leave it, read
   like `load_dataset(DIR, config, data_dir=..., data_files=...)` (its README.md configs apply),
   with `split` (default "train"). Offline (`HF_HUB_OFFLINE=1` or `HF_DATASETS_OFFLINE=1`) a hub
   name is read from its snapshot in the Hugging Face hub cache if one is there (datasets alone

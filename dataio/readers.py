@@ -153,7 +153,7 @@ def dataset_dir_args(directory: str, spec: SourceSpec) -> dict:
     """data_dir / data_files for load_dataset(directory, spec.config, ...): the source's own, or else
     those of the README config it names (or the default one). datasets infers the file format
     from the README's FIRST config, so a snapshot holding only the chosen config's files (as
-    `huggingface-cli download --include 'sample/10BT/*' --include README.md` leaves it) would
+    `hf download --include 'sample/10BT/*' --include README.md` leaves it) would
     fail with "no data files" unless the chosen config's files are handed over."""
     if spec.data_dir is not None or spec.data_files is not None:
         return {"data_dir": spec.data_dir, "data_files": spec.data_files}

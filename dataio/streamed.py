@@ -48,7 +48,7 @@ def open_streamed(spec: SourceSpec, rank: int, world: int):
     except Exception as e:
         hint = ""
         if spec.hf is not None and not spec.local_hf and datasets.config.HF_HUB_OFFLINE:
-            hint = (f"; offline, it must be in the local Hugging Face cache: `huggingface-cli download --repo-type"
+            hint = (f"; offline, it must be in the local Hugging Face cache: `hf download --repo-type"
                     f" dataset {spec.hf}` on a machine with network (or point hf at a downloaded directory)")
         raise DataError(f"{spec.where()}: cannot open {what} for streaming: {first_line(e)}{hint}") from None
     return split_dataset_by_node(ds, rank=rank, world_size=world) if world > 1 else ds
@@ -63,7 +63,7 @@ def _check_streamable(spec: SourceSpec, found: SourceFiles) -> None:
 
 def hub_location(name: str) -> str:
     """Where a hub dataset is read from: offline (HF_HUB_OFFLINE=1 or HF_DATASETS_OFFLINE=1), its
-    snapshot in the Hugging Face hub cache when one is there (`huggingface-cli download`; datasets
+    snapshot in the Hugging Face hub cache when one is there (`hf download`; datasets
     by itself, offline, looks only in its own Arrow cache); otherwise the name itself (datasets
     streams it from the hub, or offline from its Arrow cache of an earlier load_dataset)."""
     datasets = quiet_datasets()

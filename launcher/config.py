@@ -45,7 +45,7 @@ class RunConfig:
     profile: str = opt("cpu", "hardware profile: a name in ds_configs/, a JSON path, or auto")
     model: str | None = opt(None, "a named preset (zerotrain.modeling.model.PRESETS); default debug when no other way to"
                                   " pick the model is given (--depth, --scaling-rule, --init-from)")
-    data: str | None = opt(None, "a mix JSON file (dataio/sources.py) or a prepared shard directory")
+    data: str | None = opt(None, "a mix JSON file (docs/data.md) or a prepared shard directory")
     tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json")
     seq_len: int = opt(256, "tokens per packed row")
     micro_batch: int | None = opt(None, "rows per rank per forward (default: the profile's)")
@@ -152,7 +152,7 @@ class RunConfig:
 
     def validate(self) -> None:
         if self.data is None:
-            raise UsageError("--data: a mix file is required (see dataio/sources.py for its format)")
+            raise UsageError("--data: a mix file is required (its format: docs/data.md)")
         for name in ("seq_len", "max_steps", "micro_batch", "grad_accum", "global_batch_tokens", "eval_tokens",
                      "early_stop_patience", "total_tokens", "piece_len"):
             v = getattr(self, name)

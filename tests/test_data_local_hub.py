@@ -320,7 +320,7 @@ def test_bad_source_exits_2_with_one_line(tmp_path):
 
 
 def fake_hub_cache(root, repo="owner/name"):
-    """The layout `huggingface-cli download --repo-type dataset owner/name` leaves in HF_HUB_CACHE."""
+    """The layout `hf download --repo-type dataset owner/name` leaves in HF_HUB_CACHE."""
     sha = "0123456789abcdef0123456789abcdef01234567"
     top = root / f"datasets--{repo.replace('/', '--')}"
     snap = top / "snapshots" / sha
@@ -364,4 +364,4 @@ def test_offline_a_hub_name_is_read_from_the_local_hub_cache(tmp_path):
     assert "edu records 400" in proc.stdout  # 2 parquet shards x 200 records, read without network
     other = next(ln for ln in proc.stdout.splitlines() if ln.startswith("other:"))
     assert "source 'other': cannot open hub dataset 'owner/absent'" in other
-    assert "huggingface-cli download --repo-type dataset owner/absent" in other
+    assert "hf download --repo-type dataset owner/absent" in other
