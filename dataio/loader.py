@@ -23,6 +23,11 @@ SFT sources (dataio/sft.py) go through the same path: their documents are signed
 (streamed), never cut into pieces; `make_batch` turns the sign into labels. A mix with an SFT
 source is "token-weighted" (`token_weighted`): its loss is the mean over the global batch's
 labelled tokens (`trainable_tokens` counts them per micro-batch), not a mean of micro-batch means.
+
+Why one file of ~700 lines: it is one concern, a rank's stream and its exact state. The schedule, the
+per-source cursors, the streamed blocks, the packer's carry-over and the worker hand-off all write the
+one `state_dict()` a resume must reproduce bit for bit, and read in order here; the parts that stand
+alone (the mix format, readers, the document store, pieces, shards, SFT records) have their own modules.
 """
 from __future__ import annotations
 
