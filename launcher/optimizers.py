@@ -19,7 +19,7 @@ Where it is used, in order:
   writes the exact "optimizer" section (or removes it for a client optimizer and sets
   `zero_allow_untested_optimizer`), and refuses a ZeRO stage the optimizer does not support.
 - `prepare_optimizer(cfg, ds_config, model)` in Trainer._build_engine, then after
-  `deepspeed.initialize`, `check_engine(cfg, engine, model)`: the built engine really uses the rule.
+  `deepspeed.initialize`, `check_engine(cfg, engine, model, ds_compat.muon_optimizer_class)`: the built engine really uses the rule.
 
 Every entry was checked under each ZeRO stage it lists, with 2 ranks (tests/test_optimizers.py,
 tests/helpers/optim_harness.py): the loss falls, and 3 steps from a fixed state move every parameter
@@ -443,12 +443,13 @@ def layer_is_muon(name: str, p) -> bool:
     return len(shape) >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
 
 
-def check_engine(cfg, engine, model) -> None:
-    """After deepspeed.initialize: refuse (one line) an engine that would train with another rule."""
+def check_engine(cfg, engine, model, muon_class=None) -> None:
+    """After deepspeed.initialize: refuse (one line) an engine that would train with another rule.
+    `muon_class`: a callable returning DeepSpeed's Muon class (components.ds_compat.muon_optimizer_class:
+    its module path is DeepSpeed-internal, so it is named there, in the layer above this one)."""
     if getattr(cfg, "optimizer", None) != "muon":
         return
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-
+    MuonWithAuxAdam = muon_class()
     basic = getattr(engine, "basic_optimizer", None)
     wrong = [n for n, p in model.named_parameters() if bool(getattr(p, "use_muon", False)) != layer_is_muon(n, p)]
     problem = None

@@ -215,7 +215,7 @@ class Trainer:
         ds_config, optimizer, model_parameters = prepare_optimizer(cfg, ds_config, model)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                                                config=ds_config, lr_scheduler=make_scheduler(cfg))
-        check_engine(cfg, engine, model)
+        check_engine(cfg, engine, model, ds_compat.muon_optimizer_class)
         self.say(describe(cfg, ds_config))
         self.say(describe_implementation(cfg, ds_config, accel.device_name()))  # issue 18: what steps, built or not
         self.say(describe_precision(ds_config))

@@ -64,6 +64,8 @@ PRIVATE_NAMES = (
     PrivateName("deepspeed.runtime.zero.partitioned_param_coordinator",
                 "PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release",
                 "a notebook's finished ZeRO-3 run frees its model", False),
+    PrivateName("deepspeed.runtime.zero.muon.muon_optimizer", "MuonWithAuxAdam",
+                "--optimizer muon: the built engine is checked to step with DeepSpeed's Muon", True),
     PrivateName("deepspeed", "", "each CPU launch removes its 66 MB /dev/shm buffer", False,
                 source_has='#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"', file="ops/csrc/cpu/comm/shm.cpp"),
 )
@@ -235,3 +237,12 @@ def runner_active_hosts(hosts, include: str, exclude: str, num_nodes: int, num_g
     from deepspeed.launcher.runner import apply_num_nodes_and_gpus, parse_inclusion_exclusion
 
     return apply_num_nodes_and_gpus(parse_inclusion_exclusion(hosts, include, exclude), num_nodes, num_gpus)
+
+
+def muon_optimizer_class():
+    """DeepSpeed's Muon optimizer class, which the engine builds for `"optimizer": {"type": "Muon"}`
+    (deepspeed/runtime/zero/muon/muon_optimizer.py MuonWithAuxAdam; engine.py `_configure_basic_optimizer`
+    puts it in `engine.basic_optimizer`): optimizers.check_engine asks the built engine for it."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    return MuonWithAuxAdam

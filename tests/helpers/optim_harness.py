@@ -228,6 +228,7 @@ def build(stage: int, opt_spec: str, world: int):
     import torch
 
     from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.components import ds_compat
     from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
     from zerotrain.launcher.profiles import load_profile, resolve_ds_config
     from zerotrain.launcher.components.schedule import make_scheduler
@@ -254,7 +255,7 @@ def build(stage: int, opt_spec: str, world: int):
     ds_config, optimizer, params = prepare_optimizer(cfg, ds_config, model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
                                            config=ds_config, lr_scheduler=make_scheduler(cfg))
-    check_engine(cfg, engine, model)
+    check_engine(cfg, engine, model, ds_compat.muon_optimizer_class)
     return cfg, ds_config, model, engine, init
 
 
