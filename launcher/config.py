@@ -141,6 +141,12 @@ class RunConfig:
                                       " or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else"
                                       " auto. The same math whichever runs: not part of the run id", RUN,
                                 ATTENTION_BACKENDS)
+    # --- hang watchdog (issue 20, section 1; launcher/components/watchdog.py) ---
+    hang_timeout: float | None = opt(None, "seconds a rank may stay in one phase (data, compute, the step's collective,"
+                                           " eval, save, ...) before its watchdog dumps every rank's stacks to"
+                                           " RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the profile's"
+                                           " zerotrain.hang_timeout, else the larger of 600 s and 5x the slowest phase"
+                                           " so far (start-up: at least 1800 s)", RUN)
 
     # Not a setting: where each value came from ("flag", "recipe", "given"; launcher/hparams.py adds the
     # resolved ones), for the start-up line. Filled by resolve_config / config_from.
@@ -202,6 +208,9 @@ class RunConfig:
             raise UsageError(f"--verify-data: must be quick or full, got {self.verify_data!r}")
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:  # issue 18
             raise UsageError(f"--attention: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        v = self.hang_timeout  # issue 20: 0 switches the watchdog off
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise UsageError(f"--hang-timeout: must be a non-negative number of seconds (0: off), got {v!r}")
         if self.golden_strict is not None and not isinstance(self.golden_strict, bool):  # issue 10: pre-flight
             raise UsageError(f"--golden-strict: must be true or false, got {self.golden_strict!r}")
         if self.golden_strict and self.golden is None:
@@ -301,7 +310,8 @@ def add_train_flags(p) -> None:
 def build_parser() -> Parser:
     p = Parser(prog="zerotrain train", description="Train a decoder-only LM with DeepSpeed.",
                epilog="Exit status: 0 finished, 2 bad input, 3 diverged, 4 early stop, 5 budget reached,"
-                      " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed, 8 --golden-strict."
+                      " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed, 8 --golden-strict,"
+                      " 11 hung (a rank made no progress for --hang-timeout)."
                       " Every --dashed-flag is also accepted as --underscored_flag.")
     add_train_flags(p)
     return p

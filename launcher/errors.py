@@ -139,3 +139,12 @@ def read_json_object(path: Path, where: str) -> dict:
     if not isinstance(raw, dict):
         raise UsageError(f"{where}: expected a JSON object")
     return raw
+
+
+def report_exit(code: int) -> None:
+    """For `zerotrain launch` (launcher/commands/launch.py): DeepSpeed's launcher exits 1 when it forwards
+    SIGTERM or when a rank exits non-zero, losing our code; the rank that decides the end (rank 0, or a
+    rank's hang watchdog) leaves it in ZEROTRAIN_EXIT_FILE."""
+    path = os.environ.get("ZEROTRAIN_EXIT_FILE")
+    if path:
+        Path(path).write_text(f"{code}\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def validate_profile(profile, where: str) -> None:
         v = zt.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
             raise UsageError(f"{where}: zerotrain.{key} must be a number in (0, 1], got {v!r}")
+    for key in ("hang_timeout", "comm_timeout_s"):  # issue 20: the watchdog (0: off) and the process group
+        v = zt.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                              or (key == "comm_timeout_s" and v == 0)):
+            raise UsageError(f"{where}: zerotrain.{key} must be a " + ("positive" if key == "comm_timeout_s" else
+                             "non-negative") + f" number of seconds, got {v!r}")
     attention = zt.get("attention")  # issue 18: the attention kernel a profile asks for (--attention overrides)
     if attention is not None and attention not in ATTENTION_BACKENDS:
         raise UsageError(f"{where}: zerotrain.attention must be one of {', '.join(ATTENTION_BACKENDS)},"

@@ -9,8 +9,10 @@ possible): checkpointer.py (when to save, completion, rotation, best, mirror; th
 verification in checkpoint.py), run_lock.py and process_group.py (shared with pre-flight), hooks.py (test
 hooks, read once here), evaluate.py (all-rank evaluation), guards.py (signals, spikes, budgets, early
 stop), metrics.py (sinks, and StepLogger: each step's record and the progress bar), manifest.py (who ran
-what, when, and how each launch ended), ds_compat.py (every DeepSpeed internal we rely on). How a run
-ends (StopRun by kind, its exit code): launcher/errors.py.
+what, when, and how each launch ended), ds_compat.py (every DeepSpeed internal we rely on), phases.py
+(the clock of where this rank is) and watchdog.py (the thread reading it: a rank stuck in one phase past
+--hang-timeout dumps the stacks and ends the run, exit 11; started by run(), not by pre-flight's Trainers).
+How a run ends (StopRun by kind, its exit code): launcher/errors.py.
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
 (Trainer.agree) of each rank's row: this step's loss sum and signal flag, the decisions only rank 0
@@ -25,6 +27,7 @@ What stands alone lives in components/ (StepLogger in metrics.py, DeepSpeed's in
 """
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import hashlib
 import json
@@ -44,7 +47,7 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
-from zerotrain.launcher.components import checkpoint, checkpointer, ds_compat, manifest, planner, universal
+from zerotrain.launcher.components import checkpoint, checkpointer, ds_compat, manifest, planner, universal, watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
 from zerotrain.launcher.components.hooks import TestHooks
@@ -54,7 +57,7 @@ from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun
+from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, report_exit  # report_exit: pre-flight too
 from zerotrain.launcher.hparams import describe_hparams
 from zerotrain.launcher.optimizers import check_engine, describe, describe_implementation, prepare_optimizer
 from zerotrain.launcher.profiles import describe_precision, load_profile
@@ -107,7 +110,7 @@ NOTHING_FETCHED = [0, 0, 0, 0]
 class Trainer:
     """Built once from a RunPlan; `train()` runs the loop and returns a RunResult."""
 
-    def __init__(self, plan: RunPlan, hard_exit: bool = True):
+    def __init__(self, plan: RunPlan, hard_exit: bool = True, watch: bool = False):
         import deepspeed
         import torch
 
@@ -120,7 +123,9 @@ class Trainer:
         self.hooks = TestHooks.from_env()  # read once here, never in the step loop
         self.clock = PhaseClock()  # where this rank is (the watchdog) and where its time went (health)
         self.torch = torch
-        self.dist, self.accel = init_process_group(plan.zt)
+        # --hang-timeout, else the profile's (None: the watchdog's default rule; 0: off)
+        self.hang_timeout = plan.cfg.hang_timeout if plan.cfg.hang_timeout is not None else plan.zt.get("hang_timeout")
+        self.dist, self.accel = init_process_group(plan.zt, self.hang_timeout)
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
         budget = Budget(plan.cfg.max_hours, plan.cfg.total_tokens, plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
@@ -138,6 +143,7 @@ class Trainer:
             self.say(f"converted {plan.resume_from} (saved by {plan.resume_meta['world_size']} ranks) to a universal"
                      f" checkpoint for {self.world} rank(s): {self.universal_dir}")
         self._write_run_dir()
+        self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none
         self.engine = self._build_engine(deepspeed, self.accel)
         self.loader = self._build_data()
         self.checkpointer = checkpointer.Checkpointer(
@@ -182,6 +188,16 @@ class Trainer:
                                      profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
                                      hosts=hosts, resumed_from=str(plan.resume_from or "") or None)
         self.dist.barrier()
+
+    def _start_watchdog(self, hard_exit: bool):
+        """The hang watchdog (components/watchdog.py), once the run directory exists: start-up counts. A
+        notebook's (hard_exit=False) interrupts the main thread instead of ending the kernel."""
+        self.say(watchdog.describe(self.hang_timeout))
+        if self.hang_timeout == 0:
+            return None
+        exit_fn = os._exit if hard_exit else (lambda code: _thread.interrupt_main())
+        return watchdog.Watchdog(self.clock, self.plan.run_dir, self.rank, self.world, watchdog.launch_id(self.dist),
+                                 self.hang_timeout, exit_fn=exit_fn).start()
 
     def _hosts(self) -> list[str]:
         hosts = [None] * self.world
@@ -402,6 +418,7 @@ class Trainer:
     # -- saving -----------------------------------------------------------------------------------
     def save(self) -> Path:
         with self.clock.phase("save"):
+            self.hooks.hang_here(self.rank, "save", self.step)
             return self._save()
 
     def _save(self) -> Path:
@@ -547,6 +564,7 @@ class Trainer:
             return None
         t0 = time.time()
         with self.clock.phase("eval"):
+            self.hooks.hang_here(self.rank, "eval", self.step)
             val = self.evaluator.evaluate(self.engine, device=self.engine.device)
         val.pop("val_tokens", None)
         val["eval_s"] = round(time.time() - t0, 3)
@@ -613,6 +631,9 @@ class Trainer:
                                       f" {self.last_saved or 'none'}")
 
     def close(self) -> None:
+        if self.watchdog is not None:  # first: a watchdog that has fired ends the process from here
+            self.watchdog.stop()
+            self.watchdog = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -649,14 +670,6 @@ class Trainer:
                 raise StopRun("golden", f"{off}; stopping (--golden-strict)")
 
 
-def report_exit(code: int) -> None:
-    """For `zerotrain launch` (launcher/commands/launch.py): DeepSpeed's launcher exits 1 when it forwards
-    SIGTERM or when a rank exits non-zero, losing our code; rank 0 leaves it in ZEROTRAIN_EXIT_FILE."""
-    path = os.environ.get("ZEROTRAIN_EXIT_FILE")
-    if path:
-        Path(path).write_text(f"{code}\n")
-
-
 # ------------------------------------------------------------------------------------------------
 # The one entry: the CLI (launcher/train.py) and the notebook call this
 # ------------------------------------------------------------------------------------------------
@@ -675,7 +688,11 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     plan = plan_run(cfg, world, rank)
-    trainer = Trainer(plan, hard_exit=hard_exit)
+    try:
+        trainer = Trainer(plan, hard_exit=hard_exit, watch=True)
+    except BaseException:
+        watchdog.stop_all()  # a Trainer that failed to build leaves no watchdog behind (a notebook goes on)
+        raise
     try:
         return trainer.train()
     finally:

@@ -17,6 +17,12 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
     ZEROTRAIN_TEST_SLOW_MIRROR=S                     delay each mirror copy by S s
     ZEROTRAIN_TEST_PREFLIGHT_READBACK=perturb        pre-flight v1 changes one value of the read-back state
     ZEROTRAIN_TEST_SLOW_LOADER=S                     pre-flight's data loaders sleep S s per batch
+    ZEROTRAIN_TEST_HANG=RANK:PHASE:STEP              that rank blocks forever on entering PHASE (save or eval)
+                                                     at STEP (the step just trained): the main thread sleeps in
+                                                     C (time.sleep, woken only to run signal handlers), as a
+                                                     rank stuck in a driver call or a dead file system is; the
+                                                     other ranks then block in their next collective (the
+                                                     hang watchdog's tests)
 
 A malformed value is a UsageError naming the variable (exit 2 before anything is built).
 """
@@ -32,6 +38,8 @@ PREFIX = "ZEROTRAIN_TEST_"
 SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MARKER, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER = (
     PREFIX + name for name in ("SPIKE", "FAIL_SAVE", "SLOW_SAVE", "SLOW_MARKER", "SLOW_MIRROR", "PREFLIGHT_READBACK",
                                "SLOW_LOADER"))
+HANG = PREFIX + "HANG"
+HANG_PHASES = ("save", "eval")  # where the trainer calls TestHooks.hang_here
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class TestHooks:
     slow_mirror_s: float = 0.0
     preflight_readback: str | None = None  # "perturb"
     slow_loader_s: float = 0.0
+    hang: tuple[int, str, int] | None = None  # (rank, phase, step)
 
     @classmethod
     def from_env(cls, environ=None) -> "TestHooks":
@@ -72,6 +81,15 @@ class TestHooks:
                 hooks[field] = float(env.get(name) or 0.0)
             except ValueError:
                 raise UsageError(f"{name}={env[name]}: expected seconds") from None
+        if env.get(HANG):
+            try:
+                rank, phase, step = env[HANG].split(":")
+                hooks["hang"] = (int(rank), phase, int(step))
+                if phase not in HANG_PHASES:
+                    raise ValueError
+            except ValueError:
+                raise UsageError(f"{HANG}={env[HANG]}: expected RANK:PHASE:STEP, PHASE one of"
+                                 f" {', '.join(HANG_PHASES)}") from None
         hooks["preflight_readback"] = env.get(PREFLIGHT_READBACK) or None
         return cls(**hooks)
 
@@ -89,6 +107,12 @@ class TestHooks:
     def sleep(seconds: float) -> None:
         if seconds:
             time.sleep(seconds)
+
+    def hang_here(self, rank: int, phase: str, step: int) -> None:
+        """ZEROTRAIN_TEST_HANG: never returns on that rank, in that phase, at that step."""
+        if self.hang == (rank, phase, step):
+            while True:
+                time.sleep(3600)
 
 
 NO_HOOKS = TestHooks()

@@ -1,0 +1,279 @@
+"""The hang watchdog (launcher/components/watchdog.py, issue 20 section 1).
+
+The policy without a process group: the default timeout from the slowest phase, who is behind from
+heartbeat files, a firing rank and a joining rank in one process (stacks, summary, manifest, exit
+file, exit code), the flag, the profile keys and the test hook. Then the real thing, 2 CPU ranks under
+`zerotrain launch`'s exit-code path and DeepSpeed's launcher (gloo, ZeRO-3), one launch per scenario:
+- rank 1 frozen from outside with SIGSTOP: rank 0 is blocked inside a C++ gloo collective, its watchdog
+  fires within the timeout plus a few seconds, names rank 1 as behind, and `zerotrain launch` exits 11;
+- a rank that blocks forever inside a save, and one inside an evaluation (ZEROTRAIN_TEST_HANG).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, free_port, read_metrics
+from zerotrain.launcher.components import manifest, watchdog
+from zerotrain.launcher.components.hooks import TestHooks
+from zerotrain.launcher.components.phases import PhaseClock
+from zerotrain.launcher.components.process_group import comm_timeout_s
+from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.errors import EXIT_HUNG, UsageError
+from zerotrain.launcher.profiles import validate_profile
+
+FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--log-data-every-steps", "0"]
+
+
+# -- the policy, without a process group --------------------------------------------------------------
+
+def test_default_timeout_is_the_larger_of_600_s_and_5x_the_slowest_phase():
+    assert watchdog.timeout_for("compute", None, {}) == 600
+    assert watchdog.timeout_for("save", None, {"start": 900.0, "compute": 2.0, "save": 150.0}) == 750
+    assert watchdog.timeout_for("data", 8, {"save": 150.0}) == 8  # given: fixed
+    # start-up (no measured phase has ended yet) gets 30 minutes whatever the setting ...
+    assert watchdog.timeout_for("start", 8, {"start": 1.0}) == 1800
+    assert watchdog.timeout_for("start", 3600, {}) == 3600
+    # ... and once the loop runs, "start" is the time between the measured phases: the normal timeout
+    assert watchdog.timeout_for("start", 8, {"start": 1.0, "data": 0.1}) == 8
+    assert "600 s and 5x the slowest" in watchdog.describe(None) and "8 s" in watchdog.describe(8)
+    assert watchdog.describe(0) == "watchdog: off (--hang-timeout 0)"
+
+
+def beat(rank, step, phase, age, launch="L", now=1000.0):
+    return {"rank": rank, "step": step, "phase": phase, "in_phase_s": 1.0, "time": now - age, "host": "h",
+            "pid": 100 + rank, "launch": launch}
+
+
+def test_behind_names_lower_steps_and_stale_heartbeats_of_this_launch(tmp_path):
+    beats = {0: beat(0, 7, "agree", 0.5), 1: beat(1, 7, "compute", 1.0), 2: beat(2, 6, "compute", 1.0),
+             3: beat(3, 7, "save", 40.0), 4: beat(4, 2, "data", 1.0, launch="an earlier launch")}
+    for r, b in beats.items():
+        (tmp_path / f"rank-{r}.json").write_text(json.dumps(b))
+    (tmp_path / "rank-5.json").write_text('{"rank": 5, "st')  # torn: ignored
+    seen = watchdog.read_heartbeats(tmp_path, "L")
+    assert sorted(seen) == [0, 1, 2, 3]
+    late = watchdog.behind(7, seen, me=0, now=1000.0, stale_s=15.0)
+    assert [(b["rank"], b["why"]) for b in late] == [(2, "lower step"), (3, "stale heartbeat")]
+    assert late[1]["phase"] == "save" and late[1]["heartbeat_age_s"] == 40.0
+
+
+class FakeTime:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_firing_rank_and_a_joining_rank_in_one_process(tmp_path, monkeypatch):
+    """Rank 1 stuck in its collective past the timeout, rank 0's heartbeat stale (rank 0 is the frozen one,
+    so the manifest is rank 1's to write): rank 1 dumps its stacks, writes the summary naming rank 0, records
+    "hung" in the manifest, leaves 11 for the launcher and exits 11. A rank 2 that is still alive joins the
+    same directory and exits 11 too."""
+    run_dir = tmp_path / "run"
+    manifest.write_or_extend(run_dir, run_id="run", config_hash="x", profile="cpu", seed=1, world_size=3, hosts=["h"],
+                             resumed_from=None, rank0_only=False)
+    monkeypatch.setenv("ZEROTRAIN_EXIT_FILE", str(tmp_path / "exit_code"))
+    now = FakeTime()
+    clock = PhaseClock(clock=now)
+    exits = []
+    dog = watchdog.Watchdog(clock, run_dir, 1, 3, "L", 8, exit_fn=exits.append, now=now)
+    dog.beat_dir.mkdir(parents=True)
+    (dog.beat_dir / "rank-0.json").write_text(json.dumps(beat(0, 4, "compute", 30.0, now=now.t)))
+    with clock.phase("data"):
+        pass
+    clock.set_step(5)
+    with clock.phase("agree"):
+        now.t += 5
+        dog.check()  # a heartbeat, nothing else
+        assert exits == [] and json.loads(dog.beat_path.read_text())["phase"] == "agree"
+        now.t += 4  # 9 s in "agree" > 8
+        dog.check()
+    assert exits == [EXIT_HUNG]
+    (hang_dir,) = [p for p in (run_dir / "hangs").iterdir() if p.name != "heartbeat"]
+    assert hang_dir.name.endswith("-step5")
+    summary = json.loads((hang_dir / "summary.json").read_text())
+    assert (summary["fired_by"], summary["step"], summary["phase"]) == (1, 5, "agree")
+    assert [(b["rank"], b["step"], b["why"]) for b in summary["behind"]] == [(0, 4, "lower step, stale heartbeat")]
+    assert summary["no_heartbeat"] == [2] and summary["stacks"] == ["rank-1.txt"]
+    assert summary["where"]["1"]["in_collective"] is False and summary["outside_collectives"] == []
+    assert summary["message"].startswith("rank 1 hung in agree at step 5 for 9 s; behind: rank 0 (step 4, compute")
+    stacks = (hang_dir / "rank-1.txt").read_text()
+    assert "step 5, phase agree" in stacks and "test_a_firing_rank_and_a_joining_rank" in stacks  # this thread
+    end = manifest.read_manifest(run_dir)["segments"][-1]
+    assert (end["end_reason"], end["end_exit_code"]) == ("hung", EXIT_HUNG)
+    assert (tmp_path / "exit_code").read_text() == f"{EXIT_HUNG}\n"
+
+    # rank 2, alive and still within its own timeout, sees the claim at its next tick and joins
+    joined = []
+    other = watchdog.Watchdog(PhaseClock(clock=now), run_dir, 2, 3, "L", 8, exit_fn=joined.append, now=now)
+    other.check()
+    assert joined == [EXIT_HUNG] and (hang_dir / "rank-2.txt").is_file()
+    assert "joined the hang rank 1 reported" in (hang_dir / "rank-2.txt").read_text()
+
+
+def test_the_flag_and_the_profile_keys_are_checked():
+    assert resolve_config(["--data", "m.json", "--hang-timeout", "90"]).hang_timeout == 90
+    assert resolve_config(["--data", "m.json", "--hang-timeout", "0"]).hang_timeout == 0
+    for bad in ("-5", "abc", "nan"):
+        with pytest.raises(UsageError, match="hang-timeout"):
+            resolve_config(["--data", "m.json", "--hang-timeout", bad])
+    cfg = resolve_config(["--data", "m.json", "--hang-timeout", "30"])
+    assert "hang_timeout" not in cfg.identity()  # how the run is watched, not what it trains
+    validate_profile({"zerotrain": {"hang_timeout": 0, "comm_timeout_s": 120}}, "p")
+    for key, bad in (("hang_timeout", -1), ("hang_timeout", "10"), ("comm_timeout_s", 0), ("comm_timeout_s", True)):
+        with pytest.raises(UsageError, match=f"zerotrain.{key}"):
+            validate_profile({"zerotrain": {key: bad}}, "p")
+    assert comm_timeout_s({}) == 1800 and comm_timeout_s({}, 3600) == 7200
+    assert comm_timeout_s({"comm_timeout_s": 120}, 3600) == 120
+
+
+def test_the_hang_hook():
+    assert TestHooks.from_env({"ZEROTRAIN_TEST_HANG": "1:save:3"}).hang == (1, "save", 3)
+    for bad in ("1:compute:3", "1:save", "x:eval:2"):
+        with pytest.raises(UsageError, match="ZEROTRAIN_TEST_HANG"):
+            TestHooks.from_env({"ZEROTRAIN_TEST_HANG": bad})
+    TestHooks().hang_here(1, "save", 3)  # no hook: returns
+
+
+# -- real ranks ---------------------------------------------------------------------------------------
+
+# `zerotrain launch -n 2` as its code runs it (launch.run_preserving_exit_code: the DeepSpeed runner in a process
+# group of its own, rank 0's code from ZEROTRAIN_EXIT_FILE), with a free port: the local form always takes
+# DeepSpeed's default 29500, on which concurrent test launches collide.
+LAUNCH = ("import sys; from zerotrain.launcher.commands.launch import TRAIN_MODULE, deepspeed_runner,"
+          " run_preserving_exit_code; sys.exit(run_preserving_exit_code([*deepspeed_runner(), '--num_gpus', '2',"
+          " '--master_port', sys.argv[1], '--module', TRAIN_MODULE, *sys.argv[2:]]))")
+
+
+def popen_launch(args, env_extra=None):
+    return subprocess.Popen([sys.executable, "-c", LAUNCH, str(free_port()), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})})
+
+
+@pytest.fixture
+def launched():
+    """Every launch a test starts; at the end nothing of them is left: stopped ranks continued and
+    killed with their process group, and the shared-memory buffers their ranks made removed."""
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    procs = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None or _group_alive(proc.pid):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        proc.wait(timeout=30)
+    for leaked in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before:
+        leaked.unlink(missing_ok=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie waiting for its parent counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def wait_for(condition, timeout: float, what: str, proc=None):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if condition():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the launch ended ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def hang_dir_of(run_dir: Path) -> Path:
+    (hang_dir,) = [p for p in (run_dir / "hangs").iterdir() if p.name != "heartbeat"]
+    return hang_dir
+
+
+TIMEOUT = 8
+
+
+def test_a_rank_frozen_with_sigstop_is_found_by_the_other_ranks_watchdog(tmp_path, mix_path, launched):
+    run_dir = tmp_path / "r"
+    proc = popen_launch(["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *FLAGS,
+                         "--max-steps", "5000", "--hang-timeout", str(TIMEOUT)])
+    launched.append(proc)
+    wait_for(lambda: any(m["step"] >= 3 for m in read_metrics(run_dir)), 240, "step 3", proc)
+    beats = {r: json.loads((run_dir / "hangs" / "heartbeat" / f"rank-{r}.json").read_text()) for r in (0, 1)}
+    frozen_at = time.time()
+    os.kill(beats[1]["pid"], signal.SIGSTOP)
+    # Rank 0 blocks in its next collective. DeepSpeed's launcher SIGTERMs the other ranks once rank 0 exits
+    # and SIGKILLs them 30 s later (a stopped process never sees SIGTERM): the restart launcher (--max-restarts)
+    # kills them at once; here the test does, once rank 0 is gone.
+    wait_for(lambda: _pid_gone(beats[0]["pid"]), TIMEOUT + 30, "rank 0 exits")
+    fired_after = time.time() - frozen_at
+    os.kill(beats[1]["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_HUNG, out[-3000:]
+    assert fired_after < TIMEOUT + 6, fired_after  # the timeout, a heartbeat period and a tick
+    hang_dir = hang_dir_of(run_dir)
+    summary = json.loads((hang_dir / "summary.json").read_text())
+    assert summary["fired_by"] == 0 and summary["stacks"] == ["rank-0.txt"]  # a stopped rank cannot dump
+    assert summary["where"]["0"]["in_collective"] and summary["where"]["0"]["ours"].startswith("trainer.py:")
+    (late,) = summary["behind"]
+    assert late["rank"] == 1 and "stale heartbeat" in late["why"] and late["heartbeat_age_s"] >= TIMEOUT - 1
+    stacks = (hang_dir / "rank-0.txt").read_text()
+    # the main thread: blocked in C++, inside a gloo collective (the step's all_gather or ZeRO-3's own)
+    assert re.search(r"distributed_c10d\.py\", line \d+ in (all_gather|all_reduce|reduce_scatter|broadcast)",
+                     stacks), stacks
+    assert "in _loop" in stacks
+    line = next((x for x in out.splitlines() if "zerotrain: error: rank 0 hung in" in x), out[-3000:])
+    assert f"behind: rank 1 (step {late['step']}, {late['phase']}" in line and str(hang_dir) in line
+    end = manifest.read_manifest(run_dir)["segments"][-1]
+    assert (end["end_reason"], end["end_exit_code"]) == ("hung", EXIT_HUNG)
+    print(f"freeze -> rank 0's exit: {fired_after:.1f} s (--hang-timeout {TIMEOUT})")
+
+
+@pytest.mark.parametrize("phase, flags", [
+    ("save", ["--save-every-steps", "3"]),
+    ("eval", ["--eval-every-steps", "2", "--eval-tokens", "3000"]),
+])
+def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected(tmp_path, mix_path, launched, phase, flags):
+    run_dir = tmp_path / "r"
+    step = 3 if phase == "save" else 2
+    proc = popen_launch(["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *FLAGS, *flags,
+                         "--max-steps", "50", "--hang-timeout", "6"], {"ZEROTRAIN_TEST_HANG": f"1:{phase}:{step}"})
+    launched.append(proc)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_HUNG, out[-3000:]
+    hang_dir = hang_dir_of(run_dir)
+    summary = json.loads((hang_dir / "summary.json").read_text())
+    assert (summary["phase"], summary["step"]) == (phase, step), summary
+    assert summary["stacks"] == ["rank-0.txt", "rank-1.txt"]  # both alive: one fired, the other joined
+    assert "hang_here" in (hang_dir / "rank-1.txt").read_text()
+    # rank 0 waits in a collective (the save's all-gather, ZeRO-3's gathers in the evaluation's forward);
+    # rank 1 does not: the summary and the line name it with its frame
+    assert summary["where"]["0"]["in_collective"] and summary["outside_collectives"] == [1], summary
+    assert f"hung in {phase} at step {step}" in out
+    assert "behind: none; outside any collective: rank 1 (hooks.py:" in out
+    assert manifest.read_manifest(run_dir)["segments"][-1]["end_reason"] == "hung"
