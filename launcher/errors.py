@@ -4,8 +4,9 @@ The exception types live in `zerotrain.errors` (a module with no imports, so eve
 them); they are re-exported here. END_KINDS below is read by everything that names an end: the trainer
 raises `StopRun(kind, message)` and exits with the kind's code; finetune's result and RunFailed;
 `zerotrain runs`/`report`'s status words; manifest.json (each launch's end kind, code and message);
-pre-flight's exit code; and README.md's "Exit codes" table (tests/test_end_kinds.py parses it and
-compares). Adding a kind is one entry here plus its README row.
+pre-flight's exit code; `zerotrain launch --max-restarts` and the sbatch template's requeue (which ends
+are restartable); and README.md's "Exit codes" table (tests/test_end_kinds.py parses it and compares).
+Adding a kind is one entry here plus its README row.
 """
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ class EndKind:
     failed: bool  # an error: one line on stderr, finetune raises RunFailed, `zerotrain runs` says "failed"
     status: str  # the words `zerotrain runs` / `report` show
     meaning: str  # one line, as in README.md "Exit codes"
+    # `zerotrain launch --max-restarts` starts the job again with --resume auto after this end, and the sbatch
+    # template requeues it: the ends a fresh start can get past (a hang, a lost rank, a communication error).
+    # Never an end that asked to stop (a signal, a budget) or that would end the same way again (bad input,
+    # divergence).
+    restartable: bool = False
 
 
 END_KINDS = {e.kind: e for e in (
@@ -34,7 +40,9 @@ END_KINDS = {e.kind: e for e in (
     EndKind("data-exhausted", 0, True, False, "finished (data exhausted)",
             "a source with `on_exhausted: stop` ran out"),
     EndKind("dry-run", 0, False, False, "dry run", "`--dry-run`: resolved and printed, nothing built or written"),
-    EndKind("crash", 1, False, True, "failed (crashed)", "an unexpected error (a traceback)"),
+    EndKind("crash", 1, False, True, "failed (crashed)",
+            "an unexpected error (a traceback) or a communication error; a rank lost (killed, segfault, out of"
+            " memory) ends the same way, with the launcher's own code", restartable=True),
     EndKind("usage", 2, False, True, "failed (bad input)", "bad input: one line naming the input, nothing written"),
     EndKind("diverged", 3, False, True, "failed (diverged)",
             "non-finite loss or gradient norm, a loss spike with `--on-spike stop`, or rollbacks used up"),
@@ -52,7 +60,7 @@ END_KINDS = {e.kind: e for e in (
     EndKind("export-check-failed", 10, False, True, "failed (export check)",
             "`zerotrain export`: the export's loss differs from the checkpoint's beyond tolerance"),
     EndKind("hung", 11, False, True, "failed (hung)",
-            "a rank made no progress for `--hang-timeout` seconds: stacks in RUN_DIR/hangs/; restartable"),
+            "a rank made no progress for `--hang-timeout` seconds: stacks in RUN_DIR/hangs/", restartable=True),
     EndKind("hard-signal", 130, False, True, "failed (second signal)",
             "a second signal: exited at once, nothing saved"),
 )}
@@ -72,6 +80,12 @@ def kind_of_exit(code: int) -> str:
     return next((e.kind for e in END_KINDS.values() if e.exit_code == code), "crash")
 
 
+def final_exit_codes() -> list[int]:
+    """The exit codes after which a job is never started again (every code of a kind that is not
+    restartable); any other code, a kind's or not, is restartable (the sbatch template's requeue)."""
+    return sorted({e.exit_code for e in END_KINDS.values() if not e.restartable})
+
+
 def status_of(kind: str | None) -> str:
     """What `zerotrain runs` shows for a launch that ended as `kind` (a kind this version does not know,
     from a newer one: "stopped (kind)")."""
@@ -81,7 +95,8 @@ def status_of(kind: str | None) -> str:
 def exit_code_table() -> list[str]:
     """README.md's "Exit codes" table, one row per kind, as the table says it."""
     return ["| code | end kind | meaning |", "|---|---|---|"] + [
-        f"| {e.exit_code} | `{e.kind}` | {e.meaning}{' (checkpoint saved)' if e.saves else ''} |"
+        f"| {e.exit_code} | `{e.kind}` | {e.meaning}{' (checkpoint saved)' if e.saves else ''}"
+        f"{'; restarted by `--max-restarts`' if e.restartable else ''} |"
         for e in END_KINDS.values()]
 
 

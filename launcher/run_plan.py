@@ -25,6 +25,7 @@ from zerotrain.launcher import model_spec
 from zerotrain.launcher.components import checkpoint, universal
 from zerotrain.launcher.components.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
+from zerotrain.launcher.components.manifest import run_id_of
 from zerotrain.launcher.components.planner import fit_check
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
@@ -101,7 +102,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, zt, world, attention=attention)
 
-    run_id = cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
+    run_id = run_id_of(cfg, model_label, profile_name)
     run_dir = Path(cfg.out) / run_id
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir}: exists and is not a directory")

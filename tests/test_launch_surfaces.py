@@ -22,7 +22,7 @@ import yaml
 from conftest import REPO, TRAIN_PY, cpu_profile, free_port, read_metrics
 
 from zerotrain.launcher.components import hostfile
-from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.errors import UsageError, final_exit_codes
 from zerotrain.launcher.commands.launch import plan_hostfile_launch
 from zerotrain.launcher.profiles import profile_from_accelerate
 
@@ -413,7 +413,8 @@ def test_slurm_dry_run_prints_the_script_and_each_nodes_command(tmp_path, mix_pa
     text = proc.stdout
     for line in ("#SBATCH --nodes=2", "#SBATCH --signal=B:TERM@120", "#SBATCH --requeue", "#SBATCH --time=2:00:00",
                  "#SBATCH --gpus-per-node=8", "ZT_MAX_REQUEUES=5", "#   gpu-01 slots=8", "#   gpu-02 slots=8",
-                 "scontrol requeue $SLURM_JOB_ID", f"job_dir=\"$ZT_WORKDIR/job-$SLURM_JOB_ID-r$restarts\""):
+                 "scontrol requeue $SLURM_JOB_ID", f"job_dir=\"$ZT_WORKDIR/job-$SLURM_JOB_ID-r$restarts\"",
+                 f"ZT_FINAL_CODES=\" {' '.join(str(c) for c in final_exit_codes() if c != 6)} \""):
         assert line in text, line
     job_dir = f"{tmp_path / 'runs' / 'slurm'}/job-4242-r0"
     for rank in (0, 1):
@@ -440,9 +441,13 @@ def test_slurm_submits_with_sbatch(tmp_path, mix_path):
 
 
 @pytest.mark.parametrize("code, restarts, requeued", [(6, "0", True), (6, "2", False), (0, "0", False),
-                                                     (5, "0", False), (3, "1", False)])
-def test_slurm_script_requeues_only_after_a_signal_stop_within_max_requeues(tmp_path, mix_path, code, restarts,
-                                                                            requeued):
+                                                     (5, "0", False), (3, "1", False), (2, "0", False),
+                                                     (11, "0", True), (1, "1", True), (247, "0", True),
+                                                     (11, "2", False)])
+def test_slurm_script_requeues_after_a_signal_stop_or_a_restartable_end_within_max_requeues(
+        tmp_path, mix_path, code, restarts, requeued):
+    """6 (Slurm's own SIGTERM before the time limit) and END_KINDS' restartable ends (hung 11, crash 1, a lost
+    rank: a code no kind has) are requeued; the script's list of final codes is rendered from END_KINDS."""
     env = slurm_env(tmp_path, "n1 n2", SLURM_RESTART_COUNT=restarts, FAKE_CODE=str(code))
     out = tmp_path / "runs"
     node_python = str(tmp_path / "fakebin" / "python-node")
@@ -459,8 +464,10 @@ def test_slurm_script_requeues_only_after_a_signal_stop_within_max_requeues(tmp_
     for rank in (0, 1):
         assert (f"node {rank}: -m zerotrain launch --hostfile {job_dir}/hostfile --no_ssh --node_rank {rank}"
                 f" --master_addr n1 --master_port 29500 -- --data {mix_path} --out {out} --resume auto") in log
-    if code == 6 and not requeued:
+    if code in (6, 11) and not requeued:
         assert "not requeued: 2 requeue(s) used of --max-requeues 2" in run.stdout
+    if code == 11 and requeued:
+        assert "ended restartably (exit 11: hung, a lost rank or a crash): requeueing job 4242" in run.stdout
 
 
 def test_slurm_sigterm_saves_then_requeues(tmp_path, mix_path):

@@ -1,9 +1,10 @@
 """Launch surfaces: `zerotrain launch` (local ranks or a hostfile), `zerotrain slurm`, and the
 profile rule under `accelerate launch`.
 
-    zerotrain launch -n N [train flags]
+    zerotrain launch -n N [--max-restarts K] [--restart-backoff S] [--] [train flags]
         the driver on N local ranks under DeepSpeed's launcher
-    zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- [train flags]
+    zerotrain launch --hostfile H [--force] [--skip-host-checks] [--max-restarts K] [--restart-backoff S]
+                     [deepspeed flags] -- [train flags]
         checks first (launcher/components/hostfile.py): the hostfile line by line, the world size against the
         profile's `zerotrain.hardware` (--force to override), with ssh each host's reachability and
         zerotrain version (--skip-host-checks); then DeepSpeed's runner with the profile's
@@ -17,12 +18,23 @@ stopped by a signal, checkpoint saved) would be lost. Rank 0 therefore also writ
 to a file named by ZEROTRAIN_EXIT_FILE, and this command exits with that code when it exists.
 When ZEROTRAIN_EXIT_FILE is set for this command itself (the Slurm script does, per node), the
 code it exits with is written there too.
+
+Restarts (`--max-restarts K`, default 0: none): when the job ends restartably (END_KINDS' `restartable`:
+hung, or a crash: a communication error, a rank killed, a segfault, out of memory) and we were not told
+to stop, every rank process left is killed (SIGCONT, then SIGKILL to the runner's process group: stopped
+ranks too) and waited for, the restart is announced in one line and recorded in RUN_DIR/manifest.json
+(`restarts`), and after `--restart-backoff` seconds the whole job starts again with `--resume auto`, at
+most K times. A SIGTERM/SIGINT to this command stops the job as without restarts, and one during the
+backoff ends it there. The policy and what the launcher sees of its ranks: launcher/components/restarts.py.
+With --no_ssh each node's `zerotrain launch` restarts its own ranks (give every node the same flags; they
+meet again at the master's rendezvous) and only node 0's records the restart.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
+import json
 import os
 import shlex
 import shutil
@@ -30,15 +42,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.cli_args import Parser
-from zerotrain.launcher.components import ds_compat, hostfile
+from zerotrain.launcher.components import ds_compat, hostfile, manifest
 from zerotrain.launcher.components.golden import GoldenCheck
+from zerotrain.launcher.components.restarts import (
+    DEFAULT_BACKOFF_S, JobEnd, RankWatch, Restarts, misplaced_restart_flag, take_restart_flags, with_resume_auto)
 from zerotrain.launcher.config import resolve_config
-from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError
+from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError, ZerotrainError, final_exit_codes
 from zerotrain.launcher.profiles import load_profile
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
@@ -50,8 +65,9 @@ SBATCH_TEMPLATE = resource_dir("zerotrain.launcher", "slurm", "train.sbatch")
 # Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (zerotrain.launcher.trainer
 # single_process_env) and must not hand them to the ranks of a launch it starts.
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-USAGE = ("usage: zerotrain launch -n N [train flags]\n"
-         "       zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- [train flags]")
+USAGE = ("usage: zerotrain launch -n N [--max-restarts K] [--restart-backoff S] [--] [train flags]\n"
+         "       zerotrain launch --hostfile H [--force] [--skip-host-checks] [--max-restarts K] [--restart-backoff S]"
+         " [deepspeed flags] -- [train flags]")
 
 
 def deepspeed_runner() -> list[str]:
@@ -65,7 +81,15 @@ def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
 
 
 def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None) -> int:
-    """Run a launcher command, pass our SIGTERM/SIGINT on to it, return rank 0's own exit code.
+    """Run a launcher command, pass our SIGTERM/SIGINT on to it, return rank 0's own exit code (run_job);
+    with ZEROTRAIN_EXIT_FILE in `env`, the code is written there too."""
+    code = run_job(cmd, env=env, relay=relay).exit_code
+    _write_outer_exit_file(env, code)
+    return code
+
+
+def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: bool = False) -> JobEnd:
+    """Run a launcher command once, pass our SIGTERM/SIGINT on to it; how it ended (rank 0's own exit code).
 
     The `deepspeed` runner (deepspeed/launcher/runner.py) installs no signal handler for a local
     launch: a SIGTERM sent to it alone kills it and orphans launch.py and the ranks. So the runner
@@ -75,40 +99,142 @@ def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None
 
     `env`: the environment (default ours). `relay`: a callable given the output as it arrives
     (a notebook cell shows what is written to sys.stdout, not to file descriptor 1); by default
-    the output goes straight to our stdout/stderr.
+    the output goes straight to our stdout/stderr. `restarting` (--max-restarts): the local ranks are
+    watched (RankWatch: the first to end, stopped ones killed), and after a restartable end what is
+    left of the group is killed at once rather than given launch.py's 30 s.
     """
     env = dict(os.environ if env is None else env)
-    outer_exit_file = env.get("ZEROTRAIN_EXIT_FILE")
+    signalled = []
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zerotrain-exit-") as tmp:
         exit_file = Path(tmp) / "exit_code"
         pipe = subprocess.PIPE if relay is not None else None
         proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file)}, start_new_session=True,
                                 stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
-        forward = lambda signum, frame: _signal_group(proc.pid, signum)  # noqa: E731
+        watch = RankWatch(proc.pid) if restarting else None
+
+        def forward(signum, frame):
+            signalled.append(signum)
+            _signal_group(proc.pid, signum)
+
         old = {}
         try:
             old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
         except ValueError:  # not the main thread: signals cannot be forwarded from here
             pass
         try:
+            if watch is not None:
+                watch.start()
             if relay is not None:
                 _relay_output(proc.stdout, relay)
             code = proc.wait()
+            code = code if code >= 0 else 128 - code
+            end = _job_end(code, exit_file, signalled, watch, started)
+            if restarting and end.restartable:
+                _kill_group(proc.pid)  # nothing of this job may outlive it: the restart needs its ports and files
             deadline = time.time() + 60  # launch.py gives the ranks 30 s after a signal
             while _group_alive(proc.pid) and time.time() < deadline:
                 time.sleep(0.2)
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-        if exit_file.is_file():
-            try:
-                code = int(exit_file.read_text().strip())
-            except ValueError:
-                pass
-        code = code if code >= 0 else 128 - code
+            if watch is not None:
+                watch.stop()
+        return _job_end(code, exit_file, signalled, watch, started)  # rank 0 may have written it while we waited
+
+
+def _job_end(code: int, exit_file: Path, signalled: list, watch: RankWatch | None, started: float) -> JobEnd:
+    left = None  # the code a rank left (rank 0's own; a hang watchdog's)
+    if exit_file.is_file():
+        try:
+            left = int(exit_file.read_text().strip())
+        except ValueError:
+            pass
+    return JobEnd(exit_code=code if left is None else left, from_exit_file=left is not None,
+                  signalled=bool(signalled), first_exit=watch.first_exit if watch is not None else None,
+                  seconds=round(time.monotonic() - started, 1))
+
+
+def _write_outer_exit_file(env: dict | None, code: int) -> None:
+    outer_exit_file = (os.environ if env is None else env).get("ZEROTRAIN_EXIT_FILE")
     if outer_exit_file:
         Path(outer_exit_file).write_text(f"{code}\n")
-    return code
+
+
+def run_with_restarts(command, train_args: list[str], env: dict, restarts: Restarts, records: bool = True) -> int:
+    """The job (`command(train_args)`: the runner's argv), started again after each restartable end, at most
+    `restarts.max_restarts` times, with --resume auto; returns the last job's code. `records`: this launcher
+    records the restarts in the run's manifest.json (restart_run_dir, found at the first restart)."""
+    args, attempt, run_dir = list(train_args), 0, None
+    while True:
+        end = run_job(command(args), env=env, restarting=restarts.max_restarts > 0)
+        if restarts.max_restarts == 0 or not end.restartable:
+            break
+        if records and attempt == 0:
+            run_dir = restart_run_dir(train_args)
+        behind = hang_behind(run_dir, end.seconds) if run_dir is not None and end.kind == "hung" else None
+        cause = end.cause(behind)
+        if attempt >= restarts.max_restarts:
+            print(f"zerotrain launch: job ended {cause}; not restarted: {attempt} restart(s) used of --max-restarts"
+                  f" {restarts.max_restarts}", flush=True)
+            break
+        attempt += 1
+        print(f"zerotrain launch: job ended {cause}; restart {attempt} of {restarts.max_restarts} in"
+              f" {restarts.backoff_s:g} s with --resume auto", flush=True)
+        if run_dir is not None:
+            record = {"attempt": attempt, "max_restarts": restarts.max_restarts, "kind": end.kind,
+                      "exit_code": end.exit_code, "cause": cause, "rank": end.rank(behind),
+                      **({"behind": behind} if behind else {}), "job_s": end.seconds, "backoff_s": restarts.backoff_s}
+            try:
+                manifest.record_restart(run_dir, record)
+            except OSError as e:  # the run goes on; only its record is missing
+                print(f"zerotrain launch: warning: restart not recorded in {run_dir / manifest.MANIFEST}: {e}",
+                      file=sys.stderr, flush=True)
+        if _interrupted_within(restarts.backoff_s):
+            print("zerotrain launch: stopped by a signal during the backoff; not restarted", flush=True)
+            break
+        args = with_resume_auto(train_args)
+    _write_outer_exit_file(env, end.exit_code)
+    return end.exit_code
+
+
+def hang_behind(run_dir: Path, job_s: float) -> list[int] | None:
+    """The ranks the newest hang summary (RUN_DIR/hangs/*/summary.json, written by the watchdog of the job
+    that just ended) names as behind; None without one."""
+    newest = max(Path(run_dir).glob("hangs/*/summary.json"), key=lambda p: p.stat().st_mtime, default=None)
+    if newest is None or time.time() - newest.stat().st_mtime > job_s + 5:  # an older job's hang
+        return None
+    try:
+        behind = json.loads(newest.read_text()).get("behind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    ranks = [b.get("rank") if isinstance(b, dict) else b for b in behind] if isinstance(behind, list) else []
+    return sorted(r for r in ranks if isinstance(r, int)) or None
+
+
+def _interrupted_within(seconds: float) -> bool:
+    """Sleep `seconds`; True if a SIGTERM/SIGINT arrived meanwhile (it ends the sleep)."""
+    got = threading.Event()
+    old = {}
+    try:
+        old = {s: signal.signal(s, lambda signum, frame: got.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    except ValueError:  # not the main thread
+        pass
+    try:
+        return got.wait(seconds)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def restart_run_dir(train_args: list[str]) -> Path | None:
+    """The run directory restarts are recorded in (manifest.run_dir_of); None, with a warning, if it cannot
+    be named here (the job itself then says why)."""
+    try:
+        return manifest.run_dir_of(resolve_config(train_args))[0]
+    except (ZerotrainError, OSError) as e:
+        print(f"zerotrain launch: warning: restarts will not be recorded: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def _relay_output(stream, relay) -> None:
@@ -128,6 +254,18 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass
 
 
+def _kill_group(pgid: int, timeout_s: float = 60) -> None:
+    """SIGCONT then SIGKILL to the whole group (a SIGSTOPped rank dies too), then wait until none of it is left."""
+    for signum in (signal.SIGCONT, signal.SIGKILL):
+        _signal_group(pgid, signum)
+    deadline = time.time() + timeout_s
+    while _group_alive(pgid) and time.time() < deadline:
+        time.sleep(0.1)
+    if _group_alive(pgid):
+        print(f"zerotrain launch: warning: process group {pgid} still alive {timeout_s:g} s after SIGKILL"
+              " (a process in uninterruptible I/O?)", file=sys.stderr, flush=True)
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -139,21 +277,53 @@ def _group_alive(pgid: int) -> bool:
 
 
 def launch_parser() -> Parser:
-    """`zerotrain launch --help`. The command line itself is read by launch_main: after -n N every flag is a
-    train flag, after a hostfile's -- too, and DeepSpeed's runner parses its own flags."""
+    """`zerotrain launch --help`. The command line itself is read by launch_main: after -n N (and our restart
+    flags, and an optional --) every flag is a train flag, after a hostfile's -- too, and DeepSpeed's runner
+    parses its own flags."""
     p = Parser(prog="zerotrain launch", usage=USAGE.removeprefix("usage: "),
                description="The driver on N local ranks, or on every node of a hostfile, under DeepSpeed's launcher,"
                            " with the profile's zerotrain.env for every rank.",
                epilog="deepspeed flags: those of DeepSpeed's runner (python -m deepspeed.launcher.runner --help), e.g."
                       " --include, --exclude, --num_nodes, --num_gpus, --no_ssh --node_rank R, --master_addr,"
-                      " --master_port, --ssh_port. train flags: those of zerotrain train (see its --help).")
+                      " --master_port, --ssh_port. train flags: those of zerotrain train (see its --help)."
+                      " Restartable ends: hung (exit 11) and crash (1; a rank killed, a segfault, out of memory,"
+                      " a communication error); never bad input, divergence, early stop, budget, a signal.")
     p.add_argument("-n", "--nproc", type=int, metavar="N", help="ranks on this node (one per GPU)")
     p.add_argument("--hostfile", "-H", metavar="H", help="DeepSpeed's hostfile: one 'HOST slots=N' per line")
     p.add_argument("--force", action="store_true", help="with --hostfile: launch although the world size differs"
                                                         " from the profile's devices_per_node x nodes")
     p.add_argument("--skip-host-checks", action="store_true", help="with --hostfile: do not check each host over"
                                                                    " ssh (reachable, same zerotrain)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="after a restartable end (hung, a lost rank, a crash), kill what is left of the job and"
+                        " start it again with --resume auto, at most K times; recorded in RUN_DIR/manifest.json"
+                        " (default 0: never)")
+    p.add_argument("--restart-backoff", type=float, default=DEFAULT_BACKOFF_S, metavar="S",
+                   help=f"seconds between the end of a job and its restart (default {DEFAULT_BACKOFF_S:g})")
     return p
+
+
+def split_local_args(args: list[str]) -> tuple[Restarts, list[str]]:
+    """What follows `-n N`: (the restart policy, the train flags). `-n N FLAGS`, `-n N -- FLAGS`,
+    `-n N --max-restarts K [--restart-backoff S] [--] FLAGS`."""
+    if "--" in args:
+        i = args.index("--")
+        restarts, rest = take_restart_flags(args[:i])
+        if rest:
+            raise UsageError(f"launch -n N: before -- only --max-restarts and --restart-backoff, got {rest[0]!r}")
+        train_args = args[i + 1:]
+    else:
+        lead = 0  # the restart flags that open the list; the train flags follow
+        while lead < len(args) and args[lead].split("=")[0].replace("_", "-") in ("--max-restarts",
+                                                                                 "--restart-backoff"):
+            lead += 1 if "=" in args[lead] else 2
+        restarts, _ = take_restart_flags(args[:lead])
+        train_args = args[lead:]
+    misplaced = misplaced_restart_flag(train_args)
+    if misplaced:
+        raise UsageError(f"launch {misplaced}: a launch flag, not a train flag: put it before the train flags"
+                         " (zerotrain launch -n N --max-restarts K -- FLAGS)")
+    return restarts, train_args
 
 
 def launch_main(argv: list[str]) -> None:
@@ -169,17 +339,23 @@ def launch_main(argv: list[str]) -> None:
             raise UsageError(f"launch -n {argv[1]!r}: not an integer") from None
         if nproc < 1:
             raise UsageError(f"launch -n {nproc}: must be at least 1")
+        restarts, train_args = split_local_args(argv[2:])
         # The profile's zerotrain.env (NCCL settings, PYTORCH_CUDA_ALLOC_CONF, ...) applies here too.
-        cfg = resolve_config(argv[2:])  # bad train flags: one line before anything starts
+        cfg = resolve_config(train_args)  # bad train flags: one line before anything starts
         if cfg.golden:  # a golden file of another config: refused before any rank starts
             GoldenCheck.load(cfg.golden, cfg)
         profile_env = {}
         if cfg.profile != "auto":
             name, profile = load_profile(cfg.profile)
             profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
-        sys.exit(run_preserving_exit_code(deepspeed_command(nproc, argv[2:]), env={**os.environ, **profile_env}))
+        sys.exit(run_with_restarts(lambda args: deepspeed_command(nproc, args), train_args,
+                                   {**os.environ, **profile_env}, restarts))
     if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):
         raise UsageError(USAGE)
+    restarts = Restarts()
+    if "--" in argv:
+        restarts, ours = take_restart_flags(head)
+        argv = [*ours, *argv[len(head):]]
     plan = plan_hostfile_launch(argv)
     for line in plan.messages:
         print(line, flush=True)
@@ -191,18 +367,24 @@ def launch_main(argv: list[str]) -> None:
             hostfile.write_deepspeed_env(path, plan.env_file)
             env["DS_ENV_FILE"] = str(path)
         # The runner reads the file when it starts; it is removed when the launch ends.
-        code = run_preserving_exit_code(plan.cmd, env=env)
+        code = run_with_restarts(plan.command, plan.train_args, env, restarts, plan.records_restarts)
     sys.exit(code)
 
 
 class HostfileLaunch:
     """What `zerotrain launch --hostfile` will run, decided before anything starts."""
 
-    def __init__(self, cmd, rank_env, env_file, messages):
+    def __init__(self, cmd, rank_env, env_file, messages, train_args=(), records_restarts=True):
         self.cmd: list[str] = cmd
         self.rank_env: dict[str, str] = rank_env  # into the runner's own environment (local ranks)
         self.env_file: dict[str, str] | None = env_file  # exported to every node over ssh, or None
         self.messages: list[str] = messages
+        self.train_args: list[str] = list(train_args)  # the end of cmd
+        self.records_restarts = records_restarts  # this node's launcher writes manifest.json's restarts
+
+    def command(self, train_args: list[str]) -> list[str]:
+        """cmd with other train flags (a restart's --resume auto)."""
+        return self.cmd[:len(self.cmd) - len(self.train_args)] + list(train_args)
 
 
 def deepspeed_args(flags: list[str]) -> argparse.Namespace:
@@ -263,9 +445,10 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
         # The runner logs its whole pdsh command, exports (secrets) included, at info level.
         extra = ["--log_level=warning"]
     cmd = [*deepspeed_runner(), *ds_flags, *extra, "--module", TRAIN_MODULE, *train_args]
+    records = not ds.no_ssh or ds.node_rank == 0  # with --no_ssh every node restarts its own ranks; node 0 records
     if ssh_mode:
-        return HostfileLaunch(cmd, {}, env, messages)
-    return HostfileLaunch(cmd, env, None, messages)
+        return HostfileLaunch(cmd, {}, env, messages, train_args, records)
+    return HostfileLaunch(cmd, env, None, messages, train_args, records)
 
 
 # -- accelerate ------------------------------------------------------------------------------
@@ -287,7 +470,8 @@ def slurm_parser() -> Parser:
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="one more #SBATCH line, e.g. --sbatch-arg=--exclusive (repeatable)")
     p.add_argument("--max-requeues", type=int, default=3,
-                   help="requeue after a stop by signal (exit 6) at most this many times (0: never)")
+                   help="requeue after a stop by signal (exit 6) or a restartable end (hung, a lost rank, a crash:"
+                        " as zerotrain launch --max-restarts) at most this many times in all (0: never)")
     p.add_argument("--signal-seconds", type=int, default=120,
                    help="SIGTERM this many seconds before the time limit (#SBATCH --signal=B:TERM@S)")
     p.add_argument("--master-port", type=int, default=29500, help="the rendezvous port on the first node")
@@ -296,6 +480,12 @@ def slurm_parser() -> Parser:
     p.add_argument("--force", action="store_true", help="skip the world-size check against the profile")
     p.add_argument("--dry-run", action="store_true", help="print the script and the commands; submit nothing")
     return p
+
+
+def slurm_final_codes() -> str:
+    """The codes after which the script never requeues: END_KINDS' final ones, but 6 (a stop by Slurm's signal
+    before the time limit: requeued to continue)."""
+    return " ".join(str(c) for c in final_exit_codes() if c != EXIT_SIGNAL)
 
 
 def render_sbatch(ns: argparse.Namespace, train_args: list[str], workdir: Path) -> str:
@@ -311,6 +501,7 @@ def render_sbatch(ns: argparse.Namespace, train_args: list[str], workdir: Path) 
         "PYTHON": q(ns.python), "CWD": q(str(Path.cwd())), "WORKDIR": q(str(workdir)),
         "GPUS_PER_NODE": str(ns.gpus_per_node), "MASTER_PORT": str(ns.master_port),
         "MAX_REQUEUES": str(ns.max_requeues), "EXIT_SIGNAL": str(EXIT_SIGNAL),
+        "FINAL_CODES": slurm_final_codes(),
         "LAUNCH_ARGS": " ".join(["--force"] if ns.force else []),
         "TRAIN_ARGS": " ".join(q(a) for a in train_args),
     }
@@ -366,8 +557,9 @@ def slurm_main(argv: list[str]) -> None:
             print(f"#   {host} slots={ns.gpus_per_node}")
         for rank, cmd in enumerate(node_commands(ns, train_args, workdir, hosts, job_dir)):
             print(f"# node {rank} ({hosts[rank]}), srun task:\n{cmd}")
-        print(f"# after a stop by signal (node 0 exits {EXIT_SIGNAL}) and fewer than {ns.max_requeues} requeues"
-              " so far (SLURM_RESTART_COUNT): scontrol requeue $SLURM_JOB_ID")
+        print(f"# after a stop by signal (node 0 exits {EXIT_SIGNAL}) or a restartable end (node 0 exits any code"
+              f" but {slurm_final_codes()}), with fewer than {ns.max_requeues} requeues so far (SLURM_RESTART_COUNT):"
+              " scontrol requeue $SLURM_JOB_ID")
         return
     if shutil.which("sbatch") is None:
         raise UsageError("slurm: no sbatch command here (not a Slurm login node?); --dry-run prints the script")

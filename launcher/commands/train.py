@@ -12,20 +12,25 @@ import sys
 
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail
-from zerotrain.launcher.trainer import QuietExit, run
+from zerotrain.launcher.trainer import QuietExit, report_exit, run
 
 
 def main(argv: list[str] | None = None) -> None:
     code = 0
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         result = run(resolve_config(argv))
         code = result.exit_code
     except UsageError as e:  # DataError too: bad input, nothing written
-        if getattr(e, "any_rank", False) and os.environ.get("RANK", "0") != "0":
+        if getattr(e, "any_rank", False) and not rank0:
             print(f"zerotrain: error: {e}", file=sys.stderr, flush=True)  # the rank that met it says it
             sys.exit(EXIT_USAGE)
+        if rank0:  # `zerotrain launch` exits 2, whatever code DeepSpeed's launcher takes: never restarted
+            report_exit(EXIT_USAGE)
         fail(str(e))
     except QuietExit:  # another rank met a data error and printed it
+        if rank0:
+            report_exit(EXIT_USAGE)
         sys.exit(EXIT_USAGE)
     sys.exit(code)
 

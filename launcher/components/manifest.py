@@ -8,8 +8,14 @@ and commit (an upgrade between resumes shows), and, once `record_end` ran, when 
 `ended`, `end_step`, `end_reason` (the end kind of launcher/errors.py's END_KINDS: the key keeps its
 first name, so manifests of every version read alike), `end_exit_code` and `end_message` (older
 manifests may lack these two: readers take the code from the table). A segment without `ended` was
-killed (kill -9, node loss) or crashed before it could say so. `zerotrain runs` reads it with
-`read_manifest`. Written with zerotrain.durable (temp file, fsync, rename, fsync the directory).
+killed (kill -9, node loss) or crashed before it could say so. `restarts` (written by `zerotrain launch
+--max-restarts`, launcher/commands/launch.py, between two launches, when no rank is left) holds one entry
+per restart: `attempt`, `time`, the end kind (`kind`), `exit_code`, `cause` in words, `rank` (the first
+rank that exited, when the launcher could see it; for a hang, the ranks the hang summary names as
+behind) and `backoff_s`; the segment of the launch that ended is closed then with that kind. `zerotrain
+runs` reads it with `read_manifest`. Written with zerotrain.durable (temp file, fsync, rename, fsync the
+directory). `run_dir_of(cfg)`: where a config's run directory is, named as plan_run names it, for the
+commands that need it without planning the run (pre-flight, `zerotrain launch`'s restart records).
 """
 from __future__ import annotations
 
@@ -22,7 +28,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from zerotrain import durable, resource_dir
-from zerotrain.launcher.errors import StopRun
+from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.launcher import model_spec
+from zerotrain.launcher.components.metrics import read_metrics
+from zerotrain.launcher.errors import StopRun, end_kind
+from zerotrain.launcher.hparams import resolve_hparams
+from zerotrain.launcher.profiles import detect_profile, load_profile
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -62,6 +73,21 @@ def git_commit(root: Path = SOURCE_ROOT) -> dict | None:
         return None
 
 
+def run_id_of(cfg, model_label: str, profile_name: str) -> str:
+    """The run id: --run-id, else the model, the profile and the hash of the config's identity fields."""
+    return cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
+
+
+def run_dir_of(cfg) -> tuple[Path, str, dict]:
+    """(the run's directory, profile name, profile) exactly as plan_run names it, without reading data or
+    checkpoints (the tokenizer is loaded: its vocabulary size is part of the model's label)."""
+    spec = cfg.profile if cfg.profile != "auto" else detect_profile()[0]
+    name, profile = load_profile(spec)
+    cfg = resolve_hparams(cfg, name, profile)  # as plan_run does: the run id hashes the values the run trains with
+    _, label, _ = model_spec.resolve(cfg, load_tokenizer(cfg.tokenizer).vocab_size)
+    return Path(cfg.out) / run_id_of(cfg, label, name), name, profile
+
+
 def read_manifest(run_dir: Path) -> dict | None:
     """The manifest of `run_dir`, or None if there is none or it is not readable JSON."""
     try:
@@ -89,16 +115,17 @@ def write_or_extend(run_dir: Path, *, run_id: str, config_hash: str, profile: st
                "config_hash": config_hash, "versions": package_versions(), "git": git_commit(),
                "pid": os.getpid()}
     manifest = read_manifest(run_dir)
-    if manifest is None:
+    if manifest is None and (run_dir / MANIFEST).exists():  # unreadable: keep it for a human, never stop a run over it
         bad = run_dir / MANIFEST
-        if bad.exists():  # unreadable: keep it for a human, never stop a run over it
-            bad.replace(run_dir / (MANIFEST + ".unreadable"))
-            print(f"zerotrain: warning: {bad} was not readable JSON; kept as {MANIFEST}.unreadable,"
-                  " starting a new one", file=sys.stderr, flush=True)
+        bad.replace(run_dir / (MANIFEST + ".unreadable"))
+        print(f"zerotrain: warning: {bad} was not readable JSON; kept as {MANIFEST}.unreadable,"
+              " starting a new one", file=sys.stderr, flush=True)
+    if manifest is None or not manifest["segments"]:  # a new run (or restarts recorded before any launch wrote one)
         manifest = {"format": FORMAT, "run_id": run_id, "config_hash": config_hash, "profile": profile,
                     "seed": seed, "versions": segment["versions"], "git": segment["git"],
                     "hosts": segment["hosts"], "world_size": world_size, "started": segment["started"],
-                    "segments": []}
+                    "segments": [], **({"restarts": manifest["restarts"]} if manifest and "restarts" in manifest
+                                       else {})}
     manifest["segments"].append(segment)
     run_dir.mkdir(parents=True, exist_ok=True)
     durable.write_json(run_dir / MANIFEST, manifest)
@@ -116,6 +143,26 @@ def record_end(run_dir: Path, stop: StopRun, step: int, rank0_only: bool = True)
     manifest["segments"][-1].update(ended=now_iso(), end_step=step, end_reason=stop.kind,
                                     end_exit_code=stop.exit_code, end_message=stop.message)
     durable.write_json(Path(run_dir) / MANIFEST, manifest)
+    return manifest
+
+
+def record_restart(run_dir: Path, restart: dict) -> dict:
+    """Between two launches (no rank alive; `zerotrain launch` alone writes): append `restart` (attempt, kind,
+    exit_code, cause, rank, backoff_s; `time` added) to the run's `restarts`, and close the last segment if its
+    launch could not (a lost rank, a hang) with that kind, its exit code, the cause and the last logged step.
+    A run killed before its manifest was written gets one holding only the restarts (the next launch fills
+    in the rest). Returns the manifest as written."""
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir) or {"format": FORMAT, "run_id": run_dir.name, "segments": []}
+    restart = {"time": now_iso(), **restart}
+    manifest.setdefault("restarts", []).append(restart)
+    if manifest["segments"] and "ended" not in manifest["segments"][-1]:
+        history = read_metrics(run_dir)
+        manifest["segments"][-1].update(ended=restart["time"], end_step=history[-1]["step"] if history else 0,
+                                        end_reason=end_kind(restart["kind"]).kind, end_exit_code=restart["exit_code"],
+                                        end_message=restart["cause"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    durable.write_json(run_dir / MANIFEST, manifest)
     return manifest
 
 

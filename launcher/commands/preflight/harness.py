@@ -22,24 +22,21 @@ import shutil
 import sys
 import time
 import traceback
-from pathlib import Path
 
 from zerotrain import durable
 from zerotrain.cli_args import Parser
-from zerotrain.dataio.tokenizer import load_tokenizer
-from zerotrain.launcher import model_spec
 from zerotrain.launcher.commands.preflight.measure import device_description, reset_peak_rss, slowed
 from zerotrain.launcher.commands.preflight.rehearsal import Rehearsal
 from zerotrain.launcher.commands.preflight.stability import Stability
 from zerotrain.launcher.commands.preflight.throughput import Throughput
 from zerotrain.launcher.components.hooks import TestHooks
+from zerotrain.launcher.components.manifest import run_dir_of
 from zerotrain.launcher.components.metrics import read_metrics
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.run_lock import take_lock
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
 from zerotrain.launcher.hparams import resolve_hparams
-from zerotrain.launcher.profiles import detect_profile, load_profile
 from zerotrain.launcher.run_plan import plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 
@@ -80,16 +77,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         if not ns.sweep or ns.sweep[0] < 1:
             raise UsageError(f"--sweep {ns.sweep}: micro-batch sizes must be positive")
     return ns, rest
-
-
-def run_dir_of(cfg) -> tuple[Path, str, dict]:
-    """(the real run's directory, profile name, profile) exactly as plan_run names it, without
-    reading data or checkpoints."""
-    spec = cfg.profile if cfg.profile != "auto" else detect_profile()[0]
-    name, profile = load_profile(spec)
-    cfg = resolve_hparams(cfg, name, profile)  # as plan_run does: the run id hashes the values the run trains with
-    _, label, _ = model_spec.resolve(cfg, load_tokenizer(cfg.tokenizer).vocab_size)
-    return Path(cfg.out) / (cfg.run_id or f"{label}-{name}-{cfg.identity_hash()}"), name, profile
 
 
 class Skip(Exception):

@@ -1,0 +1,344 @@
+"""`zerotrain launch --max-restarts`: a job that ends restartably (hung, a lost rank, a crash) is killed to the
+last process and started again with --resume auto, and reproduces the uninterrupted run bit for bit; bad input,
+divergence and a SIGTERM to the launcher are never restarted (issue 20, section 2).
+
+The policy, the flags, the records and the loop are tested without DeepSpeed (a fake runner that exits with
+the codes a test lists); then the real `deepspeed` launcher on 2 CPU ranks (ZeRO-3, gloo): one launch in
+which a rank is SIGKILLed, then (after the first restart) SIGSTOPped until the hang watchdog fires, compared
+with one uninterrupted run; one launch each for a divergence and a SIGTERM to the launcher.
+The launches go through the hostfile form (`--no_ssh`, one local node) with a free port, so that tests
+running beside them never meet on DeepSpeed's default port; the `-n N` form differs only in its argument
+parsing (tested in-process below, and by tests/test_readme_walkthrough.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, free_port, launch, read_metrics
+from zerotrain.launcher.commands import launch as launch_cmd
+from zerotrain.launcher.components import manifest
+from zerotrain.launcher.components.restarts import (
+    JobEnd, RankExit, RankWatch, Restarts, rank_processes, take_restart_flags, with_resume_auto)
+from zerotrain.launcher.errors import END_KINDS, UsageError, final_exit_codes, kind_of_exit
+
+N, K = 16, 4  # steps of every run; the checkpoint a test waits for before it strikes
+FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
+         "--log-data-every-steps", "0", "--max-steps", str(N), "--save-every-steps", str(K)]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+# -- the policy --------------------------------------------------------------------------------------------
+
+def test_restartable_ends_are_hung_and_crash_and_every_other_code_of_a_kind_is_final():
+    assert {k for k, e in END_KINDS.items() if e.restartable} == {"hung", "crash"}
+    assert final_exit_codes() == [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 130]
+    for code, restartable in [(11, True), (1, True), (247, True), (137, True), (0, False), (2, False), (3, False),
+                              (4, False), (5, False), (6, False), (7, False), (8, False), (9, False), (130, False)]:
+        assert END_KINDS[kind_of_exit(code)].restartable == restartable, code
+        assert JobEnd(code, True, False, None, 1.0).restartable == restartable
+        assert not JobEnd(code, True, True, None, 1.0).restartable  # we were told to stop: never
+
+
+def test_the_cause_in_words():
+    lost = JobEnd(247, False, False, RankExit(1, "killed by SIGKILL", None), 9.0)
+    assert lost.cause() == "a rank lost (rank 1 killed by SIGKILL; exit 247)" and lost.rank() == 1
+    assert JobEnd(247, False, False, None, 9.0).cause() == "a rank lost (killed by SIGKILL; exit 247)"
+    assert JobEnd(139, False, False, RankExit(0, "ended", None), 1).cause() == "a rank lost (rank 0 lost; exit 139)"
+    hung = JobEnd(11, True, False, RankExit(0, "exit 11", 11), 30.0)
+    assert hung.cause([1]) == "hung (exit 11; rank 1 behind)" and hung.rank([1]) == 1
+    assert hung.cause() == "hung (exit 11, rank 0 first to exit)" and hung.rank() == 0
+    assert JobEnd(1, False, False, None, 3.0).cause() == "crash (exit 1)"
+
+
+def test_flags_and_the_train_flags_of_a_restart():
+    assert take_restart_flags(["--max-restarts", "3", "--force", "--restart_backoff=0.5"]) == (
+        Restarts(3, 0.5), ["--force"])
+    assert take_restart_flags([]) == (Restarts(0, 10.0), [])
+    for bad, message in [(["--max-restarts", "x"], "not an integer"), (["--max-restarts", "-1"], "0 or more"),
+                         (["--restart-backoff", "soon"], "expected seconds"), (["--max-restarts"], "expected a value")]:
+        with pytest.raises(UsageError, match=message):
+            take_restart_flags(bad)
+    local = launch_cmd.split_local_args
+    assert local(["--profile", "cpu"]) == (Restarts(), ["--profile", "cpu"])  # today's `-n N FLAGS`
+    assert local(["--", "--profile", "cpu"]) == (Restarts(), ["--profile", "cpu"])
+    assert local(["--max-restarts", "3", "--", "--profile", "cpu"]) == (Restarts(3, 10.0), ["--profile", "cpu"])
+    assert local(["--max-restarts=2", "--profile", "cpu"]) == (Restarts(2, 10.0), ["--profile", "cpu"])
+    with pytest.raises(UsageError, match="--max-restarts: a launch flag, not a train flag: put it before"):
+        local(["--profile", "cpu", "--max-restarts", "3"])
+    with pytest.raises(UsageError, match="before -- only --max-restarts and --restart-backoff, got '--profile'"):
+        local(["--profile", "cpu", "--", "--model", "debug"])
+    assert with_resume_auto(["--data", "m", "--resume", "never", "--resume=x"]) == ["--data", "m", "--resume", "auto"]
+
+
+# -- the loop, on a fake runner ----------------------------------------------------------------------------
+
+FAKE_RUNNER = r'''
+import json, os, sys
+from pathlib import Path
+log = Path(os.environ["FAKE_LOG"])
+calls = json.loads(log.read_text()) if log.exists() else []
+calls.append(sys.argv[1:])
+log.write_text(json.dumps(calls))
+code = [int(c) for c in os.environ["FAKE_CODES"].split()][len(calls) - 1]
+if code in (0, 2, 3, 6, 11):  # ends rank 0 says itself; a lost rank (247) and a crash (1) leave no file
+    Path(os.environ["ZEROTRAIN_EXIT_FILE"]).write_text(f"{code}\n")
+sys.exit(1 if code in (3, 6, 11) else code)  # DeepSpeed's launcher exits 1 when a rank exits non-zero
+'''
+
+
+def fake_launch(tmp_path, monkeypatch, codes: str, argv: list[str], run_dir: Path | None = None):
+    """launch_main's `-n N` path with DeepSpeed's runner replaced by FAKE_RUNNER: (exit code, runner calls)."""
+    script = tmp_path / "fake_runner.py"
+    script.write_text(FAKE_RUNNER)
+    log = tmp_path / "calls.json"
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_CODES", codes)
+    monkeypatch.setattr(launch_cmd, "deepspeed_command", lambda n, args: [sys.executable, str(script), *args])
+    monkeypatch.setattr(launch_cmd, "restart_run_dir", lambda args: run_dir)
+    with pytest.raises(SystemExit) as end:
+        launch_cmd.launch_main(argv)
+    return end.value.code, json.loads(log.read_text())
+
+
+def test_the_loop_restarts_restartable_ends_with_resume_auto_and_records_them(tmp_path, monkeypatch, mix_path,
+                                                                              capsys):
+    run = tmp_path / "run"
+    manifest.write_or_extend(run, run_id="run", config_hash="h", profile="cpu", seed=1, world_size=2, hosts=["a"],
+                             resumed_from=None, rank0_only=False)  # a launch that never recorded its end
+    flags = ["--data", str(mix_path), "--resume", "never"]
+    code, calls = fake_launch(tmp_path, monkeypatch, "247 11 0", ["-n", "2", "--max-restarts", "3",
+                                                                   "--restart-backoff", "0", "--", *flags], run)
+    assert code == 0 and calls == [flags, flags[:2] + ["--resume", "auto"], flags[:2] + ["--resume", "auto"]]
+    out = capsys.readouterr().out
+    assert "zerotrain launch: job ended a rank lost (killed by SIGKILL; exit 247); restart 1 of 3 in 0 s with" \
+           " --resume auto" in out
+    assert "zerotrain launch: job ended hung (exit 11); restart 2 of 3 in 0 s with --resume auto" in out
+    m = manifest.read_manifest(run)
+    assert [(r["attempt"], r["kind"], r["exit_code"], r["rank"]) for r in m["restarts"]] == [
+        (1, "crash", 247, None), (2, "hung", 11, None)]
+    assert m["segments"][0]["end_reason"] == "crash" and m["segments"][0]["end_exit_code"] == 247  # closed for it
+    # a new launch of the run keeps the record
+    manifest.write_or_extend(run, run_id="run", config_hash="h", profile="cpu", seed=1, world_size=2, hosts=["a"],
+                             resumed_from="x", rank0_only=False)
+    assert len(manifest.read_manifest(run)["restarts"]) == 2
+
+
+@pytest.mark.parametrize("codes, argv, want_code, want_calls", [
+    ("11 11 11", ["--max-restarts", "2", "--restart-backoff", "0", "--"], 11, 3),  # restarts used up
+    ("3 0", ["--max-restarts", "2", "--restart-backoff", "0", "--"], 3, 1),  # diverged: never restarted
+    ("2 0", ["--max-restarts", "2", "--restart-backoff", "0", "--"], 2, 1),  # bad input found by a rank
+    ("6 0", ["--max-restarts", "2", "--restart-backoff", "0", "--"], 6, 1),  # stopped by a signal
+    ("1 0", [], 1, 1),  # --max-restarts 0: today's behaviour
+])
+def test_the_loop_stops_at_final_ends_and_after_max_restarts(tmp_path, monkeypatch, mix_path, capsys, codes, argv,
+                                                             want_code, want_calls):
+    code, calls = fake_launch(tmp_path, monkeypatch, codes, ["-n", "2", *argv, "--data", str(mix_path)])
+    assert (code, len(calls)) == (want_code, want_calls)
+    if want_calls == 3:
+        assert "job ended hung (exit 11); not restarted: 2 restart(s) used of --max-restarts 2" in \
+               capsys.readouterr().out
+
+
+def test_a_signal_during_the_backoff_ends_it_without_a_restart(tmp_path, monkeypatch, mix_path, capsys):
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    t0 = time.time()
+    code, calls = fake_launch(tmp_path, monkeypatch, "11 0", ["-n", "2", "--max-restarts", "1", "--restart-backoff",
+                                                              "30", "--", "--data", str(mix_path)])
+    assert (code, len(calls)) == (11, 1) and time.time() - t0 < 20
+    assert "stopped by a signal during the backoff; not restarted" in capsys.readouterr().out
+
+
+def test_a_bad_train_flag_is_refused_before_anything_starts(tmp_path, mix_path):
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "-n", "2", "--max-restarts", "3", "--",
+                           "--data", str(mix_path), "--out", str(tmp_path), "--max-steps", "zero"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, **ENV}, timeout=60)
+    assert proc.returncode == 2 and "restart" not in proc.stdout + proc.stderr
+    assert proc.stderr.count("zerotrain: error:") == 1 and list(tmp_path.iterdir()) == []
+
+
+# -- what the launcher sees of its ranks -------------------------------------------------------------------
+
+FAKE_LAUNCH_PY = r'''
+import os, subprocess, sys, time
+# rank 0 exits 11 after a moment; rank 1 stops itself: a launch.py that waits for both would wait forever
+ranks = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": str(r)})
+         for r, code in enumerate(["import time; time.sleep(1.5); raise SystemExit(11)",
+                                   "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)"])]
+while any(r.poll() is None for r in ranks):  # as DeepSpeed's launch.py: a poll a second
+    time.sleep(1)
+print([r.returncode for r in ranks], flush=True)
+'''
+
+
+def test_rank_watch_names_the_first_rank_to_end_and_kills_stopped_ranks(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCH_PY], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    watch = RankWatch(proc.pid, interval_s=0.1, discover_s=0.5)
+    watch.start()
+    try:
+        time.sleep(1.0)
+        assert sorted(rank_processes(proc.pid).values()) == [0, 1]
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        watch.stop()
+    assert out.strip() == "[11, -9]"  # rank 1 was killed for being stopped
+    assert watch.first_exit == RankExit(0, "exit 11", 11) and watch.killed_stopped == [1]
+
+
+# -- real ranks: the deepspeed launcher, 2 CPU ranks -------------------------------------------------------
+
+@pytest.fixture
+def launched():
+    """Every launch a test starts; at the end nothing of it is left (process group continued and killed) and the
+    shared-memory buffers its ranks made (DeepSpeed's, named by the master port) are removed."""
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    procs = []
+    yield procs
+    for proc in procs:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+    for leaked in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before:
+        leaked.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mix_path):
+    """One uninterrupted run 0 -> N: the history every restarted run must reproduce."""
+    out = tmp_path_factory.mktemp("ref")
+    proc = launch("deepspeed", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS],
+                  env_extra=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(out / "r")
+
+
+def start(tmp_path, launched, launch_flags, train_flags, env_extra=None) -> subprocess.Popen:
+    """`zerotrain launch --hostfile H --no_ssh` on this node (2 slots, a free port)."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    cmd = [sys.executable, "-m", "zerotrain", "launch", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "0",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *launch_flags, "--", *train_flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True, env={**os.environ, **ENV, **(env_extra or {})})
+    launched.append(proc)
+    return proc
+
+
+def wait_for(condition, proc, timeout: float, what: str) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if condition():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the launch ended ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def read_until(proc, needle: str, lines: list[str]) -> float:
+    """Read the launch's output into `lines` until a line holds `needle`; the time it came."""
+    for line in proc.stdout:
+        lines.append(line)
+        if needle in line:
+            return time.time()
+    raise AssertionError(f"{needle!r} never printed:\n{''.join(lines)[-3000:]}")
+
+
+def rank_pid(proc, rank: int) -> int:
+    return next(pid for pid, r in rank_processes(proc.pid).items() if r == rank)
+
+
+def same_history(run: Path, reference: list[dict]) -> None:
+    history = read_metrics(run)
+    assert [m["step"] for m in history] == list(range(1, N + 1))
+    assert [m["tokens_sha"] for m in history] == [m["tokens_sha"] for m in reference]
+    assert [m["loss"] for m in history] == [m["loss"] for m in reference]  # full-precision floats, compared exactly
+
+
+def raw_records(run: Path) -> list[dict]:
+    """metrics.jsonl as written, every launch's lines in order (read_metrics gives the effective history)."""
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp_path, launched, reference,
+                                                                             mix_path):
+    """One launch, --max-restarts 2: rank 1 SIGKILLed after checkpoint K (a lost rank), then, once the restarted
+    job is stepping, rank 1 SIGSTOPped (the other rank blocks in a real collective until its watchdog fires,
+    --hang-timeout 8). Two restarts, each announced and recorded, and the losses of the uninterrupted run."""
+    run = tmp_path / "runs" / "r"
+    t0 = time.time()
+    proc = start(tmp_path, launched, ["--max-restarts", "2", "--restart-backoff", "1"],
+                 ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", "r", *FLAGS,
+                  "--hang-timeout", "8"])
+    wait_for(lambda: (run / "checkpoints" / f"global_step{K}" / "zerotrain.json").is_file(), proc, 180,
+             f"checkpoint {K}")
+    os.kill(rank_pid(proc, 1), signal.SIGKILL)
+    t_kill, lines = time.time(), []
+    t_restart1 = read_until(proc, "restart 1 of 2 in 1 s with --resume auto", lines)
+
+    def stepping_again():  # the restarted job has resumed and finished a step: past its start-up
+        records = raw_records(run)
+        resumed = [i for i, r in enumerate(records) if r.get("event") == "resume"]
+        return bool(resumed) and any("loss" in r for r in records[resumed[-1]:])
+
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout))  # keep the pipe drained meanwhile
+    reader.start()
+    wait_for(stepping_again, proc, 180, "a step of the restarted job")
+    os.kill(rank_pid(proc, 1), signal.SIGSTOP)
+    t_stop = time.time()
+    wait_for(lambda: "restart 2 of 2" in "".join(lines), proc, 120, "the second restart")
+    t_restart2 = time.time()
+    proc.wait(timeout=240)
+    reader.join(timeout=30)
+    text = "".join(lines)
+    assert proc.returncode == 0, text[-4000:]
+    assert text.count(f"resumed from {run / 'checkpoints'}") == 2
+    same_history(run, reference)
+    first, second = manifest.read_manifest(run)["restarts"]
+    assert (first["attempt"], first["kind"], first["rank"]) == (1, "crash", 1)
+    # DeepSpeed's launch.py exits with the first failed rank it polls: the killed one (247), or rank 0 if its
+    # collective had already failed (1); the launcher saw which rank went first, and how
+    assert first["cause"] == f"a rank lost (rank 1 killed by SIGKILL; exit {first['exit_code']})"
+    assert (second["attempt"], second["kind"], second["exit_code"], second["rank"]) == (2, "hung", 11, 1)
+    assert second["cause"] == "hung (exit 11; rank 1 behind)"
+    (summary,) = (run / "hangs").glob("*/summary.json")
+    assert [b["rank"] for b in json.loads(summary.read_text())["behind"]] == [1]
+    print(f"\nSIGKILL -> restart announced {t_restart1 - t_kill:.1f} s; SIGSTOP (--hang-timeout 8) -> restart"
+          f" announced {t_restart2 - t_stop:.1f} s; launch to finish {time.time() - t0:.1f} s")
+
+
+def test_divergence_is_not_restarted(tmp_path, launched, mix_path):
+    # the spike detector judges from step 26 (half its window of 50) and wants 3 steps in a row
+    proc = start(tmp_path, launched, ["--max-restarts", "1"],
+                 ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", "r", *FLAGS, "--max-steps",
+                  "30", "--on-spike", "stop"], env_extra={"ZEROTRAIN_TEST_SPIKE": "1:27-29:50"})
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == END_KINDS["diverged"].exit_code, out[-3000:]
+    assert "zerotrain launch: job ended" not in out
+    assert "restarts" not in manifest.read_manifest(tmp_path / "runs" / "r")
+
+
+def test_a_sigterm_to_the_launcher_stops_the_job_and_is_not_restarted(tmp_path, launched, mix_path):
+    run = tmp_path / "runs" / "r"
+    proc = start(tmp_path, launched, ["--max-restarts", "1", "--restart-backoff", "0"],
+                 ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", "r", *FLAGS, "--max-steps",
+                  "400"])
+    wait_for(lambda: any(m["step"] >= 2 for m in read_metrics(run)), proc, 180, "step 2")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == END_KINDS["signal"].exit_code, out[-3000:]
+    assert "zerotrain launch: job ended" not in out and "restarts" not in manifest.read_manifest(run)
+    assert manifest.read_manifest(run)["segments"][-1]["end_reason"] == "signal"
