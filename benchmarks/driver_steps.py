@@ -4,13 +4,16 @@ not a comparison: `make bench` compares; this is the tool behind several figures
 
     python benchmarks/driver_steps.py [--shape debug|d8] [--stage 2|3] [--steps N]
                                       [--optimizer-params JSON] [--zero JSON] [--compile] [--bind]
+                                      [--health-window S | --no-health]
     deepspeed --num_gpus 2 benchmarks/driver_steps.py ...      the same on 2 ranks (rank 0 prints)
 
 The profile is `cpu` at --stage, with --optimizer-params merged into its optimizer's params and
 --zero into its zero_optimization (e.g. --zero '{"contiguous_gradients": false}'). --bind pins each
 rank to one core (os.sched_setaffinity, before torch starts its threads). Prints the first four
 training steps' seconds (compilation shows there) and, per piece, the median over the steps after
-the third. The run directory goes to a temporary directory, removed at the end.
+the third. The run directory goes to a temporary directory, removed at the end. `time_step` is the
+health check's bookkeeping (components/health.py): --health-window S closes its windows every S seconds
+(0.001: at every step, the worst case), --no-health replaces it with a no-op (the A/B of its cost).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-PIECES = ("fetch", "accept", "train_step", "agree", "maybe_evaluate", "save")
+PIECES = ("fetch", "accept", "train_step", "agree", "maybe_evaluate", "save", "time_step")
 
 
 def main(argv: list[str]) -> None:
@@ -41,6 +44,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--zero", default="{}")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--bind", action="store_true")
+    p.add_argument("--health-window", type=float, help="the profile's zerotrain.health.window_s")
+    p.add_argument("--no-health", action="store_true", help="Trainer.time_step a no-op")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     a = p.parse_args(argv)
     if a.bind:
@@ -56,6 +61,10 @@ def main(argv: list[str]) -> None:
     _, prof = load_profile("cpu")
     prof["zero_optimization"] = {**prof["zero_optimization"], "stage": a.stage, **json.loads(a.zero)}
     prof["optimizer"]["params"].update(json.loads(a.optimizer_params))
+    if a.health_window:
+        prof["zerotrain"]["health"] = {"window_s": a.health_window}
+    if a.no_health:
+        trainer.Trainer.time_step = lambda self: None
     # Every rank must name the same directory: the launcher's port tells this launch from another.
     work = Path(tempfile.gettempdir()) / f"zerotrain-driver-steps-{os.environ.get('MASTER_PORT', os.getpid())}"
     work.mkdir(exist_ok=True)
@@ -77,6 +86,7 @@ def main(argv: list[str]) -> None:
     for name in PIECES:
         timed(trainer.Trainer, name)
     timed(StepLogger, "log")
+    timed(trainer.Trainer, "_loop")  # the whole loop: its mean step
     cfg = {"profile": str(work / "profile.json"), "data": str(demo_mix()), "seq_len": 256,
            "micro_batch": 8 if a.shape == "debug" else 4, "grad_accum": 1, "lr": 3e-3, "warmup_steps": 2,
            "max_steps": a.steps, "seed": 1, "out": str(work / "runs"), "resume": "never",
@@ -91,9 +101,10 @@ def main(argv: list[str]) -> None:
     if os.environ.get("RANK", "0") != "0":
         return
     print(f"first steps (s): {[round(x, 2) for x in times['train_step'][:4]]}")
+    print(f"loop: {times.pop('_loop')[0] / a.steps * 1e3:.2f} ms per step (mean over {a.steps})")
     for name, xs in times.items():
         xs = xs[3:] if len(xs) > 5 else xs
-        print(f"{name:16s} n={len(xs):3d} median {statistics.median(xs) * 1e3:9.2f} ms")
+        print(f"{name:16s} n={len(xs):3d} median {statistics.median(xs) * 1e3:9.3f} ms")
 
 
 if __name__ == "__main__":

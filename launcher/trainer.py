@@ -15,7 +15,8 @@ what, when, and how each launch ended), ds_compat.py (every DeepSpeed internal w
 How a run ends (StopRun by kind, its exit code): launcher/errors.py.
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
-(Trainer.agree) of each rank's row: this step's loss sum and signal flag, the decisions only rank 0
+(Trainer.agree) of each rank's row: this step's loss sum and signal flag, its step times (rank 0's
+health check, components/health.py, names stragglers from them), the decisions only rank 0
 may make (its clock: save-by-hours, time and money budgets; the gradient norm), and the NEXT step's
 data (ended? error? batch digest, labelled tokens), fetched ahead so that it rides on the same
 collective. Every decision is therefore taken on the same values on every rank, at the same step.
@@ -50,6 +51,7 @@ from zerotrain import durable
 from zerotrain.launcher.components import checkpoint, checkpointer, ds_compat, manifest, planner, universal, watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
+from zerotrain.launcher.components.health import WAITS, HealthCheck
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.metrics import MetricsLogger, StepLogger, read_metrics
 from zerotrain.launcher.components.phases import PhaseClock
@@ -254,9 +256,9 @@ class Trainer:
         plan, cfg = self.plan, self.cfg
         for line in describe_data(plan.data, cfg.max_steps * plan.ds_config["train_batch_size"] * cfg.seq_len):
             self.say(line)
-        return Batches(plan.data, self.rank, self.world, cfg.seed, cfg.seq_len,
-                       plan.ds_config["train_micro_batch_size_per_gpu"], plan.loader_settings,
-                       plan.loader_settings["packing"])
+        return self.hooks.slow_training_data(Batches(plan.data, self.rank, self.world, cfg.seed, cfg.seq_len,
+                                                     plan.ds_config["train_micro_batch_size_per_gpu"],
+                                                     plan.loader_settings, plan.loader_settings["packing"]), self.rank)
 
     def _resume(self, tag_dir: Path, load_loader: bool = True) -> None:
         if self.universal_dir is not None:
@@ -325,9 +327,10 @@ class Trainer:
         """The step's one collective: an all-gather of every rank's row, and its one host sync.
 
         A row is the next step's data (`fetch`), this step's loss sum (a float64 riding as its int64
-        bits), this rank's signal flag, and, from rank 0 only, its clock decisions and the gradient
-        norm (the same on every rank: one reader suffices). Returns (data rows of every rank, loss,
-        [any rank signalled, *rank 0's flags], gradient norm or None).
+        bits), this rank's signal flag, its step work and data wait of the previous step (rank 0's
+        health check names stragglers from them: `self.rank_seconds`), and, from rank 0 only, its clock
+        decisions and the gradient norm (the same on every rank: one reader suffices). Returns (data rows
+        of every rank, loss, [any rank signalled, *rank 0's flags], gradient norm or None).
         """
         with self.clock.phase("agree"):
             return self._agree(data_row, loss_sum, rank0_flags)
@@ -336,15 +339,16 @@ class Trainer:
         torch = self.torch
         device = self.engine.device
         grad_norm = self.engine.get_global_grad_norm() if (self.is_main and loss_sum is not None) else None
-        floats = torch.zeros(4 + len(rank0_flags), dtype=torch.float64, device=device)
+        floats = torch.zeros(6 + len(rank0_flags), dtype=torch.float64, device=device)
         if loss_sum is not None:
             floats[0] = loss_sum  # a device-side copy: no host sync here
         floats[1] = float(self.signals.requested is not None)
+        floats[4], floats[5] = self.step_seconds
         if self.is_main:
             if grad_norm is not None:
                 floats[2], floats[3] = 1.0, grad_norm
             for i, flag in enumerate(rank0_flags):
-                floats[4 + i] = float(flag)
+                floats[6 + i] = float(flag)
         mine = torch.cat([torch.tensor(data_row, dtype=torch.int64, device=device), floats.view(torch.int64)])
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         self.dist.all_gather(every, mine)
@@ -353,8 +357,9 @@ class Trainer:
         values = table[:, len(data_row):].contiguous().view(torch.float64).tolist()
         accum = self.plan.ds_config["gradient_accumulation_steps"]
         loss = sum(v[0] for v in values) / (accum * self.world)  # the same sum, in rank order, on every rank
-        flags = [any(v[1] > 0 for v in values)] + [x > 0 for x in values[0][4:]]
+        flags = [any(v[1] > 0 for v in values)] + [x > 0 for x in values[0][6:]]
         norm = values[0][3] if values[0][2] > 0 else None
+        self.rank_seconds = [(v[4], v[5]) for v in values]
         return rows, loss, flags, norm
 
     def accept(self, rows: list[list[int]]):
@@ -454,12 +459,20 @@ class Trainer:
         self.signals.install()
         self.save_seconds = self.last_save_s = 0.0
         self.saves = 0
+        self.step_seconds, self.rank_seconds = (0.0, 0.0), None  # time_step(): this rank's, every rank's
         self.t_start = time.time()
         tokens_per_step = plan.ds_config["train_batch_size"] * cfg.seq_len
+        model_flops = flops_per_token(plan.model_args, cfg.seq_len)
+        self.health = None  # rank 0 judges; every rank's step times ride on the step's collective
+        if self.is_main:
+            self.health = HealthCheck.from_profile(plan.zt, world=self.world, tokens_per_step=tokens_per_step,
+                                                   flops_per_token=model_flops)
+            self.say(self.health.describe())
         logger = StepLogger(self.metrics, self.budget, is_main=self.is_main, world=self.world,
                             tokens_per_step=tokens_per_step, max_steps=cfg.max_steps, first_step=self.step,
-                            flops_per_token=flops_per_token(plan.model_args, cfg.seq_len),
-                            peak_flops=plan.zt.get("peak_flops_per_device"), accelerator=self.accel)
+                            flops_per_token=model_flops, peak_flops=plan.zt.get("peak_flops_per_device"),
+                            accelerator=self.accel)
+        self.clock.take_window()  # set-up is not a window
         try:
             stop = self._loop(tokens_per_step, logger)
             logger.close()
@@ -519,6 +532,7 @@ class Trainer:
                 pending = rows if self.fetched is not None else None
                 self.step += 1
                 self.clock.set_step(self.step)
+                window = self.time_step()
                 self.tokens_seen += tokens_per_step
                 self.check_finite(loss)
                 if self.on_spike(loss, tokens_sha):
@@ -527,8 +541,12 @@ class Trainer:
                 with self.clock.phase("log"):
                     record = logger.log(self.step, loss, lr, tokens_sha, step_time, data_wait_s=self.data_wait,
                                         grad_norm=self.grad_norm, tokens_seen=self.tokens_seen,
-                                        elapsed_s=self.elapsed(), val=val, data_shares=self.data_shares())
+                                        elapsed_s=self.elapsed(), val=val, data_shares=self.data_shares(),
+                                        window=window and window[0].figures())
                     self.check_golden(record)
+                    for verdict in window[1] if window else ():
+                        self.say(f"zerotrain: health: {verdict['message']}")
+                        self.metrics.event("health", self.step, **verdict)
                 last = self.step >= cfg.max_steps
                 new_best = val is not None and self.note_best(val["val_loss"])
                 if (self.checkpointer.due(self.step, save_hours, last) and not last) or new_best:
@@ -550,6 +568,17 @@ class Trainer:
             return s
         except CheckpointError as e:
             return StopRun("save-failed", str(e))
+
+    def time_step(self):
+        """Where this rank's time went since the last step (the phase clock): its step work (outside the
+        collectives where ranks wait for each other) and data wait ride on the next step's collective;
+        rank 0's health check (components/health.py) returns (window, verdicts) when a window closed."""
+        wall, phases = self.clock.take_window()
+        waits = sum(phases.get(p, 0.0) for p in WAITS)
+        self.step_seconds = (wall - waits, phases.get("data", 0.0))
+        if self.health is None:
+            return None
+        return self.health.add_step(self.step, wall, phases, self.rank_seconds)
 
     def read_best(self) -> dict | None:
         """best.json as rank 0 sees it, on every rank (the decision to save a new best is collective)."""

@@ -368,7 +368,7 @@ def test_runs_lists_status_of_each_run(real_run, tmp_path):
     best = json.loads((real_run / "checkpoints" / "best.json").read_text())
     finished = rows[RUN_ID].split()
     assert finished[1:5] == ["finished", "6/6", f"{history[-1]['loss']:.4g}", f"{best['val_loss']:.4g}"]
-    assert finished[-2:] == ["12.3k", "global_step6"]  # tokens, last checkpoint
+    assert finished[-3:] == ["12.3k", "global_step6", "-"]  # tokens, last checkpoint, health (no window closed)
     assert "stopped (budget)" in rows["budget-run"]
     assert "failed (killed or crashed" in rows["killed-run"]
     assert f"running (pid {os.getpid()}" in rows["live-run"]

@@ -26,7 +26,8 @@ for name in ("all_gather", "all_reduce", "all_gather_object", "broadcast", "broa
     def counted(*a, _fn=fn, _name=name, **k):
         f = sys._getframe(1)
         if f.f_code.co_filename == trainer.__file__:  # ours only, not DeepSpeed's
-            calls[f"{f.f_code.co_name}:{_name}"] += 1
+            # agree() times _agree() in the phase clock: count both under the method's name
+            calls[f"{f.f_code.co_name.lstrip('_')}:{_name}"] += 1
         return _fn(*a, **k)
     setattr(dist, name, counted)
 cfg = json.loads(sys.argv[1])

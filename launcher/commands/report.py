@@ -1,7 +1,8 @@
 """What a person reads about runs: `zerotrain report RUN_DIR` and `zerotrain runs [OUT]`.
 
     report_main(argv)   RUN_DIR/report/: PNG plots (matplotlib, Agg) and report.md; --compare overlays runs
-    runs_main(argv)     one line per run directory under OUT: status, steps, losses, tokens, last checkpoint
+    runs_main(argv)     one line per run directory under OUT: status, steps, losses, tokens, last checkpoint,
+                        and the health verdicts that still stand (components/health.py)
 
 Only files are read (nothing is imported from torch or DeepSpeed, so both are quick on a login
 node while the run trains): metrics.jsonl through `read_metrics`, config.json, manifest.json,
@@ -21,6 +22,7 @@ from pathlib import Path
 from zerotrain.cli_args import Parser
 from zerotrain.launcher.components import checkpoint
 from zerotrain.launcher.errors import END_KINDS, UsageError, status_of
+from zerotrain.launcher.components.health import label, standing
 from zerotrain.launcher.components.manifest import read_manifest
 from zerotrain.launcher.components.metrics import read_metrics
 from zerotrain.launcher.components.run_lock import live_holder
@@ -105,6 +107,13 @@ def summarize(run: Run) -> dict:
     stops = [e for e in run.events if e.get("event") == "stop"]
     ckpts = checkpoint.complete_checkpoints(run.path / "checkpoints")
     losses = run.series("loss")[1]
+    verdicts = [e for e in run.events if e.get("event") == "health"]
+    still = standing(run.events)
+    shares: dict[str, float] = {}  # seconds per phase over the health windows, weighted by their length
+    for r in h:
+        for phase, share in (r.get("time_shares") or {}).items():
+            shares[phase] = shares.get(phase, 0.0) + share * (r.get("window_s") or 0.0)
+    total = sum(shares.values())
     return {
         "run": run.name, "path": str(run.path), "status": run_status(run),
         "step": last.get("step", 0), "max_steps": ((run.config or {}).get("run") or {}).get("max_steps"),
@@ -123,6 +132,9 @@ def summarize(run: Run) -> dict:
         "peak_mem_gib": max(run.series("peak_mem_gib")[1], default=None),
         "data_wait_median": statistics.median(waits) if waits else None,
         "last_checkpoint": ckpts[-1].name if ckpts else None,
+        "health": "; ".join(e.get("summary", "?") for e in still) or ("ok" if verdicts else None),
+        "health_messages": [e.get("message") for e in still],
+        "time_shares": {p: s / total for p, s in sorted(shares.items(), key=lambda kv: -kv[1])} if total else None,
     }
 
 
@@ -293,6 +305,27 @@ def _data_wait(ax, runs, labels):
     return drawn
 
 
+def _time_shares(ax, runs, labels):
+    from matplotlib.ticker import PercentFormatter
+
+    many = len(runs) > 1
+    drawn = False
+    styles = ["-", "--", "-.", ":"]
+    for i, run in enumerate(runs):
+        phases = sorted({p for r in run.history for p in (r.get("time_shares") or {})})
+        for j, phase in enumerate(phases):
+            xs, ys = run.series(f"time_shares/{phase}")
+            ax.plot(xs, ys, color=f"C{j}", ls=styles[i % len(styles)], marker="." if len(xs) < 30 else None,
+                    label=_label(labels[i], label(phase).split(" (")[0], many))
+            drawn = True
+    ax.set_title("where the wall time goes (health windows)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("share of the window's wall time")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_ylim(0, 1)
+    return drawn
+
+
 PLOTS = [  # file name, drawer
     ("loss_vs_steps.png", _loss_steps),
     ("loss_vs_tokens.png", _loss_tokens),
@@ -302,6 +335,7 @@ PLOTS = [  # file name, drawer
     ("data_shares.png", _shares),
     ("memory.png", _memory),
     ("data_wait.png", _data_wait),
+    ("time_shares.png", _time_shares),
 ]
 
 
@@ -380,7 +414,7 @@ def write_report(runs: list[Run], out: Path) -> Path:
         lines += ["No steps logged yet.", ""]
     else:
         lines += _summary_table(s)
-    lines += _segments(run) + _events(run)
+    lines += _segments(run) + _health(run) + _events(run)
     if len(runs) > 1:
         lines += ["## Compared runs", "", "| run | status | steps | tokens | final loss | best val loss (step) |"
                   " median tokens/s |", "|---|---|---|---|---|---|---|"]
@@ -420,6 +454,11 @@ def _summary_table(s: dict) -> list[str]:
                                          " record are not counted)"))
     if s["data_wait_median"] is not None:
         rows.append(("waiting for data", f"median {s['data_wait_median']:.1%} of step time"))
+    if s["time_shares"]:
+        rows.append(("where the wall time went (health windows)", ", ".join(
+            f"{label(p).split(' (')[0]} {v:.1%}" for p, v in s["time_shares"].items() if v >= 0.0005)))
+    if s["health"]:
+        rows.append(("health", s["health"]))
     if s["peak_mem_gib"] is not None:
         rows.append(("peak accelerator memory (rank 0)", f"{s['peak_mem_gib']:.2f} GiB"))
     if s["peak_rss_gib"] is not None:
@@ -447,11 +486,23 @@ def _segments(run: Run) -> list[str]:
     return lines + [""]
 
 
+def _health(run: Run) -> list[str]:
+    verdicts = [e for e in run.events if e.get("event") == "health"]
+    if not verdicts:
+        return []
+    lines = ["## Health (metrics.jsonl)", "",
+             "Verdicts of the health check (components/health.py; docs/watching.md, Health): a run slower than its"
+             " profile's mfu_threshold for several windows, and ranks slower than the others.", ""]
+    lines += [f"- step {e.get('step')}: **{e.get('verdict', '?')}**: {e.get('message')}" for e in verdicts]
+    return lines + [""]
+
+
 def _events(run: Run) -> list[str]:
-    if not run.events:
+    events = [e for e in run.events if e.get("event") != "health"]  # those have their own section
+    if not events:
         return []
     lines = ["## Resumes, rollbacks and stops (metrics.jsonl)", ""]
-    for e in run.events:
+    for e in events:
         kind, step = e.get("event"), e.get("step")
         if kind == "resume":
             lines.append(f"- step {step}: resumed from {e.get('checkpoint')}")
@@ -527,11 +578,11 @@ def runs_main(argv: list[str]) -> None:
     if not summaries:
         print(f"no run directories in {root}")
         return
-    header = ("run", "status", "steps", "last loss", "best val (step)", "tokens", "last checkpoint")
+    header = ("run", "status", "steps", "last loss", "best val (step)", "tokens", "last checkpoint", "health")
     rows = [(s["run"], s["status"], f"{s['step']}" + (f"/{s['max_steps']}" if s["max_steps"] else ""),
              _num(s["last_loss"]),
              f"{_num(s['best_val_loss'])} ({s['best_step']})" if s["best_val_loss"] is not None else "-",
-             _tokens(s["tokens"]), s["last_checkpoint"] or "-") for s in summaries]
+             _tokens(s["tokens"]), s["last_checkpoint"] or "-", s["health"] or "-") for s in summaries]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())

@@ -17,6 +17,10 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
     ZEROTRAIN_TEST_SLOW_MIRROR=S                     delay each mirror copy by S s
     ZEROTRAIN_TEST_PREFLIGHT_READBACK=perturb        pre-flight v1 changes one value of the read-back state
     ZEROTRAIN_TEST_SLOW_LOADER=S                     pre-flight's data loaders sleep S s per batch
+    ZEROTRAIN_TEST_SLOW_DATA=S[,RANK:S...]           the training loader sleeps S s per micro-batch on every rank
+                                                     (RANK:S: that rank sleeps S instead), inside the
+                                                     trainer's data phase as a slow source would (the
+                                                     health check's data-wait and straggler tests)
     ZEROTRAIN_TEST_HANG=RANK:PHASE:STEP              that rank blocks forever on entering PHASE (save or eval)
                                                      at STEP (the step just trained): the main thread sleeps in
                                                      C (time.sleep, woken only to run signal handlers), as a
@@ -38,6 +42,7 @@ PREFIX = "ZEROTRAIN_TEST_"
 SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MARKER, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER = (
     PREFIX + name for name in ("SPIKE", "FAIL_SAVE", "SLOW_SAVE", "SLOW_MARKER", "SLOW_MIRROR", "PREFLIGHT_READBACK",
                                "SLOW_LOADER"))
+SLOW_DATA = PREFIX + "SLOW_DATA"
 HANG = PREFIX + "HANG"
 HANG_PHASES = ("save", "eval")  # where the trainer calls TestHooks.hang_here
 
@@ -53,6 +58,7 @@ class TestHooks:
     slow_mirror_s: float = 0.0
     preflight_readback: str | None = None  # "perturb"
     slow_loader_s: float = 0.0
+    slow_data: frozenset[tuple[int | None, float]] = frozenset()  # (rank or None for every rank, seconds)
     hang: tuple[int, str, int] | None = None  # (rank, phase, step)
 
     @classmethod
@@ -81,6 +87,12 @@ class TestHooks:
                 hooks[field] = float(env.get(name) or 0.0)
             except ValueError:
                 raise UsageError(f"{name}={env[name]}: expected seconds") from None
+        try:
+            hooks["slow_data"] = frozenset((None, float(s)) if ":" not in s else (int(s.split(":")[0]),
+                                                                                 float(s.split(":")[1]))
+                                           for s in env.get(SLOW_DATA, "").split(",") if s)
+        except ValueError:
+            raise UsageError(f"{SLOW_DATA}={env[SLOW_DATA]}: expected S[,RANK:S...] (seconds)") from None
         if env.get(HANG):
             try:
                 rank, phase, step = env[HANG].split(":")
@@ -113,6 +125,26 @@ class TestHooks:
         if self.hang == (rank, phase, step):
             while True:
                 time.sleep(3600)
+
+    def slow_training_data(self, loader, rank: int):
+        """The trainer's loader, slowed per ZEROTRAIN_TEST_SLOW_DATA for `rank` (unchanged without it)."""
+        seconds = dict(self.slow_data)
+        seconds = seconds.get(rank, seconds.get(None, 0.0))
+        return SlowLoader(loader, seconds) if seconds else loader
+
+
+class SlowLoader:
+    """A loader S seconds slower per batch (ZEROTRAIN_TEST_SLOW_DATA, and pre-flight's SLOW_LOADER)."""
+
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds = inner, seconds
+
+    def next(self):
+        time.sleep(self.seconds)
+        return self.inner.next()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 NO_HOOKS = TestHooks()

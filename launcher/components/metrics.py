@@ -14,6 +14,9 @@ step k drops what was logged after k before it). Only rank 0 writes.
   WANDB_RESUME set by the user win over these defaults, the --wandb-* flags over both
   (`wandb_init_args`). Online only when credentials exist; otherwise offline (`wandb sync`
   uploads later), so wandb never asks for a key, terminal or not.
+A `health` event (components/health.py: the run is slower than its profile expects, or a rank is a
+straggler) goes to both as text: TensorBoard's `health` text tag, W&B's `health` history key and
+run summary; the window's time shares are ordinary scalars of that step's record (`time_shares/data`).
 Both import their package only when asked for. A sink that cannot start warns and is left out:
 metrics.jsonl keeps everything, and a watcher's trouble never stops a multi-week run.
 
@@ -78,6 +81,8 @@ class TensorBoardSink:
             if record["event"] in ("resume", "rollback"):
                 self.close()
                 self.purge_step = record["step"] + 1
+            elif record["event"] == "health" and self.writer is not None:  # after the step's record, always
+                self.writer.add_text("health", record.get("message", ""), record["step"])
             return
         if self.writer is None:  # opened at the first step, so a purge step from a resume is known
             from torch.utils.tensorboard import SummaryWriter
@@ -166,6 +171,10 @@ class WandbSink:
         if "event" in record:
             if record["event"] == "stop":
                 self.run.summary["stop_reason"] = record.get("reason")
+            elif record["event"] == "health":
+                self.run.summary["health"] = record.get("message")
+                if record["step"] >= self.last_step:  # W&B drops what is logged at an earlier step
+                    self.run.log({"health": record.get("message")}, step=record["step"])
             elif record["step"] < self.last_step and not self.warned_overlap:
                 self.warned_overlap = True
                 self.say(f"zerotrain: note: W&B keeps its values for steps {record['step'] + 1}-{self.last_step}"
@@ -297,9 +306,10 @@ class StepLogger:
 
     def log(self, step: int, loss: float, lr: float, tokens_sha: str, step_s: float, *, data_wait_s: float,
             grad_norm: float | None, tokens_seen: int, elapsed_s: float, val: dict | None = None,
-            data_shares: list[tuple[str, float, float]] | None = None) -> dict:
+            data_shares: list[tuple[str, float, float]] | None = None, window: dict | None = None) -> dict:
         """Write step `step`'s record and advance the bar; returns the record. data_shares: (source,
-        share of the tokens so far, its weight in the mix) per source, when due."""
+        share of the tokens so far, its weight in the mix) per source, when due. window: the health
+        window that closed at this step (components/health.py Window.figures(): time_shares, window_mfu)."""
         record = {"step": step, "loss": loss, "lr": lr, "tokens_sha": tokens_sha,
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_seen": tokens_seen, "tokens_per_s": round(self.tokens_per_step / step_s, 1),
@@ -312,6 +322,8 @@ class StepLogger:
                     f"{k} {v:.4f}" for k, v in val["val_loss_per_source"].items()))
         if self.peak:
             record["mfu"] = round(self.flops * self.tokens_per_step / step_s / (self.peak * self.world), 5)
+        if window is not None:
+            record.update(window)
         if data_shares is not None:
             record["data_shares"] = {name: round(share, 5) for name, share, _ in data_shares}
             if self.bar is not None:

@@ -8,11 +8,10 @@ import contextlib
 import hashlib
 import os
 import re
-import time
 from pathlib import Path
 
 from zerotrain.launcher.components import ds_compat
-from zerotrain.launcher.components.hooks import TestHooks
+from zerotrain.launcher.components.hooks import SlowLoader, TestHooks
 
 DATA_RATIO_MIN = 2.0  # the loader must produce at least twice what the model consumes (headroom for hiccups)
 DATA_WAIT_MAX = 0.10  # at most 10% of a step waiting on data
@@ -80,21 +79,8 @@ def state_digests(engine) -> dict[str, tuple[str, float]]:
     return out
 
 
-class SlowLoader:
-    """Test hook (ZEROTRAIN_TEST_SLOW_LOADER, components/hooks.py): the loader, S seconds slower per batch."""
-
-    def __init__(self, inner, seconds: float):
-        self.inner, self.seconds = inner, seconds
-
-    def next(self):
-        time.sleep(self.seconds)
-        return self.inner.next()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 def slowed(loader, hooks: TestHooks):
+    """Test hook (ZEROTRAIN_TEST_SLOW_LOADER, components/hooks.py): the loader, S seconds slower per batch."""
     return SlowLoader(loader, hooks.slow_loader_s) if hooks.slow_loader_s else loader
 
 
