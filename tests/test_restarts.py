@@ -25,6 +25,7 @@ import pytest
 
 from conftest import REPO, free_port, launch, read_metrics
 from zerotrain.launcher.commands import launch as launch_cmd
+from zerotrain.launcher.commands import report
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.restarts import (
     JobEnd, RankExit, RankWatch, Restarts, rank_processes, take_restart_flags, with_resume_auto)
@@ -130,6 +131,14 @@ def test_the_loop_restarts_restartable_ends_with_resume_auto_and_records_them(tm
     manifest.write_or_extend(run, run_id="run", config_hash="h", profile="cpu", seed=1, world_size=2, hosts=["a"],
                              resumed_from="x", rank0_only=False)
     assert len(manifest.read_manifest(run)["restarts"]) == 2
+    # `zerotrain runs` and `report` show them
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_seen": 256}) + "\n")
+    report.runs_main([str(tmp_path)])
+    assert "after 2 restart(s)" in capsys.readouterr().out
+    report.report_main([str(run), "--out", str(tmp_path / "report")])
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "restart 1 of 3 after a rank lost (killed by SIGKILL; exit 247) (rank unknown)" in text
+    assert "| restarts (`zerotrain launch --max-restarts`) | 2: see Launches |" in text
 
 
 @pytest.mark.parametrize("codes, argv, want_code, want_calls", [
@@ -198,20 +207,20 @@ def test_rank_watch_names_the_first_rank_to_end_and_kills_stopped_ranks(tmp_path
 
 @pytest.fixture
 def launched():
-    """Every launch a test starts; at the end nothing of it is left (process group continued and killed) and the
-    shared-memory buffers its ranks made (DeepSpeed's, named by the master port) are removed."""
-    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
-    procs = []
+    """Every launch a test starts, with its master port; at the end nothing of it is left (process group continued
+    and killed) and the shared-memory buffers its killed ranks could not remove (DeepSpeed's, named by the master
+    port: only ours, not those of tests running beside us) are removed."""
+    procs: list[tuple[subprocess.Popen, int]] = []
     yield procs
-    for proc in procs:
+    for proc, port in procs:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
         proc.wait(timeout=30)
-    for leaked in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before:
-        leaked.unlink(missing_ok=True)
+        for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            leaked.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -228,11 +237,12 @@ def start(tmp_path, launched, launch_flags, train_flags, env_extra=None) -> subp
     """`zerotrain launch --hostfile H --no_ssh` on this node (2 slots, a free port)."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
+    port = free_port()
     cmd = [sys.executable, "-m", "zerotrain", "launch", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", "0",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *launch_flags, "--", *train_flags]
+           "--master_addr", "127.0.0.1", "--master_port", str(port), *launch_flags, "--", *train_flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             start_new_session=True, env={**os.environ, **ENV, **(env_extra or {})})
-    launched.append(proc)
+    launched.append((proc, port))
     return proc
 
 

@@ -132,6 +132,7 @@ def summarize(run: Run) -> dict:
         "peak_mem_gib": max(run.series("peak_mem_gib")[1], default=None),
         "data_wait_median": statistics.median(waits) if waits else None,
         "last_checkpoint": ckpts[-1].name if ckpts else None,
+        "restarts": len((run.manifest or {}).get("restarts") or []),  # zerotrain launch --max-restarts
         "health": "; ".join(e.get("summary", "?") for e in still) or ("ok" if verdicts else None),
         "health_messages": [e.get("message") for e in still],
         "time_shares": {p: s / total for p, s in sorted(shares.items(), key=lambda kv: -kv[1])} if total else None,
@@ -463,6 +464,8 @@ def _summary_table(s: dict) -> list[str]:
         rows.append(("peak accelerator memory (rank 0)", f"{s['peak_mem_gib']:.2f} GiB"))
     if s["peak_rss_gib"] is not None:
         rows.append(("peak host memory, RSS (rank 0)", f"{s['peak_rss_gib']:.2f} GiB"))
+    if s["restarts"]:
+        rows.append(("restarts (`zerotrain launch --max-restarts`)", f"{s['restarts']}: see Launches"))
     rows.append(("last checkpoint", s["last_checkpoint"] or "none"))
     return ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows] + [""]
 
@@ -483,6 +486,11 @@ def _segments(run: Run) -> list[str]:
         frm = Path(seg["from_checkpoint"]).name if seg.get("from_checkpoint") else "-"
         lines.append(f"| {i} | {seg.get('started')} | {seg.get('ended', '-')} | {seg.get('world_size')} |"
                      f" {', '.join(seg.get('hosts') or [])} | {frm} | {end} |")
+    restarts = (run.manifest or {}).get("restarts") or []
+    if restarts:
+        lines += ["", "Restarts (`zerotrain launch --max-restarts`):", ""] + [
+            f"- {r.get('time')}: restart {r.get('attempt')} of {r.get('max_restarts')} after {r.get('cause')}"
+            f" (rank {r.get('rank') if r.get('rank') is not None else 'unknown'})" for r in restarts]
     return lines + [""]
 
 
@@ -579,8 +587,8 @@ def runs_main(argv: list[str]) -> None:
         print(f"no run directories in {root}")
         return
     header = ("run", "status", "steps", "last loss", "best val (step)", "tokens", "last checkpoint", "health")
-    rows = [(s["run"], s["status"], f"{s['step']}" + (f"/{s['max_steps']}" if s["max_steps"] else ""),
-             _num(s["last_loss"]),
+    rows = [(s["run"], s["status"] + (f" after {s['restarts']} restart(s)" if s["restarts"] else ""),
+             f"{s['step']}" + (f"/{s['max_steps']}" if s["max_steps"] else ""), _num(s["last_loss"]),
              f"{_num(s['best_val_loss'])} ({s['best_step']})" if s["best_val_loss"] is not None else "-",
              _tokens(s["tokens"]), s["last_checkpoint"] or "-", s["health"] or "-") for s in summaries]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
