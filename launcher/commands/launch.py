@@ -51,7 +51,8 @@ from zerotrain.cli_args import Parser
 from zerotrain.launcher.components import ds_compat, hostfile, manifest
 from zerotrain.launcher.components.golden import GoldenCheck
 from zerotrain.launcher.components.restarts import (
-    DEFAULT_BACKOFF_S, JobEnd, RankWatch, Restarts, misplaced_restart_flag, take_restart_flags, with_resume_auto)
+    DEFAULT_BACKOFF_S, RESTART_FLAGS, JobEnd, RankWatch, Restarts, misplaced_restart_flag, take_restart_flags,
+    with_resume_auto)
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError, ZerotrainError, final_exit_codes
 from zerotrain.launcher.profiles import load_profile
@@ -314,8 +315,7 @@ def split_local_args(args: list[str]) -> tuple[Restarts, list[str]]:
         train_args = args[i + 1:]
     else:
         lead = 0  # the restart flags that open the list; the train flags follow
-        while lead < len(args) and args[lead].split("=")[0].replace("_", "-") in ("--max-restarts",
-                                                                                 "--restart-backoff"):
+        while lead < len(args) and args[lead].split("=")[0].replace("_", "-") in RESTART_FLAGS:
             lead += 1 if "=" in args[lead] else 2
         restarts, _ = take_restart_flags(args[:lead])
         train_args = args[lead:]

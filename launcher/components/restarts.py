@@ -40,7 +40,7 @@ class Restarts:
     backoff_s: float = DEFAULT_BACKOFF_S
 
 
-RESTART_FLAGS = {"--max-restarts": "max_restarts", "--restart-backoff": "backoff_s"}
+RESTART_FLAGS = ("--max-restarts", "--restart-backoff")  # launch's own, before the train flags
 
 
 def take_restart_flags(args: list[str]) -> tuple[Restarts, list[str]]:
