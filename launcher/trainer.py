@@ -423,7 +423,7 @@ class Trainer:
     # -- saving -----------------------------------------------------------------------------------
     def save(self) -> Path:
         with self.clock.phase("save"):
-            self.hooks.hang_here(self.rank, "save", self.step)
+            self.hooks.hang_here(self.rank, "save", self.step, self.plan.run_dir)
             return self._save()
 
     def _save(self) -> Path:
@@ -593,7 +593,7 @@ class Trainer:
             return None
         t0 = time.time()
         with self.clock.phase("eval"):
-            self.hooks.hang_here(self.rank, "eval", self.step)
+            self.hooks.hang_here(self.rank, "eval", self.step, self.plan.run_dir)
             val = self.evaluator.evaluate(self.engine, device=self.engine.device)
         val.pop("val_tokens", None)
         val["eval_s"] = round(time.time() - t0, 3)

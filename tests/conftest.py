@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,22 @@ def cpu_profile(tmp_path: Path, stage: int | None = None, workers: int | None = 
     path = tmp_path / f"cpu-zero{stage}-w{workers}.json"
     path.write_text(json.dumps(p))
     return str(path)
+
+
+@pytest.fixture
+def launched():
+    """Launches a test started in a process group of its own, as (Popen, master port): at the end nothing
+    of them is left (the group continued, so stopped ranks die too, and killed) and the shared-memory
+    buffers their killed ranks could not remove are removed: DeepSpeed's, named by the master port, so
+    only ours, never those of a launch running beside the test."""
+    procs: list[tuple[subprocess.Popen, int]] = []
+    yield procs
+    for proc, port in procs:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+        for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+            leaked.unlink(missing_ok=True)

@@ -205,24 +205,6 @@ def test_rank_watch_names_the_first_rank_to_end_and_kills_stopped_ranks(tmp_path
 
 # -- real ranks: the deepspeed launcher, 2 CPU ranks -------------------------------------------------------
 
-@pytest.fixture
-def launched():
-    """Every launch a test starts, with its master port; at the end nothing of it is left (process group continued
-    and killed) and the shared-memory buffers its killed ranks could not remove (DeepSpeed's, named by the master
-    port: only ours, not those of tests running beside us) are removed."""
-    procs: list[tuple[subprocess.Popen, int]] = []
-    yield procs
-    for proc, port in procs:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=30)
-        for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            leaked.unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, mix_path):
     """One uninterrupted run 0 -> N: the history every restarted run must reproduce."""

@@ -6,7 +6,9 @@ file, exit code), the flag, the profile keys and the test hook. Then the real th
 `zerotrain launch`'s exit-code path and DeepSpeed's launcher (gloo, ZeRO-3), one launch per scenario:
 - rank 1 frozen from outside with SIGSTOP: rank 0 is blocked inside a C++ gloo collective, its watchdog
   fires within the timeout plus a few seconds, names rank 1 as behind, and `zerotrain launch` exits 11;
-- a rank that blocks forever inside a save, and one inside an evaluation (ZEROTRAIN_TEST_HANG).
+- a rank that blocks inside a save, and one inside an evaluation (ZEROTRAIN_TEST_HANG, once per run):
+  detected and named, restarted by `zerotrain launch --max-restarts 1`, and the run's losses are the
+  uninterrupted run's, bit for bit.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, read_metrics
+from conftest import REPO, free_port, launch, read_metrics
+from test_restarts import start  # zerotrain launch --hostfile --no_ssh on this node, a free port
 from zerotrain.launcher.components import manifest, watchdog
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.phases import PhaseClock
@@ -155,37 +158,14 @@ LAUNCH = ("import sys; from zerotrain.launcher.commands.launch import TRAIN_MODU
           " '--master_port', sys.argv[1], '--module', TRAIN_MODULE, *sys.argv[2:]]))")
 
 
-def popen_launch(args, env_extra=None):
-    return subprocess.Popen([sys.executable, "-c", LAUNCH, str(free_port()), *args], stdout=subprocess.PIPE,
+def popen_launch(launched, args, env_extra=None):
+    """Start the launch, recorded in `launched` (conftest: nothing of it outlives the test)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(port), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})})
-
-
-@pytest.fixture
-def launched():
-    """Every launch a test starts; at the end nothing of them is left: stopped ranks continued and
-    killed with their process group, and the shared-memory buffers their ranks made removed."""
-    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
-    procs = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None or _group_alive(proc.pid):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-        proc.wait(timeout=30)
-    for leaked in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before:
-        leaked.unlink(missing_ok=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    launched.append((proc, port))
+    return proc
 
 
 def _pid_gone(pid: int) -> bool:
@@ -220,9 +200,8 @@ TIMEOUT = 8
 
 def test_a_rank_frozen_with_sigstop_is_found_by_the_other_ranks_watchdog(tmp_path, mix_path, launched):
     run_dir = tmp_path / "r"
-    proc = popen_launch(["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *FLAGS,
-                         "--max-steps", "5000", "--hang-timeout", str(TIMEOUT)])
-    launched.append(proc)
+    proc = popen_launch(launched, ["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *FLAGS,
+                                   "--max-steps", "5000", "--hang-timeout", str(TIMEOUT)])
     wait_for(lambda: any(m["step"] >= 3 for m in read_metrics(run_dir)), 240, "step 3", proc)
     beats = {r: json.loads((run_dir / "hangs" / "heartbeat" / f"rank-{r}.json").read_text()) for r in (0, 1)}
     frozen_at = time.time()
@@ -254,18 +233,31 @@ def test_a_rank_frozen_with_sigstop_is_found_by_the_other_ranks_watchdog(tmp_pat
     print(f"freeze -> rank 0's exit: {fired_after:.1f} s (--hang-timeout {TIMEOUT})")
 
 
-@pytest.mark.parametrize("phase, flags", [
-    ("save", ["--save-every-steps", "3"]),
-    ("eval", ["--eval-every-steps", "2", "--eval-tokens", "3000"]),
-])
-def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected(tmp_path, mix_path, launched, phase, flags):
+HANG_FLAGS = [*FLAGS, "--max-steps", "8", "--save-every-steps", "3", "--eval-every-steps", "2", "--eval-tokens", "3000"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, mix_path):
+    """The run the save and eval hangs interrupt, without a hang: the history their restarts must reproduce."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc = launch("deepspeed", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *HANG_FLAGS],
+                  env_extra={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(out / "r")
+
+
+@pytest.mark.parametrize("phase, step", [("save", 3), ("eval", 2)])
+def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected_restarted_and_exact(
+        tmp_path, mix_path, launched, uninterrupted, phase, step):
+    """Rank 1 blocks inside a save (eval) once (the hook: once per run directory); rank 0 waits in that
+    phase's collective until its watchdog fires; `zerotrain launch --max-restarts 1` starts the job again
+    with --resume auto and the run ends with the uninterrupted run's losses, bit for bit."""
     run_dir = tmp_path / "r"
-    step = 3 if phase == "save" else 2
-    proc = popen_launch(["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *FLAGS, *flags,
-                         "--max-steps", "50", "--hang-timeout", "6"], {"ZEROTRAIN_TEST_HANG": f"1:{phase}:{step}"})
-    launched.append(proc)
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == EXIT_HUNG, out[-3000:]
+    proc = start(tmp_path, launched, ["--max-restarts", "1", "--restart-backoff", "0"],
+                 ["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *HANG_FLAGS, "--hang-timeout", "6"],
+                 {"ZEROTRAIN_TEST_HANG": f"1:{phase}:{step}"})
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
     hang_dir = hang_dir_of(run_dir)
     summary = json.loads((hang_dir / "summary.json").read_text())
     assert (summary["phase"], summary["step"]) == (phase, step), summary
@@ -276,4 +268,10 @@ def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected(tmp_path, mix
     assert summary["where"]["0"]["in_collective"] and summary["outside_collectives"] == [1], summary
     assert f"hung in {phase} at step {step}" in out
     assert "behind: none; outside any collective: rank 1 (hooks.py:" in out
-    assert manifest.read_manifest(run_dir)["segments"][-1]["end_reason"] == "hung"
+    record = manifest.read_manifest(run_dir)
+    assert [(r["kind"], r["exit_code"]) for r in record["restarts"]] == [("hung", EXIT_HUNG)]
+    assert [s["end_reason"] for s in record["segments"]] == ["hung", "finished"]
+    history = read_metrics(run_dir)
+    assert [m["loss"] for m in history] == [m["loss"] for m in uninterrupted]  # exact floats
+    assert [m["tokens_sha"] for m in history] == [m["tokens_sha"] for m in uninterrupted]
+    assert [m.get("val_loss") for m in history] == [m.get("val_loss") for m in uninterrupted]

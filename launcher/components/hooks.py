@@ -26,7 +26,8 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
                                                      C (time.sleep, woken only to run signal handlers), as a
                                                      rank stuck in a driver call or a dead file system is; the
                                                      other ranks then block in their next collective (the
-                                                     hang watchdog's tests)
+                                                     hang watchdog's tests); once per run directory: a job
+                                                     restarted after the reported hang goes past it
 
 A malformed value is a UsageError naming the variable (exit 2 before anything is built).
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from zerotrain.launcher.errors import UsageError
 
@@ -120,9 +122,10 @@ class TestHooks:
         if seconds:
             time.sleep(seconds)
 
-    def hang_here(self, rank: int, phase: str, step: int) -> None:
-        """ZEROTRAIN_TEST_HANG: never returns on that rank, in that phase, at that step."""
-        if self.hang == (rank, phase, step):
+    def hang_here(self, rank: int, phase: str, step: int, run_dir: Path | None = None) -> None:
+        """ZEROTRAIN_TEST_HANG: never returns on that rank, in that phase, at that step, once per run
+        directory: not when RUN_DIR/hangs/ already holds a reported hang (a job restarted after it goes on)."""
+        if self.hang == (rank, phase, step) and not (run_dir is not None and _hang_reported(run_dir)):
             while True:
                 time.sleep(3600)
 
@@ -148,3 +151,9 @@ class SlowLoader:
 
 
 NO_HOOKS = TestHooks()
+
+
+def _hang_reported(run_dir: Path) -> bool:
+    """Whether the watchdog has reported a hang of this run (a hangs/<time>-step<S>/ directory)."""
+    hangs = Path(run_dir) / "hangs"
+    return hangs.is_dir() and any(p.is_dir() and p.name != "heartbeat" for p in hangs.iterdir())
