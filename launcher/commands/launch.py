@@ -475,7 +475,8 @@ def slurm_parser() -> Parser:
     p.add_argument("--signal-seconds", type=int, default=120,
                    help="SIGTERM this many seconds before the time limit (#SBATCH --signal=B:TERM@S)")
     p.add_argument("--master-port", type=int, default=29500, help="the rendezvous port on the first node")
-    p.add_argument("--python", default=sys.executable, help="the Python of the zerotrain install on the nodes")
+    p.add_argument("--python", default=sys.executable,
+                   help="the Python of the zerotrain install on the nodes (default: the one running this command)")
     p.add_argument("--workdir", default=None, help="logs, hostfiles and exit codes (default OUT/slurm)")
     p.add_argument("--force", action="store_true", help="skip the world-size check against the profile")
     p.add_argument("--dry-run", action="store_true", help="print the script and the commands; submit nothing")

@@ -16,7 +16,8 @@ def _params_parser():
     p.add_argument("--head-dim", type=int, default=128, help="with --depth")
     p.add_argument("--scaling-rule", help="a rule in --rules-file, with --heads")
     p.add_argument("--heads", type=int, action="append", default=[], help="with --scaling-rule; repeatable")
-    p.add_argument("--rules-file", default=str(sizes.RULES_FILE), help="scaling rules YAML")
+    p.add_argument("--rules-file", default=str(sizes.RULES_FILE),
+                   help="scaling rules YAML (default: the rules zerotrain ships, modeling/scaling_rules.yaml)")
     p.add_argument("--qk-norm", action="store_true", help="count the RMSNorm on queries and keys")
     p.add_argument("--vocab-size", type=int, default=258, help="default: the byte tokenizer's 258")
     p.add_argument("--seq-len", type=int, default=2048, help="for the attention term of FLOPs per token")
