@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -306,8 +307,21 @@ def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp
     assert first["cause"] == f"a rank lost (rank 1 killed by SIGKILL; exit {first['exit_code']})"
     assert (second["attempt"], second["kind"], second["exit_code"], second["rank"]) == (2, "hung", 11, 1)
     assert second["cause"] == "hung (exit 11; rank 1 behind)"
-    (summary,) = (run / "hangs").glob("*/summary.json")
-    assert [b["rank"] for b in json.loads(summary.read_text())["behind"]] == [1]
+    # the watchdog's report of the freeze: rank 0, blocked in C++ inside a gloo collective, fired; the stopped
+    # rank could not dump, and its heartbeat went stale
+    (summary_path,) = (run / "hangs").glob("*/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["fired_by"] == 0 and summary["stacks"] == ["rank-0.txt"], summary
+    assert summary["where"]["0"]["in_collective"] and summary["where"]["0"]["ours"].startswith("trainer.py:")
+    (late,) = summary["behind"]
+    assert late["rank"] == 1 and "stale heartbeat" in late["why"] and late["heartbeat_age_s"] >= 7
+    stacks = (summary_path.parent / "rank-0.txt").read_text()
+    assert re.search(r"distributed_c10d\.py\", line \d+ in (all_gather|all_reduce|reduce_scatter|broadcast)",
+                     stacks), stacks
+    assert "in _loop" in stacks
+    line = next((x for x in text.splitlines() if "zerotrain: error: rank 0 hung in" in x), text[-3000:])
+    assert f"behind: rank 1 (step {late['step']}, {late['phase']}" in line and str(summary_path.parent) in line
+    assert t_restart2 - t_stop < 8 + 15  # the timeout, a tick, the report, the stopped rank killed 2 s later
     print(f"\nSIGKILL -> restart announced {t_restart1 - t_kill:.1f} s; SIGSTOP (--hang-timeout 8) -> restart"
           f" announced {t_restart2 - t_stop:.1f} s; launch to finish {time.time() - t0:.1f} s")
 
