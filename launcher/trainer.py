@@ -309,13 +309,12 @@ class Trainer:
         # demo mix, measured; the collective this fetch-ahead folds away cost 2-3 ms on 2 gloo ranks).
         self.state_before_fetch = self.loader.state_dict()
         error = None
-        t_data = time.time()
         try:
             with self.clock.phase("data"):
                 batches = [self.loader.next() for _ in range(accum)]  # every rank: the same count, or all stop
         except DataError as e:  # a bad record met mid-stream (streamed sources), on any rank
             error, batches = e, []
-        self.fetched = (batches, error, time.time() - t_data)
+        self.fetched = (batches, error, self.clock.last_stay)  # the data wait: the clock's, not timed twice
         ended = error is None and any(b is None for b in batches)
         digest = 0 if (ended or error) else batch_digest(batches)
         # Each rank's labelled tokens: a token-weighted (SFT) loss needs the global count before the

@@ -42,6 +42,7 @@ class PhaseClock:
         self._window_start = now
         self._lock = threading.Lock()  # take_window against a phase ending on the main thread
         self.longest: dict[str, float] = {}  # the longest single stay in each phase so far (hang-timeout default)
+        self.last_stay = 0.0  # seconds of the last phase left (the trainer's data wait is its "data" stay)
 
     def _account(self, phase: str, start: float, now: float) -> None:
         spent = now - start
@@ -65,6 +66,7 @@ class PhaseClock:
             step, _, start = self.state
             now = self._clock()
             self._account(name, start, now)
+            self.last_stay = now - start
             self.state = (step, outer, now)
 
     def set_step(self, step: int) -> None:
