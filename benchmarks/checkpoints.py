@@ -1,5 +1,5 @@
 """Checkpoint benchmark (issue 12, section 1.6): save and load times of zerotrain's real save path
-(launcher/components/checkpointer.py's Checkpointer around DeepSpeed's save_checkpoint; `checkpointer.load`)
+(launcher/components/checkpoints/checkpointer.py's Checkpointer around DeepSpeed's save_checkpoint; `checkpointer.load`)
 for a ~25M and a ~100M model under ZeRO-2 and ZeRO-3, fp32 with AdamW states, 1 rank, against this
 disk's sequential write bandwidth measured in the same run; and how long a save blocks the
 training loop without and with `--mirror` (the mirror copy runs on a background thread, like the
@@ -53,7 +53,7 @@ def worker(stage: int, model: str, out: Path, saves: int, loads: int, mirrored: 
     import deepspeed
     import torch
 
-    from zerotrain.launcher.components import checkpoint, checkpointer
+    from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling import sizes
     from zerotrain.modeling.model import Transformer, count_params, preset

@@ -12,7 +12,7 @@ The profile is `cpu` at --stage, with --optimizer-params merged into its optimiz
 rank to one core (os.sched_setaffinity, before torch starts its threads). Prints the first four
 training steps' seconds (compilation shows there) and, per piece, the median over the steps after
 the third. The run directory goes to a temporary directory, removed at the end. `time_step` is the
-health check's bookkeeping (components/health.py): --health-window S closes its windows every S seconds
+health check's bookkeeping (components/observe/health.py): --health-window S closes its windows every S seconds
 (0.001: at every step, the worst case), --no-health replaces it with a no-op (the A/B of its cost).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     from harness import demo_mix
 
     import zerotrain.launcher.trainer as trainer
-    from zerotrain.launcher.components.metrics import StepLogger
+    from zerotrain.launcher.components.observe.metrics import StepLogger
     from zerotrain.launcher.config import config_from
     from zerotrain.launcher.profiles import load_profile
 

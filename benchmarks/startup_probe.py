@@ -66,7 +66,7 @@ import deepspeed  # noqa: E402
 marks["import_deepspeed_s"] = time.time() - t0
 t0 = time.time()
 import zerotrain.dataio.loader  # noqa: E402
-import zerotrain.launcher.components.metrics  # noqa: E402
+import zerotrain.launcher.components.observe.metrics  # noqa: E402
 import zerotrain.launcher.train  # noqa: E402
 import zerotrain.launcher.trainer  # noqa: E402
 from deepspeed.ops.op_builder.builder import OpBuilder  # noqa: E402
@@ -89,7 +89,7 @@ timed(deepspeed, "initialize", "deepspeed_initialize")
 timed(zerotrain.launcher.trainer.Trainer, "_build_data", "build_data")
 timed(zerotrain.launcher.trainer.Trainer, "train", "train")
 
-original_log = zerotrain.launcher.components.metrics.MetricsLogger.log
+original_log = zerotrain.launcher.components.observe.metrics.MetricsLogger.log
 
 
 def log(self, record):
@@ -102,7 +102,7 @@ def log(self, record):
             Path(out).write_text(json.dumps({**marks, "durations": durations}))
 
 
-zerotrain.launcher.components.metrics.MetricsLogger.log = log
+zerotrain.launcher.components.observe.metrics.MetricsLogger.log = log
 
 if __name__ == "__main__":
     zerotrain.launcher.train.main(sys.argv[1:])  # exactly as launcher/train.py does

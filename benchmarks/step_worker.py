@@ -156,7 +156,7 @@ class CallCounter:
 
 
 class PaceSink:
-    """A metrics sink (launcher/components/metrics.py's interface: write/close) that paces the real driver:
+    """A metrics sink (launcher/components/observe/metrics.py's interface: write/close) that paces the real driver:
     the Trainer calls write() once per step record after the step, its collectives and logging."""
 
     def __init__(self, pacer: Pacer):

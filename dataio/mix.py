@@ -106,7 +106,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.sft import FORMATS, OVERFLOWS
+
+# A source's `format` and, for sft/chat sources, what to do with a record longer than seq_len
+# (zerotrain.dataio.sft renders and cuts them)
+FORMATS = ("text", "sft", "chat")
+OVERFLOWS = ("truncate_prompt", "drop", "error")
 
 # The datasets builder that reads each data file format (.txt: our own reader, readers._load_txt).
 BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".txt": "text", ".parquet": "parquet",

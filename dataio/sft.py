@@ -65,8 +65,6 @@ import numpy as np
 
 from zerotrain.dataio.errors import DataError, first_line
 
-FORMATS = ("text", "sft", "chat")
-OVERFLOWS = ("truncate_prompt", "drop", "error")
 ROLES = ("system", "user", "assistant")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # the plain chat template's markers (plain text, not special tokens)
 ENCODE_BLOCK = 1024  # records tokenized together

@@ -105,7 +105,7 @@ class RunConfig:
                         RUN, ("warn", "stop", "rollback"))
     piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from"
                                       " --seq-len)", IDENTITY_WHEN_SET)
-    # --- observability (issue 10, section 3; launcher/components/metrics.py) ---
+    # --- observability (issue 10, section 3; launcher/components/observe/metrics.py) ---
     log: str | None = opt(None, "metrics sinks besides metrics.jsonl, comma-separated: tensorboard"
                                 " (RUN_DIR/tensorboard/), wandb (offline unless an API key is set)", RUN)
     wandb_project: str | None = opt(None, "with --log wandb: the W&B project (default: $WANDB_PROJECT, else"
@@ -141,7 +141,7 @@ class RunConfig:
                                       " or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else"
                                       " auto. The same math whichever runs: not part of the run id", RUN,
                                 ATTENTION_BACKENDS)
-    # --- hang watchdog (issue 20, section 1; launcher/components/watchdog.py) ---
+    # --- hang watchdog (issue 20, section 1; launcher/components/observe/watchdog.py) ---
     hang_timeout: float | None = opt(None, "seconds a rank may stay in one phase (data, compute, the step's collective,"
                                            " eval, save, ...) before its watchdog dumps every rank's stacks to"
                                            " RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the profile's"

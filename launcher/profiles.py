@@ -20,7 +20,7 @@ from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 
 PROFILE_DIR = resource_dir("zerotrain.ds_configs")  # the shipped profiles (package data)
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-HEALTH_KEYS = ("repeat_s", "straggler_ratio", "window_s", "windows")  # zerotrain.health: components/health.py DEFAULTS
+HEALTH_KEYS = ("repeat_s", "straggler_ratio", "window_s", "windows")  # zerotrain.health: components/observe/health.py DEFAULTS
 
 
 def list_profiles() -> list[str]:
@@ -68,7 +68,7 @@ def validate_profile(profile, where: str) -> None:
         v = zt.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
             raise UsageError(f"{where}: zerotrain.{key} must be a number in (0, 1], got {v!r}")
-    health = zt.get("health")  # issue 20: the health check's windows (components/health.py)
+    health = zt.get("health")  # issue 20: the health check's windows (components/observe/health.py)
     if health is not None:
         if not isinstance(health, dict) or set(health) - set(HEALTH_KEYS):
             raise UsageError(f"{where}: zerotrain.health must be an object with keys among {', '.join(HEALTH_KEYS)},"

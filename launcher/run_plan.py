@@ -22,8 +22,8 @@ from zerotrain.dataio.reshard import check_reshard
 from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components import checkpoint, universal
-from zerotrain.launcher.components.golden import GoldenCheck
+from zerotrain.launcher.components.checkpoints import checkpoint, universal
+from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.manifest import run_id_of
 from zerotrain.launcher.components.planner import fit_check
@@ -67,7 +67,7 @@ class RunPlan:
     resume_from: Path | None
     resume_meta: dict | None = None
     warnings: tuple[str, ...] = ()
-    golden: object | None = None  # --golden: a zerotrain.launcher.components.golden.GoldenCheck (issue 10)
+    golden: object | None = None  # --golden: a zerotrain.launcher.components.observe.golden.GoldenCheck (issue 10)
     attention: str = "sdpa"  # the attention kernel the model runs (issue 18; `attention_kernel`)
     attention_why: str = ""  # how it was chosen, for the start-up line
 
@@ -226,7 +226,7 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
 def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, data, saved_ds: Path) -> dict:
     """The DeepSpeed dict for resuming a checkpoint saved by another number of ranks.
 
-    Model and optimizer go through DeepSpeed's universal checkpoint (launcher/components/universal.py,
+    Model and optimizer go through DeepSpeed's universal checkpoint (launcher/components/checkpoints/universal.py,
     converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
     epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
     """

@@ -16,7 +16,7 @@ How a run ends (StopRun by kind, its exit code): launcher/errors.py.
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
 (Trainer.agree) of each rank's row: this step's loss sum and signal flag, its step times (rank 0's
-health check, components/health.py, names stragglers from them), the decisions only rank 0
+health check, components/observe/health.py, names stragglers from them), the decisions only rank 0
 may make (its clock: save-by-hours, time and money budgets; the gradient norm), and the NEXT step's
 data (ended? error? batch digest, labelled tokens), fetched ahead so that it rides on the same
 collective. Every decision is therefore taken on the same values on every rank, at the same step.
@@ -48,15 +48,17 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
-from zerotrain.launcher.components import checkpoint, checkpointer, ds_compat, manifest, planner, universal, watchdog
+from zerotrain.launcher.components import ds_compat, manifest, planner
+from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
+from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
-from zerotrain.launcher.components.health import WAITS, HealthCheck
+from zerotrain.launcher.components.observe.health import WAITS, HealthCheck
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.metrics import MetricsLogger, StepLogger, read_metrics
-from zerotrain.launcher.components.phases import PhaseClock
+from zerotrain.launcher.components.observe.metrics import MetricsLogger, StepLogger, read_metrics
+from zerotrain.launcher.components.observe.phases import PhaseClock
 from zerotrain.launcher.components.process_group import init_process_group
-from zerotrain.launcher.components.run_lock import take_lock
+from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, report_exit  # report_exit: pre-flight too
@@ -192,7 +194,7 @@ class Trainer:
         self.dist.barrier()
 
     def _start_watchdog(self, hard_exit: bool):
-        """The hang watchdog (components/watchdog.py), once the run directory exists: start-up counts. A
+        """The hang watchdog (components/observe/watchdog.py), once the run directory exists: start-up counts. A
         notebook's (hard_exit=False) interrupts the main thread instead of ending the kernel."""
         self.say(watchdog.describe(self.hang_timeout))
         if self.hang_timeout == 0:
@@ -571,7 +573,7 @@ class Trainer:
     def time_step(self):
         """Where this rank's time went since the last step (the phase clock): its step work (outside the
         collectives where ranks wait for each other) and data wait ride on the next step's collective;
-        rank 0's health check (components/health.py) returns (window, verdicts) when a window closed."""
+        rank 0's health check (components/observe/health.py) returns (window, verdicts) when a window closed."""
         wall, phases = self.clock.take_window()
         waits = sum(phases.get(p, 0.0) for p in WAITS)
         self.step_seconds = (wall - waits, phases.get("data", 0.0))

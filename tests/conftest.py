@@ -73,8 +73,8 @@ def free_port() -> int:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The effective per-step history (a resume appends; see launcher/components/metrics.py)."""
-    from zerotrain.launcher.components.metrics import read_metrics as effective
+    """The effective per-step history (a resume appends; see launcher/components/observe/metrics.py)."""
+    from zerotrain.launcher.components.observe.metrics import read_metrics as effective
 
     return effective(run_dir)
 

@@ -2,24 +2,33 @@
 zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
 
     0  zerotrain (__version__, resource_dir, errors, cli_args, durable), the data packages ds_configs/ and recipes/
-    1  dataio/*, modeling/*       below everything; neither imports the other
-    2  launcher/errors
-    3  the config layer: config, hparams, profiles, model_spec, optimizers, client_optimizers
-    4  launcher/components/*
-    5  the run: run_plan, trainer
-    6  entry points: launcher/commands/*, cli, train, launcher/__init__ (the notebook's finetune), zerotrain/__main__
+    1  modeling/*, and dataio's format layer: errors, docstore (documents as index arrays), mix (the mix
+       spec: sources, formats, weights), sft (chat and prompt/completion records rendered into tokens)
+    2  dataio's sources: readers (local files), streamed (record streams), hub (Hub names and snapshots),
+       tokenizer, shards (prepared token shards)
+    3  dataio's pipeline: packing, pieces, holdout, loader (a run's batches), reshard
+    4  dataio's commands (`zerotrain data ...`)
+    5  launcher/errors
+    6  the config layer: config, hparams, profiles, model_spec, optimizers, client_optimizers
+    7  launcher/components/*: the flat modules, checkpoints/ and observe/
+    8  launcher/components/launching/*: starting ranks and restarting jobs
+    9  the run: run_plan, trainer
+    10 entry points: launcher/commands/*, cli, train, launcher/__init__ (the notebook's finetune), zerotrain/__main__
 
+dataio and modeling never import each other (modeling sits beside dataio's lowest layer).
 A module may import its own layer or below, and no module may reach itself through imports. A file
-added to a folder whose modules all share a layer (components/, commands/, dataio/, modeling/) is
-placed by its folder; one added anywhere else must be given a layer in LAYERS below, or this test
-says so. Also here: nothing imports the bare `launcher`, `modeling` or `dataio` (the names the
-folders had before they installed as zerotrain.*), and the light commands never load torch.
+added to a folder whose modules all share a layer (components/ and its rooms, commands/, modeling/) is
+placed by its folder; one added anywhere else (dataio/ included: its modules are placed one by one) must
+be given a layer in LAYERS below, or this test says so. Also here: nothing imports the bare `launcher`,
+`modeling` or `dataio` (the names the folders had before they installed as zerotrain.*), and the light
+commands never load torch.
 """
 from __future__ import annotations
 
 import ast
 import configparser
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,18 +39,27 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS = {
     "zerotrain": 0, "zerotrain.ds_configs": 0, "zerotrain.recipes": 0, "zerotrain.errors": 0, "zerotrain.cli_args": 0,
     "zerotrain.durable": 0,
-    "zerotrain.dataio.*": 1, "zerotrain.modeling.*": 1,
-    "zerotrain.launcher.errors": 2,
-    "zerotrain.launcher.config": 3, "zerotrain.launcher.profiles": 3, "zerotrain.launcher.model_spec": 3,
-    "zerotrain.launcher.optimizers": 3, "zerotrain.launcher.client_optimizers": 3, "zerotrain.launcher.hparams": 3,
-    "zerotrain.launcher.components.*": 4,
-    "zerotrain.launcher.run_plan": 5, "zerotrain.launcher.trainer": 5,
-    "zerotrain.launcher.commands.*": 6, "zerotrain.launcher.cli": 6, "zerotrain.launcher.train": 6,
-    "zerotrain.launcher": 6, "zerotrain.__main__": 6,
+    "zerotrain.modeling.*": 1,
+    "zerotrain.dataio": 1, "zerotrain.dataio.errors": 1, "zerotrain.dataio.docstore": 1, "zerotrain.dataio.mix": 1,
+    "zerotrain.dataio.sft": 1,
+    "zerotrain.dataio.readers": 2, "zerotrain.dataio.streamed": 2, "zerotrain.dataio.hub": 2,
+    "zerotrain.dataio.tokenizer": 2, "zerotrain.dataio.shards": 2,
+    "zerotrain.dataio.packing": 3, "zerotrain.dataio.pieces": 3, "zerotrain.dataio.holdout": 3,
+    "zerotrain.dataio.loader": 3, "zerotrain.dataio.reshard": 3,
+    "zerotrain.dataio.commands": 4,
+    "zerotrain.launcher.errors": 5,
+    "zerotrain.launcher.config": 6, "zerotrain.launcher.profiles": 6, "zerotrain.launcher.model_spec": 6,
+    "zerotrain.launcher.optimizers": 6, "zerotrain.launcher.client_optimizers": 6, "zerotrain.launcher.hparams": 6,
+    "zerotrain.launcher.components.*": 7,
+    "zerotrain.launcher.components.launching.*": 8,
+    "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9,
+    "zerotrain.launcher.commands.*": 10, "zerotrain.launcher.cli": 10, "zerotrain.launcher.train": 10,
+    "zerotrain.launcher": 10, "zerotrain.__main__": 10,
 }
-LAYER_NAMES = {0: "root", 1: "dataio/modeling", 2: "errors", 3: "config layer", 4: "components", 5: "run",
-               6: "entry points"}
-WALLED = ("zerotrain.dataio", "zerotrain.modeling")  # same layer, and neither may import the other
+LAYER_NAMES = {0: "root", 1: "modeling, dataio format", 2: "dataio sources", 3: "dataio pipeline",
+               4: "dataio commands", 5: "errors", 6: "config layer", 7: "components", 8: "components/launching",
+               9: "run", 10: "entry points"}
+WALLED = ("zerotrain.dataio", "zerotrain.modeling")  # neither may import the other
 BARE = ("launcher", "modeling", "dataio")
 
 
@@ -285,3 +303,19 @@ def test_light_commands_never_import_torch(tmp_path):
     heavy = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("HEAVY "))[len("HEAVY "):])
     assert heavy == [], f"a light command imported {heavy}"
     assert "tiny" in r.stdout and "cpu" in r.stdout and (tmp_path / "run" / "report").is_dir()
+
+
+def test_readme_layout_names_every_module():
+    """README's Layout section is where a newcomer finds a module: every module file and every sub-package of
+    the project is named there (by its file or folder name, as a word)."""
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("## Layout"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    words = set(re.findall(r"[\w.]+", block))
+    missing = []
+    for module, path in project_modules().items():
+        name = path.parent.name if path.name == "__init__.py" else path.stem
+        if name not in words and f"{name}.py" not in words:
+            missing.append(f"{path.relative_to(REPO)} ({module})")
+    assert not missing, "modules README's Layout section does not name: " + ", ".join(missing)

@@ -1,4 +1,4 @@
-"""launcher/components/checkpoint.py, checkpointer.py and run_lock.py: when to save, completion markers with sizes
+"""launcher/components/checkpoints/checkpoint.py, checkpointer.py and run_lock.py: when to save, completion markers with sizes
 and sha256, verification and fallback on resume, rotation, best.json, the mirror, failed saves, the run directory lock.
 
 The policy and file logic run in-process without a process group (world 1): `save()` drives a
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from zerotrain.launcher.components.checkpoint import (BEST, MARKER, check_mirror, complete_checkpoints, find_resume,
+from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, check_mirror, complete_checkpoints, find_resume,
                                                       read_meta, rotation_victims, tag_for, verify)
-from zerotrain.launcher.components.checkpointer import Checkpointer
+from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.run_lock import LOCK, RunLock
+from zerotrain.launcher.components.checkpoints.run_lock import LOCK, RunLock
 from zerotrain.launcher.errors import CheckpointError, UsageError
 
 HARNESS = REPO / "tests" / "helpers" / "ckpt_harness.py"

@@ -57,7 +57,7 @@ def _one_thread(monkeypatch):
 def _leave_no_process_group():
     """An in-process run makes this pytest process rank 0 of a world of 1 (environment and process
     group): undo it, so later tests' launches do not inherit RANK or MASTER_PORT."""
-    from zerotrain.launcher.commands.launch import RANK_VARS
+    from zerotrain.launcher.components.launching.jobs import RANK_VARS
 
     saved = {k: os.environ.get(k) for k in RANK_VARS}
     yield

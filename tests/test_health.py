@@ -1,4 +1,4 @@
-"""The health check (issue 20 section 3, launcher/components/health.py): a run that knows how fast it should be.
+"""The health check (issue 20 section 3, launcher/components/observe/health.py): a run that knows how fast it should be.
 
 The policy is fed numbers by hand (no process group): window shares and MFU, the consecutive windows
 before a verdict, its de-duplication and repetition, recovery, straggler naming and the messages. One
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import cpu_profile, launch
-from zerotrain.launcher.components.health import DEFAULTS, LABELS, REMEDIES, HealthCheck, standing
+from zerotrain.launcher.components.observe.health import DEFAULTS, LABELS, REMEDIES, HealthCheck, standing
 from zerotrain.launcher.components.hooks import SLOW_DATA, TestHooks
-from zerotrain.launcher.components.metrics import read_metrics
-from zerotrain.launcher.components.phases import PHASES
+from zerotrain.launcher.components.observe.metrics import read_metrics
+from zerotrain.launcher.components.observe.phases import PHASES
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import HEALTH_KEYS, validate_profile
 
@@ -216,7 +216,7 @@ def test_slow_data_hook():
 def test_wandb_gets_the_verdict_and_the_shares(tmp_path, monkeypatch):
     """W&B (offline, read back from its own run file): `health` at the verdict's step, beside that step's shares."""
     from test_observability import wandb_offline_runs
-    from zerotrain.launcher.components.metrics import MetricsLogger
+    from zerotrain.launcher.components.observe.metrics import MetricsLogger
     from zerotrain.launcher.config import RunConfig
 
     for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_BASE_URL", "WANDB_DIR"):

@@ -21,7 +21,7 @@ import yaml
 
 from conftest import REPO, TRAIN_PY, cpu_profile, free_port, read_metrics
 
-from zerotrain.launcher.components import hostfile
+from zerotrain.launcher.components.launching import hostfile
 from zerotrain.launcher.errors import UsageError, final_exit_codes
 from zerotrain.launcher.commands.launch import plan_hostfile_launch
 from zerotrain.launcher.profiles import profile_from_accelerate

@@ -4,7 +4,7 @@ launcher on 2 CPU ranks (ZeRO-3, gloo). The policy logic itself is unit-tested w
 group in test_checkpointer.py and test_guards.py; here each launch serves several assertions.
 
 Every interrupted run is compared with one uninterrupted reference run of the same flags: the
-effective per-step history (zerotrain.launcher.components.metrics.read_metrics) must have the same token digests and
+effective per-step history (zerotrain.launcher.components.observe.metrics.read_metrics) must have the same token digests and
 bit-identical losses at every step.
 """
 import json
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, TRAIN_PY, free_port, launch
-from zerotrain.launcher.components.metrics import read_metrics
+from zerotrain.launcher.components.observe.metrics import read_metrics
 
 N = 16
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
@@ -102,7 +102,7 @@ def test_sigterm_saves_once_and_resumes_exactly_with_eval_best_rotation_and_mirr
     complete = sorted(p.name for p in ckpts.glob("global_step*") if (p / "zerotrain.json").is_file())
     assert complete == sorted({f"global_step{N}", f"global_step{best_step}"})  # keep-last 1, plus the best
     # the mirror holds verified copies of the tags
-    from zerotrain.launcher.components.checkpoint import verify
+    from zerotrain.launcher.components.checkpoints.checkpoint import verify
 
     mirrored = mirror / "r" / "checkpoints"
     assert (mirrored / f"global_step{N}" / "zerotrain.json").is_file()
@@ -137,12 +137,12 @@ def test_kill_minus_9_at_random_moments_then_resume_reaches_the_same_losses(tmp_
         proc.wait()
         kills += 1
         complete = [p for p in (run / "checkpoints").glob("global_step*") if (p / "zerotrain.json").is_file()]
-        from zerotrain.launcher.components.checkpoint import verify
+        from zerotrain.launcher.components.checkpoints.checkpoint import verify
 
         assert all(verify(p) is None for p in complete)  # a marker only ever names a whole checkpoint
     assert kills == 8
     # corrupt one byte of the newest complete checkpoint: the resume must fall back, and say so
-    from zerotrain.launcher.components.checkpoint import complete_checkpoints
+    from zerotrain.launcher.components.checkpoints.checkpoint import complete_checkpoints
 
     newest = complete_checkpoints(run / "checkpoints")[-1]
     victim = sorted(newest.glob("*optim_states.pt"))[0]
@@ -178,7 +178,7 @@ def test_spike_on_one_rank_rolls_back_every_rank_then_a_full_disk_fails_one_save
     history = read_metrics(run)
     assert [m["step"] for m in history] == list(range(1, 41))
     assert max(m["loss"] for m in history) < 20  # the spiking records were superseded after the rollback
-    from zerotrain.launcher.components.checkpoint import complete_checkpoints, verify
+    from zerotrain.launcher.components.checkpoints.checkpoint import complete_checkpoints, verify
 
     complete = complete_checkpoints(run / "checkpoints")
     assert complete[-1].name == "global_step30" and verify(complete[-1]) is None

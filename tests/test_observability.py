@@ -20,10 +20,10 @@ import pytest
 
 from conftest import launch
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.components.run_lock import RunLock
+from zerotrain.launcher.components.checkpoints.run_lock import RunLock
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import StopRun, UsageError
-from zerotrain.launcher.components.metrics import MetricsLogger, read_metrics, scalars, step_measurements
+from zerotrain.launcher.components.observe.metrics import MetricsLogger, read_metrics, scalars, step_measurements
 from zerotrain.launcher.config import parse_sinks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,7 +163,7 @@ def test_wandb_asks_nothing_with_a_terminal_attached(tmp_path, no_wandb_account)
     import pty
 
     script = ("import sys; from pathlib import Path; from zerotrain.launcher.config import RunConfig;"
-              " from zerotrain.launcher.components.metrics import MetricsLogger; print('tty', sys.stdin.isatty(), flush=True);"
+              " from zerotrain.launcher.components.observe.metrics import MetricsLogger; print('tty', sys.stdin.isatty(), flush=True);"
               f" m = MetricsLogger(Path({str(tmp_path)!r}), True, RunConfig(data='m', log='wandb'));"
               " m.log({'step': 1, 'loss': 2.5}); m.close(); print('done', flush=True)")
     master, slave = pty.openpty()
@@ -198,7 +198,7 @@ def test_wandb_asks_nothing_with_a_terminal_attached(tmp_path, no_wandb_account)
 def test_wandb_settings_users_set_in_the_environment_are_kept(tmp_path, no_wandb_account, monkeypatch):
     """WANDB_PROJECT, WANDB_NAME, WANDB_RUN_ID, WANDB_DIR, WANDB_RESUME win over our defaults; a
     --wandb-* flag wins over them. Read back from the run record wandb itself wrote (offline)."""
-    from zerotrain.launcher.components.metrics import wandb_init_args
+    from zerotrain.launcher.components.observe.metrics import wandb_init_args
 
     run = tmp_path / RUN_ID
     run.mkdir()
@@ -254,7 +254,7 @@ def test_step_measurements_on_this_cpu():
     import sys
 
     # (ru_maxrss survives fork+exec: the child starts with this process's peak, so allocate past it)
-    code = ("from zerotrain.launcher.components.metrics import step_measurements as m; a = m(0, 0)['peak_rss_gib'];"
+    code = ("from zerotrain.launcher.components.observe.metrics import step_measurements as m; a = m(0, 0)['peak_rss_gib'];"
             " block = b'x' * int((a + 0.3) * 2 ** 30); print(m(0, 0)['peak_rss_gib'] - a)")
     rise = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                 cwd=Path(__file__).resolve().parent.parent).stdout)

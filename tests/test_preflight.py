@@ -22,10 +22,11 @@ import pytest
 from conftest import BIN, REPO, free_port, write_mix
 from zerotrain.launcher.commands import preflight
 from zerotrain.launcher.commands.preflight import parse_args
-from zerotrain.launcher.components import golden, hooks
+from zerotrain.launcher.components import hooks
+from zerotrain.launcher.components.observe import golden
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED, UsageError
-from zerotrain.launcher.components.golden import GoldenCheck, golden_steps, make_golden, mfu_threshold
+from zerotrain.launcher.components.observe.golden import GoldenCheck, golden_steps, make_golden, mfu_threshold
 
 PREFLIGHT = "zerotrain.launcher.commands.preflight"  # run as a module, like the driver
 

@@ -28,7 +28,7 @@ from conftest import REPO, free_port, launch, read_metrics
 from zerotrain.launcher.commands import launch as launch_cmd
 from zerotrain.launcher.commands import report
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.components.restarts import (
+from zerotrain.launcher.components.launching.restarts import (
     JobEnd, RankExit, RankWatch, Restarts, rank_processes, take_restart_flags, with_resume_auto)
 from zerotrain.launcher.errors import END_KINDS, UsageError, final_exit_codes, kind_of_exit
 

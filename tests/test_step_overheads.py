@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.launcher.components import checkpointer
+from zerotrain.launcher.components.checkpoints import checkpointer
 REPO = Path(__file__).resolve().parent.parent
 
 COUNT_COLLECTIVES = r"""

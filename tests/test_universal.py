@@ -1,4 +1,4 @@
-"""Resume on another world size through DeepSpeed's universal checkpoint (launcher/components/universal.py).
+"""Resume on another world size through DeepSpeed's universal checkpoint (launcher/components/checkpoints/universal.py).
 
 One chain of three real `deepspeed` launches (tests/helpers/universal_harness.py, CPU, gloo, fp32):
 2 ranks train 3 steps and save; 1 rank converts, resumes, takes a step and saves; 2 ranks convert
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from zerotrain.launcher.components import universal
+from zerotrain.launcher.components.checkpoints import universal
 from zerotrain.launcher.errors import UsageError
 
 HARNESS = REPO / "tests" / "helpers" / "universal_harness.py"

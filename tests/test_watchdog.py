@@ -1,4 +1,4 @@
-"""The hang watchdog (launcher/components/watchdog.py, issue 20 section 1).
+"""The hang watchdog (launcher/components/observe/watchdog.py, issue 20 section 1).
 
 The policy without a process group: the default timeout from the slowest phase, who is behind from
 heartbeat files, a firing rank and a joining rank in one process (stacks, summary, manifest, exit
@@ -19,9 +19,10 @@ import pytest
 
 from conftest import launch, read_metrics
 from test_restarts import start  # zerotrain launch --hostfile --no_ssh on this node, a free port
-from zerotrain.launcher.components import manifest, watchdog
+from zerotrain.launcher.components import manifest
+from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.phases import PhaseClock
+from zerotrain.launcher.components.observe.phases import PhaseClock
 from zerotrain.launcher.components.process_group import comm_timeout_s
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_HUNG, UsageError

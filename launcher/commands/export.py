@@ -51,7 +51,7 @@ from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.hub import TOKENIZER_FILES
 from zerotrain.dataio.loader import load_data, open_data
 from zerotrain.dataio.tokenizer import load_tokenizer
-from zerotrain.launcher.components import checkpoint
+from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.errors import EXIT_EXPORT_CHECK, UsageError, ZerotrainError, fail
 from zerotrain.modeling import hf
 from zerotrain.modeling.sizes import ModelArgs, count_params

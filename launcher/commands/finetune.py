@@ -46,9 +46,9 @@ from zerotrain import durable
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.commands import export as export_command
 from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint, live_model
-from zerotrain.launcher.commands.launch import RANK_VARS, TRAIN_MODULE, deepspeed_runner, run_preserving_exit_code
-from zerotrain.launcher.components import checkpoint
-from zerotrain.launcher.components.metrics import read_metrics
+from zerotrain.launcher.components.launching.jobs import RANK_VARS, TRAIN_MODULE, deepspeed_runner, run_preserving_exit_code
+from zerotrain.launcher.components.checkpoints import checkpoint
+from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import END_KINDS, EXIT_USAGE, UsageError, ZerotrainError, kind_of_exit
 from zerotrain.launcher.run_plan import plan_run

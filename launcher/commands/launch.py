@@ -5,19 +5,15 @@ profile rule under `accelerate launch`.
         the driver on N local ranks under DeepSpeed's launcher
     zerotrain launch --hostfile H [--force] [--skip-host-checks] [--max-restarts K] [--restart-backoff S]
                      [deepspeed flags] -- [train flags]
-        checks first (launcher/components/hostfile.py): the hostfile line by line, the world size against the
+        checks first (launcher/components/launching/hostfile.py): the hostfile line by line, the world size against the
         profile's `zerotrain.hardware` (--force to override), with ssh each host's reachability and
         zerotrain version (--skip-host-checks); then DeepSpeed's runner with the profile's
         `zerotrain.env` for every rank (an environment file over ssh, the environment with --no_ssh)
     zerotrain slurm [--nodes N --gpus-per-node G --time T ...] [--max-requeues K] [--dry-run] -- [train flags]
         renders launcher/slurm/train.sbatch and submits it with sbatch (or prints it, --dry-run)
 
-DeepSpeed's launcher (deepspeed/launcher/commands/launch.py) forwards SIGTERM/SIGINT to its children,
-gives them 30 s, kills them, and then exits 1 itself, so the driver's documented exit code (6:
-stopped by a signal, checkpoint saved) would be lost. Rank 0 therefore also writes its exit code
-to a file named by ZEROTRAIN_EXIT_FILE, and this command exits with that code when it exists.
-When ZEROTRAIN_EXIT_FILE is set for this command itself (the Slurm script does, per node), the
-code it exits with is written there too.
+Running the job (rank 0's own exit code kept through DeepSpeed's launcher, our signals passed on, the restart
+loop) is launcher/components/launching/jobs.py; this module reads the command lines and checks before launching.
 
 Restarts (`--max-restarts K`, default 0: none): when the job ends restartably (END_KINDS' `restartable`:
 hung, or a crash: a communication error, a rank killed, a segfault, out of memory) and we were not told
@@ -25,7 +21,7 @@ to stop, every rank process left is killed (SIGCONT, then SIGKILL to the runner'
 ranks too) and waited for, the restart is announced in one line and recorded in RUN_DIR/manifest.json
 (`restarts`), and after `--restart-backoff` seconds the whole job starts again with `--resume auto`, at
 most K times. A SIGTERM/SIGINT to this command stops the job as without restarts, and one during the
-backoff ends it there. The policy and what the launcher sees of its ranks: launcher/components/restarts.py.
+backoff ends it there. The policy and what the launcher sees of its ranks: launcher/components/launching/restarts.py.
 With --no_ssh each node's `zerotrain launch` restarts its own ranks (give every node the same flags; they
 meet again at the master's rendezvous) and only node 0's records the restart.
 """
@@ -34,198 +30,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.cli_args import Parser
-from zerotrain.launcher.components import ds_compat, hostfile, manifest
-from zerotrain.launcher.components.golden import GoldenCheck
-from zerotrain.launcher.components.restarts import (
-    DEFAULT_BACKOFF_S, RESTART_FLAGS, JobEnd, RankWatch, Restarts, misplaced_restart_flag, take_restart_flags,
-    with_resume_auto)
+from zerotrain.launcher.components import ds_compat, manifest
+from zerotrain.launcher.components.launching import hostfile
+from zerotrain.launcher.components.launching.jobs import (TRAIN_MODULE, deepspeed_command, deepspeed_runner,
+                                                          run_with_restarts)
+from zerotrain.launcher.components.launching.restarts import (DEFAULT_BACKOFF_S, RESTART_FLAGS, Restarts,
+                                                              misplaced_restart_flag, take_restart_flags)
+from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError, ZerotrainError, final_exit_codes
 from zerotrain.launcher.profiles import load_profile
 
-# The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
-# launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
-# puts a folder of ours first on sys.path (running launcher/train.py as a script does; it is kept
-# for users who type it).
-TRAIN_MODULE = "zerotrain.launcher.train"
 SBATCH_TEMPLATE = resource_dir("zerotrain.launcher", "slurm", "train.sbatch")
-# Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (zerotrain.launcher.trainer
-# single_process_env) and must not hand them to the ranks of a launch it starts.
-RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 USAGE = ("usage: zerotrain launch -n N [--max-restarts K] [--restart-backoff S] [--] [train flags]\n"
          "       zerotrain launch --hostfile H [--force] [--skip-host-checks] [--max-restarts K] [--restart-backoff S]"
          " [deepspeed flags] -- [train flags]")
-
-
-def deepspeed_runner() -> list[str]:
-    """DeepSpeed's runner (what the `deepspeed` script runs) under this interpreter: the one whose
-    zerotrain is running, whatever `deepspeed` comes first on PATH (or none: a venv not activated)."""
-    return [sys.executable, "-m", "deepspeed.launcher.runner"]
-
-
-def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
-    return [*deepspeed_runner(), "--num_gpus", str(nproc), "--module", TRAIN_MODULE, *train_args]
-
-
-def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None) -> int:
-    """Run a launcher command, pass our SIGTERM/SIGINT on to it, return rank 0's own exit code (run_job);
-    with ZEROTRAIN_EXIT_FILE in `env`, the code is written there too."""
-    code = run_job(cmd, env=env, relay=relay).exit_code
-    _write_outer_exit_file(env, code)
-    return code
-
-
-def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: bool = False) -> JobEnd:
-    """Run a launcher command once, pass our SIGTERM/SIGINT on to it; how it ended (rank 0's own exit code).
-
-    The `deepspeed` runner (deepspeed/launcher/runner.py) installs no signal handler for a local
-    launch: a SIGTERM sent to it alone kills it and orphans launch.py and the ranks. So the runner
-    gets a process group of its own and a signal goes to the whole group (every rank handles it at
-    its next step boundary; launch.py's own forward arrives within SignalStop's grace window), and
-    we wait until nothing of the group is left.
-
-    `env`: the environment (default ours). `relay`: a callable given the output as it arrives
-    (a notebook cell shows what is written to sys.stdout, not to file descriptor 1); by default
-    the output goes straight to our stdout/stderr. `restarting` (--max-restarts): the local ranks are
-    watched (RankWatch: the first to end, stopped ones killed), and after a restartable end what is
-    left of the group is killed at once rather than given launch.py's 30 s.
-    """
-    env = dict(os.environ if env is None else env)
-    signalled = []
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="zerotrain-exit-") as tmp:
-        exit_file = Path(tmp) / "exit_code"
-        pipe = subprocess.PIPE if relay is not None else None
-        proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file)}, start_new_session=True,
-                                stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
-        watch = RankWatch(proc.pid) if restarting else None
-
-        def forward(signum, frame):
-            signalled.append(signum)
-            _signal_group(proc.pid, signum)
-
-        old = {}
-        try:
-            old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-        except ValueError:  # not the main thread: signals cannot be forwarded from here
-            pass
-        try:
-            if watch is not None:
-                watch.start()
-            if relay is not None:
-                _relay_output(proc.stdout, relay)
-            code = proc.wait()
-            code = code if code >= 0 else 128 - code
-            end = _job_end(code, exit_file, signalled, watch, started)
-            if restarting and end.restartable:
-                _kill_group(proc.pid)  # nothing of this job may outlive it: the restart needs its ports and files
-            deadline = time.time() + 60  # launch.py gives the ranks 30 s after a signal
-            while _group_alive(proc.pid) and time.time() < deadline:
-                time.sleep(0.2)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-            if watch is not None:
-                watch.stop()
-        return _job_end(code, exit_file, signalled, watch, started)  # rank 0 may have written it while we waited
-
-
-def _job_end(code: int, exit_file: Path, signalled: list, watch: RankWatch | None, started: float) -> JobEnd:
-    left = None  # the code a rank left (rank 0's own; a hang watchdog's)
-    if exit_file.is_file():
-        try:
-            left = int(exit_file.read_text().strip())
-        except ValueError:
-            pass
-    return JobEnd(exit_code=code if left is None else left, from_exit_file=left is not None,
-                  signalled=bool(signalled), first_exit=watch.first_exit if watch is not None else None,
-                  seconds=round(time.monotonic() - started, 1))
-
-
-def _write_outer_exit_file(env: dict | None, code: int) -> None:
-    outer_exit_file = (os.environ if env is None else env).get("ZEROTRAIN_EXIT_FILE")
-    if outer_exit_file:
-        Path(outer_exit_file).write_text(f"{code}\n")
-
-
-def run_with_restarts(command, train_args: list[str], env: dict, restarts: Restarts, records: bool = True) -> int:
-    """The job (`command(train_args)`: the runner's argv), started again after each restartable end, at most
-    `restarts.max_restarts` times, with --resume auto; returns the last job's code. `records`: this launcher
-    records the restarts in the run's manifest.json (restart_run_dir, found at the first restart)."""
-    args, attempt, run_dir = list(train_args), 0, None
-    while True:
-        end = run_job(command(args), env=env, restarting=restarts.max_restarts > 0)
-        if restarts.max_restarts == 0 or not end.restartable:
-            break
-        if records and attempt == 0:
-            run_dir = restart_run_dir(train_args)
-        behind = hang_behind(run_dir, end.seconds) if run_dir is not None and end.kind == "hung" else None
-        cause = end.cause(behind)
-        if attempt >= restarts.max_restarts:
-            print(f"zerotrain launch: job ended {cause}; not restarted: {attempt} restart(s) used of --max-restarts"
-                  f" {restarts.max_restarts}", flush=True)
-            break
-        attempt += 1
-        print(f"zerotrain launch: job ended {cause}; restart {attempt} of {restarts.max_restarts} in"
-              f" {restarts.backoff_s:g} s with --resume auto", flush=True)
-        if run_dir is not None:
-            record = {"attempt": attempt, "max_restarts": restarts.max_restarts, "kind": end.kind,
-                      "exit_code": end.exit_code, "cause": cause, "rank": end.rank(behind),
-                      **({"behind": behind} if behind else {}), "job_s": end.seconds, "backoff_s": restarts.backoff_s}
-            try:
-                manifest.record_restart(run_dir, record)
-            except OSError as e:  # the run goes on; only its record is missing
-                print(f"zerotrain launch: warning: restart not recorded in {run_dir / manifest.MANIFEST}: {e}",
-                      file=sys.stderr, flush=True)
-        if _interrupted_within(restarts.backoff_s):
-            print("zerotrain launch: stopped by a signal during the backoff; not restarted", flush=True)
-            break
-        args = with_resume_auto(train_args)
-    _write_outer_exit_file(env, end.exit_code)
-    return end.exit_code
-
-
-def hang_behind(run_dir: Path, job_s: float) -> list[int] | None:
-    """The ranks the newest hang summary (RUN_DIR/hangs/*/summary.json, written by the watchdog of the job
-    that just ended) names as behind; None without one."""
-    newest = max(Path(run_dir).glob("hangs/*/summary.json"), key=lambda p: p.stat().st_mtime, default=None)
-    if newest is None or time.time() - newest.stat().st_mtime > job_s + 5:  # an older job's hang
-        return None
-    try:
-        behind = json.loads(newest.read_text()).get("behind")
-    except (OSError, ValueError, AttributeError):
-        return None
-    ranks = [b.get("rank") if isinstance(b, dict) else b for b in behind] if isinstance(behind, list) else []
-    return sorted(r for r in ranks if isinstance(r, int)) or None
-
-
-def _interrupted_within(seconds: float) -> bool:
-    """Sleep `seconds`; True if a SIGTERM/SIGINT arrived meanwhile (it ends the sleep)."""
-    got = threading.Event()
-    old = {}
-    try:
-        old = {s: signal.signal(s, lambda signum, frame: got.set()) for s in (signal.SIGTERM, signal.SIGINT)}
-    except ValueError:  # not the main thread
-        pass
-    try:
-        return got.wait(seconds)
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
 
 
 def restart_run_dir(train_args: list[str]) -> Path | None:
@@ -236,45 +65,6 @@ def restart_run_dir(train_args: list[str]) -> Path | None:
     except (ZerotrainError, OSError) as e:
         print(f"zerotrain launch: warning: restarts will not be recorded: {e}", file=sys.stderr, flush=True)
         return None
-
-
-def _relay_output(stream, relay) -> None:
-    # Chunks, not lines: a progress bar redraws with carriage returns and no newline.
-    fd = stream.fileno()
-    while True:
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        relay(chunk.decode("utf-8", errors="replace"))
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_group(pgid: int, timeout_s: float = 60) -> None:
-    """SIGCONT then SIGKILL to the whole group (a SIGSTOPped rank dies too), then wait until none of it is left."""
-    for signum in (signal.SIGCONT, signal.SIGKILL):
-        _signal_group(pgid, signum)
-    deadline = time.time() + timeout_s
-    while _group_alive(pgid) and time.time() < deadline:
-        time.sleep(0.1)
-    if _group_alive(pgid):
-        print(f"zerotrain launch: warning: process group {pgid} still alive {timeout_s:g} s after SIGKILL"
-              " (a process in uninterruptible I/O?)", file=sys.stderr, flush=True)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def launch_parser() -> Parser:
@@ -349,7 +139,7 @@ def launch_main(argv: list[str]) -> None:
             name, profile = load_profile(cfg.profile)
             profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
         sys.exit(run_with_restarts(lambda args: deepspeed_command(nproc, args), train_args,
-                                   {**os.environ, **profile_env}, restarts))
+                                   {**os.environ, **profile_env}, restarts, restart_run_dir))
     if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):
         raise UsageError(USAGE)
     restarts = Restarts()
@@ -367,7 +157,8 @@ def launch_main(argv: list[str]) -> None:
             hostfile.write_deepspeed_env(path, plan.env_file)
             env["DS_ENV_FILE"] = str(path)
         # The runner reads the file when it starts; it is removed when the launch ends.
-        code = run_with_restarts(plan.command, plan.train_args, env, restarts, plan.records_restarts)
+        code = run_with_restarts(plan.command, plan.train_args, env, restarts,
+                                 restart_run_dir if plan.records_restarts else None)
     sys.exit(code)
 
 

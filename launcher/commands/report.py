@@ -2,11 +2,11 @@
 
     report_main(argv)   RUN_DIR/report/: PNG plots (matplotlib, Agg) and report.md; --compare overlays runs
     runs_main(argv)     one line per run directory under OUT: status, steps, losses, tokens, last checkpoint,
-                        and the health verdicts that still stand (components/health.py)
+                        and the health verdicts that still stand (components/observe/health.py)
 
 Only files are read (nothing is imported from torch or DeepSpeed, so both are quick on a login
 node while the run trains): metrics.jsonl through `read_metrics`, config.json, manifest.json,
-checkpoints/*/zerotrain.json and best.json, and the run directory's lock (launcher/components/run_lock.py).
+checkpoints/*/zerotrain.json and best.json, and the run directory's lock (launcher/components/checkpoints/run_lock.py).
 A run's status: running while a live process holds the lock; otherwise how the last launch ended
 (manifest segments' end_reason, else the last "stop" event): finished, stopped (why), failed (why);
 a last launch that never recorded an end was killed or crashed.
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerotrain.cli_args import Parser
-from zerotrain.launcher.components import checkpoint
+from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.errors import END_KINDS, UsageError, status_of
-from zerotrain.launcher.components.health import label, standing
+from zerotrain.launcher.components.observe.health import label, standing
 from zerotrain.launcher.components.manifest import read_manifest
-from zerotrain.launcher.components.metrics import read_metrics
-from zerotrain.launcher.components.run_lock import live_holder
+from zerotrain.launcher.components.observe.metrics import read_metrics
+from zerotrain.launcher.components.checkpoints.run_lock import live_holder
 
 RUN_FILES = ("metrics.jsonl", "config.json", "manifest.json")  # any one of them makes a run directory
 
@@ -499,7 +499,7 @@ def _health(run: Run) -> list[str]:
     if not verdicts:
         return []
     lines = ["## Health (metrics.jsonl)", "",
-             "Verdicts of the health check (components/health.py; docs/watching.md, Health): a run slower than its"
+             "Verdicts of the health check (components/observe/health.py; docs/watching.md, Health): a run slower than its"
              " profile's mfu_threshold for several windows, and ranks slower than the others.", ""]
     lines += [f"- step {e.get('step')}: **{e.get('verdict', '?')}**: {e.get('message')}" for e in verdicts]
     return lines + [""]

@@ -126,7 +126,7 @@ def _label(entry: PrivateName) -> str:
 # -- the engine -------------------------------------------------------------------------------------
 
 def route_checkpoint_writes(engine, guard) -> None:
-    """Send every file write of `engine.save_checkpoint` through `guard` (components/checkpointer.py's
+    """Send every file write of `engine.save_checkpoint` through `guard` (components/checkpoints/checkpointer.py's
     _WriteGuard, which has the checkpoint engine's interface).
 
     Matches deepspeed/runtime/engine.py (0.19.8): save_checkpoint, _save_checkpoint,

@@ -9,7 +9,7 @@ and commit (an upgrade between resumes shows), and, once `record_end` ran, when 
 first name, so manifests of every version read alike), `end_exit_code` and `end_message` (older
 manifests may lack these two: readers take the code from the table). A segment without `ended` was
 killed (kill -9, node loss) or crashed before it could say so. `restarts` (written by `zerotrain launch
---max-restarts`, launcher/commands/launch.py, between two launches, when no rank is left) holds one entry
+--max-restarts`, components/launching/jobs.py, between two launches, when no rank is left) holds one entry
 per restart: `attempt`, `time`, the end kind (`kind`), `exit_code`, `cause` in words, `rank` (the first
 rank that exited, when the launcher could see it; for a hang, the ranks the hang summary names as
 behind) and `backoff_s`; the segment of the launch that ended is closed then with that kind. `zerotrain
@@ -30,7 +30,7 @@ from pathlib import Path
 from zerotrain import durable, resource_dir
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components.metrics import read_metrics
+from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.errors import StopRun, end_kind
 from zerotrain.launcher.hparams import resolve_hparams
 from zerotrain.launcher.profiles import detect_profile, load_profile

@@ -17,7 +17,7 @@ def comm_timeout_s(zt: dict, hang_timeout: float | None = None) -> float:
     the larger of 30 minutes and twice the hang timeout given (`--hang-timeout`, `zerotrain.hang_timeout`).
     Longer than the hang watchdog's (default 600 s) on purpose: on gloo, where a blocked collective only
     raises "timed out" once this expires, the watchdog fires first and says where every rank was
-    (components/watchdog.py); this is the backstop when the watchdog is off. NCCL: docs/hangs.md."""
+    (components/observe/watchdog.py); this is the backstop when the watchdog is off. NCCL: docs/hangs.md."""
     given = zt.get("comm_timeout_s")
     return float(given) if given else max(COMM_TIMEOUT_S, 2.0 * (hang_timeout or 0.0))
 

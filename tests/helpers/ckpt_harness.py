@@ -1,4 +1,4 @@
-"""Test harness for launcher/components/checkpointer.py's Checkpointer under a real `deepspeed` launch
+"""Test harness for launcher/components/checkpoints/checkpointer.py's Checkpointer under a real `deepspeed` launch
 (tests/test_checkpointer.py), and the measurement of how long a save blocks the loop.
 
 The debug model under ZeRO-3 with the cpu profile's settings, trained on random tokens.
@@ -79,9 +79,9 @@ def fingerprint(engine) -> float:
 def check(out: Path) -> None:
     import torch.distributed as dist
 
-    from zerotrain.launcher.components.checkpoint import (BEST, MARKER, complete_checkpoints, incomplete_checkpoints,
+    from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, complete_checkpoints, incomplete_checkpoints,
                                                           read_meta, tag_for, verify)
-    from zerotrain.launcher.components.checkpointer import Checkpointer, load
+    from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer, load
     from zerotrain.launcher.components.hooks import TestHooks
     from zerotrain.launcher.errors import CheckpointError
 
@@ -140,7 +140,7 @@ def check(out: Path) -> None:
 def measure(out: Path, saves: int, model_preset: str) -> None:
     import torch.distributed as dist
 
-    from zerotrain.launcher.components.checkpointer import Checkpointer
+    from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
 
     engine, train_step = build(model_preset)
     rank, world = dist.get_rank(), dist.get_world_size()

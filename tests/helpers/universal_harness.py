@@ -34,7 +34,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 
-from zerotrain.launcher.components import universal  # noqa: E402
+from zerotrain.launcher.components.checkpoints import universal  # noqa: E402
 from zerotrain.launcher.errors import UsageError  # noqa: E402
 from zerotrain.launcher.components.schedule import Schedule  # noqa: E402
 from zerotrain.modeling.model import Transformer, preset  # noqa: E402
@@ -137,7 +137,7 @@ def tag_for(step: int) -> str:
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict) -> None:
     """DeepSpeed's save plus the completion marker as the driver writes it (step, world size).
-    Kept apart from zerotrain.launcher.components.checkpoint's Checkpointer: only the tag's format matters here."""
+    Kept apart from zerotrain.launcher.components.checkpoints.checkpoint's Checkpointer: only the tag's format matters here."""
     engine.save_checkpoint(str(ckpt_dir), tag=tag_for(step), client_state=client_state)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -36,7 +36,7 @@ v3 rehearsal   N steps of the full config (--steps, default `rehearsal_steps`), 
 
 The package: harness.py (the command line, the runner, the verdict every rank agrees on, reports),
 stability.py (v1), throughput.py (v2), rehearsal.py (v3), measure.py (what the stages measure with).
-`--golden PATH` on a real run compares it with v3's golden steps: components/golden.py. Test hooks
+`--golden PATH` on a real run compares it with v3's golden steps: components/observe/golden.py. Test hooks
 (ZEROTRAIN_TEST_PREFLIGHT_READBACK, ZEROTRAIN_TEST_SLOW_LOADER) are read once: components/hooks.py.
 """
 from zerotrain.launcher.commands.preflight.harness import STAGES, Preflight, main, parse_args  # noqa: F401

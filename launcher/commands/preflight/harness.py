@@ -31,9 +31,9 @@ from zerotrain.launcher.commands.preflight.stability import Stability
 from zerotrain.launcher.commands.preflight.throughput import Throughput
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.manifest import run_dir_of
-from zerotrain.launcher.components.metrics import read_metrics
+from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.components.process_group import init_process_group
-from zerotrain.launcher.components.run_lock import take_lock
+from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
 from zerotrain.launcher.hparams import resolve_hparams

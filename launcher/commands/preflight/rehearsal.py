@@ -2,7 +2,7 @@
 
 N steps of the full config (--steps, default `rehearsal_steps`), saves and evaluations at the run's
 cadence (at least one of each that the run has); golden steps recorded in RUN_DIR/preflight/golden.json
-(components/golden.py); passes only if the median MFU against the profile's peak reaches
+(components/observe/golden.py); passes only if the median MFU against the profile's peak reaches
 `mfu_threshold(zt)`.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import statistics
 
 from zerotrain import durable
 from zerotrain.launcher.commands.preflight.measure import SIGTERM_GRACE_S, device_description, rate, rehearsal_steps
-from zerotrain.launcher.components.golden import make_golden, mfu_threshold
+from zerotrain.launcher.components.observe.golden import make_golden, mfu_threshold
 
 
 class Rehearsal:

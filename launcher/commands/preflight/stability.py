@@ -23,7 +23,7 @@ from zerotrain.dataio.readers import load_text_source
 from zerotrain.dataio.streamed import open_streamed, record_text
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.commands.preflight.measure import master_tensors, state_digests
-from zerotrain.launcher.components import checkpoint
+from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.errors import UsageError
 

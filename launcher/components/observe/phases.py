@@ -1,9 +1,9 @@
 """Where this rank is, and where its wall time went: one clock the trainer moves, two readers.
 
 The trainer wraps each part of a step in `clock.phase(name)`; nothing else is measured twice.
-- The watchdog thread (components/watchdog.py) reads `clock.now_state()` (step, phase, seconds in it)
+- The watchdog thread (components/observe/watchdog.py) reads `clock.now_state()` (step, phase, seconds in it)
   to decide that this rank has stopped making progress, and writes it as the rank's heartbeat.
-- The health check (components/health.py) takes `clock.take_window()` once per logging window: the
+- The health check (components/observe/health.py) takes `clock.take_window()` once per logging window: the
   seconds spent in each phase since the last window, measured, not estimated.
 
 Phases nest (a save's all-gather inside "save" counts as "save"): entering an inner phase pauses the

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from zerotrain import durable
-from zerotrain.launcher.components.checkpoint import MARKER as COMPLETE_MARKER
+from zerotrain.launcher.components.checkpoints.checkpoint import MARKER as COMPLETE_MARKER
 from zerotrain.launcher.errors import UsageError
 
 MARKER = "zerotrain_universal.json"  # written last inside the converted tag: what it was made from

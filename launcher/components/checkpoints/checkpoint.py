@@ -16,7 +16,7 @@ under `RUN/checkpoints/`. This module is the format around them, read and checke
   (`check_mirror`).
 
 Not here: writing checkpoints, when to save, the background completion, the mirror copy
-(components/checkpointer.py); the run directory's lock (components/run_lock.py).
+(components/checkpoints/checkpointer.py); the run directory's lock (components/checkpoints/run_lock.py).
 """
 from __future__ import annotations
 

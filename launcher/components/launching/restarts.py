@@ -1,7 +1,7 @@
 """Restarts: when a launched job may be started again, what its end was, and the ranks as the launcher sees them.
 
-`zerotrain launch --max-restarts N` (launcher/commands/launch.py) runs DeepSpeed's runner; this module holds
-what that loop decides with, none of it touching the job itself:
+`zerotrain launch --max-restarts N` (launcher/commands/launch.py) runs DeepSpeed's runner in a loop
+(launching/jobs.py); this module holds what that loop decides with, none of it touching the job itself:
 
 - `Restarts`: the policy (`--max-restarts`, `--restart-backoff`), read from launch's own flags;
 - `JobEnd`: how one launch ended: the code (rank 0's own, from ZEROTRAIN_EXIT_FILE, else the runner's), whether

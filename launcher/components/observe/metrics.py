@@ -1,4 +1,4 @@
-"""Where a run's numbers go: sinks behind one small interface (torchtitan's `components/metrics.py`).
+"""Where a run's numbers go: sinks behind one small interface (torchtitan's `components/observe/metrics.py`).
 
 `metrics.jsonl` in the run directory is the one sink every run has: one JSON object per step,
 appended, never rewritten. A resume, or a rollback after a loss spike, appends an event record
@@ -14,7 +14,7 @@ step k drops what was logged after k before it). Only rank 0 writes.
   WANDB_RESUME set by the user win over these defaults, the --wandb-* flags over both
   (`wandb_init_args`). Online only when credentials exist; otherwise offline (`wandb sync`
   uploads later), so wandb never asks for a key, terminal or not.
-A `health` event (components/health.py: the run is slower than its profile expects, or a rank is a
+A `health` event (components/observe/health.py: the run is slower than its profile expects, or a rank is a
 straggler) goes to both as text: TensorBoard's `health` text tag, W&B's `health` history key and
 run summary; the window's time shares are ordinary scalars of that step's record (`time_shares/data`).
 Both import their package only when asked for. A sink that cannot start warns and is left out:
@@ -309,7 +309,7 @@ class StepLogger:
             data_shares: list[tuple[str, float, float]] | None = None, window: dict | None = None) -> dict:
         """Write step `step`'s record and advance the bar; returns the record. data_shares: (source,
         share of the tokens so far, its weight in the mix) per source, when due. window: the health
-        window that closed at this step (components/health.py Window.figures(): time_shares, window_mfu)."""
+        window that closed at this step (components/observe/health.py Window.figures(): time_shares, window_mfu)."""
         record = {"step": step, "loss": loss, "lr": lr, "tokens_sha": tokens_sha,
                   "grad_norm": float(grad_norm) if grad_norm is not None else None,
                   "tokens_seen": tokens_seen, "tokens_per_s": round(self.tokens_per_step / step_s, 1),

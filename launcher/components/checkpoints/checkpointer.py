@@ -1,5 +1,5 @@
 """The Checkpointer: when to save, the (collective) save itself, its completion on background threads,
-rotation, best.json and the mirror copy. The format it writes and verifies is components/checkpoint.py.
+rotation, best.json and the mirror copy. The format it writes and verifies is components/checkpoints/checkpoint.py.
 
 - **The save.** DeepSpeed's `engine.save_checkpoint` writes the files; `_WriteGuard` stands in for the
   engine's checkpoint engine so that a failed write on any rank fails that save on every rank
@@ -31,7 +31,7 @@ from typing import Callable
 
 from zerotrain import durable
 from zerotrain.launcher.components import ds_compat
-from zerotrain.launcher.components.checkpoint import (BEST, MARKER, PARTIAL, check_files, complete_checkpoints,
+from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, PARTIAL, check_files, complete_checkpoints,
                                                       drop_tag, hash_file, hash_files, incomplete_checkpoints,
                                                       one_line, read_best, read_meta, rotation_victims, step_of,
                                                       tag_dirs, tag_for)

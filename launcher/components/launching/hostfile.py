@@ -241,7 +241,7 @@ def version_line() -> str:
 def remote_version_command(cwd: Path) -> str:
     """What DeepSpeed's ssh launcher runs on each node, reduced to printing version_line()."""
     return (f"cd {shlex.quote(str(cwd))} && {shlex.quote(sys.executable)} -c "
-            + shlex.quote("from zerotrain.launcher.components.hostfile import version_line; print(version_line())"))
+            + shlex.quote("from zerotrain.launcher.components.launching.hostfile import version_line; print(version_line())"))
 
 
 def check_hosts(hosts: list[str], ssh_port: int | None = None, cwd: Path | None = None, timeout: float = 30) -> None:

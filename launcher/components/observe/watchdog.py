@@ -2,7 +2,7 @@
 
 A rank blocked in a collective its peers never join, in a save, in an evaluation or in a driver call
 sits at 0% until someone looks; DeepSpeed's launcher restarts nothing and gloo's own timeout only
-raises, without saying where anyone was. The trainer moves a PhaseClock (components/phases.py); this
+raises, without saying where anyone was. The trainer moves a PhaseClock (components/observe/phases.py); this
 thread only reads it (`now_state()`: step, phase, seconds in that phase), so the step loop pays
 nothing: no collective, no I/O, no lock on the main thread.
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from zerotrain import durable
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.components.phases import PHASES
+from zerotrain.launcher.components.observe.phases import PHASES
 from zerotrain.launcher.errors import EXIT_HUNG, StopRun, report_exit
 
 HANGS = "hangs"

@@ -5,7 +5,7 @@ A policy object fed numbers (no torch, no process group; rank 0 owns one, tests 
     health = HealthCheck.from_profile(zt, world, tokens_per_step, flops_per_token)
     closed = health.add_step(step, wall_s, phases, rank_seconds)   # every step: None, or (Window, verdicts)
 
-- `wall_s, phases` is the step's `PhaseClock.take_window()` (components/phases.py): seconds per phase,
+- `wall_s, phases` is the step's `PhaseClock.take_window()` (components/observe/phases.py): seconds per phase,
   measured where the trainer spends them (data, compute, agree, eval, save, mirror, log; "start" after
   the first step is the time between the measured phases, shown as "other").
 - `rank_seconds` is every rank's (step work, data wait) of its previous step, carried on the step's one
@@ -43,7 +43,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from zerotrain.launcher.components.golden import mfu_threshold
+from zerotrain.launcher.components.observe.golden import mfu_threshold
 
 DEFAULTS = {"window_s": 60.0, "windows": 3, "straggler_ratio": 1.2, "repeat_s": 1800.0}
 

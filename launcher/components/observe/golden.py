@@ -69,7 +69,7 @@ def window_figures(records: dict[int, dict], step: int, window: int) -> dict | N
 
 
 def make_golden(records: list[dict], cfg, world: int, profile: str, device: str, n_steps: int) -> dict:
-    """golden.json's content from a rehearsal's metrics (zerotrain.launcher.components.metrics.read_metrics)."""
+    """golden.json's content from a rehearsal's metrics (zerotrain.launcher.components.observe.metrics.read_metrics)."""
     by_step = {r["step"]: r for r in records}
     steps, window = golden_steps(n_steps)
     points = [f for f in (window_figures(by_step, s, window) for s in steps) if f is not None]

@@ -1,0 +1,232 @@
+"""Running a launched job: DeepSpeed's runner under this interpreter, one job with our signals passed on and
+rank 0's own exit code kept, and the loop that starts it again after a restartable end.
+
+Used by `zerotrain launch` and `zerotrain slurm` (launcher/commands/launch.py), `zerotrain demo` and the
+notebook's `finetune` (launcher/commands/finetune.py); none of them imports another command for it.
+
+DeepSpeed's launcher (deepspeed/launcher/launch.py) forwards SIGTERM/SIGINT to its children, gives them 30 s,
+kills them, and then exits 1 itself, so the driver's documented exit code (6: stopped by a signal, checkpoint
+saved) would be lost. Rank 0 therefore also writes its exit code to a file named by ZEROTRAIN_EXIT_FILE, and
+`run_job` returns that code when it exists. When ZEROTRAIN_EXIT_FILE is set for the launching process itself
+(the Slurm script does, per node), the code it exits with is written there too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from zerotrain.launcher.components import manifest
+from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
+
+# The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
+# launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
+# puts a folder of ours first on sys.path (running launcher/train.py as a script does; it is kept
+# for users who type it).
+TRAIN_MODULE = "zerotrain.launcher.train"
+# Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (zerotrain.launcher.trainer
+# single_process_env) and must not hand them to the ranks of a launch it starts.
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def deepspeed_runner() -> list[str]:
+    """DeepSpeed's runner (what the `deepspeed` script runs) under this interpreter: the one whose
+    zerotrain is running, whatever `deepspeed` comes first on PATH (or none: a venv not activated)."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
+    return [*deepspeed_runner(), "--num_gpus", str(nproc), "--module", TRAIN_MODULE, *train_args]
+
+
+def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None) -> int:
+    """Run a launcher command, pass our SIGTERM/SIGINT on to it, return rank 0's own exit code (run_job);
+    with ZEROTRAIN_EXIT_FILE in `env`, the code is written there too."""
+    code = run_job(cmd, env=env, relay=relay).exit_code
+    _write_outer_exit_file(env, code)
+    return code
+
+
+def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: bool = False) -> JobEnd:
+    """Run a launcher command once, pass our SIGTERM/SIGINT on to it; how it ended (rank 0's own exit code).
+
+    The `deepspeed` runner (deepspeed/launcher/runner.py) installs no signal handler for a local
+    launch: a SIGTERM sent to it alone kills it and orphans launch.py and the ranks. So the runner
+    gets a process group of its own and a signal goes to the whole group (every rank handles it at
+    its next step boundary; launch.py's own forward arrives within SignalStop's grace window), and
+    we wait until nothing of the group is left.
+
+    `env`: the environment (default ours). `relay`: a callable given the output as it arrives
+    (a notebook cell shows what is written to sys.stdout, not to file descriptor 1); by default
+    the output goes straight to our stdout/stderr. `restarting` (--max-restarts): the local ranks are
+    watched (RankWatch: the first to end, stopped ones killed), and after a restartable end what is
+    left of the group is killed at once rather than given launch.py's 30 s.
+    """
+    env = dict(os.environ if env is None else env)
+    signalled = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="zerotrain-exit-") as tmp:
+        exit_file = Path(tmp) / "exit_code"
+        pipe = subprocess.PIPE if relay is not None else None
+        proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file)}, start_new_session=True,
+                                stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
+        watch = RankWatch(proc.pid) if restarting else None
+
+        def forward(signum, frame):
+            signalled.append(signum)
+            _signal_group(proc.pid, signum)
+
+        old = {}
+        try:
+            old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        except ValueError:  # not the main thread: signals cannot be forwarded from here
+            pass
+        try:
+            if watch is not None:
+                watch.start()
+            if relay is not None:
+                _relay_output(proc.stdout, relay)
+            code = proc.wait()
+            code = code if code >= 0 else 128 - code
+            end = _job_end(code, exit_file, signalled, watch, started)
+            if restarting and end.restartable:
+                _kill_group(proc.pid)  # nothing of this job may outlive it: the restart needs its ports and files
+            deadline = time.time() + 60  # launch.py gives the ranks 30 s after a signal
+            while _group_alive(proc.pid) and time.time() < deadline:
+                time.sleep(0.2)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+            if watch is not None:
+                watch.stop()
+        return _job_end(code, exit_file, signalled, watch, started)  # rank 0 may have written it while we waited
+
+
+def _job_end(code: int, exit_file: Path, signalled: list, watch: RankWatch | None, started: float) -> JobEnd:
+    left = None  # the code a rank left (rank 0's own; a hang watchdog's)
+    if exit_file.is_file():
+        try:
+            left = int(exit_file.read_text().strip())
+        except ValueError:
+            pass
+    return JobEnd(exit_code=code if left is None else left, from_exit_file=left is not None,
+                  signalled=bool(signalled), first_exit=watch.first_exit if watch is not None else None,
+                  seconds=round(time.monotonic() - started, 1))
+
+
+def _write_outer_exit_file(env: dict | None, code: int) -> None:
+    outer_exit_file = (os.environ if env is None else env).get("ZEROTRAIN_EXIT_FILE")
+    if outer_exit_file:
+        Path(outer_exit_file).write_text(f"{code}\n")
+
+
+def run_with_restarts(command, train_args: list[str], env: dict, restarts: Restarts, find_run_dir=None) -> int:
+    """The job (`command(train_args)`: the runner's argv), started again after each restartable end, at most
+    `restarts.max_restarts` times, with --resume auto; returns the last job's code. `find_run_dir`: given the
+    train flags, the run directory whose manifest.json records the restarts (None: found at the first restart);
+    None: this launcher records none (another node's does)."""
+    args, attempt, run_dir = list(train_args), 0, None
+    while True:
+        end = run_job(command(args), env=env, restarting=restarts.max_restarts > 0)
+        if restarts.max_restarts == 0 or not end.restartable:
+            break
+        if find_run_dir is not None and attempt == 0:
+            run_dir = find_run_dir(train_args)
+        behind = hang_behind(run_dir, end.seconds) if run_dir is not None and end.kind == "hung" else None
+        cause = end.cause(behind)
+        if attempt >= restarts.max_restarts:
+            print(f"zerotrain launch: job ended {cause}; not restarted: {attempt} restart(s) used of --max-restarts"
+                  f" {restarts.max_restarts}", flush=True)
+            break
+        attempt += 1
+        print(f"zerotrain launch: job ended {cause}; restart {attempt} of {restarts.max_restarts} in"
+              f" {restarts.backoff_s:g} s with --resume auto", flush=True)
+        if run_dir is not None:
+            record = {"attempt": attempt, "max_restarts": restarts.max_restarts, "kind": end.kind,
+                      "exit_code": end.exit_code, "cause": cause, "rank": end.rank(behind),
+                      **({"behind": behind} if behind else {}), "job_s": end.seconds, "backoff_s": restarts.backoff_s}
+            try:
+                manifest.record_restart(run_dir, record)
+            except OSError as e:  # the run goes on; only its record is missing
+                print(f"zerotrain launch: warning: restart not recorded in {run_dir / manifest.MANIFEST}: {e}",
+                      file=sys.stderr, flush=True)
+        if _interrupted_within(restarts.backoff_s):
+            print("zerotrain launch: stopped by a signal during the backoff; not restarted", flush=True)
+            break
+        args = with_resume_auto(train_args)
+    _write_outer_exit_file(env, end.exit_code)
+    return end.exit_code
+
+
+def hang_behind(run_dir: Path, job_s: float) -> list[int] | None:
+    """The ranks the newest hang summary (RUN_DIR/hangs/*/summary.json, written by the watchdog of the job
+    that just ended) names as behind; None without one."""
+    newest = max(Path(run_dir).glob("hangs/*/summary.json"), key=lambda p: p.stat().st_mtime, default=None)
+    if newest is None or time.time() - newest.stat().st_mtime > job_s + 5:  # an older job's hang
+        return None
+    try:
+        behind = json.loads(newest.read_text()).get("behind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    ranks = [b.get("rank") if isinstance(b, dict) else b for b in behind] if isinstance(behind, list) else []
+    return sorted(r for r in ranks if isinstance(r, int)) or None
+
+
+def _interrupted_within(seconds: float) -> bool:
+    """Sleep `seconds`; True if a SIGTERM/SIGINT arrived meanwhile (it ends the sleep)."""
+    got = threading.Event()
+    old = {}
+    try:
+        old = {s: signal.signal(s, lambda signum, frame: got.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    except ValueError:  # not the main thread
+        pass
+    try:
+        return got.wait(seconds)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _relay_output(stream, relay) -> None:
+    # Chunks, not lines: a progress bar redraws with carriage returns and no newline.
+    fd = stream.fileno()
+    while True:
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        relay(chunk.decode("utf-8", errors="replace"))
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(pgid: int, timeout_s: float = 60) -> None:
+    """SIGCONT then SIGKILL to the whole group (a SIGSTOPped rank dies too), then wait until none of it is left."""
+    for signum in (signal.SIGCONT, signal.SIGKILL):
+        _signal_group(pgid, signum)
+    deadline = time.time() + timeout_s
+    while _group_alive(pgid) and time.time() < deadline:
+        time.sleep(0.1)
+    if _group_alive(pgid):
+        print(f"zerotrain launch: warning: process group {pgid} still alive {timeout_s:g} s after SIGKILL"
+              " (a process in uninterruptible I/O?)", file=sys.stderr, flush=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
