@@ -72,6 +72,12 @@ class RunPlan:
     attention_why: str = ""  # how it was chosen, for the start-up line
 
     @property
+    def finished(self) -> bool:
+        """The checkpoint it resumes from is at --max-steps: the run is over (started again by a restart or a
+        requeue after its last save); `run` says so and exits 0 without building anything."""
+        return self.resume_meta is not None and self.resume_meta["step"] == self.cfg.max_steps
+
+    @property
     def ckpt_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
@@ -120,8 +126,8 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
             raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
                              f" per rank, this profile has {loader_settings['workers']}; the document order depends"
                              " on it (set zerotrain.dataloader.workers back)")
-        if meta["step"] >= cfg.max_steps:
-            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} >= --max-steps {cfg.max_steps}")
+        if meta["step"] > cfg.max_steps:
+            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}")
     saved = run_dir / "config.json"
     saved_run = json.loads(saved.read_text())["run"] if saved.is_file() else None
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):

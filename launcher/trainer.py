@@ -125,6 +125,8 @@ class Trainer:
         if warning:
             self.say(warning)
         self.hooks = TestHooks.from_env()  # read once here, never in the step loop
+        if self.hooks.variables:  # said here and recorded in manifest.json: never silently active
+            self.say(self.hooks.describe())
         self.clock = PhaseClock()  # where this rank is (the watchdog) and where its time went (health)
         self.torch = torch
         # --hang-timeout, else the profile's (None: the watchdog's default rule; 0: off)
@@ -190,7 +192,8 @@ class Trainer:
             durable.write_json(plan.run_dir / "ds_config.json", plan.ds_config)
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
                                      profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
-                                     hosts=hosts, resumed_from=str(plan.resume_from or "") or None)
+                                     hosts=hosts, resumed_from=str(plan.resume_from or "") or None,
+                                     test_hooks=dict(self.hooks.variables))
         self.dist.barrier()
 
     def _start_watchdog(self, hard_exit: bool):
@@ -484,6 +487,7 @@ class Trainer:
                     stop = StopRun("save-failed", str(e))
             with self.clock.phase("mirror"):
                 self.checkpointer.wait()  # pending hashing and mirror copies
+            self.hooks.die_after_end_here(self.rank)
         finally:
             self.signals.restore()
             logger.close()
@@ -718,6 +722,8 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     plan = plan_run(cfg, world, rank)
+    if plan.finished:
+        return finished_again(plan)
     try:
         trainer = Trainer(plan, hard_exit=hard_exit, watch=True)
     except BaseException:
@@ -727,6 +733,25 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
         return trainer.train()
     finally:
         trainer.close()
+
+
+def finished_again(plan: RunPlan) -> RunResult:
+    """A run started again once it reached --max-steps (a restart or a requeue after its last save; the README's
+    "run the same command again"): nothing is built or trained; rank 0 records this launch in manifest.json
+    as finished at that step (so `zerotrain runs` shows the run's true end), and every rank exits 0."""
+    step, tokens = plan.resume_meta["step"], plan.resume_meta.get("tokens_seen", 0)
+    stop = StopRun("finished", f"run {plan.run_dir.name} is finished: checkpoint {plan.resume_from} is at --max-steps"
+                               f" {step}; nothing to train (a larger --max-steps extends it)")
+    if plan.rank == 0:
+        manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=plan.cfg.identity_hash(),
+                                 profile=plan.profile_name, seed=plan.cfg.seed, world_size=plan.world,
+                                 hosts=[socket.gethostname()], resumed_from=str(plan.resume_from),
+                                 test_hooks=dict(TestHooks.from_env().variables))
+        manifest.record_end(plan.run_dir, stop, step)
+        report_exit(stop.exit_code)
+        print(stop.message, flush=True)
+    return RunResult(run_dir=plan.run_dir, step=step, tokens_seen=tokens, stop=stop.kind, message=stop.message,
+                     exit_code=stop.exit_code, last_checkpoint=plan.resume_from)
 
 
 def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:

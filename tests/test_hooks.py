@@ -26,8 +26,7 @@ def test_values_are_parsed_once_into_the_object():
                                 "ZEROTRAIN_TEST_SLOW_LOADER": "0.5"})
     assert [hooks.spike_factor(r, s) for r, s in ((1, 31), (1, 32), (1, 34), (0, 33), (1, 35))] == [1, 20, 20, 1, 1]
     assert hooks.fails_save(1, 40) and hooks.fails_save(0, 3) and not hooks.fails_save(0, 40)
-    assert (hooks.slow_save_s, hooks.slow_marker_s, hooks.preflight_readback, hooks.slow_loader_s) == \
-        (0.3, 0.0, "perturb", 0.5)
+    assert (hooks.slow_save_s, hooks.preflight_readback, hooks.slow_loader_s) == (0.3, "perturb", 0.5)
 
 
 @pytest.mark.parametrize("name, value", [("ZEROTRAIN_TEST_SPIKE", "1:32:20"), ("ZEROTRAIN_TEST_FAIL_SAVE", "1"),
@@ -35,6 +34,14 @@ def test_values_are_parsed_once_into_the_object():
 def test_a_malformed_value_is_one_line_naming_the_variable(name, value):
     with pytest.raises(UsageError, match=rf"^{name}={value}: expected"):
         TestHooks.from_env({name: value})
+
+
+def test_every_test_variable_set_is_said_known_or_not():
+    assert TestHooks.from_env({"PATH": "/bin"}).describe() is None
+    hooks = TestHooks.from_env({"ZEROTRAIN_TEST_SLOW_SAVE": "0.3", "ZEROTRAIN_TEST_SLOW_MARKER": "2"})
+    assert hooks.variables == (("ZEROTRAIN_TEST_SLOW_MARKER", "2"), ("ZEROTRAIN_TEST_SLOW_SAVE", "0.3"))
+    assert hooks.describe().startswith("zerotrain: warning: test hooks active: ZEROTRAIN_TEST_SLOW_MARKER=2 (not a"
+                                       " hook: ignored), ZEROTRAIN_TEST_SLOW_SAVE=0.3 (faults and delays")
 
 
 def test_only_the_hooks_module_reads_the_variables():

@@ -23,6 +23,7 @@ from conftest import REPO, TRAIN_PY, cpu_profile, free_port, read_metrics
 
 from zerotrain.launcher.components.launching import hostfile
 from zerotrain.launcher.errors import UsageError, final_exit_codes
+from zerotrain.launcher.commands import launch as launch_cmd
 from zerotrain.launcher.commands.launch import plan_hostfile_launch
 from zerotrain.launcher.profiles import profile_from_accelerate
 
@@ -239,6 +240,21 @@ def test_profile_environment_for_the_ranks(tmp_path, monkeypatch):
     written = hostfile.write_deepspeed_env(path, env, cwd=tmp_path)
     assert written == {**env, "OMP_NUM_THREADS": "4", "MY_VAR": "x"}
     assert hostfile.read_env_file(path) == written and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_launch_n_gives_the_ranks_the_profile_env_with_profile_auto_too(tmp_path, monkeypatch, mix_path):
+    """`zerotrain launch -n N`: the runner (and so every rank) gets the profile's zerotrain.env, the profile
+    --profile auto detects on this node (where the ranks run) as well as a named one."""
+    profile = env_profile(tmp_path)
+    monkeypatch.setattr(launch_cmd, "detect_profile", lambda: (str(profile), "this node"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    seen = []
+    monkeypatch.setattr(launch_cmd, "run_with_restarts",
+                        lambda command, args, env, *rest: seen.append(env) or 0)
+    for spec in ("auto", str(profile)):
+        with pytest.raises(SystemExit):
+            launch_cmd.launch_main(["-n", "2", "--data", str(mix_path), "--profile", spec])
+    assert [env.get("OMP_NUM_THREADS") for env in seen] == ["1", "1"]
 
 
 def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_path, mix_path):

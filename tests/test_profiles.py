@@ -1,4 +1,6 @@
 import json
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -99,3 +101,43 @@ def test_auto_picks_cpu_here():
 
     name, why = detect_profile()
     assert name == "cpu" and "no CUDA" in why
+
+
+def torch_deprecated_env_names() -> dict[str, str]:
+    """{deprecated name: current name} as torch itself lists them: ProcessGroupNCCL.hpp, shipped in every torch
+    wheel's include/, declares each variable as `static std::vector<std::string> TORCH_X = {"TORCH_X", "OLD_X"}`,
+    the current name first and the names it still reads (and warns about, on every rank) after it."""
+    import torch
+
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp"
+    decls = re.findall(r"static\s+std::vector<std::string>\s+\w+\s*=\s*\{([^}]*)\}", header.read_text())
+    old = {}
+    for decl in decls:
+        names = re.findall(r'"(\w+)"', decl)
+        old.update({name: names[0] for name in names[1:]})
+    return old
+
+
+def test_no_shipped_profile_sets_a_name_torch_has_deprecated():
+    deprecated = torch_deprecated_env_names()
+    assert deprecated["NCCL_ASYNC_ERROR_HANDLING"] == "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # the header was read
+    found = [f"{name}: {var} (use {deprecated[var]})" for name in list_profiles()
+             for section in ("set", "pass")
+             for var in load_profile(name)[1].get("zerotrain", {}).get("env", {}).get(section, [])
+             if var in deprecated]
+    assert not found, f"profiles set names torch has deprecated: {found}"
+
+
+def test_gpu_profiles_environment():
+    """No Megatron CUDA_DEVICE_MAX_CONNECTIONS=1 (it serialises ZeRO's overlap of communication and compute);
+    expandable segments in every ZeRO-3 GPU profile; the NCCL heartbeat past our watchdog's timeout."""
+    for name in list_profiles():
+        _, p = load_profile(name)
+        zt = p["zerotrain"]
+        if zt["hardware"]["accelerator"] != "cuda":
+            continue
+        env = zt["env"]["set"]
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env, name
+        assert env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "1800", name
+        if p["zero_optimization"]["stage"] == 3:
+            assert "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""), name

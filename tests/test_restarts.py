@@ -28,8 +28,9 @@ from conftest import REPO, free_port, launch, read_metrics
 from zerotrain.launcher.commands import launch as launch_cmd
 from zerotrain.launcher.commands import report
 from zerotrain.launcher.components import manifest
+from zerotrain.launcher.components.launching import launcher_watch
 from zerotrain.launcher.components.launching.restarts import (
-    JobEnd, RankExit, RankWatch, Restarts, rank_processes, take_restart_flags, with_resume_auto)
+    JobEnd, RankExit, RankWatch, Restarts, rank_processes, stat_fields, take_restart_flags, with_resume_auto)
 from zerotrain.launcher.errors import END_KINDS, UsageError, final_exit_codes, kind_of_exit
 
 N, K = 16, 4  # steps of every run; the checkpoint a test waits for before it strikes
@@ -268,19 +269,20 @@ def raw_records(run: Path) -> list[dict]:
 
 def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp_path, launched, reference,
                                                                              mix_path):
-    """One launch, --max-restarts 2: rank 1 SIGKILLed after checkpoint K (a lost rank), then, once the restarted
+    """One launch, --max-restarts 3: rank 1 SIGKILLed after checkpoint K (a lost rank), then, once the restarted
     job is stepping, rank 1 SIGSTOPped (the other rank blocks in a real collective until its watchdog fires,
-    --hang-timeout 8). Two restarts, each announced and recorded, and the losses of the uninterrupted run."""
+    --hang-timeout 8), then rank 0 killed after the final save. Three restarts, each announced and recorded, the
+    losses of the uninterrupted run, and the last restart finds the run finished: exit 0."""
     run = tmp_path / "runs" / "r"
     t0 = time.time()
-    proc = start(tmp_path, launched, ["--max-restarts", "2", "--restart-backoff", "1"],
+    proc = start(tmp_path, launched, ["--max-restarts", "3", "--restart-backoff", "1"],
                  ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", "r", *FLAGS,
-                  "--hang-timeout", "8"])
+                  "--hang-timeout", "8"], env_extra={"ZEROTRAIN_TEST_DIE_AFTER_END": "0"})
     wait_for(lambda: (run / "checkpoints" / f"global_step{K}" / "zerotrain.json").is_file(), proc, 180,
              f"checkpoint {K}")
     os.kill(rank_pid(proc, 1), signal.SIGKILL)
     t_kill, lines = time.time(), []
-    t_restart1 = read_until(proc, "restart 1 of 2 in 1 s with --resume auto", lines)
+    t_restart1 = read_until(proc, "restart 1 of 3 in 1 s with --resume auto", lines)
 
     def stepping_again():  # the restarted job has resumed and finished a step: past its start-up
         records = raw_records(run)
@@ -292,7 +294,7 @@ def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp
     wait_for(stepping_again, proc, 180, "a step of the restarted job")
     os.kill(rank_pid(proc, 1), signal.SIGSTOP)
     t_stop = time.time()
-    wait_for(lambda: "restart 2 of 2" in "".join(lines), proc, 120, "the second restart")
+    wait_for(lambda: "restart 2 of 3" in "".join(lines), proc, 120, "the second restart")
     t_restart2 = time.time()
     proc.wait(timeout=240)
     reader.join(timeout=30)
@@ -300,7 +302,14 @@ def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp
     assert proc.returncode == 0, text[-4000:]
     assert text.count(f"resumed from {run / 'checkpoints'}") == 2
     same_history(run, reference)
-    first, second = manifest.read_manifest(run)["restarts"]
+    # rank 0 SIGKILLed once the last checkpoint was complete (ZEROTRAIN_TEST_DIE_AFTER_END): a lost rank, restarted;
+    # the job started again finds the run finished, says so, trains nothing and exits 0 (not 2, bad input)
+    assert f"run r is finished: checkpoint {run / 'checkpoints' / f'global_step{N}'} is at --max-steps {N}" in text
+    m = manifest.read_manifest(run)
+    first, second, third = m["restarts"]
+    assert (third["attempt"], third["kind"], third["rank"]) == (3, "crash", 0), third
+    assert (m["segments"][-1]["end_reason"], m["segments"][-1]["end_step"]) == ("finished", N)
+    assert m["segments"][-1]["from_checkpoint"] == str(run / "checkpoints" / f"global_step{N}")
     assert (first["attempt"], first["kind"], first["rank"]) == (1, "crash", 1)
     # DeepSpeed's launch.py exits with the first failed rank it polls: the killed one (247), or rank 0 if its
     # collective had already failed (1); the launcher saw which rank went first, and how
@@ -335,6 +344,10 @@ def test_divergence_is_not_restarted(tmp_path, launched, mix_path):
     assert proc.returncode == END_KINDS["diverged"].exit_code, out[-3000:]
     assert "zerotrain launch: job ended" not in out
     assert "restarts" not in manifest.read_manifest(tmp_path / "runs" / "r")
+    # a test hook is never silently active: said at start-up, recorded in the launch's segment
+    assert "zerotrain: warning: test hooks active: ZEROTRAIN_TEST_SPIKE=1:27-29:50 (faults" in out
+    assert manifest.read_manifest(tmp_path / "runs" / "r")["segments"][-1]["test_hooks"] == {
+        "ZEROTRAIN_TEST_SPIKE": "1:27-29:50"}
 
 
 def test_a_sigterm_to_the_launcher_stops_the_job_and_is_not_restarted(tmp_path, launched, mix_path):
@@ -348,3 +361,51 @@ def test_a_sigterm_to_the_launcher_stops_the_job_and_is_not_restarted(tmp_path, 
     assert proc.returncode == END_KINDS["signal"].exit_code, out[-3000:]
     assert "zerotrain launch: job ended" not in out and "restarts" not in manifest.read_manifest(run)
     assert manifest.read_manifest(run)["segments"][-1]["end_reason"] == "signal"
+
+
+# -- the job dies with its launcher ------------------------------------------------------------------------
+
+def test_the_launcher_watch_fires_once_the_launcher_is_gone_or_a_zombie():
+    child = subprocess.Popen(["sleep", "60"])
+    token = launcher_watch.launcher_token(child.pid)
+    assert launcher_watch.alive(token) and not launcher_watch.alive(token[:token.rindex(":")] + ":1")  # pid reused
+    assert launcher_watch.watch_launcher(0, {}) is None  # not started by zerotrain launch
+    assert launcher_watch.watch_launcher(0, {"ZEROTRAIN_LAUNCHER": "elsewhere:1:1"}) is None  # another node's
+    exits = []
+    thread = launcher_watch.watch_launcher(1, {"ZEROTRAIN_LAUNCHER": token}, interval_s=0.05,
+                                           exit_fn=exits.append)
+    time.sleep(0.3)
+    assert exits == [] and thread.is_alive()
+    child.kill()  # not reaped yet: a zombie is gone too
+    thread.join(timeout=5)
+    assert exits == [END_KINDS["hard-signal"].exit_code]
+    child.wait()
+
+
+def test_a_sigkilled_launcher_takes_its_job_with_it(tmp_path, launched, mix_path):
+    """kill -9 of `zerotrain launch` alone (an OOM killer, a cluster agent): the runner, launch.py and the ranks,
+    in a session of their own, end within seconds (each rank watches the launcher), not at --max-steps."""
+    run = tmp_path / "runs" / "r"
+    proc = start(tmp_path, launched, [], ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", "r",
+                                          *FLAGS, "--max-steps", "400"])
+    # both ranks past their start-up (the run directory's manifest is written after the run lock is taken)
+    wait_for(lambda: (run / "manifest.json").is_file() and len(rank_processes(proc.pid)) == 2, proc, 180,
+             "the ranks' start-up")
+    job = os.getpgid(rank_pid(proc, 0))  # the runner's own session: not the launcher's group
+    assert job != proc.pid
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher only, and left unreaped (a zombie) while its job ends
+    t_kill = time.time()
+
+    def job_left() -> list[int]:
+        pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+        return [pid for pid in pids if (f := stat_fields(pid)) is not None and f[0] != "Z" and int(f[2]) == job]
+
+    while job_left() and time.time() - t_kill < 30:
+        time.sleep(0.2)
+    assert not job_left(), "the job outlived its launcher by 30 s"
+    took = time.time() - t_kill
+    proc.wait(timeout=10)
+    out = proc.stdout.read()
+    assert "the launcher of this job (pid" in out and "is gone; every rank exits now" in out, out[-3000:]
+    assert "ended" not in manifest.read_manifest(run)["segments"][-1]  # killed, not run to its end
+    print(f"\nlauncher SIGKILLed -> its whole job gone in {took:.1f} s")

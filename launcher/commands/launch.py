@@ -49,7 +49,7 @@ from zerotrain.launcher.components.launching.restarts import (DEFAULT_BACKOFF_S,
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError, ZerotrainError, final_exit_codes
-from zerotrain.launcher.profiles import load_profile
+from zerotrain.launcher.profiles import detect_profile, load_profile
 
 SBATCH_TEMPLATE = resource_dir("zerotrain.launcher", "slurm", "train.sbatch")
 USAGE = ("usage: zerotrain launch -n N [--max-restarts K] [--restart-backoff S] [--] [train flags]\n"
@@ -134,10 +134,9 @@ def launch_main(argv: list[str]) -> None:
         cfg = resolve_config(train_args)  # bad train flags: one line before anything starts
         if cfg.golden:  # a golden file of another config: refused before any rank starts
             GoldenCheck.load(cfg.golden, cfg)
-        profile_env = {}
-        if cfg.profile != "auto":
-            name, profile = load_profile(cfg.profile)
-            profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
+        # --profile auto: the ranks run on this node, so they detect the profile this node detects here
+        name, profile = load_profile(cfg.profile if cfg.profile != "auto" else detect_profile()[0])
+        profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
         sys.exit(run_with_restarts(lambda args: deepspeed_command(nproc, args), train_args,
                                    {**os.environ, **profile_env}, restarts, restart_run_dir))
     if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from zerotrain.launcher.components.launching.launcher_watch import watch_launcher
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail
 from zerotrain.launcher.trainer import QuietExit, report_exit, run
@@ -18,6 +19,7 @@ from zerotrain.launcher.trainer import QuietExit, report_exit, run
 def main(argv: list[str] | None = None) -> None:
     code = 0
     rank0 = os.environ.get("RANK", "0") == "0"
+    watch_launcher(int(os.environ.get("RANK", "0")))  # started by `zerotrain launch`: end with it
     try:
         result = run(resolve_config(argv))
         code = result.exit_code

@@ -13,7 +13,6 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
                                                      and raises OSError(ENOSPC)
     ZEROTRAIN_TEST_SLOW_SAVE=S                       sleep S s inside every save after each rank's first file
                                                      (a half-written tag on disk, for the kill tests)
-    ZEROTRAIN_TEST_SLOW_MARKER=S                     delay each completion marker by S s
     ZEROTRAIN_TEST_SLOW_MIRROR=S                     delay each mirror copy by S s
     ZEROTRAIN_TEST_PREFLIGHT_READBACK=perturb        pre-flight v1 changes one value of the read-back state
     ZEROTRAIN_TEST_SLOW_LOADER=S                     pre-flight's data loaders sleep S s per batch
@@ -28,12 +27,19 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
                                                      other ranks then block in their next collective (the
                                                      hang watchdog's tests); once per run directory: a job
                                                      restarted after the reported hang goes past it
+    ZEROTRAIN_TEST_DIE_AFTER_END=RANK                that rank SIGKILLs itself once the run's last checkpoint
+                                                     is complete, before the end is recorded (a rank lost in
+                                                     teardown: `zerotrain launch --max-restarts` restarts a
+                                                     finished run)
 
-A malformed value is a UsageError naming the variable (exit 2 before anything is built).
+A malformed value is a UsageError naming the variable (exit 2 before anything is built). Any ZEROTRAIN_TEST_*
+variable set, known or not, is said at start-up in one warning line (`describe()`) and recorded in the
+launch's segment of manifest.json (`test_hooks`): a user who exported one by mistake sees it.
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +47,12 @@ from pathlib import Path
 from zerotrain.launcher.errors import UsageError
 
 PREFIX = "ZEROTRAIN_TEST_"
-SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MARKER, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER = (
-    PREFIX + name for name in ("SPIKE", "FAIL_SAVE", "SLOW_SAVE", "SLOW_MARKER", "SLOW_MIRROR", "PREFLIGHT_READBACK",
-                               "SLOW_LOADER"))
+SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER = (
+    PREFIX + name for name in ("SPIKE", "FAIL_SAVE", "SLOW_SAVE", "SLOW_MIRROR", "PREFLIGHT_READBACK", "SLOW_LOADER"))
 SLOW_DATA = PREFIX + "SLOW_DATA"
 HANG = PREFIX + "HANG"
+DIE_AFTER_END = PREFIX + "DIE_AFTER_END"
+KNOWN = (SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER, SLOW_DATA, HANG, DIE_AFTER_END)
 HANG_PHASES = ("save", "eval")  # where the trainer calls TestHooks.hang_here
 
 
@@ -56,19 +63,20 @@ class TestHooks:
     spike: tuple[int, int, int, float] | None = None  # (rank, first step, last step, factor)
     fail_save: frozenset[tuple[int, int]] = frozenset()  # (rank, step)
     slow_save_s: float = 0.0
-    slow_marker_s: float = 0.0
     slow_mirror_s: float = 0.0
     preflight_readback: str | None = None  # "perturb"
     slow_loader_s: float = 0.0
     slow_data: frozenset[tuple[int | None, float]] = frozenset()  # (rank or None for every rank, seconds)
     hang: tuple[int, str, int] | None = None  # (rank, phase, step)
+    die_after_end: int | None = None  # the rank
+    variables: tuple[tuple[str, str], ...] = ()  # every ZEROTRAIN_TEST_* variable set, sorted: said and recorded
 
     @classmethod
     def from_env(cls, environ=None) -> "TestHooks":
         env = os.environ if environ is None else environ
         if not any(k.startswith(PREFIX) for k in env):
             return NO_HOOKS
-        hooks = {}
+        hooks = {"variables": tuple(sorted((k, v) for k, v in env.items() if k.startswith(PREFIX)))}
         try:
             if env.get(SPIKE):
                 rank, steps, factor = env[SPIKE].split(":")
@@ -83,8 +91,8 @@ class TestHooks:
                 raise ValueError
         except ValueError:
             raise UsageError(f"{FAIL_SAVE}={env[FAIL_SAVE]}: expected RANK:STEP[,RANK:STEP...]") from None
-        for field, name in (("slow_save_s", SLOW_SAVE), ("slow_marker_s", SLOW_MARKER),
-                            ("slow_mirror_s", SLOW_MIRROR), ("slow_loader_s", SLOW_LOADER)):
+        for field, name in (("slow_save_s", SLOW_SAVE), ("slow_mirror_s", SLOW_MIRROR),
+                            ("slow_loader_s", SLOW_LOADER)):
             try:
                 hooks[field] = float(env.get(name) or 0.0)
             except ValueError:
@@ -104,8 +112,21 @@ class TestHooks:
             except ValueError:
                 raise UsageError(f"{HANG}={env[HANG]}: expected RANK:PHASE:STEP, PHASE one of"
                                  f" {', '.join(HANG_PHASES)}") from None
+        if env.get(DIE_AFTER_END):
+            try:
+                hooks["die_after_end"] = int(env[DIE_AFTER_END])
+            except ValueError:
+                raise UsageError(f"{DIE_AFTER_END}={env[DIE_AFTER_END]}: expected RANK") from None
         hooks["preflight_readback"] = env.get(PREFLIGHT_READBACK) or None
         return cls(**hooks)
+
+    def describe(self) -> str | None:
+        """The start-up warning naming every ZEROTRAIN_TEST_* variable set (None: none)."""
+        if not self.variables:
+            return None
+        shown = ", ".join(f"{k}={v}" + ("" if k in KNOWN else " (not a hook: ignored)") for k, v in self.variables)
+        return (f"zerotrain: warning: test hooks active: {shown} (faults and delays planted by the test suite;"
+                " unset them for a real run)")
 
     def spike_factor(self, rank: int, step: int) -> float:
         """What the loss `rank` reports at `step` is multiplied by (1.0: no spike planted)."""
@@ -128,6 +149,11 @@ class TestHooks:
         if self.hang == (rank, phase, step) and not (run_dir is not None and _hang_reported(run_dir)):
             while True:
                 time.sleep(3600)
+
+    def die_after_end_here(self, rank: int) -> None:
+        """ZEROTRAIN_TEST_DIE_AFTER_END: that rank is SIGKILLed here (the run's last checkpoint complete)."""
+        if self.die_after_end == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def slow_training_data(self, loader, rank: int):
         """The trainer's loader, slowed per ZEROTRAIN_TEST_SLOW_DATA for `rank` (unchanged without it)."""

@@ -4,7 +4,8 @@ One file per run directory, written by rank 0 only, atomically (a kill leaves th
 launched: run id, config hash, profile, seed, package versions, zerotrain's git commit (when the
 source tree is a git checkout), hosts, world size, start time. `segments` holds one entry per
 launch, the first included: time, hosts, world size, the checkpoint it resumed from, versions
-and commit (an upgrade between resumes shows), and, once `record_end` ran, when and how it ended:
+and commit (an upgrade between resumes shows), any ZEROTRAIN_TEST_* test hooks it ran with
+(`test_hooks`), and, once `record_end` ran, when and how it ended:
 `ended`, `end_step`, `end_reason` (the end kind of launcher/errors.py's END_KINDS: the key keeps its
 first name, so manifests of every version read alike), `end_exit_code` and `end_message` (older
 manifests may lack these two: readers take the code from the table). A segment without `ended` was
@@ -98,12 +99,14 @@ def read_manifest(run_dir: Path) -> dict | None:
 
 
 def write_or_extend(run_dir: Path, *, run_id: str, config_hash: str, profile: str, seed: int, world_size: int,
-                    hosts: list[str], resumed_from: str | None, rank0_only: bool = True) -> dict | None:
+                    hosts: list[str], resumed_from: str | None, rank0_only: bool = True,
+                    test_hooks: dict[str, str] | None = None) -> dict | None:
     """Start the manifest of a new run, or append a segment for this launch to an existing one.
 
     `hosts`: the hostnames of every rank (gathered by the caller; duplicates are fine).
     `resumed_from`: the checkpoint this launch loads, None for a fresh start (a relaunch that
-    found no checkpoint still appends a segment). With `rank0_only` (the default) only the
+    found no checkpoint still appends a segment). `test_hooks`: the ZEROTRAIN_TEST_* variables this launch
+    runs with (components/hooks.py), recorded in its segment when there are any. With `rank0_only` (the default) only the
     process with RANK 0 writes and the others return None, so every rank may call it.
     Returns the manifest as written.
     """
@@ -113,7 +116,7 @@ def write_or_extend(run_dir: Path, *, run_id: str, config_hash: str, profile: st
     segment = {"started": now_iso(), "hosts": sorted(set(hosts)), "world_size": world_size,
                "from_checkpoint": None if resumed_from is None else str(resumed_from),
                "config_hash": config_hash, "versions": package_versions(), "git": git_commit(),
-               "pid": os.getpid()}
+               "pid": os.getpid(), **({"test_hooks": test_hooks} if test_hooks else {})}
     manifest = read_manifest(run_dir)
     if manifest is None and (run_dir / MANIFEST).exists():  # unreadable: keep it for a human, never stop a run over it
         bad = run_dir / MANIFEST

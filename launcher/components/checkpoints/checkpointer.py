@@ -368,7 +368,6 @@ class Checkpointer:
             if self.rank == 0:
                 if self._finalize_hold is not None:
                     self._finalize_hold.wait()
-                self.hooks.sleep(self.hooks.slow_marker_s)
             error, mine = None, {}
             try:
                 mine = {rel: hash_file(tag_dir / rel) for rel in written}

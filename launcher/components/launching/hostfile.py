@@ -16,7 +16,7 @@ runs DeepSpeed's parser on the same inputs.
 
 The profile's `zerotrain.env` section (read by `profile_env`):
 
-    "env": {"set": {"NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_IB_DISABLE": "0"},
+    "env": {"set": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_IB_DISABLE": "0"},
             "pass": ["WANDB_API_KEY", "HF_TOKEN"]}
 
 `set` gives values for every rank (a variable already set in the launching shell keeps the
@@ -58,7 +58,9 @@ _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own pattern (run
 _UNSAFE_VALUE = re.compile(r'["$`\\\n\r]')
 # Passed to every rank when set on the launching node, whatever the profile says (module docstring).
 FORWARDED = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN",
-             "TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "PYTORCH_CUDA_ALLOC_CONF")
+             "TRITON_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "PYTORCH_CUDA_ALLOC_CONF",
+             # the interface between nodes: NCCL's, and gloo's (the checkpointer's hash exchange crosses nodes)
+             "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 FORWARDED_PREFIXES = ("WANDB_",)
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from zerotrain.launcher.components import manifest
+from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
 from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
@@ -74,8 +75,9 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
     with tempfile.TemporaryDirectory(prefix="zerotrain-exit-") as tmp:
         exit_file = Path(tmp) / "exit_code"
         pipe = subprocess.PIPE if relay is not None else None
-        proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file)}, start_new_session=True,
-                                stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
+        # the ranks watch us (launcher_watch.py): a kill -9 of this process ends the job within seconds
+        proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file), LAUNCHER: launcher_token()},
+                                start_new_session=True, stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
         watch = RankWatch(proc.pid) if restarting else None
 
         def forward(signum, frame):

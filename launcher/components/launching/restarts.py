@@ -184,8 +184,9 @@ def rank_processes(root: int) -> dict[int, int]:
     return found
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/PID/stat after the command name: [state, ppid, ...]; None once the process is gone."""
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name: [state, ppid, ...] (the start time at index 19); None once the
+    process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -237,7 +238,7 @@ class RankWatch(threading.Thread):
                 self.ranks.setdefault(pid, rank)
         alive = {}
         for pid, rank in self.ranks.items():
-            fields = _stat_fields(pid)
+            fields = stat_fields(pid)
             if fields is None or fields[0] in "ZX":
                 if self.first_exit is None:
                     how, code = _how_it_ended(fields)
