@@ -459,19 +459,31 @@ def init_weights(model: Transformer) -> None:
     Normal(0, init_std) for embeddings and projections; the two residual projections of
     each block (attention o_proj, MLP down_proj) are scaled by 1/sqrt(2 * n_layers) so the
     residual stream's variance does not grow with depth; norms start at 1.
-    Under `deepspeed.zero.Init` each parameter is already partitioned: it is gathered, set on
-    rank 0 and scattered back, so every ZeRO stage starts from the same weights for a seed.
+    Every value is drawn on the CPU, in fp32, from a generator of its own seeded with the seed of
+    torch.manual_seed (`init_generator`), then copied into the parameter (cast to its dtype on its
+    device): under `deepspeed.zero.Init` the parameters live on cuda:LOCAL_RANK in bf16, and
+    drawing there (the CUDA generator, in bf16) would start ZeRO-3 from other weights than ZeRO-2,
+    whose model is built on the CPU in fp32. A ZeRO-3 partitioned parameter is gathered, set on
+    rank 0 and scattered back. So every ZeRO stage and device starts from the same weights for a seed.
     """
     std = model.args.init_std
     resid_std = std / math.sqrt(2 * model.args.n_layers)
+    generator = init_generator()
     for name, p in model.named_parameters():
         with gathered(p):
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=resid_std)
             else:
-                nn.init.normal_(p, mean=0.0, std=std)
+                scale = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+                p.copy_(torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(0.0, scale,
+                                                                                      generator=generator))
+
+
+def init_generator() -> torch.Generator:
+    """The CPU generator init_weights draws from: seeded with torch.initial_seed() (torch.manual_seed's
+    seed), so that neither the device the parameters live on nor what the modules' own constructors
+    drew before it changes the weights."""
+    return torch.Generator(device="cpu").manual_seed(torch.initial_seed())
 
 
 def gathered(p):

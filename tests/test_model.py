@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from zerotrain.modeling.model import ModelArgs, Transformer, count_params, preset
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zerotrain.modeling.model import ModelArgs, Transformer, count_params, init_weights, preset
 
 
 def tiny(**kw):
@@ -56,6 +58,42 @@ def test_loss_ignores_masked_labels_and_init_is_deterministic():
     labels[:, 5] = -100
     loss = a(x, labels=labels)
     assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(128.0)).item()) < 0.5
+
+
+class NormalDraws(TorchDispatchMode):
+    """Records (device type, dtype, generator given) of every normal_ drawn under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.normal_.default:
+            self.draws.append((args[0].device.type, args[0].dtype, kwargs.get("generator") is not None))
+        return func(*args, **kwargs)
+
+
+def test_init_draws_on_the_cpu_in_fp32_from_its_own_generator_whatever_the_parameters():
+    """As under deepspeed.zero.Init on a GPU (parameters in bf16 on cuda:LOCAL_RANK, the default generator not
+    where a CPU build leaves it): the values are drawn on the CPU in fp32 from init_weights' own generator,
+    and the weights are the fp32 CPU build's, cast."""
+    torch.manual_seed(3)
+    reference = Transformer(tiny())
+    torch.manual_seed(3)
+    torch.rand(1000)  # the default generator elsewhere (a CUDA build's constructors draw from the CUDA one)
+    try:
+        torch.set_default_dtype(torch.bfloat16)
+        model = Transformer(tiny())
+    finally:
+        torch.set_default_dtype(torch.float32)
+    torch.manual_seed(3)
+    with NormalDraws() as seen:
+        init_weights(model)
+    drawn = [n for n, _ in model.named_parameters() if not n.endswith("norm.weight")]
+    assert seen.draws == [("cpu", torch.float32, True)] * len(drawn)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q.to(torch.bfloat16)), name
 
 
 @pytest.mark.parametrize("kw,message", [
