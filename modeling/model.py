@@ -169,19 +169,32 @@ def sdpa_kernel(q, k, v, docs: DocumentLayout):
     return out.transpose(1, 2)
 
 
-_compiled_flex = None
+_compiled_flex: dict[str, object] = {}  # torch.compile backend -> flex_attention compiled once per process
 
 
 def flex_kernel(q, k, v, docs: DocumentLayout):
     """q (B, T, H, hd), k/v (B, T, KV, hd) -> (B, T, H, hd), through flex_attention and the document BlockMask."""
-    global _compiled_flex
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hd)
     if q.device.type == "cpu":  # eager, GQA handled by the operator
         return flex_on_cpu(q, k, v, docs.block_mask).transpose(1, 2)
-    if _compiled_flex is None:  # uncompiled, flex_attention materialises the (B, H, T, T) scores
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    out = _compiled_flex(q, k, v, block_mask=docs.block_mask, enable_gqa=k.shape[1] != q.shape[1])
-    return out.transpose(1, 2)
+    return compiled_flex(q, k, v, docs.block_mask).transpose(1, 2)
+
+
+def compiled_flex(q, k, v, block_mask: BlockMask, backend: str = "inductor"):
+    """flex_attention, compiled once per process, with the batch dimension dynamic. q (B, H, T, hd).
+
+    Uncompiled, flex_attention materialises the (B, H, T, T) scores; compiled for each shape it meets,
+    every new batch size (training, evaluation and its remainder, pre-flight's candidates) would add a
+    graph, and past dynamo's recompile limit (torch._dynamo.config.recompile_limit) it would run eagerly
+    again. So the batch dimension of the inputs and of the BlockMask's tensors is marked dynamic: one
+    graph for every batch size (dynamo specialises a batch of 1, so two at the most).
+    """
+    if backend not in _compiled_flex:
+        _compiled_flex[backend] = torch.compile(flex_attention, backend=backend)
+    for t in (q, k, v, *block_mask.as_tuple(flatten=True)):
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == q.shape[0]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return _compiled_flex[backend](q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _identity_score(score, b, h, q_idx, kv_idx):

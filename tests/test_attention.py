@@ -10,6 +10,8 @@
   test (a scoped torch.library registration). So torch's own wrapper (its GQA check, how it reads
   window_size as "causal"), its custom op and autograd formula, and our cu_seqlens / max_seqlen /
   flattening all run, and the reference sees exactly the arguments the kernel would;
+- compiled flex is one graph for every batch size (dynamo's eager backend here, over more batch sizes than
+  dynamo's recompile limit), so it never falls back to eager flex, which materialises (B, H, T, T);
 - `resolve_attention`: what auto picks, and one-line refusals of a backend that cannot run here.
 """
 from __future__ import annotations
@@ -19,8 +21,11 @@ import math
 import pytest
 import torch
 
-from zerotrain.modeling.model import (DocumentLayout, ModelArgs, Transformer, cu_seqlens, document_starts,
-                                      resolve_attention, varlen_available)
+from torch._dynamo.utils import counters
+
+from zerotrain.modeling.model import (DocumentLayout, ModelArgs, Transformer, compiled_flex, cu_seqlens,
+                                      document_block_mask, document_starts, flex_on_cpu, resolve_attention,
+                                      varlen_available)
 
 SHAPES = {
     "gqa": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2),
@@ -53,6 +58,25 @@ def forward_backward(model, backend, x, pos):
     logits = model(x, pos)
     (logits.float().square().mean() + model(x, pos, labels=x)).backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_compiled_flex_is_one_graph_for_every_batch_size():
+    """Training, evaluation, its remainder and pre-flight's candidates each meet other batch sizes: compiled
+    per shape, flex would pass dynamo's recompile limit and run eagerly. The batch dimension is dynamic."""
+    limit = 3
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=limit), torch.no_grad():
+        for batch in range(1, limit + 3):  # more batch sizes than the limit
+            _, pos = packed_batch()
+            pos = pos[torch.arange(batch) % 3]
+            g = torch.Generator().manual_seed(batch)
+            q, k, v = (torch.randn(batch, heads, pos.shape[1], 16, generator=g) for heads in (4, 2, 2))
+            mask = document_block_mask(pos)
+            out = compiled_flex(q, k, v, mask, backend="eager")
+            assert torch.allclose(out, flex_on_cpu(q, k, v, mask), atol=1e-5), batch
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # a batch of 1 is specialised
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
