@@ -9,6 +9,7 @@ Bad input ends as exit status 2 with one line (zerotrain.launcher.errors.UsageEr
 """
 from __future__ import annotations
 
+import json
 import argparse
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from zerotrain.dataio.readers import find_files, load_text_source
 from zerotrain.dataio.sft import ChatRenderer, labelled_tokens
 from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
 from zerotrain.dataio.streamed import open_streamed, record_text
-from zerotrain.dataio.tokenizer import HFTokenizer, load_tokenizer, train_bpe
+from zerotrain.dataio.tokenizer import TRAINING_RECORD, HFTokenizer, load_tokenizer, train_bpe
 
 
 def _run(fn, argv):
@@ -211,8 +212,14 @@ def tokenizer_main(argv):
         t0 = time.time()
         train_bpe(texts(), a.vocab_size, out)
         tok = HFTokenizer(out)
-        print(f"trained byte-level BPE, vocab {tok.vocab_size}, eos {tok.eos_id}, bos {tok.bos_id},"
-              f" saved to {out} ({time.time() - t0:.1f}s)")
+        print(f"trained byte-level BPE, vocab {tok.vocab_size:,} of the {a.vocab_size:,} asked, eos {tok.eos_id},"
+              f" bos {tok.bos_id}, saved to {out} ({time.time() - t0:.1f}s)")
+        record = json.loads((out / TRAINING_RECORD).read_text())
+        if record["vocab_size_obtained"] < a.vocab_size:
+            print(f"warning: the vocabulary came out smaller than --vocab-size {a.vocab_size:,}:"
+                  f" {record['vocab_size_obtained']:,} tokens. Too little text: {record['documents']:,} document(s),"
+                  f" {record['bytes']:,} bytes left no more pairs to merge; train on more text (--data, without"
+                  f" --max-documents) or ask for a smaller vocabulary. Asked and obtained: {out / TRAINING_RECORD}")
     _run(go, argv)
 
 

@@ -85,6 +85,11 @@ class Data:
     def weights(self) -> list[float]:
         return [s.weight for s in self.specs]
 
+    def epochs(self, run_tokens: int) -> list[tuple[str, float, int]]:
+        """Per source of known size: (name, epochs a run of `run_tokens` tokens reads of it, its tokens)."""
+        return [(spec.name, run_tokens * spec.weight / size, size)
+                for spec, (size, _) in zip(self.specs, self.source_tokens()) if size]
+
     def source_tokens(self) -> list[tuple[int | None, bool]]:
         """Per source (tokens incl. EOS, exact?) over the whole source; None when unknown."""
         out = []

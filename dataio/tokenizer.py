@@ -179,11 +179,16 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
+TRAINING_RECORD = "tokenizer_training.json"  # what train_bpe was asked for and what it obtained
+
+
 def train_bpe(texts, vocab_size: int, out_dir: str | Path) -> Path:
     """Train a byte-level BPE on an iterator of documents; save it in the Hugging Face format.
 
     The directory loads with `tokenizers.Tokenizer.from_file(DIR/tokenizer.json)`,
-    `transformers.AutoTokenizer.from_pretrained(DIR)` and zerotrain's `--tokenizer DIR`.
+    `transformers.AutoTokenizer.from_pretrained(DIR)` and zerotrain's `--tokenizer DIR`. DIR/TRAINING_RECORD
+    records the vocabulary asked and the one obtained, with the documents and bytes it was trained on: BPE stops
+    merging when no pair of tokens is left to merge, so too little text gives a smaller vocabulary than asked.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -195,10 +200,21 @@ def train_bpe(texts, vocab_size: int, out_dir: str | Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
+    seen = {"documents": 0, "bytes": 0}
+
+    def counted():
+        for text in texts:
+            seen["documents"] += 1
+            seen["bytes"] += len(text.encode("utf-8"))
+            yield text
+
+    tok.train_from_iterator(counted(), trainer=trainer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
+    (out / TRAINING_RECORD).write_text(json.dumps({
+        "vocab_size_asked": vocab_size, "vocab_size_obtained": tok.get_vocab_size(with_added_tokens=True),
+        **seen}, indent=2) + "\n")
     eos, bos = SPECIAL_TOKENS
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos,

@@ -25,7 +25,7 @@ from pathlib import Path
 from zerotrain import resource_dir
 from zerotrain.cli_args import Parser
 from zerotrain.launcher.errors import UsageError, read_json_object
-from zerotrain.launcher.hparams import check_schedule, is_resolved, resolve_hparams
+from zerotrain.launcher.hparams import check_schedule, hashed_warmup, is_resolved, resolve_hparams
 from zerotrain.launcher.optimizers import check_optimizer
 from zerotrain.launcher.profiles import profile_from_accelerate
 from zerotrain.modeling.sizes import ATTENTION_BACKENDS
@@ -58,8 +58,12 @@ class RunConfig:
                                  " line says which)")
     min_lr: float | None = opt(None, "learning rate at the end of the decay (default: the profile scheduler's"
                                      " cos_min_ratio x lr, else lr / 10)")
-    warmup_steps: int | None = opt(None, "linear warmup steps (default: the profile scheduler's, else 20)")
-    max_steps: int = opt(100, "optimizer steps of the whole run; may grow on resume (see --schedule)", RUN)
+    warmup_steps: int | None = opt(None, "linear warmup steps (default: from --warmup-tokens, else the profile"
+                                         " scheduler's, else max(20, 1% of --max-steps): Pythia's warmup)")
+    warmup_tokens: int | None = opt(None, "linear warmup over N training tokens, rounded up to whole steps (instead"
+                                          " of --warmup-steps)", IDENTITY_WHEN_SET)
+    max_steps: int = opt(100, "optimizer steps of the whole run (default: from --total-tokens, else the profile"
+                              " scheduler's, else 100); may grow on resume (see --schedule)", RUN)
     schedule: str | None = opt(None, "after warmup, cosine (default): decay to --min-lr at --max-steps; wsd"
                                      " (warmup-stable-decay): hold the peak, then decay linearly over the last"
                                      " --decay-fraction of the steps. A wsd run resumed in its stable phase with a"
@@ -98,7 +102,12 @@ class RunConfig:
     early_stop_patience: int | None = opt(None, "stop after P evaluations without a new best", RUN)
     max_hours: float | None = opt(None, "stop (after saving) at the last step that fits in H hours, over resumes",
                                   RUN)
-    total_tokens: int | None = opt(None, "stop (after saving) at the last step within N training tokens", RUN)
+    total_tokens: int | None = opt(None, "training tokens of the whole run: without --max-steps it sets the run's"
+                                         " length (steps = N / tokens per step, rounded up; the schedule spans"
+                                         " them); with --max-steps, a budget: stop (after saving) at the last step"
+                                         " within N tokens", RUN)
+    max_epochs: float | None = opt(None, "refuse a run that reads any source more than E times (default: the"
+                                         " profile's zerotrain.max_epochs, else no limit; above 4 a warning)", RUN)
     budget_usd: float | None = opt(None, "stop (after saving) before spending B dollars; needs --gpu-hour-usd", RUN)
     gpu_hour_usd: float | None = opt(None, "price of one GPU-hour; cost = price x world size x hours", RUN)
     on_spike: str = opt("warn", "on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint",
@@ -160,7 +169,7 @@ class RunConfig:
         if self.data is None:
             raise UsageError("--data: a mix file is required (its format: docs/data.md)")
         for name in ("seq_len", "max_steps", "micro_batch", "grad_accum", "global_batch_tokens", "eval_tokens",
-                     "early_stop_patience", "total_tokens", "piece_len"):
+                     "early_stop_patience", "total_tokens", "piece_len", "warmup_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise UsageError(f"{flag(name)}: must be a positive integer, got {v!r}")
@@ -174,7 +183,7 @@ class RunConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v < 0):
                 raise UsageError(f"{flag(name)}: must be a non-negative number, got {v!r}")
-        for name in ("save_every_hours", "max_hours", "budget_usd", "gpu_hour_usd"):
+        for name in ("save_every_hours", "max_hours", "budget_usd", "gpu_hour_usd", "max_epochs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v <= 0):
@@ -183,6 +192,8 @@ class RunConfig:
             raise UsageError(f"--schedule: must be cosine or wsd, got {self.schedule!r}")
         if self.lr is not None and self.min_lr is not None:  # else checked once resolved (launcher/hparams.py)
             check_schedule(self)
+        if self.warmup_tokens is not None and self.warmup_steps is not None:
+            raise UsageError("--warmup-tokens and --warmup-steps: give one, the other is derived")
         if self.grad_accum is not None and self.global_batch_tokens is not None:
             raise UsageError("--grad-accum and --global-batch-tokens: give one, the other is derived")
         if self.resume not in ("auto", "never") and not Path(self.resume).exists():
@@ -250,9 +261,10 @@ class RunConfig:
                 raise RuntimeError("RunConfig.identity: --profile auto is resolved on the rank (plan_run) first")
         d = {}
         for f in fields(cfg):
-            v = getattr(cfg, f.name)
+            v = hashed_warmup(cfg) if f.name == "warmup_steps" else getattr(cfg, f.name)
             kind = f.metadata["kind"]
-            if kind in (RUN, SOURCES) or (kind == IDENTITY_WHEN_SET and v is None) or (v is None and partial):
+            if kind in (RUN, SOURCES) or (kind == IDENTITY_WHEN_SET and v is None) or (v is None and partial) \
+                    or (f.name == "warmup_steps" and v is None):  # from --warmup-tokens: that is hashed
                 continue
             d[f.name] = v
         if d.get("model") is None:  # no default value (so a conflict can be seen), but "debug" for the hash
@@ -264,9 +276,11 @@ class RunConfig:
     def identity_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
 
-    def drift(self, saved_run: dict) -> list[str]:
-        """Identity fields that differ from a saved config.json's "run" section, as 'key old -> new'."""
-        old = RunConfig(**{k: v for k, v in saved_run.items() if k in self.__dataclass_fields__}).identity()
+    def drift(self, saved_run: dict, saved_sources: dict | None = None) -> list[str]:
+        """Identity fields that differ from a saved config.json's "run" section (its "run_sources": where each
+        resolved value came from), as 'key old -> new'."""
+        old = RunConfig(**{k: v for k, v in saved_run.items() if k in self.__dataclass_fields__ and k != SOURCES},
+                        sources=saved_sources).identity()
         new = self.identity(partial=True)
         if not is_resolved(self):  # --profile auto before detection: the rank checks these once resolved
             old = {k: v for k, v in old.items() if k in new or k not in ("lr", "min_lr", "warmup_steps")}
@@ -359,11 +373,21 @@ def config_from(values: dict, sources: dict | None = None) -> RunConfig:
     return resolve_hparams(cfg) if cfg.profile != "auto" else cfg
 
 
+ALTERNATIVES = (("warmup_steps", "warmup_tokens"),)  # one of each pair; a flag replaces the recipe's other one
+
+
+def over_recipe(recipe: dict, flags: dict) -> dict:
+    """The recipe's values the flags leave standing: all but those a flag overrides, or whose alternative a flag
+    gives (`--warmup-tokens` on a recipe with warmup_steps)."""
+    dropped = {b if a in flags else a for a, b in ALTERNATIVES if (a in flags) != (b in flags)}
+    return {k: v for k, v in recipe.items() if k not in flags and k not in dropped}
+
+
 def resolve_config(argv: list[str] | None) -> RunConfig:
     ns = build_parser().parse_args(argv)
-    values = load_recipe(ns.config) if ns.config else {}
-    sources = {k: "recipe" for k in values}
     flags = {name: getattr(ns, name) for name in SETTINGS if getattr(ns, name) is not None}
+    values = over_recipe(load_recipe(ns.config), flags) if ns.config else {}
+    sources = {k: "recipe" for k in values}
     return config_from({**values, **flags}, {**sources, **{k: "flag" for k in flags}})
 
 

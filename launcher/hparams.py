@@ -6,6 +6,10 @@ came from.
         from cfg.profile when not given) and the model; cfg.sources names where each came from.
         Idempotent: a resolved config comes back as it is.
     describe_hparams(cfg) -> str        the start-up (and --dry-run) line: each value and its source
+    size_in_tokens(cfg, tokens_per_step, resumed, started) -> RunConfig
+        max_steps and warmup_steps from --total-tokens / --warmup-tokens / the warmup rule, once the tokens per
+        step are known (run_plan.plan_run); describe_length(...) the `run length:` line saying what ends the run
+    check_repeats(data, run_tokens, cfg)   the warning for sources read more than 4 times; --max-epochs refuses
 
 The first that says wins:
     lr              --lr | recipe | the --scaling-rule's lr law for the run's optimizer (modeling/scaling_rules.yaml)
@@ -14,10 +18,21 @@ The first that says wins:
                     | the per-size rule (modeling/sizes.py DEFAULT_LR_LAWS: GPT-3's learning rates by size)
     min_lr          --min-lr | recipe | the profile's scheduler cos_min_ratio x lr | lr / 10, except with an
                     explicit lr of at least 3e-4: 3e-4 (the fixed default before 0.2; kept so those run ids stay)
-    warmup_steps    --warmup-steps | recipe | the profile's scheduler warmup_num_steps | 20
-    max_steps       --max-steps | recipe | the profile's scheduler total_num_steps | 100
+    warmup_steps    --warmup-steps | recipe | --warmup-tokens / tokens per step (rounded up) | the profile's
+                    scheduler warmup_num_steps | the warmup rule: max(20, 1% of max_steps, rounded up)
+    max_steps       --max-steps | recipe | --total-tokens / tokens per step (rounded up) | the profile's
+                    scheduler total_num_steps | 100
     schedule        --schedule | recipe | cosine (kept as None in the config, so the run id is the one before wsd)
     decay_fraction  --decay-fraction | recipe | 0.2, with wsd only
+
+The warmup rule is Pythia's (EleutherAI/pythia models/*/pythia-*.yml: "warmup": 0.01, which GPT-NeoX reads as
+a fraction of the 143,000 training iterations: 1,430 warmup steps), floored at 20 steps, the fixed default it
+replaced: every run of up to 2,000 steps warms up exactly as before. The 1.46B plan's own choice (100M warmup
+tokens of 11B) is 0.9%. Tokens per step are known only once the batch is resolved against the world size
+(run_plan.plan_run); `resolve_hparams` leaves the values that depend on them provisional (their source says
+the rule) and `size_in_tokens` makes them exact. On resume they are sized from the checkpoint: max_steps =
+its step + what is left of --total-tokens at this run's tokens per step (the world, and with it the tokens per
+step, may have changed), and a warmup taken from a rule stays what the run started with.
 
 A scaling rule's law comes before the profile: it was fitted for that model family and chosen with it; a
 profile's lr is one value for whatever model runs on that hardware. The per-size rule is last: it is a
@@ -43,6 +58,11 @@ from zerotrain.launcher.profiles import load_profile
 from zerotrain.modeling.sizes import ModelArgs, count_params, default_lr
 
 DEFAULTS = {"warmup_steps": 20, "max_steps": 100, "decay_fraction": 0.2}
+WARMUP_FRACTION = 0.01  # Pythia's warmup: 1% of the training steps (the module docstring)
+RULE_MAX_STEPS = "rule: --total-tokens / tokens per step"
+RULE_WARMUP_TOKENS = "rule: --warmup-tokens / tokens per step"
+RULE_WARMUP = "rule: max(20, 1% of max-steps), Pythia's warmup"
+KEPT = " (kept from the run's start)"
 LEGACY_MIN_LR = 3e-4  # min_lr's fixed default before 0.2, kept for runs that give --lr >= it
 SCHEDULES = ("cosine", "wsd")
 SCHEDULER_KEYS = ("warmup_num_steps", "total_num_steps", "cos_min_ratio", "warmup_min_ratio", "warmup_type")
@@ -91,17 +111,25 @@ def resolve_hparams(cfg, profile_name: str | None = None, profile: dict | None =
             values["min_lr"], sources["min_lr"] = LEGACY_MIN_LR, "default with an explicit lr"
         else:
             values["min_lr"], sources["min_lr"] = _round(lr / 10), "lr / 10"
-    if cfg.warmup_steps is None:
-        values["warmup_steps"], sources["warmup_steps"] = ((sched["warmup_steps"], f"{where}: scheduler"
-                                                           " warmup_num_steps") if "warmup_steps" in sched
-                                                          else (DEFAULTS["warmup_steps"], "default"))
     if given(cfg, "max_steps"):
         if sched.get("max_steps", cfg.max_steps) != cfg.max_steps:
             sources["max_steps"] += f"; {where}'s scheduler total_num_steps {sched['max_steps']} not used"
+    elif cfg.total_tokens is not None:  # provisional until the tokens per step are known (size_in_tokens)
+        sources["max_steps"] = RULE_MAX_STEPS + (f"; {where}'s scheduler total_num_steps {sched['max_steps']} not"
+                                                 " used" if "max_steps" in sched else "")
     elif "max_steps" in sched:
         values["max_steps"], sources["max_steps"] = sched["max_steps"], f"{where}: scheduler total_num_steps"
     else:
         sources["max_steps"] = "default"
+    if cfg.warmup_steps is None:
+        if cfg.warmup_tokens is not None:  # provisional until the tokens per step are known (size_in_tokens)
+            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.max_steps)), \
+                RULE_WARMUP_TOKENS
+        elif "warmup_steps" in sched:
+            values["warmup_steps"], sources["warmup_steps"] = sched["warmup_steps"], f"{where}: scheduler warmup_num_steps"
+        else:
+            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.max_steps)), \
+                RULE_WARMUP
     schedule = cfg.schedule or "cosine"
     if schedule == "cosine":
         values["schedule"] = None  # the default, spelled out or not: the same run id
@@ -111,6 +139,134 @@ def resolve_hparams(cfg, profile_name: str | None = None, profile: dict | None =
     out = dataclasses.replace(cfg, **values, sources=sources)
     check_schedule(out)
     return out
+
+
+def warmup_rule(max_steps: int) -> int:
+    """The default warmup: 1% of the run's steps, rounded up (Pythia's), at least 20 (the fixed default before)."""
+    return max(DEFAULTS["warmup_steps"], math.ceil(WARMUP_FRACTION * max_steps))
+
+
+def steps_for(tokens: int, tokens_per_step: int) -> int:
+    """Optimizer steps that train `tokens` tokens, the last one whole (rounded up)."""
+    return -(-tokens // tokens_per_step)
+
+
+def size_in_tokens(cfg, tokens_per_step: int, resumed: tuple[int, int] | None = None,
+                   started: dict | None = None):
+    """The config with max_steps and warmup_steps exact for `tokens_per_step` (optimizer steps over all ranks x
+    seq len): each one whose source is a token rule (resolve_hparams left it provisional) is computed here.
+
+    `resumed`: (step, tokens trained) of the checkpoint the run resumes from: --total-tokens then counts from
+    there (max_steps = step + the tokens left / tokens per step), so a world that changed the tokens per step
+    still ends at the budget. `started`: config.json's "run" of that run: a warmup taken from a rule stays the
+    one it started with (the schedule it has been following). Pure; the sources say which rule gave what."""
+    sources, values = dict(cfg.sources or {}), {}
+    if length_from_tokens(cfg):
+        if resumed is not None:
+            step, seen = resumed
+            values["max_steps"] = step + steps_for(max(0, cfg.total_tokens - seen), tokens_per_step)
+            sources["max_steps"] = (f"{RULE_MAX_STEPS}: step {step:,} + {max(0, cfg.total_tokens - seen):,} tokens"
+                                    f" left / {tokens_per_step:,}")
+        else:
+            values["max_steps"] = steps_for(cfg.total_tokens, tokens_per_step)
+    warmup_source = sources.get("warmup_steps", "")
+    if warmup_source.startswith((RULE_WARMUP, RULE_WARMUP_TOKENS)):
+        if started is not None and isinstance(started.get("warmup_steps"), int):
+            values["warmup_steps"] = started["warmup_steps"]
+            sources["warmup_steps"] = warmup_source.removesuffix(KEPT) + KEPT
+        elif warmup_source.startswith(RULE_WARMUP_TOKENS):
+            values["warmup_steps"] = steps_for(cfg.warmup_tokens, tokens_per_step)
+        else:
+            values["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.max_steps))
+    return dataclasses.replace(cfg, **values, sources=sources)
+
+
+def length_from_tokens(cfg) -> bool:
+    """Whether --total-tokens sets the run's length (max_steps from the rule), rather than being a budget."""
+    return cfg.total_tokens is not None and (cfg.sources or {}).get("max_steps", "").startswith(RULE_MAX_STEPS)
+
+
+def token_budget(cfg) -> int | None:
+    """--total-tokens as a budget stop (components/guards.py Budget): only when something else sets the run's
+    length. When it sets the length itself the run ends at max_steps, its last step whole."""
+    return None if length_from_tokens(cfg) else cfg.total_tokens
+
+
+def run_end(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int = 0) -> tuple[int, str]:
+    """(the step the run ends at, the flag that ends it: "max-steps" or "total-tokens"), from `step` having
+    trained `tokens_seen` tokens (a resume)."""
+    budget = token_budget(cfg)
+    if budget is not None:
+        last = step + max(0, budget - tokens_seen) // tokens_per_step
+        if last < cfg.max_steps:
+            return last, "total-tokens"
+    return cfg.max_steps, "max-steps"
+
+
+def run_tokens(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int = 0) -> int:
+    """Tokens the whole run trains (earlier launches included) by the step `run_end` names."""
+    return tokens_seen + (run_end(cfg, tokens_per_step, step, tokens_seen)[0] - step) * tokens_per_step
+
+
+def describe_length(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int = 0) -> str:
+    """The start-up (and --dry-run) line saying how long the run is, in steps and tokens, and what ends it."""
+    src = (cfg.sources or {}).get("max_steps", "given")
+    end, ender = run_end(cfg, tokens_per_step, step, tokens_seen)
+    tokens = run_tokens(cfg, tokens_per_step, step, tokens_seen)
+    per = f"{tokens_per_step:,} tokens per step"
+    if length_from_tokens(cfg):
+        return (f"run length: --total-tokens {cfg.total_tokens:,} -> {end:,} steps of {per} = {tokens:,} tokens"
+                f" ({src}, rounded up); the schedule spans them")
+    if ender == "total-tokens":
+        return (f"run length: --total-tokens {cfg.total_tokens:,} ends the run at step {end:,} ({tokens:,} tokens at"
+                f" {per}; a budget stop, exit 5), before --max-steps {cfg.max_steps:,} ({src}): the schedule spans"
+                f" {cfg.max_steps:,} steps and stops at {end / cfg.max_steps:.0%} of it")
+    line = f"run length: --max-steps {cfg.max_steps:,} ({src}) x {per} = {tokens:,} tokens"
+    if cfg.total_tokens is not None:
+        line += f"; --total-tokens {cfg.total_tokens:,} never binds (the run ends first)"
+    return line
+
+
+def resolve_max_epochs(cfg, zt: dict, profile_name: str):
+    """--max-epochs | recipe | the profile's zerotrain.max_epochs (profiles.py validates it) | no limit."""
+    if cfg.max_epochs is not None or zt.get("max_epochs") is None:
+        return cfg
+    return dataclasses.replace(cfg, max_epochs=zt["max_epochs"],
+                               sources={**(cfg.sources or {}), "max_epochs": f"profile {profile_name}: zerotrain.max_epochs"})
+
+
+REPEAT_WHY = ("beyond ~4 epochs repeated tokens are worth much less than new ones (Muennighoff et al. 2023, Scaling"
+              " Data-Constrained Language Models)")
+
+
+def check_repeats(data, run_tokens: int, cfg) -> tuple[str, ...]:
+    """The warning for sources a run of `run_tokens` tokens reads more than the mix's warn_epochs (default 4)
+    times, naming each with its epochs and unique tokens; UsageError when one goes past --max-epochs."""
+    over = [(name, epochs, size) for name, epochs, size in data.epochs(run_tokens) if epochs > data.warn_epochs]
+    named = ", ".join(f"{name!r} ~{epochs:,.1f} epochs of {size:,} unique tokens" for name, epochs, size in over)
+    if cfg.max_epochs is not None:
+        beyond = [(name, epochs) for name, epochs, _ in data.epochs(run_tokens) if epochs > cfg.max_epochs]
+        if beyond:
+            name, epochs = max(beyond, key=lambda x: x[1])
+            raise UsageError(f"--max-epochs {cfg.max_epochs:g} ({(cfg.sources or {}).get('max_epochs', 'given')}):"
+                             f" this run of {run_tokens:,} tokens reads source {name!r} ~{epochs:,.1f} times"
+                             f" ({len(beyond)} source(s) over); more data, fewer tokens, or a larger --max-epochs")
+    if not over:
+        return ()
+    return (f"{len(over)} source(s) read more than {data.warn_epochs:g} epochs over the run's {run_tokens:,} tokens:"
+            f" {named}; {REPEAT_WHY}. More data, fewer tokens, or --max-epochs E to refuse such runs",)
+
+
+def hashed_warmup(cfg) -> int | None:
+    """What the run id hashes for warmup_steps: a warmup taken from a rule must not change the id with the run's
+    length (max_steps may grow on resume and is not part of the id): --warmup-tokens is hashed instead (None
+    here), the default rule as 20, the fixed default it replaced (so the ids of earlier runs stay)."""
+    source = (cfg.sources or {}).get("warmup_steps", "")
+    if source.startswith(RULE_WARMUP_TOKENS):
+        return None
+    if source.startswith(RULE_WARMUP):
+        return DEFAULTS["warmup_steps"]
+    return cfg.warmup_steps
 
 
 def profile_schedule(profile: dict, where: str) -> dict:

@@ -79,6 +79,9 @@ def validate_profile(profile, where: str) -> None:
                 raise UsageError(f"{where}: zerotrain.health.{key} must be a positive number"
                                  + (" (a whole count)" if key == "windows" else " above 1" if key == "straggler_ratio"
                                     else "") + f", got {v!r}")
+    v = zt.get("max_epochs")  # the most passes over any source a run may make (hparams.resolve_max_epochs)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+        raise UsageError(f"{where}: zerotrain.max_epochs must be a positive number, got {v!r}")
     for key in ("hang_timeout", "comm_timeout_s"):  # issue 20: the watchdog (0: off) and the process group
         v = zt.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0

@@ -29,7 +29,7 @@ from zerotrain.launcher.components.manifest import run_id_of
 from zerotrain.launcher.components.planner import fit_check
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.hparams import resolve_hparams
+from zerotrain.launcher.hparams import check_repeats, resolve_hparams, resolve_max_epochs, run_tokens, size_in_tokens
 from zerotrain.launcher.profiles import check_devices, detect_profile, load_profile, resolve_ds_config
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.modeling.sizes import choose_attention
@@ -78,6 +78,20 @@ class RunPlan:
         return self.resume_meta is not None and self.resume_meta["step"] == self.cfg.max_steps
 
     @property
+    def tokens_per_step(self) -> int:
+        return self.ds_config["train_batch_size"] * self.cfg.seq_len
+
+    @property
+    def resumed_at(self) -> tuple[int, int]:
+        """(step, tokens trained) of the checkpoint the run resumes from; (0, 0) for a new run."""
+        return (self.resume_meta["step"], self.resume_meta["tokens_seen"]) if self.resume_meta else (0, 0)
+
+    @property
+    def run_tokens(self) -> int:
+        """Tokens the whole run trains, earlier launches included (launcher/hparams.py run_end)."""
+        return run_tokens(self.cfg, self.tokens_per_step, *self.resumed_at)
+
+    @property
     def ckpt_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
@@ -96,6 +110,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     cfg = resolve_hparams(cfg, profile_name, profile)  # lr, schedule: flag > recipe > profile > rule (hparams.py)
     ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
     zt = profile.get("zerotrain", {})
+    cfg = size_in_tokens(resolve_max_epochs(cfg, zt, profile_name), ds_config["train_batch_size"] * cfg.seq_len)
     tokenizer = load_tokenizer(cfg.tokenizer)
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
     data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
@@ -118,32 +133,41 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     mirror_ckpt = Path(cfg.mirror) / run_id / "checkpoints" if cfg.mirror else None
     resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
     meta = None
+    saved = run_dir / "config.json"
+    saved = json.loads(saved.read_text()) if saved.is_file() else None
+    saved_run = saved["run"] if saved is not None else None
     if resume_from is not None:
         meta = checkpoint.read_meta(resume_from)
         if meta["world_size"] != world:
             ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
+        # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
+        # warmup stays the one the run started with
+        cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, (meta["step"], meta["tokens_seen"]),
+                             saved_run if resume_from.parent in (ckpt_dir, mirror_ckpt) else None)
         if meta.get("loader_workers", 0) != loader_settings["workers"]:
             raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
                              f" per rank, this profile has {loader_settings['workers']}; the document order depends"
                              " on it (set zerotrain.dataloader.workers back)")
         if meta["step"] > cfg.max_steps:
-            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}")
-    saved = run_dir / "config.json"
-    saved_run = json.loads(saved.read_text())["run"] if saved.is_file() else None
+            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}"
+                             f" ({cfg.sources.get('max_steps', 'given')})")
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
-        drift = cfg.drift(saved_run)
+        drift = cfg.drift(saved_run, saved.get("run_sources"))
         if drift:
-            raise UsageError(f"config drift against {saved}: " + ", ".join(drift) + "; start a new --run-id instead")
+            raise UsageError(f"config drift against {run_dir / 'config.json'}: " + ", ".join(drift)
+                             + "; start a new --run-id instead")
     golden = None
     if cfg.golden:  # --golden (issue 10): a golden file of another config or world size is refused here
         golden = GoldenCheck.load(cfg.golden, cfg, world)
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
         ds_config["train_batch_size"] * cfg.seq_len)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
+    resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
+    repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed), cfg)
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
                    zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
                    model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings()),
+                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats),
                    golden=golden,
                    attention=attention, attention_why=attention_why)
 

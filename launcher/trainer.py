@@ -62,7 +62,7 @@ from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, report_exit  # report_exit: pre-flight too
-from zerotrain.launcher.hparams import describe_hparams
+from zerotrain.launcher.hparams import describe_hparams, describe_length, length_from_tokens, token_budget
 from zerotrain.launcher.optimizers import check_engine, describe, describe_implementation, prepare_optimizer
 from zerotrain.launcher.profiles import describe_precision, load_profile
 from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
@@ -134,10 +134,11 @@ class Trainer:
         self.dist, self.accel = init_process_group(plan.zt, self.hang_timeout)
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
-        budget = Budget(plan.cfg.max_hours, plan.cfg.total_tokens, plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
+        budget = Budget(plan.cfg.max_hours, token_budget(plan.cfg), plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
                         self.world)
         if budget.active:
             self.say(budget.describe())
+        self.say(describe_length(plan.cfg, plan.tokens_per_step, *plan.resumed_at))
         for w in plan.warnings:
             self.say(f"zerotrain: warning: {w}")
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
@@ -164,7 +165,7 @@ class Trainer:
         self.metrics = MetricsLogger(plan.run_dir, self.is_main, self.cfg, say=self.say)  # --log sinks (issue 10)
         cfg = self.cfg
         self.spikes = SpikeDetector()
-        self.budget = Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, self.world)
+        self.budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, self.world)
         self.early = EarlyStopping(cfg.early_stop_patience) if cfg.early_stop_patience else None
         self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
@@ -259,7 +260,7 @@ class Trainer:
 
     def _build_data(self):
         plan, cfg = self.plan, self.cfg
-        for line in describe_data(plan.data, cfg.max_steps * plan.ds_config["train_batch_size"] * cfg.seq_len):
+        for line in describe_data(plan.data, plan.run_tokens):
             self.say(line)
         return self.hooks.slow_training_data(Batches(plan.data, self.rank, self.world, cfg.seed, cfg.seq_len,
                                                      plan.ds_config["train_micro_batch_size_per_gpu"],
@@ -773,12 +774,12 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" vocab {args.vocab_size:,} (tokenizer {plan.tokenizer.name}: {plan.tokenizer.vocab_size:,}),"
              f" optimizer {cfg.optimizer or 'adamw'}",
-             describe_hparams(cfg), schedule.describe(cfg.lr),
+             describe_hparams(cfg), describe_length(cfg, plan.tokens_per_step), schedule.describe(cfg.lr),
              f"attention: {plan.attention} ({plan.attention_why})",
              describe_precision(ds),  # issue 18: what a machine of the profile's kind runs, and whether it compiles
              describe_implementation(cfg, ds, zt.get("hardware", {}).get("accelerator", "cuda")),
              *(f"zerotrain: warning: {w}" for w in plan.warnings)]
-    lines += describe_data(plan.data, cfg.max_steps * ds["train_batch_size"] * cfg.seq_len)
+    lines += describe_data(plan.data, plan.run_tokens)
     lines += hub_lines(plan.data.specs, plan.tokenizer)  # each hub name: cached, reachable, or refused (exit 2)
     fits = None
     hw = zt.get("hardware", {})
@@ -792,7 +793,8 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
                               ds["gradient_accumulation_steps"], cfg.seq_len, ac,
                               peak_flops=zt.get("peak_flops_per_device"), mfu=zt.get("expected_mfu"),
                               total_tokens=cfg.total_tokens, max_hours=cfg.max_hours, budget_usd=cfg.budget_usd,
-                              gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps)
+                              gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps,
+                              tokens_set_length=length_from_tokens(cfg))
         fits = p["fits"]
         lines.append("plan: " + planner.verdict(p))
     for line in lines:

@@ -52,7 +52,9 @@ CASES = {
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 7})))],
         "inconsistent batch"),
     # issue 18: the flash kernel needs CUDA; refused before the model is built or anything written
-    "varlen on a CPU": (lambda t, m: ["--attention", "varlen"],
+    "warmup tokens and steps": (lambda t, m: ["--warmup-tokens", "1000", "--warmup-steps", "2"],
+                                "--warmup-tokens and --warmup-steps: give one, the other is derived"),
+        "varlen on a CPU": (lambda t, m: ["--attention", "varlen"],
                         "--attention varlen: varlen runs PyTorch's flash kernels, CUDA only; this run is on cpu"),
 }
 

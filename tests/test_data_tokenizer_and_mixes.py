@@ -35,6 +35,22 @@ def test_trained_tokenizer_loads_in_transformers_and_round_trips(trained, mix_pa
     assert len(ours.encode("the model reads")) < len("the model reads")  # merges were learnt
 
 
+def test_a_vocabulary_smaller_than_asked_is_said_and_recorded(tmp_path, mix_path):
+    """~150k bytes of text cannot fill 32,000 entries: BPE runs out of pairs to merge; said, and recorded."""
+    out = tmp_path / "bpe"
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "tokenizer", "train", "--data", str(mix_path),
+                           "--vocab-size", "32000", "--out", str(out)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((out / "tokenizer_training.json").read_text())
+    obtained = HFTokenizer(out).vocab_size
+    assert record["vocab_size_asked"] == 32000 and record["vocab_size_obtained"] == obtained < 32000
+    assert record["documents"] == 800 and record["bytes"] > 100_000
+    warning = proc.stdout.strip().splitlines()[-1]
+    assert warning.startswith(f"warning: the vocabulary came out smaller than --vocab-size 32,000: {obtained:,} tokens."
+                              " Too little text: 800 document(s),")
+    assert f"vocab {obtained:,} of the 32,000 asked" in proc.stdout
+
+
 def test_hf_tokenized_mix_and_shards_give_the_same_stream(trained, mix_path, tmp_path):
     tok = HFTokenizer(trained)
     shards = tmp_path / "shards"

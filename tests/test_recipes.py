@@ -254,6 +254,12 @@ def test_dry_run_command_prints_the_resolved_recipe(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "profile a100-80g-x8, world 8, ZeRO-2, batch 16 x 4 x 8 x 2048 = 1,048,576 tokens per step" in r.stdout
     assert "model xlarge: 1,416,931,200 parameters" in r.stdout and "\nplan: fits:" in r.stdout
+    # the run in tokens, as the plan it was built from: 11B tokens, a 100M-token warmup
+    assert ("warmup-steps 96 (rule: --warmup-tokens / tokens per step), max-steps 10491 (rule: --total-tokens /"
+            " tokens per step)") in r.stdout
+    assert ("run length: --total-tokens 11,000,000,000 -> 10,491 steps of 1,048,576 tokens per step = 11,000,610,816"
+            " tokens") in r.stdout
+    assert "cosine decay to 3e-05 at step 10491" in r.stdout and "this run reads 11,000,610,816 tokens" in r.stdout
     assert not (tmp_path / "o").exists()
 
 

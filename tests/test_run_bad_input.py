@@ -34,6 +34,11 @@ CASES = {
     "early stop without eval": (["--early-stop-patience", "2"], "needs --eval-every-steps"),
     "unknown spike policy": (["--on-spike", "ignore"], "--on-spike 'ignore'"),
     "total tokens below one step": (["--total-tokens", "10"], "less than one optimizer step"),
+    "total tokens 0": (["--total-tokens", "0"], "--total-tokens: must be a positive integer, got 0"),
+    "warmup tokens negative": (["--warmup-tokens", "-5"], "--warmup-tokens: must be a positive integer, got -5"),
+    "warmup tokens and steps": (["--warmup-tokens", "1000"], "--warmup-tokens and --warmup-steps: give one"),
+    "max epochs 0": (["--max-epochs", "0"], "--max-epochs: must be a positive number, got 0.0"),
+    "max epochs passed": (["--max-epochs", "0.01"], "--max-epochs 0.01 (flag): this run of"),
     "unknown attention": (["--attention", "flash"],
                           "--attention: must be one of auto, sdpa, flex, varlen, got 'flash'"),
     "varlen in fp32 on a CPU": (["--attention", "varlen"], "--attention varlen: varlen runs PyTorch's flash kernels,"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORDS, launch, read_metrics
+from conftest import WORDS
 from zerotrain.errors import UsageError
 from zerotrain.launcher import run_plan
 from zerotrain.launcher.cli import main as cli
@@ -42,7 +42,8 @@ def test_dry_run_of_the_8_gpu_profile_uses_its_lr_and_says_so(mix_path, tmp_path
     out = capsys.readouterr().out
     assert e.value.code == 0 and not (tmp_path / "runs").exists()
     assert ("hyper-parameters: lr 0.0003 (profile a100-80g-x8: optimizer.params.lr), min-lr 3e-05 (lr / 10),"
-            " warmup-steps 20 (default), max-steps 100 (default), schedule cosine (default)") in out
+            " warmup-steps 20 (rule: max(20, 1% of max-steps), Pythia's warmup), max-steps 100 (default),"
+            " schedule cosine (default)") in out
     assert "schedule cosine: warmup 20 step(s) to lr 0.0003, cosine decay to 3e-05 at step 100" in out
     assert "vocab 320 (tokenizer bytes: 258)" in out
 
@@ -148,25 +149,7 @@ def test_plan_run_asks_the_machine(mix_path, tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
-# -- extending a run ------------------------------------------------------------------------------------
-
-def test_a_wsd_run_extended_in_its_stable_phase_replans_its_decay(tmp_path, mix_path):
-    """Planned for 10 steps, stopped by its token budget at step 4 (checkpoint saved), resumed with
-    --max-steps 20: the decay moves to steps 17-20 (a cosine would have kept its 10)."""
-    out = tmp_path / "runs"
-    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "w", "--model", "debug", "--seq-len", "64",
-            "--micro-batch", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--warmup-steps", "1", "--schedule", "wsd"]
-    first = launch("python", args + ["--max-steps", "10", "--total-tokens", str(4 * 2 * 64)])
-    assert first.returncode == 5, first.stdout[-2000:] + first.stderr[-2000:]  # budget reached, saved
-    assert "schedule wsd: warmup 1 step(s) to lr 0.001, held to step 8, then linear decay over steps 9-10" in first.stdout
-    second = launch("python", args + ["--max-steps", "20"])
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-    assert "resumed at step 4 in its stable phase: decay re-planned for --max-steps 20" in second.stdout
-    sources = json.loads((out / "w" / "config.json").read_text())["run_sources"]
-    assert (sources["lr"], sources["schedule"], sources["decay_fraction"]) == ("flag", "flag", "default")
-    lrs = [m["lr"] for m in read_metrics(out / "w")]
-    assert len(lrs) == 20 and lrs[:16] == pytest.approx([1e-3] * 16)
-    assert lrs[16:] == pytest.approx([1e-3 - 9e-4 * k / 4 for k in range(1, 5)])  # steps 17-20, min-lr at 20
+# -- extending a run: tests/test_run_tokens.py (a wsd run extended in its stable phase, sized in tokens)
 
 
 # -- the plan sized by the tokenizer given -----------------------------------------------------------------

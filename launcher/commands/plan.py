@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 from zerotrain.cli_args import Parser
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from
-from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe
+from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.hparams import (check_repeats, length_from_tokens, resolve_hparams, resolve_max_epochs,
+                                       size_in_tokens)
 from zerotrain.launcher.profiles import load_profile, resolve_batch
 
 
@@ -47,9 +50,10 @@ def plan_main(argv: list[str]) -> dict:
         raise UsageError(f"--mfu: must be a fraction in (0, 1], got {ns.mfu}")
     if ns.zero is not None and ns.zero not in STAGES:
         raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
-    values = load_recipe(ns.config) if ns.config else {}
-    values.update({name: getattr(ns, name) for name in SETTINGS if getattr(ns, name) is not None})
-    cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"})
+    flags = {name: getattr(ns, name) for name in SETTINGS if getattr(ns, name) is not None}
+    values = {**(over_recipe(load_recipe(ns.config), flags) if ns.config else {}), **flags}
+    cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"},
+                    sources={k: "flag" if k in flags else "recipe" for k in values})
     cfg.validate()  # the driver's own checks and messages
 
     if values.get("profile") is None and ns.gpus is not None:
@@ -59,10 +63,12 @@ def plan_main(argv: list[str]) -> dict:
     zt = profile.get("zerotrain", {})
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
+    # the data may not exist yet when a run is planned: then its repeats are not checked
+    data_here = bool(values.get("data")) and Path(values["data"]).exists()
+    tokenizer = load_tokenizer(cfg.tokenizer) if ns.vocab_size is None or data_here else None
     if ns.vocab_size is not None:
         vocab, vocab_from = ns.vocab_size, "--vocab-size"
     else:  # the tokenizer the run would train with: its vocabulary sizes the embedding and the head
-        tokenizer = load_tokenizer(cfg.tokenizer)
         vocab, vocab_from = tokenizer.vocab_size, f"tokenizer {tokenizer.name}"
     args, _, _ = model_spec.resolve(cfg, vocab)
     hw = zt.get("hardware", {})
@@ -72,13 +78,27 @@ def plan_main(argv: list[str]) -> dict:
                        getattr(cfg, "optimizer", None), args, attention=cfg.attention)
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world, f"profile {name}")
+    # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)
+    cfg = size_in_tokens(resolve_max_epochs(resolve_hparams(cfg, name, profile), zt, name),
+                         micro * accum * setup.world * cfg.seq_len)
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
         else bool(zt.get("activation_checkpointing", False))
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops else zt.get("peak_flops_per_device")
     mfu = ns.mfu or zt.get("expected_mfu")
     plan = make_plan(args, setup, profile.get("zero_optimization", {}).get("stage", 0), micro, accum, cfg.seq_len, ac,
-                     peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps)
+                     peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
+                     length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from
+    plan["warnings"] = list(repeats(cfg, tokenizer, plan["tokens"])) if data_here else []
     print(json.dumps(plan, indent=2) if ns.json else f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
-          + render(plan))
+          + render(plan) + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
+
+
+def repeats(cfg, tokenizer, tokens: int) -> tuple[str, ...]:
+    """With --data: the warning for sources the plan's tokens read more than 4 times (run_plan.check_repeats;
+    UsageError past --max-epochs). The sources are read as the run reads them (hub sources not fetched)."""
+    from zerotrain.dataio.loader import load_data, open_data  # imports torch: only when a plan names its data
+
+    data = load_data(open_data(cfg.data, tokenizer, fetch=False), seq_len=cfg.seq_len, verify="quick")
+    return check_repeats(data, tokens, cfg)

@@ -329,8 +329,9 @@ def available_ram() -> float:
 def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: int, checkpointing: bool,
               peak_flops: float | None = None, mfu: float | None = None, total_tokens: int | None = None,
               max_hours: float | None = None, budget_usd: float | None = None, gpu_hour_usd: float | None = None,
-              max_steps: int | None = None) -> dict:
-    """Everything `zerotrain plan` prints, as one JSON-ready dict (keys documented in README "Planning")."""
+              max_steps: int | None = None, tokens_set_length: bool = False) -> dict:
+    """Everything `zerotrain plan` prints, as one JSON-ready dict (keys documented in README "Planning").
+    `tokens_set_length`: --total-tokens sets the run's length (launcher/hparams.py), its last step whole."""
     counts = count_params(args)
     fpt = flops_per_token(args, seq_len)
     per_stage = {}
@@ -357,7 +358,7 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
     }
     plan["would_fit"] = [] if chosen["fits"] else alternatives(args, setup, stage, micro, seq_len, checkpointing)
     plan.update(budget(counts["total"], fpt, tokens_per_step, setup.world, peak_flops, mfu, total_tokens,
-                       max_hours, budget_usd, gpu_hour_usd, max_steps))
+                       max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length))
     plan["verdict"] = verdict(plan)
     return plan
 
@@ -411,7 +412,7 @@ def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, check
 
 
 def budget(params: int, fpt: float, tokens_per_step: int, world: int, peak: float | None, mfu: float | None,
-           total_tokens, max_hours, budget_usd, gpu_hour_usd, max_steps) -> dict:
+           total_tokens, max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length=False) -> dict:
     """Steps, tokens, hours and dollars; the binding limit is the one that allows the fewest tokens."""
     out = {"mfu": mfu, "tokens_per_s": None}
     tps = mfu * peak * world / fpt if peak and mfu else None
@@ -426,6 +427,8 @@ def budget(params: int, fpt: float, tokens_per_step: int, world: int, peak: floa
     if limits:
         binding = min(limits, key=limits.get)
         steps = int(limits[binding] // tokens_per_step)
+        if binding == "total_tokens" and tokens_set_length:  # the run's length: rounded up to a whole last step
+            steps = -(-total_tokens // tokens_per_step)
     else:
         binding, steps = "max_steps", max_steps or 0
     tokens = steps * tokens_per_step

@@ -36,7 +36,8 @@ from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
-from zerotrain.launcher.hparams import resolve_hparams
+from zerotrain.launcher.hparams import resolve_hparams, size_in_tokens
+from zerotrain.launcher.profiles import resolve_ds_config
 from zerotrain.launcher.run_plan import plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 
@@ -106,6 +107,10 @@ class Preflight:
         self.is_main = self.rank == 0
         self.run_dir, self.profile_name, self.profile = run_dir_of(self.cfg)  # bad input: UsageError, exit 2
         self.cfg = resolve_hparams(self.cfg, self.profile_name, self.profile)  # --profile auto: now detected
+        # the run's length and warmup when given in tokens (the rehearsal's steps follow the run's)
+        self.cfg = size_in_tokens(self.cfg, resolve_ds_config(self.profile, self.cfg, self.world,
+                                                              f"profile {self.profile_name}")["train_batch_size"]
+                                  * self.cfg.seq_len)
         self.zt = self.profile.get("zerotrain", {})
         self.root = self.run_dir / "preflight"
         failed = False
