@@ -62,7 +62,7 @@ from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, report_exit  # report_exit: pre-flight too
-from zerotrain.launcher.hparams import describe_hparams, describe_length, length_from_tokens, token_budget
+from zerotrain.launcher.hparams import describe_hparams, describe_length, token_budget
 from zerotrain.launcher.optimizers import check_engine, describe, describe_implementation, prepare_optimizer
 from zerotrain.launcher.profiles import describe_precision, load_profile
 from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
@@ -134,13 +134,13 @@ class Trainer:
         self.dist, self.accel = init_process_group(plan.zt, self.hang_timeout)
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
-        budget = Budget(plan.cfg.max_hours, token_budget(plan.cfg), plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
-                        self.world)
-        if budget.active:
-            self.say(budget.describe())
-        self.say(describe_length(plan.cfg, plan.tokens_per_step, *plan.resumed_at))
-        for w in plan.warnings:
-            self.say(f"zerotrain: warning: {w}")
+        self.budget = Budget(plan.cfg.max_hours, token_budget(plan.cfg), plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
+                             self.world)  # --total-tokens only when it does not set the length (hparams.py)
+        if self.budget.active:
+            self.say(self.budget.describe())
+        for line in (describe_length(plan.cfg, plan.tokens_per_step, *plan.resumed_at),
+                     *(f"zerotrain: warning: {w}" for w in plan.warnings)):
+            self.say(line)
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
         ds_compat.unlink_shm_buffer(self.rank)
         self.universal_dir = None
@@ -165,7 +165,6 @@ class Trainer:
         self.metrics = MetricsLogger(plan.run_dir, self.is_main, self.cfg, say=self.say)  # --log sinks (issue 10)
         cfg = self.cfg
         self.spikes = SpikeDetector()
-        self.budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, self.world)
         self.early = EarlyStopping(cfg.early_stop_patience) if cfg.early_stop_patience else None
         self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
@@ -793,8 +792,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
                               ds["gradient_accumulation_steps"], cfg.seq_len, ac,
                               peak_flops=zt.get("peak_flops_per_device"), mfu=zt.get("expected_mfu"),
                               total_tokens=cfg.total_tokens, max_hours=cfg.max_hours, budget_usd=cfg.budget_usd,
-                              gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps,
-                              tokens_set_length=length_from_tokens(cfg))
+                              gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps)
         fits = p["fits"]
         lines.append("plan: " + planner.verdict(p))
     for line in lines:
