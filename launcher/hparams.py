@@ -242,10 +242,11 @@ REPEAT_WHY = ("beyond ~4 epochs repeated tokens are worth much less than new one
 def check_repeats(data, run_tokens: int, cfg) -> tuple[str, ...]:
     """The warning for sources a run of `run_tokens` tokens reads more than the mix's warn_epochs (default 4)
     times, naming each with its epochs and unique tokens; UsageError when one goes past --max-epochs."""
-    over = [(name, epochs, size) for name, epochs, size in data.epochs(run_tokens) if epochs > data.warn_epochs]
+    read = data.epochs(run_tokens)  # sources of unknown size (streamed from the hub) are not judged
+    over = [(name, epochs, size) for name, epochs, size in read if epochs > data.warn_epochs]
     named = ", ".join(f"{name!r} ~{epochs:,.1f} epochs of {size:,} unique tokens" for name, epochs, size in over)
     if cfg.max_epochs is not None:
-        beyond = [(name, epochs) for name, epochs, _ in data.epochs(run_tokens) if epochs > cfg.max_epochs]
+        beyond = [(name, epochs) for name, epochs, _ in read if epochs > cfg.max_epochs]
         if beyond:
             name, epochs = max(beyond, key=lambda x: x[1])
             raise UsageError(f"--max-epochs {cfg.max_epochs:g} ({(cfg.sources or {}).get('max_epochs', 'given')}):"
