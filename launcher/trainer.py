@@ -56,7 +56,7 @@ from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalSt
 from zerotrain.launcher.components.observe.health import WAITS, HealthCheck
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.observe.metrics import MetricsLogger, StepLogger, read_metrics
-from zerotrain.launcher.components.observe.phases import PhaseClock
+from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
@@ -398,7 +398,9 @@ class Trainer:
     def train_step(self, batches) -> float:
         """Forward, backward and optimizer step over the micro-batches; returns the rank-mean loss sum."""
         with self.clock.phase("compute"):
-            return self._train_step(batches)
+            loss_sum = self._train_step(batches)
+            device_done(self.accel)  # the device has finished the step before any clock is read
+            return loss_sum
 
     def _train_step(self, batches) -> float:
         # Pretraining mixes: each micro-batch's mean loss, as before (bit-compatible runs). A mix with an

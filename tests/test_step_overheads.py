@@ -1,7 +1,8 @@
 """What issue 12 made fast stays fast: the driver's per-step agreement is one collective (an
 all-gather in Trainer.agree; nothing else of ours runs a collective every step), and checkpoint
 files are written without torch's zip CRC-32 (the marker's sha256 is the integrity check) while
-torch's process-wide setting is left as it was. Timings are `make bench`'s, never asserted here.
+torch's process-wide setting is left as it was; a step's clock is read once the device has finished it.
+Timings are `make bench`'s, never asserted here.
 """
 import json
 import os
@@ -9,10 +10,14 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from zerotrain.launcher import trainer
 from zerotrain.launcher.components.checkpoints import checkpointer
+from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
+
 REPO = Path(__file__).resolve().parent.parent
 
 COUNT_COLLECTIVES = r"""
@@ -107,3 +112,31 @@ def test_driver_verifies_shards_quickly_by_default_and_fully_on_request(tmp_path
         assert first["file"] in str(e) and "sha256" in str(e), e
     else:
         raise AssertionError("--verify-data full did not hash the tampered shard")
+
+
+class FakeEvent:
+    def __init__(self, order: list):
+        self.order = order
+
+    def record(self):
+        self.order.append("event recorded")
+
+    def synchronize(self):
+        self.order.append("event waited on")
+
+
+def test_the_step_clock_is_read_after_the_device_has_finished_the_step():
+    """A fake accelerator with events records the order: the step's work queued, an event recorded at its end
+    and waited on, then the compute phase's clock read (step_s, tokens/s, MFU and the health shares follow
+    it): once per step."""
+    order = []
+    clock = PhaseClock(clock=lambda: order.append("clock read") or float(len(order)))
+    events = []
+    accel = SimpleNamespace(Event=lambda: events.append(FakeEvent(order)) or events[-1])  # the class, called
+    fake = SimpleNamespace(clock=clock, accel=accel, _train_step=lambda batches: order.append("step queued") or 2.0)
+    order.clear()
+    for _ in range(2):
+        assert trainer.Trainer.train_step(fake, ["a batch"]) == 2.0
+    assert order == ["clock read", "step queued", "event recorded", "event waited on", "clock read"] * 2
+    assert len(events) == 2
+    device_done(SimpleNamespace(Event=None))  # DeepSpeed's CPU accelerator has none: nothing to wait for

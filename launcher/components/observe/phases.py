@@ -31,6 +31,20 @@ PHASES = {
 }
 
 
+def device_done(accel) -> None:
+    """Wait until the device has run everything queued so far: an event recorded on the current stream (the
+    accelerator's, e.g. torch.cuda.Event), waited on. A GPU step returns to the host as soon as its kernels
+    are queued (with bf16 ZeRO-2 the fused AdamW update and the parameter all-gather would finish inside the
+    next step's agreement); the trainer calls this once per step, at the end of "compute", so that step_s,
+    tokens/s, MFU and the phase shares count the device's work where it happened. No-op on an accelerator
+    without events (DeepSpeed's CPU accelerator, whose `Event` is None: its work is done when the call
+    returns). `accel.Event` is the event class, a property in DeepSpeed's accelerators."""
+    if accel.Event is not None:
+        event = accel.Event()
+        event.record()
+        event.synchronize()
+
+
 class PhaseClock:
     """The phase this rank is in, since when, at which step; and seconds per phase in the current window."""
 
