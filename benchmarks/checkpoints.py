@@ -1,4 +1,4 @@
-"""Checkpoint benchmark (issue 12, section 1.6): save and load times of zerotrain's real save path
+"""Checkpoint benchmark: save and load times of zerotrain's real save path
 (launcher/components/checkpoints/checkpointer.py's Checkpointer around DeepSpeed's save_checkpoint; `checkpointer.load`)
 for a ~25M and a ~100M model under ZeRO-2 and ZeRO-3, fp32 with AdamW states, 1 rank, against this
 disk's sequential write bandwidth measured in the same run; and how long a save blocks the

@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     mix = demo_mix()
-    has_attention = "attention" in {f.name for f in fields(RunConfig)}  # issue 18 section 2 adds the flag
+    has_attention = "attention" in {f.name for f in fields(RunConfig)}  # a driver older than --attention has none
     backends = a.attention.split(",") if has_attention else ["(the driver's default)"]
     rows = []
     for stage in (int(s) for s in a.stages.split(",")):

@@ -26,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
+from zerotrain.launcher.components.launching.jobs import free_port  # noqa: F401  (the benchmarks take it from here)
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = os.environ.get("BENCH_TINY") == "1"  # the smoke test's sizes: seconds, not minutes
 
@@ -151,14 +154,8 @@ def clean_shm(port: int | None) -> None:
     """DeepSpeed's CPU all-reduce leaves its shared-memory buffers (~66 MB a rank) in /dev/shm, named
     by the master port: remove those of a run of ours once it is over."""
     if port:
-        for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        for leaked in allreduce_buffer_files(port):
             leaked.unlink(missing_ok=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerError(Exception):

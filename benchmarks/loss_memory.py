@@ -1,4 +1,4 @@
-"""`loss_memory` (issue 18, section 3): peak memory and time of one forward + backward of a model whose
+"""`loss_memory`: peak memory and time of one forward + backward of a model whose
 vocabulary dwarfs it, with the loss computed two ways on the same weights and batch:
 
 - full logits: `next_token_loss(model(ids, pos), labels)`, the definition and what the model did before

@@ -1,4 +1,4 @@
-"""Data-path benchmark (issue 12, section 1.7): zerotrain's packed loader against what a user of the
+"""Data-path benchmark: zerotrain's packed loader against what a user of the
 Hugging Face stack would pack with, on the same documents (the demo mix, byte-tokenized, EOS
 appended to each document as our loader does):
 

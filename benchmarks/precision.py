@@ -1,4 +1,4 @@
-"""bf16 against fp32 on this CPU (issue 18, section 1): `python benchmarks/run.py bf16_step`.
+"""bf16 against fp32 on this CPU: `python benchmarks/run.py bf16_step`.
 
 The real driver (benchmarks/step_worker.py `zt`), 1 rank x every core, the shapes of `train_step`
 (benchmarks/steps.py SHAPES), each ZeRO stage's shipped CPU profile (cpu-zero2, cpu) as it ships (fp32)

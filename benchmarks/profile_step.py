@@ -10,7 +10,7 @@ forward, backward, clipping and optimizer, and the top operators by self CPU tim
 Before profiling it times --steps steps without the profiler (median ms/step): `--ds` merges a
 JSON object into the DeepSpeed config, to try a setting and see what it changes.
 
-A tool for the work of issue 12 section 2, not part of `make bench` (the profiler's own overhead
+A tool for finding where a step's time goes, not part of `make bench` (the profiler's own overhead
 would distort a timing). For Python-level time (the driver's own code, DeepSpeed's hooks) use py-spy
 on a benchmark worker: `py-spy record --pid PID` (not a dependency of this project).
 """

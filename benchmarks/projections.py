@@ -1,4 +1,4 @@
-"""`fused_projections` (issue 12, section 2): do one qkv weight and one gate_up weight per layer pay
+"""`fused_projections`: do one qkv weight and one gate_up weight per layer pay
 on this machine? Our model as it is (q/k/v and gate/up as separate nn.Linear, the Hugging Face
 names the exporter and importer keep) against the same model rebuilt with fused weights (the same
 values concatenated, the same math: the loss of the first batch is printed for both), alternated

@@ -45,7 +45,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,8 +63,8 @@ import hashlib  # noqa: E402
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "zerotrain" / (
     "torch_extensions-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])))
 
-from harness import (TINY, MissingDependency, _WORK, bpe_dir, demo_mix, load_average, machine,  # noqa: E402
-                     shards_dir, workdir)
+from harness import (TINY, MissingDependency, _WORK, bpe_dir, clean_shm, demo_mix, free_port, load_average,  # noqa: E402
+                     machine, shards_dir, workdir)
 
 COLUMNS = ("benchmark", "setting", "result", "target", "load")
 SECONDS = float(os.environ.get("BENCH_SECONDS", "0.5" if TINY else "5"))
@@ -240,7 +239,6 @@ def bench_planner_rss():
     prediction for the same config. Target: within +-20%."""
     import json
     import random
-    import socket
     import subprocess
 
     from zerotrain.launcher import model_spec
@@ -262,9 +260,7 @@ def bench_planner_rss():
     rows = []
     for stage, profile in ((2, str(root / "cpu-zero2.json")), (3, "cpu")):
         for model in ("tiny", "small"):  # 38.9M and 113.8M parameters: up to ~4 GB a rank
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             run_id = f"z{stage}-{model}"
             flags = ["--profile", profile, "--model", model, "--data", str(root / "mix.json"), "--seq-len", "256",
                      "--micro-batch", "2", "--grad-accum", "1", "--max-steps", "3", "--warmup-steps", "1",
@@ -273,8 +269,7 @@ def bench_planner_rss():
             r = subprocess.run([str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
                                 str(port), str(REPO / "launcher" / "train.py"), *flags], capture_output=True, text=True,
                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-            for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU
-                leaked.unlink(missing_ok=True)  # all-reduce leaves its shared-memory buffers behind (~66 MB a rank)
+            clean_shm(port)  # DeepSpeed's CPU all-reduce leaves its shared-memory buffers behind (~66 MB a rank)
             if r.returncode:
                 raise RuntimeError(f"planner_rss {run_id}: exit {r.returncode}: {r.stderr[-1500:]}")
             lines = (root / "runs" / run_id / "metrics.jsonl").read_text().splitlines()

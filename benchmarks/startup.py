@@ -1,4 +1,4 @@
-"""Start-up benchmarks (issue 12, section 1.5).
+"""Start-up benchmarks.
 
 `startup`: the demo's launch (2 ranks under the `deepspeed` launcher, ZeRO-3, the demo's flags and
 data) from the moment `deepspeed` is started to rank 0's first logged optimizer step, twice in a

@@ -1,4 +1,4 @@
-"""Training-step benchmarks (issue 12, sections 1.1-1.4): zerotrain against what its users would
+"""Training-step benchmarks: zerotrain against what its users would
 otherwise run, side by side in one invocation (benchmarks/harness.py alternates them).
 
     train_step   1 rank, fp32, two shapes: zerotrain ZeRO-2 and ZeRO-3 (the cpu profile; the real
@@ -26,8 +26,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from harness import (REPO, TINY, Worker, WorkerError, alternate, launcher_cmd, matmul_peak, median, spread,
-                     step_times)
+from harness import TINY, Worker, alternate, launcher_cmd, matmul_peak, median, spread, step_times
 
 CORES = os.cpu_count() or 1
 SEED = 1337
@@ -155,7 +154,7 @@ def bench_train_step() -> list[dict]:
                         ("zerotrain ZeRO-3", "zt", ["--profile", str(prof[3])]),
                         ("plain PyTorch loop", "plain", []),
                         ("plain PyTorch loop, fused AdamW", "plain", ["--fused"]),
-                        # issue 18: each attention kernel that runs on a CPU (the loop above is auto = sdpa), and
+                        # each attention kernel that runs on a CPU (the loop above is auto = sdpa), and
                         # the same rows as one document each, which HF's loop below is (no mask to pay for)
                         ("plain PyTorch loop, --attention flex", "plain", ["--attention", "flex"]),
                         ("plain PyTorch loop, rows as one document (no mask)", "plain", ["--one-document"]),

@@ -21,7 +21,6 @@ Not here: reading the files (readers, streamed), what a mix may say (mix). `hugg
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import replace
 from pathlib import Path

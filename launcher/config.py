@@ -24,7 +24,7 @@ from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.cli_args import Parser
-from zerotrain.launcher.errors import UsageError, read_json_object
+from zerotrain.launcher.errors import UsageError, exit_status_help, read_json_object
 from zerotrain.launcher.hparams import check_schedule, hashed_warmup, is_resolved, resolve_hparams
 from zerotrain.launcher.optimizers import check_optimizer
 from zerotrain.launcher.profiles import profile_from_accelerate
@@ -323,10 +323,7 @@ def add_train_flags(p) -> None:
 
 def build_parser() -> Parser:
     p = Parser(prog="zerotrain train", description="Train a decoder-only LM with DeepSpeed.",
-               epilog="Exit status: 0 finished, 2 bad input, 3 diverged, 4 early stop, 5 budget reached,"
-                      " 6 stopped by a signal (checkpoint saved), 7 checkpoint write failed, 8 --golden-strict,"
-                      " 11 hung (a rank made no progress for --hang-timeout)."
-                      " Every --dashed-flag is also accepted as --underscored_flag.")
+               epilog=exit_status_help("train") + " Every --dashed-flag is also accepted as --underscored_flag.")
     add_train_flags(p)
     return p
 

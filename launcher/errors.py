@@ -33,6 +33,7 @@ class EndKind:
     # Never an end that asked to stop (a signal, a budget) or that would end the same way again (bad input,
     # divergence).
     restartable: bool = False
+    command: str = "train"  # the command that ends this way (train: the driver, under any launcher)
 
 
 END_KINDS = {e.kind: e for e in (
@@ -56,9 +57,9 @@ END_KINDS = {e.kind: e for e in (
     EndKind("golden", 8, True, False, "stopped (golden)",
             "`--golden-strict`: tokens/s or peak memory more than 10% off the pre-flight rehearsal"),
     EndKind("preflight-failed", 9, False, True, "failed (pre-flight check)",
-            "`zerotrain preflight`: a check failed (it says what to fix)"),
+            "`zerotrain preflight`: a check failed (it says what to fix)", command="preflight"),
     EndKind("export-check-failed", 10, False, True, "failed (export check)",
-            "`zerotrain export`: the export's loss differs from the checkpoint's beyond tolerance"),
+            "`zerotrain export`: the export's loss differs from the checkpoint's beyond tolerance", command="export"),
     EndKind("hung", 11, False, True, "failed (hung)",
             "a rank made no progress for `--hang-timeout` seconds: stacks in RUN_DIR/hangs/", restartable=True),
     EndKind("hard-signal", 130, False, True, "failed (second signal)",
@@ -92,6 +93,20 @@ def status_of(kind: str | None) -> str:
     return END_KINDS[kind].status if kind in END_KINDS else f"stopped ({kind})"
 
 
+def exit_status_help(command: str = "train") -> str:
+    """`zerotrain train --help`'s exit status paragraph, from the table: each code the command's ends exit
+    with (the first kind of a code names it), where a checkpoint is saved, which ends are restarted."""
+    codes: dict[int, EndKind] = {}
+    for e in END_KINDS.values():
+        if e.command == command:
+            codes.setdefault(e.exit_code, e)
+    words = ", ".join(f"{code} {e.status.partition('(')[2].rstrip(')') or e.status}" for code, e in codes.items())
+    saved = ", ".join(str(code) for code, e in codes.items() if e.saves)
+    restarted = ", ".join(str(code) for code, e in codes.items() if e.restartable)
+    return (f"Exit status: {words}. A checkpoint is saved at {saved}; `zerotrain launch --max-restarts` restarts"
+            f" after {restarted}.")
+
+
 def exit_code_table() -> list[str]:
     """README.md's "Exit codes" table, one row per kind, as the table says it."""
     return ["| code | end kind | meaning |", "|---|---|---|"] + [
@@ -119,12 +134,7 @@ class StopRun(Exception):
 
 
 # The codes by name, for code that exits without a StopRun (bad input, a second signal, a launcher).
-EXIT_OK = END_KINDS["finished"].exit_code
-EXIT_CRASH = END_KINDS["crash"].exit_code
 EXIT_USAGE = END_KINDS["usage"].exit_code
-EXIT_DIVERGED = END_KINDS["diverged"].exit_code
-EXIT_EARLY_STOP = END_KINDS["early-stop"].exit_code
-EXIT_BUDGET = END_KINDS["budget"].exit_code
 EXIT_SIGNAL = END_KINDS["signal"].exit_code
 EXIT_SAVE_FAILED = END_KINDS["save-failed"].exit_code
 EXIT_GOLDEN = END_KINDS["golden"].exit_code

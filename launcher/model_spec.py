@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerotrain.launcher import optimizers
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import hf, sizes
 from zerotrain.modeling.sizes import count_params, preset

@@ -136,10 +136,6 @@ def hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else "model." + name
 
 
-def our_name(hf: str) -> str:
-    return hf if hf == "lm_head.weight" else hf.removeprefix("model.")
-
-
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our parameter names and shapes, built on the meta device (no memory)."""
     import torch

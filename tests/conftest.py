@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
+from zerotrain.launcher.components.launching.jobs import free_port  # noqa: F401  (the tests take it from here)
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "launcher" / "train.py"
 BIN = Path(sys.executable).parent
@@ -62,14 +65,6 @@ def launch(launcher: str, args: list[str], nproc: int = 2, timeout: int = 600, e
         raise ValueError(launcher)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -132,5 +127,5 @@ def launched():
             except ProcessLookupError:
                 pass
         proc.wait(timeout=30)
-        for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        for leaked in allreduce_buffer_files(port):
             leaked.unlink(missing_ok=True)

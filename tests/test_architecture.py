@@ -1,4 +1,4 @@
-"""The layers import one way (issue 17), read from the code itself: an AST walk of every module of
+"""The layers import one way, read from the code itself: an AST walk of every module of
 zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
 
     0  zerotrain (__version__, resource_dir, errors, cli_args, durable), the data packages ds_configs/ and recipes/
@@ -252,7 +252,7 @@ def _bound_names(path: Path) -> set[str]:
 
 
 def test_every_import_of_zerotrain_resolves():
-    """After modules move (issue 17's layout), no test, benchmark, notebook cell or module keeps an old path:
+    """After modules move, no test, benchmark, notebook cell or module keeps an old path:
     each `import zerotrain.X` names a module, each `from zerotrain.X import name` a submodule or a name X binds."""
     modules = project_modules()
     bound = {}

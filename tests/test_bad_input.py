@@ -51,10 +51,10 @@ CASES = {
     "inconsistent batch": (lambda t, m: ["--profile", str(_write(t / "b.json", json.dumps(
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 7})))],
         "inconsistent batch"),
-    # issue 18: the flash kernel needs CUDA; refused before the model is built or anything written
     "warmup tokens and steps": (lambda t, m: ["--warmup-tokens", "1000", "--warmup-steps", "2"],
                                 "--warmup-tokens and --warmup-steps: give one, the other is derived"),
-        "varlen on a CPU": (lambda t, m: ["--attention", "varlen"],
+    # the flash kernel needs CUDA; refused before the model is built or anything written
+    "varlen on a CPU": (lambda t, m: ["--attention", "varlen"],
                         "--attention varlen: varlen runs PyTorch's flash kernels, CUDA only; this run is on cpu"),
 }
 

@@ -1,4 +1,4 @@
-"""bf16 end to end (issue 18, section 1): a user-written bf16 copy of the cpu profiles (`"bf16": {"enabled":
+"""bf16 end to end: a user-written bf16 copy of the cpu profiles (`"bf16": {"enabled":
 true}`, nothing else changed) on 2 ranks under the real `deepspeed` launcher, at ZeRO-2 (cpu-zero2) and ZeRO-3
 (cpu), as every GPU profile trains. This CPU runs bf16 matmuls natively with AVX-512 BF16; where it is missing
 (AVX2 CI hosts) PyTorch emulates them, slowly: the shapes stay tiny (debug model, seq 64, 12 steps).
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from conftest import BIN, REPO, TRAIN_PY, free_port, launch, read_metrics
 from test_long_runs import popen, wait_for_step
 
@@ -45,7 +46,7 @@ def bf16_copy(tmp: Path, name: str) -> str:
 
 def remove_shm(port: int) -> None:
     """A killed run cannot remove DeepSpeed's shared-memory all-reduce buffers (named by the master port)."""
-    for leaked in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+    for leaked in allreduce_buffer_files(port):
         leaked.unlink(missing_ok=True)
 
 

@@ -1,4 +1,4 @@
-"""Every `zerotrain` command behaves as people expect (issue 19, section 2): `-h/--help` prints the usage and
+"""Every `zerotrain` command behaves as people expect: `-h/--help` prints the usage and
 exits 0 without doing anything else, help shows defaults and choices, underscore spellings of the flags work,
 bad usage is one line and exit 2. The shared parser is zerotrain/cli_args.py."""
 from __future__ import annotations

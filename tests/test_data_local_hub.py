@@ -1,4 +1,4 @@
-"""Issue 13: local copies of hub datasets as sources. A glob, a directory or a list of data files is
+"""Local copies of hub datasets as sources. A glob, a directory or a list of data files is
 ONE source; `hf` takes a local snapshot directory (README configs, split, data_dir, data_files); the
 files are read through datasets' memory-mapped Arrow tables; `zerotrain prepare` takes the same
 sources; token shares, exactly-once and exact resume hold over multi-file sources; bad input is one
@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, launch
 from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data, plain
+from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data
 from zerotrain.dataio.tokenizer import ByteTokenizer
 from test_data_loader import ALPHABETS, source_of_bytes
 

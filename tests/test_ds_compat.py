@@ -78,21 +78,25 @@ def test_the_driver_refuses_before_writing_anything(tmp_path, mix_path, monkeypa
 
 
 SHM = r"""
+import os
 import deepspeed
 from zerotrain.launcher.components import ds_compat
 deepspeed.init_distributed(dist_backend="gloo")
 path = ds_compat.shm_buffer_path(0)
 made = path.exists()
+found = (ds_compat.allreduce_buffer_files(os.environ["MASTER_PORT"]) == [path]
+         and path in ds_compat.allreduce_buffer_files() and ds_compat.allreduce_buffer_files(1) == [])
 ds_compat.unlink_shm_buffer(0)
-print("SHM", made, path.exists())
+print("SHM", made, found, path.exists())
 """
 
 
 def test_shm_buffer_name_is_the_one_deepspeed_creates(tmp_path):
     """DeepSpeed's CPU all-reduce buffer, made by the real init_distributed (LOCAL_SIZE: all ranks local),
-    is found under the name ds_compat computes, and removed."""
+    is found under the name ds_compat computes, listed by allreduce_buffer_files (for its port, for every port,
+    not for another port), and removed."""
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
     r = subprocess.run([sys.executable, "-c", SHM], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "SHM True False" in r.stdout, r.stdout[-2000:]
+    assert "SHM True True False" in r.stdout, r.stdout[-2000:]

@@ -11,7 +11,8 @@ import pytest
 
 from zerotrain.launcher.commands import report
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.errors import END_KINDS, StopRun, exit_code_table, kind_of_exit, status_of
+from zerotrain.launcher.config import build_parser
+from zerotrain.launcher.errors import END_KINDS, StopRun, exit_code_table, exit_status_help, kind_of_exit, status_of
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,6 +32,20 @@ def test_readme_exit_codes_are_the_table():
         + "\n".join(exit_code_table()))
     kinds = [re.match(r"\| (\d+) \| `([^`]+)` \|", r).groups() for r in rows[2:]]
     assert {k: int(c) for c, k in kinds} == {k: e.exit_code for k, e in END_KINDS.items()}
+
+
+def test_train_help_names_the_codes_of_the_tables_train_kinds():
+    """`zerotrain train --help` says its exit codes from the table: every code a train end exits with, and
+    no other command's (pre-flight's 9, export's 10)."""
+    epilog = build_parser().epilog
+    assert epilog.startswith(exit_status_help("train"))
+    said = exit_status_help("train").split(".")[0]
+    for e in END_KINDS.values():
+        assert bool(re.search(rf"\b{e.exit_code} ", said)) == any(
+            k.command == "train" for k in END_KINDS.values() if k.exit_code == e.exit_code), (e.kind, said)
+    saved = re.search(r"saved at ([\d, ]+);", epilog).group(1)
+    assert sorted(int(c) for c in saved.split(", ")) == sorted(
+        {e.exit_code for e in END_KINDS.values() if e.command == "train" and e.saves})
 
 
 def test_each_kind_has_one_code_and_each_nonzero_code_one_kind():

@@ -1,4 +1,4 @@
-"""Issue 8 end to end: a corpus of a few huge documents trains on 2 ranks, and a data error met by
+"""A corpus of a few huge documents, end to end: trains on 2 ranks, and a data error met by
 one rank mid-run ends every rank with one line (real `deepspeed` launcher, 2 CPU ranks)."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""`finetune()` (issue 9): the driver as a Python call in this process, callable again and again
+"""`finetune()`: the driver as a Python call in this process, callable again and again
 without keeping earlier runs in memory; `model=` as a Hugging Face directory, a run directory or
 a preset; errors as one exception with the CLI's line; export and greedy generation; and the
 same job under the deepspeed launcher (`launch=True`)."""

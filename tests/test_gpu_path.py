@@ -1,4 +1,4 @@
-"""The GPU path as far as one process on a CPU can check it (issue 18, sections 1, 4 and 5), no process group:
+"""The GPU path as far as one process on a CPU can check it (bf16, the kernels, the device checks), no process group:
 
 - precision: what a DeepSpeed dict trains in, and bf16 at ZeRO-2/3 accumulating gradients in fp32
   (launcher/profiles.py `accumulate_in_fp32`); a bf16 model's losses are fp32 sums, so the token-weighted

@@ -1,4 +1,4 @@
-"""The health check (issue 20 section 3, launcher/components/observe/health.py): a run that knows how fast it should be.
+"""The health check (launcher/components/observe/health.py): a run that knows how fast it should be.
 
 The policy is fed numbers by hand (no process group): window shares and MFU, the consecutive windows
 before a verdict, its de-duplication and repetition, recovery, straggler naming and the messages. One
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cpu_profile, launch
+from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from zerotrain.launcher.components.observe.health import DEFAULTS, LABELS, REMEDIES, HealthCheck, standing
 from zerotrain.launcher.components.hooks import SLOW_DATA, TestHooks
 from zerotrain.launcher.components.observe.metrics import read_metrics
@@ -259,7 +260,7 @@ def test_a_slow_data_source_is_named_by_a_real_launch(tmp_path, mix_path):
                                 health={"window_s": 1.0, "windows": 3, "straggler_ratio": 1.1})
     (tmp_path / "slow.json").write_text(json.dumps(profile))
     out = tmp_path / "runs"
-    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    shm_before = set(allreduce_buffer_files())
     try:
         proc = launch("deepspeed", ["--data", str(mix_path), "--model", "debug",
                                     "--profile", str(tmp_path / "slow.json"), "--seq-len", "64", "--micro-batch", "2",
@@ -267,7 +268,7 @@ def test_a_slow_data_source_is_named_by_a_real_launch(tmp_path, mix_path):
                                     "--resume", "never", "--log", "tensorboard"],
                       env_extra={SLOW_DATA: "0.2,1:0.3"}, timeout=300)
     finally:
-        for f in set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before:
+        for f in set(allreduce_buffer_files()) - shm_before:
             f.unlink(missing_ok=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = out / "slow-data"

@@ -1,4 +1,4 @@
-"""Issue 19 section 4: Hugging Face hub names resolve as they do everywhere else (zerotrain.dataio.hub).
+"""Hugging Face hub names resolve as they do everywhere else (zerotrain.dataio.hub).
 
 Nothing is downloaded: each test builds a Hugging Face cache on disk by hand, in the layout `hf download`
 leaves (models--org--name/snapshots/<commit>/..., refs/main; datasets--owner--name/... for a dataset,

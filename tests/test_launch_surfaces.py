@@ -1,4 +1,4 @@
-"""Launch surfaces (issue 9): `zerotrain launch --hostfile` checks and environment, the accelerate
+"""Launch surfaces: `zerotrain launch --hostfile` checks and environment, the accelerate
 configs and their profile rule, `zerotrain slurm` and its script's requeue after a stop by signal.
 
 No Slurm, pdsh or second machine here: `ssh`, `pdsh`, `scontrol`, `srun`, `scancel` and `sbatch`

@@ -10,10 +10,8 @@ bit-identical losses at every step.
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""notebooks/finetune.ipynb (issue 9, section 3), executed headless top to bottom with nbclient in
+"""notebooks/finetune.ipynb, executed headless top to bottom with nbclient in
 a fresh kernel of this interpreter: no cell may raise, the loss curve must be drawn (an image/png
 output), the loss must clearly fall, and the exported Hugging Face model must answer as the
 trained weights do. The notebook writes only under the kernel's working directory (tmp_path)."""

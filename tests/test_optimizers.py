@@ -1,4 +1,4 @@
-"""The optimizer registry (launcher/optimizers.py, issue 11) and per-optimizer lr laws (modeling/sizes.py).
+"""The optimizer registry (launcher/optimizers.py) and per-optimizer lr laws (modeling/sizes.py).
 
 In-process: names, arguments and ZeRO stages refused with one line; the default keeps the run ids
 and the DeepSpeed dict of before; the client optimizers against the harness's independent

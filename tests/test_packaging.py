@@ -1,4 +1,4 @@
-"""zerotrain as a user installs it (issue 17): a wheel built from this checkout, installed (not editable)
+"""zerotrain as a user installs it: a wheel built from this checkout, installed (not editable)
 into a fresh virtual environment, run from a project directory that has its own `modeling/`, `launcher/`
 and `dataio/` packages.
 
@@ -138,7 +138,7 @@ def test_installed_training_run_and_demo(installed, tmp_path):
 
 # import name -> the distribution that provides it, where they differ
 DISTRIBUTION = {"yaml": "pyyaml"}
-OPTIONAL: set[str] = set()  # guarded imports of packages a user may add; never required (none since issue 18)
+OPTIONAL: set[str] = set()  # guarded imports of packages a user may add; never required (none today)
 
 
 def test_every_imported_package_is_declared_and_python_requires_is_honest():

@@ -1,6 +1,6 @@
 """`zerotrain launch --max-restarts`: a job that ends restartably (hung, a lost rank, a crash) is killed to the
 last process and started again with --resume auto, and reproduces the uninterrupted run bit for bit; bad input,
-divergence and a SIGTERM to the launcher are never restarted (issue 20, section 2).
+divergence and a SIGTERM to the launcher are never restarted.
 
 The policy, the flags, the records and the loop are tested without DeepSpeed (a fake runner that exits with
 the codes a test lists); then the real `deepspeed` launcher on 2 CPU ranks (ZeRO-3, gloo): one launch in

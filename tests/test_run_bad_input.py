@@ -1,8 +1,7 @@
-"""Bad input of the long-run flags (issue 7): refused by `plan_run` before anything is built or
+"""Bad input of the long-run flags: refused by `plan_run` before anything is built or
 written, with one line naming the flag; the run directory stays byte-identical. In-process
 (no launch): the exit status and one-line printing are test_bad_input.py's, for the same path."""
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -1,4 +1,4 @@
-"""Defaults that fit a real run (issue 19, section 3): where each hyper-parameter comes from (flag, recipe,
+"""Defaults that fit a real run: where each hyper-parameter comes from (flag, recipe,
 profile, rule, default; launcher/hparams.py), the profile against the machine (profiles.check_devices), a
 schedule that can be extended on resume (components/schedule.py), and the plan sized by the tokenizer given."""
 from __future__ import annotations
@@ -13,7 +13,6 @@ from zerotrain.errors import UsageError
 from zerotrain.launcher import run_plan
 from zerotrain.launcher.cli import main as cli
 from zerotrain.launcher.config import RunConfig, config_from, resolve_config
-from zerotrain.launcher.hparams import resolve_hparams
 from zerotrain.launcher.profiles import check_devices, load_profile, resolve_ds_config
 from zerotrain.modeling.sizes import count_params, default_lr, preset
 

@@ -1,4 +1,4 @@
-"""What issue 12 made fast stays fast: the driver's per-step agreement is one collective (an
+"""What was made fast stays fast: the driver's per-step agreement is one collective (an
 all-gather in Trainer.agree; nothing else of ours runs a collective every step), and checkpoint
 files are written without torch's zip CRC-32 (the marker's sha256 is the integrity check) while
 torch's process-wide setting is left as it was; a step's clock is read once the device has finished it.

@@ -1,4 +1,4 @@
-"""The hang watchdog (launcher/components/observe/watchdog.py, issue 20 section 1).
+"""The hang watchdog (launcher/components/observe/watchdog.py).
 
 The policy without a process group: the default timeout from the slowest phase, who is behind from
 heartbeat files, a firing rank and a joining rank in one process (stacks, summary, manifest, exit

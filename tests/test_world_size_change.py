@@ -1,4 +1,4 @@
-"""Resume on another world size (issue 7, section 5): 2 -> 1 -> 2 ranks under the real launchers,
+"""Resume on another world size: 2 -> 1 -> 2 ranks under the real launchers,
 ZeRO-2 and ZeRO-3. Model and optimizer go through DeepSpeed's universal checkpoint, the data
 re-splits what was left of the epoch: the loss continues (no jump back to the initial loss,
 DeepSpeed issue #6691), the global batch stays the same, and no document is repeated.

@@ -44,6 +44,8 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+
 from zerotrain import __version__
 from zerotrain.cli_args import Parser
 from zerotrain.dataio.errors import DataError, first_line
@@ -115,8 +117,6 @@ def consolidated_state_dict(tag_dir: Path) -> dict:
 def live_model(state: dict, args: ModelArgs, where: str):
     """Our Transformer (CPU, eval mode) holding a consolidated state dict's tensors themselves (built on
     the meta device and assigned: no second copy of the weights)."""
-    import torch
-
     from zerotrain.modeling.model import Transformer
 
     with torch.device("meta"):
@@ -153,8 +153,6 @@ def copy_tokenizer(tokenizer, out: Path) -> list[str]:
 
 def check_batch(run: dict, tokenizer, args: ModelArgs):
     """(input_ids, labels, what they are): the fixed batch of the check (module docstring)."""
-    import torch
-
     cfg = run.get("run", {})
     length = min(CHECK_LEN, cfg.get("seq_len") or CHECK_LEN, args.max_seq_len)
     rows, why = None, "the run held out no documents (no --eval-tokens) and has no --eval-data"
@@ -181,7 +179,6 @@ def check_batch(run: dict, tokenizer, args: ModelArgs):
 
 def check_export(hf_dir: Path, state: dict, args: ModelArgs, batch, dtype: str, where: str) -> dict:
     """The live model's loss and the export's (loaded by transformers, in `dtype`) on `batch`."""
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
@@ -244,8 +241,6 @@ def export(source: Path, out: Path, dtype: str = "float32", best: bool = False, 
            check: bool = True) -> dict:
     """Write the Hugging Face directory; returns {"checkpoint", "args", "tokenizer_files", "weight_files",
     "check" (None with check=False)}. A failed check raises ExportCheckFailed after the directory is written."""
-    import torch
-
     tag_dir, run_dir = find_checkpoint(source, best)
     saved = run_dir / "config.json"
     if not saved.is_file():

@@ -36,17 +36,19 @@ import hashlib
 import io
 import json
 import os
-import socket
 import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from zerotrain import durable
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.commands import export as export_command
 from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint, live_model
-from zerotrain.launcher.components.launching.jobs import RANK_VARS, TRAIN_MODULE, deepspeed_runner, run_preserving_exit_code
+from zerotrain.launcher.components.launching.jobs import (RANK_VARS, TRAIN_MODULE, deepspeed_runner, free_port,
+                                                          run_preserving_exit_code)
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.config import config_from
@@ -262,8 +264,6 @@ def _newest(run_dir) -> Path | None:
 def _launch(cfg, gpus: int | None) -> FinetuneResult:
     """The same run under the deepspeed launcher on `gpus` local ranks; output streamed here."""
     if gpus is None:
-        import torch
-
         gpus = torch.cuda.device_count()
         if gpus < 1:
             raise UsageError("launch=True: no GPU found here; give gpus=N (N CPU ranks work too, slowly)")
@@ -277,9 +277,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     recipe_path = plan.run_dir / "recipe.json"
     durable.write_json(recipe_path, recipe)  # what the launched ranks read
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [*deepspeed_runner(), "--num_gpus", str(gpus), "--master_port", str(port), "--module", TRAIN_MODULE,
            "--config", str(recipe_path)]
     print(f"launching {gpus} rank(s): {' '.join(cmd)}", flush=True)
@@ -338,8 +336,6 @@ def load_model(source: str | Path, tokenizer: str | None = None):
 def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
     """The most likely next token, again and again, until EOS or `max_new_tokens` (no cache: the
     models here are small and so are the prompts)."""
-    import torch
-
     ids = list(tokenizer.encode(prompt))
     if not ids:
         raise UsageError("generate: the prompt encodes to no tokens")

@@ -151,7 +151,7 @@ def stop_loading_universal(engine) -> None:
 
 
 def release_zero3_globals(module) -> None:
-    """Issue 9: ZeRO-3 module-level state that keeps a finished run's module (and through its hooks
+    """For the notebook's repeated runs: ZeRO-3 module-level state that keeps a finished run's module (and through its hooks
     the engine) alive after engine.destroy(); a notebook's next run() would add ~1 GB each time.
 
     Matches (0.19.8) deepspeed/runtime/zero/parameter_offload.py: DeepSpeedZeRoOffload.
@@ -189,6 +189,9 @@ def zero_master_tensors(engine) -> tuple[object, list]:
 
 # -- the CPU shared-memory all-reduce ---------------------------------------------------------------
 
+SHM_BUFFER_NAME = "deepspeed_allreduce_buffer"  # shm.cpp's SHM_BUFFER_NAME (checked in PRIVATE_NAMES above)
+
+
 def shm_buffer_path(rank: int) -> Path:
     """The file DeepSpeed's CPU shared-memory all-reduce maps for `rank` of this launch.
 
@@ -196,8 +199,16 @@ def shm_buffer_path(rank: int) -> Path:
     "deepspeed_allreduce_buffer", then "_%d_%s_%s" of getuid(), MASTER_ADDR, MASTER_PORT, then "_%d"
     of the rank; shm_open puts it under /dev/shm.
     """
-    return Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+    return Path(f"/dev/shm/{SHM_BUFFER_NAME}_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
                 f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def allreduce_buffer_files(port: int | str | None = None) -> list[Path]:
+    """This user's CPU shared-memory all-reduce buffers in /dev/shm (named as shm_buffer_path says): those of
+    the launch whose MASTER_PORT is `port`, or of every launch (None). A killed launch leaves its buffers
+    (~66 MB a rank) behind; whoever started it removes them with these names."""
+    pattern = f"{SHM_BUFFER_NAME}_{os.getuid()}_*" + (f"_{port}_*" if port is not None else "")
+    return sorted(Path("/dev/shm").glob(pattern))
 
 
 def unlink_shm_buffer(rank: int) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 ROW_KEYS = ("input_ids", "labels", "position_ids")
 
@@ -93,8 +94,6 @@ class Evaluator:
             with torch.no_grad():
                 sums = self.local_sums(model, device)
                 if self.world > 1:
-                    import torch.distributed as dist
-
                     dist.all_reduce(sums)  # one collective for every source's sums
         finally:
             model.train(was_training)

@@ -263,13 +263,13 @@ class Budget:
             return (f"--total-tokens {self.total_tokens:,} reached: {tokens_seen:,} tokens trained,"
                     f" one more step would make {tokens_seen + tokens_per_step:,}")
         end_s = elapsed_s + step_time_s + reserve_s
-        after = f"{_hms(elapsed_s)} trained, the next step (~{step_time_s:.1f} s" + (
+        after = f"{hms(elapsed_s)} trained, the next step (~{step_time_s:.1f} s" + (
             f" + {reserve_s:.1f} s to save" if reserve_s else "") + ")"
         if self.max_hours is not None and end_s > self.max_hours * 3600.0:
-            return f"--max-hours {self.max_hours:g} ({_hms(self.max_hours * 3600.0)}) reached: {after} would end at {_hms(end_s)}"
+            return f"--max-hours {self.max_hours:g} ({hms(self.max_hours * 3600.0)}) reached: {after} would end at {hms(end_s)}"
         if self.budget_usd is not None and self.spend_usd(end_s) > self.budget_usd:
             return (f"--budget-usd {self.budget_usd:g} reached: ${self.spend_usd(elapsed_s):,.2f} spent"
-                    f" ({self.world} GPU(s) x ${self.gpu_hour_usd:g}/h x {_hms(elapsed_s)}), {after}"
+                    f" ({self.world} GPU(s) x ${self.gpu_hour_usd:g}/h x {hms(elapsed_s)}), {after}"
                     f" would bring it to ${self.spend_usd(end_s):,.2f}")
         return None
 
@@ -359,7 +359,7 @@ def _positive_int(flag: str, value) -> None:
         raise UsageError(f"{flag}: must be a positive integer, got {value!r}")
 
 
-def _hms(seconds: float) -> str:
+def hms(seconds: float) -> str:
     """'1h02m03s' / '4m05s' / '7.5s': durations in messages."""
     if seconds < 60:
         return f"{seconds:.1f}s"

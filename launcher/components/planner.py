@@ -40,7 +40,6 @@ Compute-optimal (Chinchilla): C = 6·N·D with the plan's N and D, D_opt = 20·N
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace

@@ -1,13 +1,16 @@
 """The process group, set up one way for training (the Trainer) and pre-flight (which then builds Trainers
 that reuse it).
 
-torch, deepspeed and the accelerator are imported inside the function: they are heavy, and this
-module sits among components that `zerotrain runs`/`report` import without torch.
+deepspeed and its accelerator are imported inside the function: importing deepspeed takes seconds, and
+only a process that joins a group pays for it.
 """
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+
+import torch
+import torch.distributed as dist
 
 COMM_TIMEOUT_S = 1800.0  # torch's own default for gloo; DeepSpeed's init_distributed would give 10 minutes
 
@@ -31,8 +34,6 @@ def init_process_group(zt: dict, hang_timeout: float | None = None):
     OMP_NUM_THREADS the node's cores are shared between its ranks (torch would give each rank all of
     them, and the ranks would fight over them)."""
     import deepspeed
-    import torch
-    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 
+from torch.optim.lr_scheduler import LambdaLR
+
 
 class Schedule:
     """Multiplier of the peak lr for the optimizer step with 0-based index `s` (step s + 1 of the run).
@@ -90,8 +92,6 @@ class Schedule:
 def make_scheduler(cfg):
     """A callable for deepspeed.initialize(lr_scheduler=...): optimizer -> LambdaLR over this run's Schedule.
     `cfg` is resolved (zerotrain.launcher.hparams): lr, min_lr, warmup_steps are concrete."""
-    from torch.optim.lr_scheduler import LambdaLR  # torch: only where an optimizer exists
-
     schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
                         cfg.decay_fraction)
     return lambda optimizer: LambdaLR(optimizer, schedule)

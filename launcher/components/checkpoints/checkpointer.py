@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch.distributed as dist
+import torch.serialization as ts
+
 from zerotrain import durable
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, PARTIAL, check_files, complete_checkpoints,
@@ -52,8 +55,6 @@ def _no_zip_crc32():
     `checkpoint`): the CRC was most of a save's time (114M model, ZeRO-2, 1.7 GB: 2.0 s -> 0.5-0.9 s),
     and the marker's sha256 of every file, checked before any resume, already catches what it would.
     torch.load reads these files as any other. Process-wide in torch, so restored afterwards."""
-    import torch.serialization as ts
-
     if not hasattr(ts, "set_crc32_options"):  # torch < 2.6: always computed
         yield
         return
@@ -220,8 +221,6 @@ class Checkpointer:
         self._mirror_hold: threading.Event | None = None  # tests: hold a mirror copy back
         self._group = None
         if world > 1:
-            import torch.distributed as dist
-
             # The background threads exchange hashes on a gloo group of their own, so they never
             # interleave with the loop's collectives on the main (NCCL) group. Collective: every rank
             # builds its Checkpointer at the same point.
@@ -355,8 +354,6 @@ class Checkpointer:
         issuing collectives on one group could pair them up differently on different ranks."""
         if self.world == 1:
             return [mine]
-        import torch.distributed as dist
-
         every = [None] * self.world
         dist.all_gather_object(every, mine)
         return every
@@ -375,8 +372,6 @@ class Checkpointer:
                 error = one_line(e)
             every = [(error, mine)]
             if self._group is not None:
-                import torch.distributed as dist
-
                 every = [None] * self.world
                 dist.all_gather_object(every, (error, mine), group=self._group)
             bad = next(((r, e) for r, (e, _) in enumerate(every) if e), None)

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from zerotrain import durable
 from zerotrain.launcher.components.checkpoints.checkpoint import MARKER as COMPLETE_MARKER
 from zerotrain.launcher.errors import UsageError
@@ -166,8 +168,6 @@ def convert_on_rank0(tag_dir: Path, out_dir: Path | None = None, workers: int | 
     the process group's timeout (30 min by default) does not kill them. A failure on rank 0 is
     written next to the output and raised on every rank as the same one line.
     """
-    import torch.distributed as dist
-
     tag_dir = Path(tag_dir)
     out = Path(out_dir) if out_dir is not None else universal_dir_for(tag_dir)
     failed = out.parent / f".{out.name}.failed"

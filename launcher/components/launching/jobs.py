@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,14 @@ TRAIN_MODULE = "zerotrain.launcher.train"
 # Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (zerotrain.launcher.trainer
 # single_process_env) and must not hand them to the ranks of a launch it starts.
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    """A TCP port of this host that nothing listens on now: the rendezvous port (MASTER_PORT) of a launch we
+    start, or of a world of one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def deepspeed_runner() -> list[str]:

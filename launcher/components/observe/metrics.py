@@ -26,7 +26,6 @@ it never reaches into the Trainer and runs no collective.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import netrc
 import os
@@ -35,9 +34,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from zerotrain.launcher.components.guards import _hms
+from zerotrain.launcher.components.guards import hms
 from zerotrain.launcher.config import parse_sinks
-from zerotrain.launcher.errors import UsageError
 
 GIB = 2 ** 30
 
@@ -336,7 +334,7 @@ class StepLogger:
             if spend is not None:
                 post["usd"] = f"{spend:.2f}"
             if self.budget.active:  # tqdm's own ETA counts --max-steps only
-                post["eta"] = _hms(self.budget.eta_s(elapsed_s, step_s, tokens_seen, self.tokens_per_step,
+                post["eta"] = hms(self.budget.eta_s(elapsed_s, step_s, tokens_seen, self.tokens_per_step,
                                                      self.max_steps - step))
             self.bar.set_postfix(post)
             self.bar.update(1)
