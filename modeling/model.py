@@ -441,7 +441,9 @@ def _loss_and_grads(hidden, weight, targets, mean: bool, chunk_tokens: int, want
         if want_weight:
             if dlogits.dtype == torch.float32:
                 grad_weight.addmm_(dlogits.t(), h)
-            else:
+            elif dlogits.device.type != "cpu":  # one kernel: 16-bit products accumulated into the fp32 gradient
+                torch.addmm(grad_weight, dlogits.t(), h, out_dtype=torch.float32, out=grad_weight)
+            else:  # torch has no CPU kernel for addmm with out_dtype: a (V, D) 16-bit product, then the add
                 grad_weight += dlogits.t() @ h
     if mean:
         loss = loss * scale

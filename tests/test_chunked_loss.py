@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 
 import pytest
 import torch
@@ -171,3 +172,34 @@ def test_zero3_gathers_the_head_once_per_pass_and_matches_the_plain_model(tmp_pa
         assert res["head_fetches"] == {"forward": 1, "backward": 1}, res
         assert abs(res["loss"] - res["reference_loss"]) <= 1e-6 * max(1, abs(res["reference_loss"])), res
         assert res["grad_max_err"] <= 1e-6, res
+
+
+class OutputShapes(TorchDispatchMode):
+    """Records each operator run under it with the shapes of the tensors it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.ops.append((str(func), [tuple(o.shape) for o in outs if isinstance(o, torch.Tensor)]))
+        return out
+
+
+def test_the_head_gradient_at_the_llama3_vocabulary_is_one_kernel_per_chunk_without_a_vd_temporary():
+    """bf16 on an accelerator (meta tensors here: shapes and operators, no memory) at a 128,256 vocabulary:
+    each chunk's head gradient is accumulated into the fp32 gradient by one addmm (out_dtype fp32), never
+    written as a (V, D) product first and added after (a full (V, D) write and read per ~261 tokens)."""
+    V, D, T, chunk = 128256, 2048, 2048, 261
+    hidden = torch.empty(1, T, D, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    weight = torch.empty(V, D, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    labels = torch.zeros(1, T, dtype=torch.long, device="meta")
+    with OutputShapes() as seen:
+        chunked_next_token_loss(hidden, weight, labels, chunk_tokens=chunk).backward()
+    chunks = -(-T // chunk)
+    vd = Counter(op for op, shapes in seen.ops if (V, D) in shapes)
+    # per chunk: the accumulation in place; once: the fp32 accumulator, its cast to bf16, backward's scaling
+    assert vd == {"aten.addmm.dtype_out": chunks, "aten.zeros.default": 1, "aten._to_copy.default": 1,
+                  "aten.mul_.Tensor": 1, "aten.detach.default": 1}, vd
