@@ -50,6 +50,7 @@ from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
 from zerotrain.launcher.components import ds_compat, manifest, planner
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
+from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
@@ -59,15 +60,14 @@ from zerotrain.launcher.components.observe.metrics import MetricsLogger, StepLog
 from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
-from zerotrain.launcher.components.schedule import Schedule, make_scheduler, reapply
+from zerotrain.launcher.components.schedule import Schedule, reapply
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, report_exit  # report_exit: pre-flight too
 from zerotrain.launcher.hparams import describe_hparams, describe_length, token_budget
-from zerotrain.launcher.optimizers import check_engine, describe, describe_implementation, prepare_optimizer
+from zerotrain.launcher.optimizers import describe, describe_implementation
 from zerotrain.launcher.profiles import describe_precision, load_profile
 from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
-from zerotrain.modeling.hf import load_weights
-from zerotrain.modeling.model import Transformer, count_params, flops_per_token, global_token_mean_scale, held_numel
+from zerotrain.modeling.model import count_params, flops_per_token, global_token_mean_scale
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -115,7 +115,6 @@ class Trainer:
     """Built once from a RunPlan; `train()` runs the loop and returns a RunResult."""
 
     def __init__(self, plan: RunPlan, hard_exit: bool = True, watch: bool = False):
-        import deepspeed
         import torch
 
         self.plan, self.cfg = plan, plan.cfg
@@ -151,7 +150,7 @@ class Trainer:
                      f" checkpoint for {self.world} rank(s): {self.universal_dir}")
         self._write_run_dir()
         self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none
-        self.engine = self._build_engine(deepspeed, self.accel)
+        self.engine = self._build_engine(self.accel)
         self.loader = self._build_data()
         self.checkpointer = checkpointer.Checkpointer(
             plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=self.cfg.save_every_steps,
@@ -211,42 +210,21 @@ class Trainer:
         self.dist.all_gather_object(hosts, socket.gethostname())
         return sorted(set(hosts))
 
-    def _build_engine(self, deepspeed, accel):
-        torch, plan, cfg = self.torch, self.plan, self.cfg
-        torch.manual_seed(cfg.seed)
-        ds_config, args = plan.ds_config, plan.model_args
-        if ds_config["zero_optimization"].get("stage", 0) == 3:
-            # No rank ever holds the full model. The dtype comes from the config's bf16/fp16 sections:
-            # do not pass dtype= here, DeepSpeed 0.19 turns an explicit float32 into bfloat16 on CPU
-            # (an operator-precedence slip in Init._set_dtype), which made fp32 runs 8x slower.
-            with deepspeed.zero.Init(config_dict_or_path=ds_config):
-                model = Transformer(args)
-        else:
-            model = Transformer(args)
-        if plan.init_from is not None and plan.resume_from is None:  # before deepspeed.initialize copies them
-            load_weights(model, plan.init_from)
+    def _build_engine(self, accel):
+        plan, cfg = self.plan, self.cfg
+        built = build_engine(spec_from_plan(plan))  # components/engine.py: the one builder (tests use it too)
+        engine, ds_config, args = built.engine, built.ds_config, plan.model_args
+        if plan.init_from is not None and plan.resume_from is None:
             self.say(f"initialised from {plan.init_from}")
         held = [None] * self.world
-        self.dist.all_gather_object(held, held_numel(model))
-        ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
-            else plan.zt.get("activation_checkpointing")
-        model.activation_checkpointing = bool(ac)
-        model.attention = plan.attention  # resolved and checked in plan_run (issue 18)
+        self.dist.all_gather_object(held, built.held)
         self.say(f"attention: {plan.attention} ({plan.attention_why})")
-        # issue 11 (optimizer registry, launcher/optimizers.py): a client optimizer or DeepSpeed's own
-        # from ds_config; check_engine refuses an engine that would train with another update rule.
-        ds_config, optimizer, model_parameters = prepare_optimizer(cfg, ds_config, model)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                               config=ds_config, lr_scheduler=make_scheduler(cfg))
-        check_engine(cfg, engine, model, ds_compat.muon_optimizer_class)
         self.say(describe(cfg, ds_config))
         self.say(describe_implementation(cfg, ds_config, accel.device_name()))  # issue 18: what steps, built or not
         self.say(describe_precision(ds_config))
         self.say(describe_hparams(cfg))  # each value and where it came from (launcher/hparams.py)
         if plan.resume_from is None:
             self.say(engine.lr_scheduler.lr_lambdas[0].describe(cfg.lr))
-        if cfg.compile:  # DeepSpeed compiles the module in place: parameter names do not change
-            engine.compile(backend=plan.zt.get("compile_backend") or accel.get_compile_backend())
         n_params = count_params(args)
         self.say(f"model {plan.model_label}: {n_params['total'] / 1e6:.2f}M params"
                  f" ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"

@@ -1,0 +1,129 @@
+"""The one way a DeepSpeed engine is built: the process group joined (or reused), the model (under
+`deepspeed.zero.Init` at ZeRO-3, so that no rank ever holds it whole), its initial weights, the optimizer
+(the registry's, launcher/optimizers.py, or DeepSpeed's own from ds_config), the LR schedule,
+`deepspeed.initialize`, and the registry's check of what DeepSpeed really built.
+
+    build_engine(spec_from_plan(plan))    the run (Trainer; pre-flight builds Trainers)
+    build_engine(EngineSpec(...))         test harnesses and benchmarks, from explicit arguments
+
+Nothing else in the repository calls `deepspeed.initialize`, `deepspeed.zero.Init` or
+`deepspeed.init_distributed` (the last only in process_group.py; tests/test_engine.py walks every file),
+so an engine a test measures is built the way the run builds it for the same inputs.
+
+What is not here: the start-up lines about the engine (the Trainer says them), the data, resume.
+Settings the spec carries through untouched are DeepSpeed's own: optimizer and parameter offload
+(`zero_optimization.offload_optimizer` / `offload_param` in ds_config), a model-parallel unit (`mpu`,
+e.g. sequence parallelism's groups) handed to both `zero.Init` and `deepspeed.initialize`.
+deepspeed is imported inside the functions (heavy, and its import logs a line).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from zerotrain.launcher.components import ds_compat
+from zerotrain.launcher.components.process_group import comm_timeout_s, init_process_group
+from zerotrain.launcher.components.schedule import make_scheduler
+from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
+from zerotrain.modeling.hf import load_weights
+from zerotrain.modeling.model import ModelArgs, Transformer, held_numel
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built from. `run` given (the run's RunConfig): the optimizer is the
+    registry's (`prepare_optimizer`, then `check_engine` on the built engine) and the LR schedule is the
+    run's (`make_scheduler`); `optimizer` and `lr_scheduler` are then left None. Without `run`: DeepSpeed's
+    optimizer from ds_config's "optimizer" section, or the client optimizer `optimizer(parameters)` builds,
+    and `lr_scheduler` as deepspeed.initialize takes it (a callable optimizer -> scheduler) or None."""
+    ds_config: dict  # as handed to deepspeed.initialize: batch numbers resolved; its zero_optimization's stage
+    model_args: ModelArgs
+    seed: int  # torch.manual_seed before the model is built: its initial weights
+    run: Any = None  # launcher/config.RunConfig
+    optimizer: Callable | None = None  # parameters -> torch.optim.Optimizer
+    lr_scheduler: Callable | None = None
+    init_from: str | Path | None = None  # a checked HF directory whose weights are loaded before initialize
+    attention: str | None = None  # the attention kernel (None: the model's default)
+    activation_checkpointing: bool | None = None  # None: the model's default (off)
+    compile: bool = False  # torch.compile the engine's module in place (parameter names do not change)
+    compile_backend: str | None = None  # None: the accelerator's
+    dist_backend: str | None = None  # the process group's, if this joins it (None: the accelerator's)
+    comm_timeout_s: float | None = None  # the collectives' timeout, if this joins it (None: process_group's rule)
+    mpu: Any = None  # DeepSpeed's model-parallel unit, for zero.Init and deepspeed.initialize
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ds_config.get("zero_optimization", {}).get("stage", 0)
+
+
+@dataclass
+class Built:
+    engine: Any  # the DeepSpeedEngine
+    ds_config: dict  # the dict deepspeed.initialize got
+    held: int  # parameter elements this rank held after construction (its ZeRO-3 partition, else all)
+
+    @property
+    def model(self):
+        return self.engine.module
+
+
+def spec_from_plan(plan) -> EngineSpec:
+    """The run's engine: `plan` is a RunPlan (launcher/run_plan.py, the layer above: read, not imported).
+    The pretrained weights are loaded only on a fresh start (a resume loads its checkpoint instead)."""
+    cfg, zt = plan.cfg, plan.zt
+    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
+        else zt.get("activation_checkpointing")
+    hang_timeout = cfg.hang_timeout if cfg.hang_timeout is not None else zt.get("hang_timeout")
+    return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.seed, run=cfg,
+                      init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
+                      activation_checkpointing=bool(ac), compile=bool(cfg.compile),
+                      compile_backend=zt.get("compile_backend"), dist_backend=zt.get("dist_backend"),
+                      comm_timeout_s=comm_timeout_s(zt, hang_timeout))
+
+
+def build_model(spec: EngineSpec):
+    """The model, seeded, under zero.Init at ZeRO-3, with its pretrained weights if any (the process
+    group must exist: build_engine joins it)."""
+    import deepspeed
+    import torch
+
+    torch.manual_seed(spec.seed)
+    if spec.zero_stage == 3:
+        # The dtype comes from the config's bf16/fp16 sections: do not pass dtype= here, DeepSpeed 0.19 turns
+        # an explicit float32 into bfloat16 on CPU (an operator-precedence slip in Init._set_dtype), which made
+        # fp32 runs 8x slower.
+        with deepspeed.zero.Init(config_dict_or_path=spec.ds_config, mpu=spec.mpu):
+            model = Transformer(spec.model_args)
+    else:
+        model = Transformer(spec.model_args)
+    if spec.init_from is not None:  # before deepspeed.initialize copies them
+        load_weights(model, spec.init_from)
+    if spec.activation_checkpointing is not None:
+        model.activation_checkpointing = bool(spec.activation_checkpointing)
+    if spec.attention is not None:
+        model.attention = spec.attention
+    return model
+
+
+def build_engine(spec: EngineSpec) -> Built:
+    """Join (or reuse) the process group, build the model, its optimizer and schedule, and the engine."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    init_process_group({"dist_backend": spec.dist_backend, "comm_timeout_s": spec.comm_timeout_s})
+    model = build_model(spec)
+    held = held_numel(model)
+    ds_config, optimizer, scheduler = spec.ds_config, None, spec.lr_scheduler
+    if spec.run is not None:
+        ds_config, optimizer, _ = prepare_optimizer(spec.run, ds_config, model)
+        scheduler = make_scheduler(spec.run)
+    elif spec.optimizer is not None:
+        optimizer = spec.optimizer(model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
+                                           config=ds_config, lr_scheduler=scheduler, mpu=spec.mpu)
+    if spec.run is not None:
+        check_engine(spec.run, engine, model, ds_compat.muon_optimizer_class)
+    if spec.compile:
+        engine.compile(backend=spec.compile_backend or get_accelerator().get_compile_backend())
+    return Built(engine, ds_config, held)
