@@ -50,27 +50,20 @@ def disk_bandwidth(path: Path, total: int = 1 << 30, block: int = 8 << 20) -> tu
 def worker(stage: int, model: str, out: Path, saves: int, loads: int, mirrored: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    import deepspeed
     import torch
 
     from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer
+    from zerotrain.launcher.components.engine import EngineSpec, build_engine
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling import sizes
-    from zerotrain.modeling.model import Transformer, count_params, preset
+    from zerotrain.modeling.model import count_params, preset
 
-    deepspeed.init_distributed(dist_backend="gloo")
     _, profile = load_profile("cpu")
     ds = {k: v for k, v in profile.items() if k != "zerotrain"}
     ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1,
               zero_optimization={**ds["zero_optimization"], "stage": stage})
     args = sizes.depth_args(8, 64, 64, vocab_size=258) if model == "d8" else preset(model)
-    torch.manual_seed(0)
-    if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds):
-            net = Transformer(args)
-    else:
-        net = Transformer(args)
-    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=ds)
+    engine = build_engine(EngineSpec(ds, args, seed=0)).engine  # joins the process group
     ids = torch.randint(0, 258, (1, 32))
     engine.backward(engine(input_ids=ids, labels=ids))
     engine.step()  # AdamW's states exist from here: the checkpoint holds them

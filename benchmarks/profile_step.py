@@ -66,25 +66,17 @@ def main(argv: list[str]) -> None:
     batches = [{k: loader.next()[k] for k in ("input_ids", "position_ids", "labels")} for _ in range(4)]
     loader.close()
     if a.program.startswith("zero"):
-        import deepspeed
-
+        from zerotrain.launcher.components.engine import EngineSpec, build_engine
         from zerotrain.launcher.profiles import load_profile
-        from zerotrain.modeling.model import Transformer
 
-        deepspeed.init_distributed(dist_backend="gloo")
         _, prof = load_profile("cpu")
         ds = {k: v for k, v in prof.items() if k != "zerotrain"}
         stage = int(a.program[-1])
         ds.update(train_micro_batch_size_per_gpu=a.micro, gradient_accumulation_steps=1, train_batch_size=a.micro,
                   zero_optimization={**ds["zero_optimization"], "stage": stage})
         ds = merged(ds, json.loads(a.ds))
-        torch.manual_seed(a.seed)
-        if stage == 3:
-            with deepspeed.zero.Init(config_dict_or_path=ds):
-                model = Transformer(model_args(a))
-        else:
-            model = Transformer(model_args(a))
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        engine = build_engine(EngineSpec(ds, model_args(a), seed=a.seed)).engine  # joins the process group
+        torch.set_num_threads(a.threads)  # as asked: joining sets a CPU rank's threads when OMP_NUM_THREADS is unset
 
         def step(b):
             with record_function("forward"):

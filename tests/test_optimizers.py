@@ -303,10 +303,11 @@ def test_shipped_adana_law_and_params_prints_the_lr(capsys):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
+def harness(tmp_path_factory, mix_path):
     out = tmp_path_factory.mktemp("optim") / "results.json"
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(HARNESS), str(out),
-           "0,1,2,3", *LAUNCHED, "--resume", "muon", 'ademamix={"warmup_steps": 2}', "lion", "--resume-stages", "3"]
+           "0,1,2,3", *LAUNCHED, "--resume", "muon", 'ademamix={"warmup_steps": 2}', "lion", "--resume-stages", "3",
+           "--against-the-run", str(mix_path)]
     # TORCHDYNAMO_DISABLE: DeepSpeed's torch.compile'd Muon update runs eagerly (same arithmetic, no
     # 30-60 s compile on the CPU).
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
@@ -340,6 +341,23 @@ def test_exact_resume_of_the_optimizer_state_at_zero3(harness):
     for spec, r in harness["resume-3"].items():
         assert "error" not in r, (spec, r.get("error"))
         assert r["weights_equal"] and r["losses_equal"], (spec, r)
+
+
+def test_the_harness_builds_the_engine_the_run_builds(harness):
+    """The run's engine (plan_run -> spec_from_plan -> build_engine, what Trainer._build_engine calls) and
+    the harness's, for the same inputs, agree on every rank: DeepSpeed's dict, ZeRO stage, optimizer
+    classes, each parameter's shape and partition, initial weights and lr schedule (a harness that built its
+    engine another way, e.g. without zero.Init, with DeepSpeed's scheduler or another optimizer, differs)."""
+    r = harness["against-the-run"]
+    assert "error" not in r, r.get("error")
+    assert r["same"] == [True, True], {k: (r["run"][k], r["harness"][k]) for k in r["run"]
+                                       if r["run"][k] != r["harness"][k]}
+    run = r["run"]
+    assert run["zero_stage"] == 3 and run["basic_optimizer"] == "AdamW", run
+    held = sum(n for _, _, n in run["partition"])
+    whole = sum(math.prod(shape) for _, shape, _ in run["partition"])
+    assert held < whole, (held, whole)  # partitioned: this rank holds part of every parameter
+    assert run["lr_multipliers"][0] < run["lr_multipliers"][1] == 1.0, run["lr_multipliers"]  # the run's warm-up
 
 
 def test_muon_run_resumes_bit_identically_through_the_driver(tmp_path, mix_path):

@@ -37,24 +37,21 @@ SEED, SEQ_LEN, MICRO_BATCH = 1234, 64, 2
 
 
 def build(model_preset: str = "debug"):
-    import deepspeed
     import torch
-    import torch.distributed as dist
 
+    from zerotrain.launcher.components.engine import EngineSpec, build_engine
+    from zerotrain.launcher.components.process_group import init_process_group
     from zerotrain.launcher.profiles import load_profile
-    from zerotrain.modeling.model import Transformer, preset
+    from zerotrain.modeling.model import preset
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist, _ = init_process_group({})
     world = dist.get_world_size()
     _, profile = load_profile("cpu")
     ds_config = {k: v for k, v in profile.items() if k != "zerotrain"}
     ds_config.update(train_micro_batch_size_per_gpu=MICRO_BATCH, gradient_accumulation_steps=1,
                      train_batch_size=MICRO_BATCH * world)
     args = preset(model_preset)
-    torch.manual_seed(SEED)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = Transformer(args)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine = build_engine(EngineSpec(ds_config, args, seed=SEED)).engine  # the cpu profile: ZeRO-3 under zero.Init
     gen = torch.Generator().manual_seed(SEED + dist.get_rank())
 
     def train_step():

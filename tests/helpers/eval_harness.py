@@ -53,11 +53,13 @@ def main(mix: str, out_dir: str) -> None:
     from zerotrain.dataio.loader import cut_data, make_loader, open_data
     from zerotrain.dataio.readers import load_text_source
     from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.launcher.components.engine import EngineSpec, build_engine
     from zerotrain.launcher.components.evaluate import Evaluator
+    from zerotrain.launcher.components.process_group import init_process_group
     from zerotrain.launcher.profiles import load_profile
-    from zerotrain.modeling.model import Transformer, held_numel, preset
+    from zerotrain.modeling.model import Transformer, preset
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist, _ = init_process_group({})
     rank, world = dist.get_rank(), dist.get_world_size()
 
     data = open_data(mix, ByteTokenizer())  # what load_data does, with the holdout before the cut
@@ -78,11 +80,8 @@ def main(mix: str, out_dir: str) -> None:
     ds_config["zero_optimization"] = {**ds_config["zero_optimization"], "stage3_max_live_parameters": 0,
                                       "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
     args = preset("debug", vocab_size=data.tokenizer.vocab_size)
-    torch.manual_seed(SEED)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = Transformer(args)
-    held = held_numel(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    built = build_engine(EngineSpec(ds_config, args, seed=SEED))  # the cpu profile: ZeRO-3 under zero.Init
+    engine, held = built.engine, built.held
 
     forwards = [0]
     engine.module.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))

@@ -30,10 +30,12 @@ def main(out_dir: str) -> None:
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     from deepspeed.utils import safe_get_full_grad
 
+    from zerotrain.launcher.components.engine import EngineSpec, build_engine
+    from zerotrain.launcher.components.process_group import init_process_group
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import ModelArgs, Transformer, next_token_loss
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_process_group({})
     rank = dist.get_rank()
     _, profile = load_profile("cpu")
     ds_config = {k: v for k, v in profile.items() if k not in ("zerotrain", "optimizer")}
@@ -48,14 +50,12 @@ def main(out_dir: str) -> None:
     results = []
     for tied in (False, True):
         args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=200, tie_embeddings=tied)
-        torch.manual_seed(1)
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = Transformer(args)
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        engine = build_engine(EngineSpec(ds_config, args, seed=1,
+                                         optimizer=lambda params: torch.optim.SGD(params, lr=0.1))).engine
+        model = engine.module
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):  # as built: no step taken yet
             whole = {n: p.detach().clone() for n, p in model.named_parameters()}
         model.lm_head.chunk_tokens = CHUNK
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                               config=ds_config)
         fetches = {"forward": 0, "backward": 0}
         original = PartitionedParameterCoordinator.fetch_sub_module
 

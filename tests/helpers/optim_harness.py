@@ -3,8 +3,8 @@
 For each ZeRO stage and each optimizer asked for, on the debug model with the cpu profile's
 settings (fp32, gradient clipping 1.0), the stage overridden:
 
-1. the engine is built the way the driver builds it (zero.Init at stage 3, resolve_ds_config,
-   prepare_optimizer, deepspeed.initialize with our schedule, check_engine);
+1. the engine is built by the driver's own builder (launcher/components/engine.py: zero.Init at stage 3,
+   the registry's optimizer, our schedule, check_engine) from resolve_ds_config's dict;
 2. update rule: from the fixed initial state, STEPS_CHECKED steps on fixed batches, and after each
    the parameters are compared with a plain-PyTorch reference written here, independently of
    DeepSpeed and of launcher/client_optimizers.py (same gradients: the mean over the ranks'
@@ -16,11 +16,17 @@ settings (fp32, gradient clipping 1.0), the stage overridden:
 5. with --resume OPT...: exact resume at each of --resume-stages (default 3): 0 -> 4 saving at 2, then a
    fresh engine loads step 2 and trains 2 -> 4: weights (torch.equal) and losses must be identical.
 
-Rank 0 writes one JSON object: results[stage][optimizer] = {max_err, worst, contrast, losses, ...}
-and results["resume-STAGE"][optimizer] = {weights_equal, losses_equal, ...}.
+6. with --against-the-run MIX: the run's own engine (plan_run -> spec_from_plan -> build_engine, as
+   Trainer._build_engine does) and this harness's, for the same inputs (the cpu profile at ZeRO-3, AdamW,
+   the debug model): the dict DeepSpeed got, the ZeRO stage, the optimizer classes, each parameter's
+   shape and this rank's partition of it, the initial weights and the lr schedule must be the same.
+
+Rank 0 writes one JSON object: results[stage][optimizer] = {max_err, worst, contrast, losses, ...},
+results["resume-STAGE"][optimizer] = {weights_equal, losses_equal, ...} and
+results["against-the-run"] = {same (per rank), run, harness (rank 0's signatures)}.
 
 Usage: deepspeed --num_gpus 2 tests/helpers/optim_harness.py OUT.json STAGES OPTIMIZER [OPTIMIZER ...]
-                 [--resume OPTIMIZER ...] [--resume-stages S,S]
+                 [--resume OPTIMIZER ...] [--resume-stages S,S] [--against-the-run MIX.json]
        (STAGES e.g. 0,1,2,3; an optimizer may carry its --optimizer-args after '=':
        'ademamix={"warmup_steps": 2}')
 With TORCHDYNAMO_DISABLE=1 (as tests/test_optimizers.py runs it) DeepSpeed's torch.compile'd Muon
@@ -28,6 +34,7 @@ update runs eagerly, the same arithmetic without a 30-60 s compile on a CPU.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -222,17 +229,13 @@ def state_bytes_per_param(engine) -> float:
     return state / held if held else float("nan")
 
 
-def build(stage: int, opt_spec: str, world: int):
-    """(cfg, ds_config, model, engine, initial full parameters), built the way the driver builds them."""
-    import deepspeed
-    import torch
-
+def spec(stage: int, opt_spec: str, world: int):
+    """The engine's EngineSpec (launcher/components/engine.py) for the debug model at `stage` with the
+    optimizer `opt_spec` (its arguments after '='), the cpu profile's other settings."""
+    from zerotrain.launcher.components.engine import EngineSpec
     from zerotrain.launcher.config import config_from
-    from zerotrain.launcher.components import ds_compat
-    from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
     from zerotrain.launcher.profiles import load_profile, resolve_ds_config
-    from zerotrain.launcher.components.schedule import make_scheduler
-    from zerotrain.modeling.model import Transformer, preset
+    from zerotrain.modeling.model import preset
 
     name, _, args_json = opt_spec.partition("=")
     values = {"data": "-", "seq_len": SEQ_LEN, "micro_batch": MICRO, "grad_accum": ACCUM, "max_steps": STEPS_TRAINED,
@@ -245,18 +248,17 @@ def build(stage: int, opt_spec: str, world: int):
     _, profile = load_profile("cpu")
     profile["zero_optimization"]["stage"] = stage
     ds_config = resolve_ds_config(profile, cfg, world, f"cpu at stage {stage}")
-    torch.manual_seed(cfg.seed)
-    if stage == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = Transformer(preset("debug", max_seq_len=SEQ_LEN))
-    else:
-        model = Transformer(preset("debug", max_seq_len=SEQ_LEN))
-    init = full_params(model)
-    ds_config, optimizer, params = prepare_optimizer(cfg, ds_config, model)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=params,
-                                           config=ds_config, lr_scheduler=make_scheduler(cfg))
-    check_engine(cfg, engine, model, ds_compat.muon_optimizer_class)
-    return cfg, ds_config, model, engine, init
+    return EngineSpec(ds_config, preset("debug", max_seq_len=SEQ_LEN), seed=cfg.seed, run=cfg)
+
+
+def build(stage: int, opt_spec: str, world: int):
+    """(cfg, ds_config, model, engine, initial full parameters), built by the driver's builder."""
+    from zerotrain.launcher.components.engine import build_engine
+
+    s = spec(stage, opt_spec, world)
+    built = build_engine(s)
+    model = built.model
+    return s.run, built.ds_config, model, built.engine, full_params(model)  # as built: no step taken yet
 
 
 def train_step(engine, s: int, rank: int, world: int) -> float:
@@ -349,11 +351,46 @@ def resume_one(stage: int, opt_spec: str, world: int, rank: int, ckpt_dir: Path)
     return {"losses_a": first, "losses_b": second, "weights_equal": same, "losses_equal": first == second}
 
 
+def engine_signature(engine, ds_config: dict) -> dict:
+    """What an engine was built as, on this rank (gathering the weights is a collective under ZeRO-3)."""
+    digest = hashlib.sha256()
+    for name, t in full_params(engine.module).items():
+        digest.update(name.encode())
+        digest.update(t.numpy().tobytes())
+    return {"ds_config": ds_config, "zero_stage": engine.zero_optimization_stage(),
+            "optimizer": type(engine.optimizer).__name__, "basic_optimizer": type(engine.basic_optimizer).__name__,
+            "partition": [[n, list(getattr(p, "ds_shape", p.shape)), getattr(p, "ds_tensor", p).numel()]
+                          for n, p in engine.module.named_parameters()],
+            "weights": digest.hexdigest(), "lr": engine.get_lr(),
+            "lr_multipliers": [engine.lr_scheduler.lr_lambdas[0](s) for s in range(STEPS_TRAINED)]}
+
+
+def against_the_run(mix: str, world: int, rank: int, work: Path) -> dict:
+    """The run's engine and this harness's, built from the same inputs: their signatures on every rank."""
+    import torch.distributed as dist
+
+    from zerotrain.launcher.components.engine import build_engine, spec_from_plan
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.run_plan import plan_run
+
+    values = {"data": mix, "model": "debug", "profile": "cpu", "seq_len": SEQ_LEN, "micro_batch": MICRO,
+              "grad_accum": ACCUM, "max_steps": STEPS_TRAINED, "warmup_steps": 2, "seed": SEED, "out": str(work),
+              "resume": "never"}
+    built = build_engine(spec_from_plan(plan_run(config_from(values), world, rank)))  # as Trainer._build_engine
+    run = engine_signature(built.engine, built.ds_config)
+    built.engine.destroy()
+    _, ds_config, _, engine, _ = build(3, "adamw", world)
+    harness = engine_signature(engine, ds_config)
+    engine.destroy()
+    same = [None] * world
+    dist.all_gather_object(same, run == harness)
+    return {"same": same, "run": run, "harness": harness}
+
+
 def main(argv: list[str]) -> None:
     import argparse
 
-    import deepspeed
-    import torch.distributed as dist
+    from zerotrain.launcher.components.process_group import init_process_group
 
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -361,8 +398,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("optimizers", nargs="*")
     p.add_argument("--resume", nargs="*", default=[], help="optimizers whose exact resume is checked")
     p.add_argument("--resume-stages", default="3")
+    p.add_argument("--against-the-run", default=None, help="a mix: compare the run's engine with this harness's")
     ns, _ = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist, _ = init_process_group({})
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
 
@@ -388,6 +426,12 @@ def main(argv: list[str]) -> None:
                 r = {"error": f"{type(e).__name__}: {e}"}
             results.setdefault(f"resume-{stage}", {})[spec] = r
             report(f"resume at stage {stage}", spec, r)
+    if ns.against_the_run:
+        try:
+            results["against-the-run"] = against_the_run(ns.against_the_run, world, rank,
+                                                         Path(ns.out).with_suffix("") / "against-the-run")
+        except Exception as e:  # noqa: BLE001 - reported; the results above still written
+            results["against-the-run"] = {"error": f"{type(e).__name__}: {e}"}
     if rank == 0:
         Path(ns.out).write_text(json.dumps(results, indent=1))
 

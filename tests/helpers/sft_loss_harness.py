@@ -33,10 +33,12 @@ def main(mix: str, out_dir: str) -> None:
 
     from zerotrain.dataio.loader import MODEL_KEYS, load_data, make_loader, open_data, trainable_tokens
     from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.launcher.components.engine import EngineSpec, build_engine
+    from zerotrain.launcher.components.process_group import init_process_group
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import Transformer, global_token_mean_scale, next_token_loss, preset
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist, _ = init_process_group({})
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_data(open_data(mix, ByteTokenizer()), None, world, 0, seq_len=SEQ_LEN)
     loader = make_loader(data, rank, world, SEED, SEQ_LEN, MICRO)
@@ -52,17 +54,15 @@ def main(mix: str, out_dir: str) -> None:
                      train_batch_size=MICRO * ACCUM * world, gradient_clipping=0.0,
                      zero_allow_untested_optimizer=True)
     args = preset("debug", vocab_size=data.tokenizer.vocab_size)
-    torch.manual_seed(SEED)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = Transformer(args)
+    engine = build_engine(EngineSpec(ds_config, args, seed=SEED,  # the cpu profile: ZeRO-3 under zero.Init
+                                     optimizer=lambda params: torch.optim.SGD(params, lr=LR))).engine
+    model = engine.module
 
     def whole_weights() -> dict:
         with deepspeed.zero.GatheredParameters(list(model.parameters())):  # collective: every rank
             return {n: p.detach().clone().double() for n, p in model.named_parameters()} if rank == 0 else {}
 
-    before = whole_weights()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                           config=ds_config)
+    before = whole_weights()  # as built: no step taken yet
     scale = global_token_mean_scale(ACCUM, world, n_global)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for b in batches:

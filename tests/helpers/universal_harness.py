@@ -27,7 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo, without an install
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
@@ -35,9 +34,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 
 from zerotrain.launcher.components.checkpoints import universal  # noqa: E402
+from zerotrain.launcher.components.engine import EngineSpec, build_engine  # noqa: E402
+from zerotrain.launcher.components.process_group import init_process_group  # noqa: E402
 from zerotrain.launcher.errors import UsageError  # noqa: E402
 from zerotrain.launcher.components.schedule import Schedule  # noqa: E402
-from zerotrain.modeling.model import Transformer, preset  # noqa: E402
+from zerotrain.modeling.model import preset  # noqa: E402
 
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
@@ -83,17 +84,8 @@ def build(variant: str, world: int, universal_load: bool):
     cfg = ds_config(variant, world)
     if universal_load:
         cfg = universal.ds_config_for_universal(cfg)
-    torch.manual_seed(1337)
-    args = preset("debug", vocab_size=256)
-    if cfg["zero_optimization"]["stage"] == 3:
-        with deepspeed.zero.Init(config_dict_or_path=cfg):
-            model = Transformer(args)
-    else:
-        model = Transformer(args)
     sched = lambda opt: LambdaLR(opt, Schedule(LR, LR / 10, 2, 10))  # noqa: E731
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
-                                           lr_scheduler=sched)
-    return engine
+    return build_engine(EngineSpec(cfg, preset("debug", vocab_size=256), seed=1337, lr_scheduler=sched)).engine
 
 
 def train_step(engine, rows: torch.Tensor) -> float:
@@ -226,7 +218,7 @@ def main() -> None:
     ap.add_argument("--variants", default="zero2,zero3,zero3-persist")
     ap.add_argument("--local_rank", type=int, default=0)  # added by the deepspeed launcher
     opts = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_process_group({})
     data = batch()
     variants = opts.variants.split(",")
     for variant in variants:

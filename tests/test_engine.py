@@ -1,0 +1,113 @@
+"""One engine builder (launcher/components/engine.py): the run, pre-flight (its Trainers), every test harness
+and every benchmark build engines through it, so what a test measures is what the run builds.
+
+Read from the code: no file of the repository but engine.py calls `deepspeed.initialize` or
+`deepspeed.zero.Init`, and none but process_group.py calls `deepspeed.init_distributed` (Python embedded
+in a test's strings included, aliases and `from deepspeed import ...` followed); the Trainer, the harnesses
+and the engine-building benchmarks call `build_engine`. That the harness's engine is the run's for the same
+inputs (config, ZeRO stage, optimizer classes, partitioning, weights, schedule) is asserted on 2 real
+ranks in tests/test_optimizers.py (test_the_harness_builds_the_engine_the_run_builds).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from test_architecture import _sources
+
+REPO = Path(__file__).resolve().parent.parent
+OWNERS = {  # DeepSpeed's entry -> the one file that may call it
+    "deepspeed.initialize": "launcher/components/engine.py",
+    "deepspeed.zero.Init": "launcher/components/engine.py",
+    "deepspeed.runtime.zero.partition_parameters.Init": "launcher/components/engine.py",
+    "deepspeed.init_distributed": "launcher/components/process_group.py",
+    "deepspeed.comm.init_distributed": "launcher/components/process_group.py",
+    "deepspeed.comm.comm.init_distributed": "launcher/components/process_group.py",
+}
+BUILDERS = [  # every file that builds an engine, and builds it through build_engine
+    "launcher/trainer.py", "tests/helpers/optim_harness.py", "tests/helpers/ckpt_harness.py",
+    "tests/helpers/eval_harness.py", "tests/helpers/head_zero3_harness.py", "tests/helpers/universal_harness.py",
+    "tests/helpers/sft_loss_harness.py", "benchmarks/profile_step.py", "benchmarks/checkpoints.py"]
+
+
+def trees(where: str, text: str):
+    """The module's tree, and the tree of every string constant in it that is a Python program (a test's
+    script run with `python -c`)."""
+    tree = ast.parse(text)
+    yield tree
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "deepspeed" in node.value \
+                and "import" in node.value:
+            try:
+                yield ast.parse(node.value)
+            except SyntaxError:
+                pass
+
+
+def deepspeed_uses(tree) -> list[tuple[str, int]]:
+    """(dotted DeepSpeed name, line) for every import of, and every reference to, a DeepSpeed name, with
+    `import deepspeed as ds` and `from deepspeed.zero import Init as I` resolved."""
+    alias, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                alias[a.asname or a.name] = f"{node.module}.{a.name}"
+                found.append((f"{node.module}.{a.name}", node.lineno))
+    for node in ast.walk(tree):
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in alias:
+            found.append((".".join([alias[node.id], *reversed(parts)]), node.lineno))
+    return found
+
+
+def test_only_the_builder_calls_deepspeeds_constructors():
+    sources = _sources()
+    assert len(sources) > 100, len(sources)  # the walk found the repository
+    strays, owned = [], set()
+    for where, text in sources:
+        if where == "tests/test_engine.py":  # its examples of what the walk must catch
+            continue
+        for tree in trees(where, text):
+            for name, line in deepspeed_uses(tree):
+                if name in OWNERS:
+                    (owned.add((name, where)) if where == OWNERS[name] else strays.append(f"{where}:{line} {name}"))
+    assert not strays, ("build engines with zerotrain.launcher.components.engine.build_engine (and join the process"
+                        " group with process_group.init_process_group), not:\n" + "\n".join(strays))
+    # the walk sees the calls where they are allowed (a broken walk would find nothing anywhere)
+    assert {("deepspeed.initialize", OWNERS["deepspeed.initialize"]), ("deepspeed.zero.Init", OWNERS["deepspeed.zero.Init"]),
+            ("deepspeed.init_distributed", OWNERS["deepspeed.init_distributed"])} <= owned, owned
+
+
+def test_the_walk_sees_every_spelling():
+    spelled = """
+import deepspeed as ds
+from deepspeed import initialize as init, zero
+from deepspeed.zero import Init
+from deepspeed.comm import init_distributed
+ds.initialize(model=m)
+with zero.Init(config_dict_or_path=c):
+    pass
+SCRIPT = '''
+import deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+'''
+"""
+    names = {name for tree in trees("x.py", spelled) for name, _ in deepspeed_uses(tree)} & set(OWNERS)
+    assert names == {"deepspeed.initialize", "deepspeed.zero.Init", "deepspeed.comm.init_distributed",
+                     "deepspeed.init_distributed"}, names
+
+
+def test_every_engine_is_built_by_build_engine():
+    for rel in BUILDERS:
+        calls = [n for n in ast.walk(ast.parse((REPO / rel).read_text()))
+                 if isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "build_engine"]
+        assert calls, f"{rel} builds no engine through build_engine"
+    trainer = ast.parse((REPO / "launcher" / "trainer.py").read_text())
+    run_build = [n for n in ast.walk(trainer) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "build_engine"]
+    assert [ast.unparse(n) for n in run_build] == ["build_engine(spec_from_plan(plan))"]  # the run: from its plan
