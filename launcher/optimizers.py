@@ -18,7 +18,7 @@ Where it is used, in order:
 - `resolve_ds_optimizer(ds, cfg, where)` from zerotrain.launcher.profiles.resolve_ds_config (plan time):
   writes the exact "optimizer" section (or removes it for a client optimizer and sets
   `zero_allow_untested_optimizer`), and refuses a ZeRO stage the optimizer does not support.
-- `prepare_optimizer(cfg, ds_config, model)` in Trainer._build_engine, then after
+- `prepare_optimizer(cfg, ds_config, model)` in components/engine.build_engine, then after
   `deepspeed.initialize`, `check_engine(cfg, engine, model, ds_compat.muon_optimizer_class)`: the built engine really uses the rule.
 
 Every entry was checked under each ZeRO stage it lists, with 2 ranks (tests/test_optimizers.py,

@@ -6,7 +6,8 @@
 
 The components (launcher/components/, each its own module, unit-tested without a process group where
 possible): checkpointer.py (when to save, completion, rotation, best, mirror; the on-disk format and its
-verification in checkpoint.py), run_lock.py and process_group.py (shared with pre-flight), hooks.py (test
+verification in checkpoint.py), engine.py (the one engine builder: tests and benchmarks build through it
+too), run_lock.py and process_group.py (shared with pre-flight), hooks.py (test
 hooks, read once here), evaluate.py (all-rank evaluation), guards.py (signals, spikes, budgets, early
 stop), metrics.py (sinks, and StepLogger: each step's record and the progress bar), manifest.py (who ran
 what, when, and how each launch ended), ds_compat.py (every DeepSpeed internal we rely on), phases.py

@@ -6,11 +6,11 @@ parameter (`zero/<name>/fp32.pt`, `exp_avg.pt`, `exp_avg_sq.pt`, plus `zero/opti
 and the saved `*model_states.pt` files); an engine whose config has
 `"checkpoint": {"load_universal": true}` slices that for any world size.
 
-On a resume whose world size differs from the checkpoint's (after `deepspeed.init_distributed`):
+On a resume whose world size differs from the checkpoint's (after the process group is joined):
 
     check_supported(ds_config, tag_dir)               # one line before anything is built
     udir = convert_on_rank0(tag_dir)                  # rank 0 converts (or reuses), the others wait
-    engine = deepspeed.initialize(..., config=ds_config_for_universal(ds_config), lr_scheduler=...)
+    engine = build_engine(EngineSpec(ds_config_for_universal(ds_config), ...)).engine   # components/engine.py
     client_state = load(engine, udir)                 # weights, Adam state, step, lr scheduler
 
 Nothing has to be added to `client_state` at save time. ZeRO-1/2 conversion needs
