@@ -156,6 +156,12 @@ class RunConfig:
                                            " RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the profile's"
                                            " zerotrain.hang_timeout, else the larger of 600 s and 5x the slowest phase"
                                            " so far (start-up: at least 1800 s)", RUN)
+    # --- determinism (docs/gpu.md): GPU kernels that accumulate in a varying order, or not ---
+    deterministic: bool | None = opt(None, "deterministic kernels: torch.use_deterministic_algorithms, a fixed cuBLAS"
+                                           " workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8) and, for attention auto, sdpa"
+                                           " rather than varlen's flash kernel; slower on a GPU (no effect on a CPU,"
+                                           " whose kernels are deterministic). A GPU resume is bit-identical only with"
+                                           " it. Default: the profile's zerotrain.deterministic, else off", RUN)
 
     # Not a setting: where each value came from ("flag", "recipe", "given"; launcher/hparams.py adds the
     # resolved ones), for the start-up line. Filled by resolve_config / config_from.
@@ -215,6 +221,8 @@ class RunConfig:
             raise UsageError(f"--on-spike {self.on_spike!r}: must be warn, stop or rollback")
         if self.fit_check is not None and not isinstance(self.fit_check, bool):  # issue 10: the planner's fit check
             raise UsageError(f"--fit-check: must be true or false, got {self.fit_check!r}")
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise UsageError(f"--deterministic: must be true or false, got {self.deterministic!r}")
         if self.verify_data not in (None, "quick", "full"):  # issue 12
             raise UsageError(f"--verify-data: must be quick or full, got {self.verify_data!r}")
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:  # issue 18

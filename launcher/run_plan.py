@@ -22,13 +22,15 @@ from zerotrain.dataio.reshard import check_reshard
 from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
+from zerotrain.launcher.components import determinism, manifest
 from zerotrain.launcher.components.checkpoints import checkpoint, universal
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
+from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.manifest import run_id_of
 from zerotrain.launcher.components.planner import fit_check
 from zerotrain.launcher.config import RunConfig
-from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.errors import StopRun, UsageError, report_exit
 from zerotrain.launcher.hparams import check_repeats, resolve_hparams, resolve_max_epochs, run_tokens, size_in_tokens
 from zerotrain.launcher.profiles import check_devices, detect_profile, load_profile, resolve_ds_config
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
@@ -70,6 +72,8 @@ class RunPlan:
     golden: object | None = None  # --golden: a zerotrain.launcher.components.observe.golden.GoldenCheck (issue 10)
     attention: str = "sdpa"  # the attention kernel the model runs (issue 18; `attention_kernel`)
     attention_why: str = ""  # how it was chosen, for the start-up line
+    deterministic: bool = False  # --deterministic, else the profile's (components/determinism.py)
+    resume_line: str = ""  # whether a resume on this hardware is bit-identical, for the start-up line and dry run
 
     @property
     def finished(self) -> bool:
@@ -119,7 +123,8 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
     device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else accelerator_devices()),
                                     detect=detect_profile)
-    attention, attention_why = attention_kernel(cfg, zt, ds_config, profile_name)
+    deterministic = determinism.resolve(cfg.deterministic, zt, profile_name)
+    attention, attention_why = attention_kernel(cfg, zt, ds_config, profile_name, deterministic)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, zt, world, attention=attention)
 
@@ -169,7 +174,26 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
                    model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
                    resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats),
                    golden=golden,
-                   attention=attention, attention_why=attention_why)
+                   attention=attention, attention_why=attention_why, deterministic=deterministic,
+                   resume_line=determinism.describe_resume(run_device(cfg, zt)[0], deterministic))
+
+
+def finished_again(plan: RunPlan) -> StopRun:
+    """A run started again once it reached --max-steps (a restart or a requeue after its last save; the README's
+    "run the same command again"): nothing is built or trained; rank 0 records this launch in manifest.json
+    as finished at that step (so `zerotrain runs` shows the run's true end) and says so; every rank exits 0."""
+    step = plan.resume_meta["step"]
+    stop = StopRun("finished", f"run {plan.run_dir.name} is finished: checkpoint {plan.resume_from} is at --max-steps"
+                               f" {step}; nothing to train (a larger --max-steps extends it)")
+    if plan.rank == 0:
+        manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=plan.cfg.identity_hash(),
+                                 profile=plan.profile_name, seed=plan.cfg.seed, world_size=plan.world,
+                                 hosts=[socket.gethostname()], resumed_from=str(plan.resume_from),
+                                 test_hooks=dict(TestHooks.from_env().variables))
+        manifest.record_end(plan.run_dir, stop, step)
+        report_exit(stop.exit_code)
+        print(stop.message, flush=True)
+    return stop
 
 
 def accelerator_devices() -> tuple[str, int]:
@@ -180,7 +204,8 @@ def accelerator_devices() -> tuple[str, int]:
     return accel.device_name(), accel.device_count() if accel.device_name() == "cuda" else 0
 
 
-def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: str) -> tuple[str, str]:
+def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: str,
+                     deterministic: bool = False) -> tuple[str, str]:
     """(the attention kernel this run's model uses, how it was chosen): --attention, else the profile's
     zerotrain.attention, else auto, resolved for the accelerator and precision (modeling/sizes.py
     `choose_attention`). One that cannot run here is refused (UsageError) before anything is written.
@@ -189,28 +214,36 @@ def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: st
     torch that has the varlen kernel); a real run asks this node: DeepSpeed's accelerator choice
     (DS_ACCELERATOR if set, else CUDA when torch sees a GPU, else the CPU; asked of torch rather than of
     deepspeed.accelerator, whose import logs a warning line before a refusal's one line) and this torch.
+    `deterministic`: auto takes sdpa rather than varlen, whose flash backward accumulates in a varying order.
     """
     name = cfg.attention or zt.get("attention") or "auto"
     from_profile = cfg.attention is None and zt.get("attention") is not None
     source = f"profile {profile_name}: zerotrain.attention" if from_profile else "--attention"
     precision = profile_precision(ds_config)
-    if cfg.dry_run:
-        device, installed = zt.get("hardware", {}).get("accelerator", "cuda"), True
-    else:
-        import torch  # heavy: imported here, as the run is about to build the model with it
-
-        device = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
-        installed = importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch >= 2.9
+    device, installed = run_device(cfg, zt)
     try:
         kernel = choose_attention(name, device, precision, installed)
     except ValueError as e:
         raise UsageError(f"{source} {name}: {e}") from None
+    if name == "auto" and deterministic and kernel == "varlen":
+        return "sdpa", f"auto on {device}, {precision}, --deterministic"
     if kernel == "flex" and device == "cpu" and cfg.compile:
         # torch 2.13 compiles flex_attention for a CPU without a backward (inductor's CPU lowering fails on
         # the eager operator model.py calls there, and the public function refuses gradients on a CPU)
         raise UsageError(f"{source} flex with --compile: torch cannot compile flex attention with a backward on a"
                          " CPU (drop --compile, or use sdpa)")
     return kernel, (f"auto on {device}, {precision}" if name == "auto" else f"{source} {name}")
+
+
+def run_device(cfg: RunConfig, zt: dict) -> tuple[str, bool]:
+    """(the accelerator the run trains on, whether this torch has the varlen kernel): for a dry run, the
+    profile's hardware (a torch with varlen assumed); else this node's."""
+    if cfg.dry_run:
+        return zt.get("hardware", {}).get("accelerator", "cuda"), True
+    import torch  # heavy: imported here, as the run is about to build the model with it
+
+    device = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return device, importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch >= 2.9
 
 
 def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:

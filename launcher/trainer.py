@@ -49,7 +49,7 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
-from zerotrain.launcher.components import ds_compat, manifest, planner
+from zerotrain.launcher.components import determinism, ds_compat, manifest, planner
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
@@ -67,7 +67,7 @@ from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, repor
 from zerotrain.launcher.hparams import describe_hparams, describe_length, token_budget
 from zerotrain.launcher.optimizers import describe, describe_implementation
 from zerotrain.launcher.profiles import describe_precision, load_profile
-from zerotrain.launcher.run_plan import RunPlan, _say_rank0, plan_run, single_process_env
+from zerotrain.launcher.run_plan import RunPlan, _say_rank0, finished_again, plan_run, single_process_env
 from zerotrain.modeling.model import count_params, flops_per_token, global_token_mean_scale
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
@@ -187,7 +187,7 @@ class Trainer:
                         "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
                         "identity_hash": self.cfg.identity_hash(),
                         "run_sources": self.cfg.sources,  # where lr, the schedule, ... came from (hparams.py)
-                        "attention": plan.attention}  # the kernel resolved (issue 18); "run" has what was asked
+                        "attention": plan.attention, "deterministic": plan.deterministic}  # the kernel resolved (issue 18); "run" has what was asked
             durable.write_json(plan.run_dir / "config.json", resolved)  # read back: drift checks, export, resume
             durable.write_json(plan.run_dir / "ds_config.json", plan.ds_config)
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
@@ -213,6 +213,7 @@ class Trainer:
 
     def _build_engine(self, accel):
         plan, cfg = self.plan, self.cfg
+        determinism.apply(self.torch, plan.deterministic)  # --deterministic: before cuBLAS starts
         built = build_engine(spec_from_plan(plan))  # components/engine.py: the one builder (tests use it too)
         engine, ds_config, args = built.engine, built.ds_config, plan.model_args
         if plan.init_from is not None and plan.resume_from is None:
@@ -223,6 +224,7 @@ class Trainer:
         self.say(describe(cfg, ds_config))
         self.say(describe_implementation(cfg, ds_config, accel.device_name()))  # issue 18: what steps, built or not
         self.say(describe_precision(ds_config))
+        self.say(plan.resume_line)  # bit-identical or not, on this hardware with these settings
         self.say(describe_hparams(cfg))  # each value and where it came from (launcher/hparams.py)
         if plan.resume_from is None:
             self.say(engine.lr_scheduler.lr_lambdas[0].describe(cfg.lr))
@@ -703,8 +705,10 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     plan = plan_run(cfg, world, rank)
-    if plan.finished:
-        return finished_again(plan)
+    if plan.finished:  # started again after its last save: nothing to train
+        stop, meta = finished_again(plan), plan.resume_meta
+        return RunResult(run_dir=plan.run_dir, step=meta["step"], tokens_seen=meta.get("tokens_seen", 0), stop=stop.kind,
+                         message=stop.message, exit_code=stop.exit_code, last_checkpoint=plan.resume_from)
     try:
         trainer = Trainer(plan, hard_exit=hard_exit, watch=True)
     except BaseException:
@@ -714,25 +718,6 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
         return trainer.train()
     finally:
         trainer.close()
-
-
-def finished_again(plan: RunPlan) -> RunResult:
-    """A run started again once it reached --max-steps (a restart or a requeue after its last save; the README's
-    "run the same command again"): nothing is built or trained; rank 0 records this launch in manifest.json
-    as finished at that step (so `zerotrain runs` shows the run's true end), and every rank exits 0."""
-    step, tokens = plan.resume_meta["step"], plan.resume_meta.get("tokens_seen", 0)
-    stop = StopRun("finished", f"run {plan.run_dir.name} is finished: checkpoint {plan.resume_from} is at --max-steps"
-                               f" {step}; nothing to train (a larger --max-steps extends it)")
-    if plan.rank == 0:
-        manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=plan.cfg.identity_hash(),
-                                 profile=plan.profile_name, seed=plan.cfg.seed, world_size=plan.world,
-                                 hosts=[socket.gethostname()], resumed_from=str(plan.resume_from),
-                                 test_hooks=dict(TestHooks.from_env().variables))
-        manifest.record_end(plan.run_dir, stop, step)
-        report_exit(stop.exit_code)
-        print(stop.message, flush=True)
-    return RunResult(run_dir=plan.run_dir, step=step, tokens_seen=tokens, stop=stop.kind, message=stop.message,
-                     exit_code=stop.exit_code, last_checkpoint=plan.resume_from)
 
 
 def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
@@ -757,6 +742,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              describe_hparams(cfg), describe_length(cfg, plan.tokens_per_step), schedule.describe(cfg.lr),
              f"attention: {plan.attention} ({plan.attention_why})",
              describe_precision(ds),  # issue 18: what a machine of the profile's kind runs, and whether it compiles
+             plan.resume_line,
              describe_implementation(cfg, ds, zt.get("hardware", {}).get("accelerator", "cuda")),
              *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     lines += describe_data(plan.data, plan.run_tokens)

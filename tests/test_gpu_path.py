@@ -9,6 +9,7 @@
 - benchmarks/gpu.py on a machine without CUDA: one line, exit 0, nothing run.
 The 2-rank bf16 runs under the real launcher are tests/test_bf16.py.
 """
+import json
 import os
 import subprocess
 import sys
@@ -18,8 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO
+from zerotrain.launcher.components import determinism
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.config import config_from
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.optimizers import NO_BUILD_ADAMW, implementation
 from zerotrain.launcher.profiles import accumulate_in_fp32, list_profiles, load_profile, precision, resolve_ds_config
 from zerotrain.modeling.model import ModelArgs, Transformer, global_token_mean_scale
@@ -159,6 +162,43 @@ def test_dry_run_names_the_kernel_precision_and_optimizer_a_gpu_node_would_use(n
     assert "optimizer implementation on cuda: torch.optim.AdamW(fused=True) through DeepSpeed; nothing to compile" \
         in out
     assert "JIT-compiled" not in out
+    assert "resume: same data, same states, losses equal to within nondeterministic reductions on cuda" in out
+
+
+def test_deterministic_says_whether_a_resume_is_bit_identical_here(mix_path, tmp_path, capsys):
+    """--deterministic (or the profile's zerotrain.deterministic): the dry run for a GPU node says a resume will
+    be bit-identical and attention auto takes sdpa, not varlen's flash backward; a CPU run is exact anyway."""
+    from zerotrain.launcher.trainer import dry_run
+
+    base = {"data": str(mix_path), "out": str(tmp_path / "runs"), "model": "debug", "seq_len": 256}
+    profile = json.loads((REPO / "ds_configs" / "h100-80g-x8.json").read_text())
+    profile["zerotrain"]["deterministic"] = True
+    (tmp_path / "det.json").write_text(json.dumps(profile))
+    for extra in ({"profile": "h100-80g-x8", "deterministic": True}, {"profile": str(tmp_path / "det.json")}):
+        dry_run(config_from({**base, **extra}))
+        out = capsys.readouterr().out
+        assert "resume: bit-identical on cuda (--deterministic: deterministic kernels, slower)" in out
+        assert "attention: sdpa (auto on cuda, bf16, --deterministic)" in out
+    dry_run(config_from({**base, "profile": "cpu"}))
+    assert "resume: bit-identical (CPU kernels accumulate in a fixed order)" in capsys.readouterr().out
+    profile["zerotrain"]["deterministic"] = "yes"
+    (tmp_path / "det.json").write_text(json.dumps(profile))
+    with pytest.raises(UsageError, match="zerotrain.deterministic must be true or false, got 'yes'"):
+        dry_run(config_from({**base, "profile": str(tmp_path / "det.json")}))
+    with pytest.raises(UsageError, match="--deterministic: must be true or false"):
+        config_from({**base, "deterministic": "yes"})
+
+
+def test_deterministic_asks_torch_for_deterministic_kernels_and_a_fixed_cublas_workspace(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    determinism.apply(torch, False)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.are_deterministic_algorithms_enabled()
+    try:
+        determinism.apply(torch, True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 # -- benchmarks/gpu.py -------------------------------------------------------------------------------------

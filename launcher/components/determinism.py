@@ -1,0 +1,48 @@
+"""Deterministic kernels, and what a resume can promise on this hardware.
+
+On a CPU every kernel torch runs here accumulates in a fixed order: a resumed run's losses equal the
+uninterrupted run's bit for bit (tests/test_resume_exact.py). On a GPU the flash/varlen and memory-efficient
+attention backward, atomics in scatter/index kernels and cuBLAS's split-K choices accumulate in a varying
+order: a resume gets the same data and the same states, and losses equal to within those reductions. With
+--deterministic (profile key zerotrain.deterministic) the run asks torch for deterministic algorithms
+(`torch.use_deterministic_algorithms(True, warn_only=True)`: an operator without a deterministic kernel
+warns once rather than stopping a long run), a fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set
+before cuBLAS starts), no cuDNN autotuning, and attention `auto` resolves to sdpa instead of varlen. The
+cost is the GPU's: sdpa's deterministic backward and the fixed workspace are slower (not measured here).
+"""
+from __future__ import annotations
+
+import os
+
+from zerotrain.launcher.errors import UsageError
+
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def resolve(flag: bool | None, zt: dict, profile_name: str) -> bool:
+    """--deterministic, else the profile's zerotrain.deterministic (a bool), else off."""
+    if flag is not None:
+        return flag
+    value = zt.get("deterministic", False)
+    if not isinstance(value, bool):
+        raise UsageError(f"profile {profile_name}: zerotrain.deterministic must be true or false, got {value!r}")
+    return value
+
+
+def describe_resume(device: str, deterministic: bool) -> str:
+    """One line for start-up and --dry-run: whether a resume on `device` will be bit-identical."""
+    if device == "cpu":
+        return "resume: bit-identical (CPU kernels accumulate in a fixed order)"
+    if deterministic:
+        return f"resume: bit-identical on {device} (--deterministic: deterministic kernels, slower)"
+    return (f"resume: same data, same states, losses equal to within nondeterministic reductions on {device}"
+            " (--deterministic for bit-identical, slower)")
+
+
+def apply(torch, deterministic: bool) -> None:
+    """Before the engine is built (cuBLAS reads its workspace setting when it starts)."""
+    if not deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
