@@ -139,5 +139,6 @@ def test_gpu_profiles_environment():
         env = zt["env"]["set"]
         assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env, name
         assert env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "1800", name
+        assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0, name  # the flight recorder the watchdog dumps
         if p["zero_optimization"]["stage"] == 3:
             assert "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""), name

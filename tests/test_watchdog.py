@@ -107,6 +107,8 @@ def test_a_firing_rank_and_a_joining_rank_in_one_process(tmp_path, monkeypatch):
     assert summary["message"].startswith("rank 1 hung in agree at step 5 for 9 s; behind: rank 0 (step 4, compute")
     stacks = (hang_dir / "rank-1.txt").read_text()
     assert "step 5, phase agree" in stacks and "test_a_firing_rank_and_a_joining_rank" in stacks  # this thread
+    # torch's flight recorder of this process's collectives, beside the stacks (NCCL's on a GPU; empty here)
+    assert "pg_status" in json.loads((hang_dir / "rank-1.flight_recorder.json").read_text())
     end = manifest.read_manifest(run_dir)["segments"][-1]
     assert (end["end_reason"], end["end_exit_code"]) == ("hung", EXIT_HUNG)
     assert (tmp_path / "exit_code").read_text() == f"{EXIT_HUNG}\n"

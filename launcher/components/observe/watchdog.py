@@ -176,6 +176,23 @@ def main_thread_where() -> dict:
 _RUNNING: set["Watchdog"] = set()
 
 
+def dump_flight_recorder(path: Path) -> bool:
+    """torch's flight recorder of this process's collectives (NCCL's, with TORCH_NCCL_TRACE_BUFFER_SIZE set, as
+    the GPU profiles do: the last collectives each process group issued, which one is still pending, and on
+    which stream), as JSON in `path`: on NCCL a stuck collective shows only at the next host sync, so the phase
+    the watchdog names can mislead and the recorder says where each rank really is. Through torch's own dump
+    (torch._C._distributed_c10d._dump_fr_trace_json, what torch's watchdog writes on a timeout; checked against
+    torch 2.13); False, with nothing written, where this torch has none or it fails."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # heavy: only when a hang is reported
+
+        trace = _dump_fr_trace_json(True, False)  # every collective recorded, not only the pending ones
+    except Exception:  # noqa: BLE001 - a hang report never fails for want of the recorder
+        return False
+    path.write_bytes(trace)
+    return True
+
+
 def stop_all() -> None:
     """Stop every watchdog of this process (a Trainer that failed to build leaves none behind: a notebook lives on)."""
     for dog in list(_RUNNING):
@@ -294,6 +311,7 @@ class Watchdog:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         _write_beat(hang_dir / f"rank-{self.rank}.where.json", {"rank": self.rank, **main_thread_where()})
+        dump_flight_recorder(hang_dir / f"rank-{self.rank}.flight_recorder.json")
         summary_path = hang_dir / "summary.json"
         if claim["rank"] != self.rank:
             # Another rank fired: it writes the manifest, the line and, last, the summary. Leave only after
