@@ -11,9 +11,9 @@ The profile is `cpu` at --stage, with --optimizer-params merged into its optimiz
 --zero into its zero_optimization (e.g. --zero '{"contiguous_gradients": false}'). --bind pins each
 rank to one core (os.sched_setaffinity, before torch starts its threads). Prints the first four
 training steps' seconds (compilation shows there) and, per piece, the median over the steps after
-the third. The run directory goes to a temporary directory, removed at the end. `time_step` is the
-health check's bookkeeping (components/observe/health.py): --health-window S closes its windows every S seconds
-(0.001: at every step, the worst case), --no-health replaces it with a no-op (the A/B of its cost).
+the third. The run directory goes to a temporary directory, removed at the end. `health.observe` is the
+health check's bookkeeping (components/participants/health.py): --health-window S closes its windows every S
+seconds (0.001: at every step, the worst case), --no-health leaves the participant out (the A/B of its cost).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-PIECES = ("fetch", "accept", "train_step", "agree", "maybe_evaluate", "save", "time_step")
+PIECES = ("fetch", "accept", "train_step", "agree", "save")  # the Trainer's; and the participants' hooks
 
 
 def main(argv: list[str]) -> None:
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--bind", action="store_true")
     p.add_argument("--health-window", type=float, help="the profile's zerotrain.health.window_s")
-    p.add_argument("--no-health", action="store_true", help="Trainer.time_step a no-op")
+    p.add_argument("--no-health", action="store_true", help="leave the health participant out")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     a = p.parse_args(argv)
     if a.bind:
@@ -54,6 +54,8 @@ def main(argv: list[str]) -> None:
     from harness import demo_mix
 
     import zerotrain.launcher.trainer as trainer
+    from zerotrain.launcher.components import participants
+    from zerotrain.launcher.components.participants.health import HealthWatch
     from zerotrain.launcher.components.observe.metrics import StepLogger
     from zerotrain.launcher.config import config_from
     from zerotrain.launcher.profiles import load_profile
@@ -64,7 +66,7 @@ def main(argv: list[str]) -> None:
     if a.health_window:
         prof["zerotrain"]["health"] = {"window_s": a.health_window}
     if a.no_health:
-        trainer.Trainer.time_step = lambda self: None
+        HealthWatch.from_run = classmethod(lambda cls, run: None)
     # Every rank must name the same directory: the launcher's port tells this launch from another.
     work = Path(tempfile.gettempdir()) / f"zerotrain-driver-steps-{os.environ.get('MASTER_PORT', os.getpid())}"
     work.mkdir(exist_ok=True)
@@ -73,18 +75,22 @@ def main(argv: list[str]) -> None:
     os.replace(tmp, work / "profile.json")
     times = collections.defaultdict(list)
 
-    def timed(cls, name):
+    def timed(cls, name, label=None):
         fn = getattr(cls, name)
 
         def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            times[name].append(time.perf_counter() - t0)
+            times[label or name].append(time.perf_counter() - t0)
             return out
         setattr(cls, name, wrapper)
 
     for name in PIECES:
         timed(trainer.Trainer, name)
+    for cls in participants.ORDER:
+        for hook in ("contribute", "observe", "logged"):
+            if hook in vars(cls):  # its own, not the protocol's no-op
+                timed(cls, hook, f"{cls.name}.{hook}")
     timed(StepLogger, "log")
     timed(trainer.Trainer, "_loop")  # the whole loop: its mean step
     cfg = {"profile": str(work / "profile.json"), "data": str(demo_mix()), "seq_len": 256,
@@ -104,7 +110,7 @@ def main(argv: list[str]) -> None:
     print(f"loop: {times.pop('_loop')[0] / a.steps * 1e3:.2f} ms per step (mean over {a.steps})")
     for name, xs in times.items():
         xs = xs[3:] if len(xs) > 5 else xs
-        print(f"{name:16s} n={len(xs):3d} median {statistics.median(xs) * 1e3:9.3f} ms")
+        print(f"{name:26s} n={len(xs):3d} median {statistics.median(xs) * 1e3:9.3f} ms")
 
 
 if __name__ == "__main__":

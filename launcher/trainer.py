@@ -16,16 +16,16 @@ what, when, and how each launch ended), ds_compat.py (every DeepSpeed internal w
 How a run ends (StopRun by kind, its exit code): launcher/errors.py.
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
-(Trainer.agree) of each rank's row: this step's loss sum and signal flag, its step times (rank 0's
-health check, components/observe/health.py, names stragglers from them), the decisions only rank 0
-may make (its clock: save-by-hours, time and money budgets; the gradient norm), and the NEXT step's
-data (ended? error? batch digest, labelled tokens), fetched ahead so that it rides on the same
-collective. Every decision is therefore taken on the same values on every rank, at the same step.
+(Trainer.agree) of each rank's row of NAMED fields: this step's loss sum, rank 0's gradient norm and the
+NEXT step's data (ended? error? batch digest, labelled tokens: fetched ahead so that it rides on the same
+collective), plus whatever the step's participants add (components/participants/: signal flags, rank 0's
+clock for save-by-hours and the budgets, each rank's step times for the health check). Every decision is
+therefore taken on the same values on every rank, at the same step. The monitors of the step (finite,
+spikes, evaluation and best, checkpointing, signals, budget, early stop, health, golden) are participants:
+adding one is a new module there and its place in participants.ORDER, not an edit of the Trainer.
 
-Why one file of ~700 lines: it is one concern, the Trainer: how it is built, its step, its loop and the
-decisions taken on the step's collective (stop, spike and rollback, best, save), which share the
-Trainer's counters and read in order here; split, each part would reach back into the others' state.
-What stands alone lives in components/ (StepLogger in metrics.py, DeepSpeed's internals in ds_compat.py).
+The Trainer keeps what the participants share (the counters, the engine, save and rollback); what stands
+alone lives in components/ (StepLogger in metrics.py, DeepSpeed's internals in ds_compat.py).
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ import _thread
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import socket
@@ -54,11 +53,12 @@ from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, 
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
-from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
-from zerotrain.launcher.components.observe.health import WAITS, HealthCheck
+from zerotrain.launcher.components.guards import Budget, SignalStop
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.observe.metrics import MetricsLogger, StepLogger, read_metrics
 from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
+from zerotrain.launcher.components import participants
+from zerotrain.launcher.components.participants.base import STEP_FIELDS, Agreed, Layout, StepState
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.components.schedule import Schedule, reapply
@@ -72,8 +72,6 @@ from zerotrain.modeling.model import count_params, flops_per_token, global_token
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-
-ROLLBACKS_MAX = 3  # --on-spike rollback gives up (exit 3) after this many rollbacks in one run
 
 
 @dataclass
@@ -97,15 +95,6 @@ class RunResult:
 
 class QuietExit(Exception):
     """Another rank met a data error and says so; this rank leaves without a second message."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Planning: nothing is written and nothing is built
-# ------------------------------------------------------------------------------------------------
-
-
-# fetch()'s row when no step follows: no batches, nothing ended, no error
-NOTHING_FETCHED = [0, 0, 0, 0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,30 +142,32 @@ class Trainer:
         self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none
         self.engine = self._build_engine(self.accel)
         self.loader = self._build_data()
+        self._build_components(hard_exit)
+        self.participants = participants.build(self)  # the step's monitors, in participants.ORDER
+        self.layout = Layout(STEP_FIELDS + [f for p in self.participants for f in p.fields()])
+        if plan.resume_from is not None:
+            self._resume(plan.resume_from)
+
+    # -- building ---------------------------------------------------------------------------------
+    def _build_components(self, hard_exit: bool) -> None:
+        plan, cfg = self.plan, self.cfg
         self.checkpointer = checkpointer.Checkpointer(
-            plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=self.cfg.save_every_steps,
-            save_every_hours=self.cfg.save_every_hours, keep_last=self.cfg.keep_last,
-            mirror=Path(self.cfg.mirror) if self.cfg.mirror else None, say=self.say, hooks=self.hooks)
+            plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=cfg.save_every_steps,
+            save_every_hours=cfg.save_every_hours, keep_last=cfg.keep_last,
+            mirror=Path(cfg.mirror) if cfg.mirror else None, say=self.say, hooks=self.hooks)
         self.step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
+        self.tokens_per_step = plan.tokens_per_step
         self.last_saved: Path | None = None
+        self.last_save_s, self.rollbacks = 0.0, 0  # the last save's duration; --on-spike rollbacks so far
         self.final_loader_state = None  # set when the data runs out: the state before the unfinished step
         self.fetched = self.state_before_fetch = None  # the next step's batches, taken ahead (fetch())
-        self.grad_norm = None
-        self.metrics = MetricsLogger(plan.run_dir, self.is_main, self.cfg, say=self.say)  # --log sinks (issue 10)
-        cfg = self.cfg
-        self.spikes = SpikeDetector()
-        self.early = EarlyStopping(cfg.early_stop_patience) if cfg.early_stop_patience else None
+        self.metrics = MetricsLogger(plan.run_dir, self.is_main, cfg, say=self.say)  # --log sinks
         self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
         if plan.eval_rows:
             self.evaluator = Evaluator(plan.eval_rows, self.rank, self.world,
                                        plan.ds_config["train_micro_batch_size_per_gpu"])
-        self.best: dict | None = self.read_best()
-        self.rollbacks = 0
-        if plan.resume_from is not None:
-            self._resume(plan.resume_from)
 
-    # -- building ---------------------------------------------------------------------------------
     def _write_run_dir(self) -> None:
         plan = self.plan
         hosts = self._hosts()  # a collective: every rank, outside the rank-0 branch
@@ -265,10 +256,9 @@ class Trainer:
         if load_loader:
             self.loader.load_state_dict(states[self.rank])
         guards = state.get("guards", {})
-        if "spike" in guards:
-            self.spikes.load_state_dict(guards["spike"])
-        if self.early is not None and guards.get("early_stop"):
-            self.early.load_state_dict(guards["early_stop"])
+        for p in self.participants:
+            if p.saved_as and guards.get(p.saved_as):
+                p.load_state_dict(guards[p.saved_as])
         self.budget.resume(self.elapsed_before, state.get("gpu_seconds"))
         for line in self._restore_schedule() or [self.engine.lr_scheduler.lr_lambdas[0].describe(self.cfg.lr)]:
             self.say(line)
@@ -287,9 +277,31 @@ class Trainer:
         return lines
 
     # -- one step ---------------------------------------------------------------------------------
-    def fetch(self) -> list[int]:
+    def step_once(self, pending: Agreed) -> StepState:
+        """Train the batches every rank agreed on, fetch the next step's, and gather: this step's loss,
+        the next step's data and every participant's fields ride on the step's one collective."""
+        t0 = time.time()  # step_s: from here, plus the fetch of this step's batches (data_wait)
+        lr = self.engine.get_lr()[0]
+        batches, tokens_sha = self.accept(pending)
+        loss_sum = self.train_step(batches)
+        now = time.time()
+        step = StepState(self.step + 1, tokens_sha, lr, step_time=now - t0 + self.data_wait, trained_at=now,
+                         last=self.step + 1 >= self.cfg.max_steps)
+        # The next step's batches are taken now, so that their agreement rides on this step's one
+        # collective with the loss and the participants' fields (none after the last step).
+        ahead = self.fetch() if not step.last else {}
+        values = {k: v for p in self.participants for k, v in p.contribute(step).items()}
+        step.agreed = self.agree({**ahead, **values, "loss_sum": loss_sum})
+        step.loss = step.agreed["loss_sum"] / (self.plan.ds_config["gradient_accumulation_steps"] * self.world)
+        step.grad_norm = step.agreed["grad_norm"]
+        self.step += 1
+        self.clock.set_step(self.step)
+        self.tokens_seen += self.tokens_per_step
+        return step
+
+    def fetch(self) -> dict:
         """Take this rank's micro-batches for the next step; returns what the other ranks must know of
-        them, [data ended?, data error?, batch digest, labelled tokens], for the step's collective."""
+        them (data ended? data error? batch digest, labelled tokens) for the step's collective."""
         accum = self.plan.ds_config["gradient_accumulation_steps"]
         # The state a checkpoint taken before these batches are trained must record (0.2-0.4 ms on the
         # demo mix, measured; the collective this fetch-ahead folds away cost 2-3 ms on 2 gloo ranks).
@@ -306,65 +318,43 @@ class Trainer:
         # Each rank's labelled tokens: a token-weighted (SFT) loss needs the global count before the
         # first backward (zerotrain.modeling.model.global_token_mean_scale).
         labelled = 0 if (ended or error) else sum(trainable_tokens(b) for b in batches)
-        return [int(ended), int(error is not None), digest, labelled]
+        return {"data_ended": int(ended), "data_error": int(error is not None), "batch_digest": digest,
+                "labelled": labelled}
 
-    def agree(self, data_row: list[int], loss_sum=None, rank0_flags: tuple = ()):
-        """The step's one collective: an all-gather of every rank's row, and its one host sync.
-
-        A row is the next step's data (`fetch`), this step's loss sum (a float64 riding as its int64
-        bits), this rank's signal flag, its step work and data wait of the previous step (rank 0's
-        health check names stragglers from them: `self.rank_seconds`), and, from rank 0 only, its clock
-        decisions and the gradient norm (the same on every rank: one reader suffices). Returns (data rows
-        of every rank, loss, [any rank signalled, *rank 0's flags], gradient norm or None).
-        """
+    def agree(self, values: dict) -> Agreed:
+        """The step's one collective: an all-gather of every rank's row of named fields (STEP_FIELDS and
+        the participants'), and its one host sync. Returns the fields reduced (participants/base.py
+        Layout): the same values on every rank, so every rank takes the same decisions at the same step."""
         with self.clock.phase("agree"):
-            return self._agree(data_row, loss_sum, rank0_flags)
+            return self._agree(values)
 
-    def _agree(self, data_row: list[int], loss_sum, rank0_flags: tuple):
+    def _agree(self, values: dict) -> Agreed:
         torch = self.torch
-        device = self.engine.device
-        grad_norm = self.engine.get_global_grad_norm() if (self.is_main and loss_sum is not None) else None
-        floats = torch.zeros(6 + len(rank0_flags), dtype=torch.float64, device=device)
-        if loss_sum is not None:
-            floats[0] = loss_sum  # a device-side copy: no host sync here
-        floats[1] = float(self.signals.requested is not None)
-        floats[4], floats[5] = self.step_seconds
-        if self.is_main:
-            if grad_norm is not None:
-                floats[2], floats[3] = 1.0, grad_norm
-            for i, flag in enumerate(rank0_flags):
-                floats[6 + i] = float(flag)
-        mine = torch.cat([torch.tensor(data_row, dtype=torch.int64, device=device), floats.view(torch.int64)])
+        if self.is_main and "loss_sum" in values:  # the same on every rank: one reader suffices
+            values = {**values, "grad_norm": self.engine.get_global_grad_norm()}
+        mine = self.layout.pack(values, device=self.engine.device)  # the loss: a device-side copy, no sync
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         self.dist.all_gather(every, mine)
-        table = torch.stack(every).cpu()  # the host sync
-        rows = table[:, :len(data_row)].tolist()
-        values = table[:, len(data_row):].contiguous().view(torch.float64).tolist()
-        accum = self.plan.ds_config["gradient_accumulation_steps"]
-        loss = sum(v[0] for v in values) / (accum * self.world)  # the same sum, in rank order, on every rank
-        flags = [any(v[1] > 0 for v in values)] + [x > 0 for x in values[0][6:]]
-        norm = values[0][3] if values[0][2] > 0 else None
-        self.rank_seconds = [(v[4], v[5]) for v in values]
-        return rows, loss, flags, norm
+        return self.layout.unpack(torch.stack(every).cpu())  # the host sync
 
-    def accept(self, rows: list[list[int]]):
-        """The fetched micro-batches, once every rank's row says they may be trained; else the stop all
+    def accept(self, agreed: Agreed):
+        """The fetched micro-batches, once every rank's fields say they may be trained; else the stop all
         ranks agree on (a StopRun, a DataError on the rank that met it, QuietExit on the others)."""
         batches, error, self.data_wait = self.fetched
         self.fetched = None
         if error is not None:
             error.any_rank = True  # this rank met it: it prints the run's one line, whatever its rank (exit 2)
             raise error
-        if any(r[1] for r in rows):
+        if any(agreed["data_error"]):
             raise QuietExit()
-        if any(r[0] for r in rows):
+        if any(agreed["data_ended"]):
             self.final_loader_state = self.state_before_fetch
             where = f": {self.loader.exhausted!r}" if self.loader.exhausted else " on another rank"
             raise StopRun("data-exhausted", f"data ran out before step {self.step + 1} (a source with on_exhausted:"
                           f" stop{where})")
-        tokens_sha = hashlib.blake2b(b"".join(int(r[2]).to_bytes(8, "little") for r in rows),
+        tokens_sha = hashlib.blake2b(b"".join(int(d).to_bytes(8, "little") for d in agreed["batch_digest"]),
                                      digest_size=8).hexdigest()
-        self.step_labelled = sum(int(r[3]) for r in rows)
+        self.step_labelled = sum(int(n) for n in agreed["labelled"])
         if self.step_labelled == 0:  # the same sum on every rank: all stop together, nothing trained
             raise DataError(f"step {self.step + 1}: the global batch holds no token with a label (nothing to train"
                             " on); the data has records or documents without trainable tokens")
@@ -400,13 +390,6 @@ class Trainer:
             loss_sum += loss.detach().double()
         return loss_sum * (self.hooks.spike_factor(self.rank, self.step + 1) if not self.rollbacks else 1.0)
 
-    def signal_seen(self) -> bool:
-        """Any rank signalled? (one tiny all-reduce; called after an evaluation or a save)."""
-        flag = self.torch.tensor([float(self.signals.requested is not None)], dtype=self.torch.float64,
-                                 device=self.engine.device)
-        self.dist.all_reduce(flag)
-        return flag.item() > 0
-
     # -- saving -----------------------------------------------------------------------------------
     def save(self) -> Path:
         with self.clock.phase("save"):
@@ -434,34 +417,28 @@ class Trainer:
         return self.last_saved
 
     def guard_states(self) -> dict:
-        return {"spike": self.spikes.state_dict(),
-                "early_stop": self.early.state_dict() if self.early is not None else None}
+        """What the participants keep across a resume, by their key (spike detector, early stopping)."""
+        return {p.saved_as: p.state_dict() for p in self.participants if p.saved_as}
 
-    def elapsed(self) -> float:
-        return self.elapsed_before + time.time() - self.t_start
+    def elapsed(self, at: float | None = None) -> float:
+        """Training seconds across resumes, now (or at the time.time() `at`)."""
+        return self.elapsed_before + (time.time() if at is None else at) - self.t_start
 
     # -- the loop ---------------------------------------------------------------------------------
     def train(self) -> RunResult:
-        cfg, plan = self.cfg, self.plan
         self.signals.install()
         self.save_seconds = self.last_save_s = 0.0
         self.saves = 0
-        self.step_seconds, self.rank_seconds = (0.0, 0.0), None  # time_step(): this rank's, every rank's
         self.t_start = time.time()
-        tokens_per_step = plan.ds_config["train_batch_size"] * cfg.seq_len
-        model_flops = flops_per_token(plan.model_args, cfg.seq_len)
-        self.health = None  # rank 0 judges; every rank's step times ride on the step's collective
-        if self.is_main:
-            self.health = HealthCheck.from_profile(plan.zt, world=self.world, tokens_per_step=tokens_per_step,
-                                                   flops_per_token=model_flops)
-            self.say(self.health.describe())
+        for p in self.participants:
+            p.open()
         logger = StepLogger(self.metrics, self.budget, is_main=self.is_main, world=self.world,
-                            tokens_per_step=tokens_per_step, max_steps=cfg.max_steps, first_step=self.step,
-                            flops_per_token=model_flops, peak_flops=plan.zt.get("peak_flops_per_device"),
-                            accelerator=self.accel)
+                            tokens_per_step=self.tokens_per_step, max_steps=self.cfg.max_steps, first_step=self.step,
+                            flops_per_token=flops_per_token(self.plan.model_args, self.cfg.seq_len),
+                            peak_flops=self.plan.zt.get("peak_flops_per_device"), accelerator=self.accel)
         self.clock.take_window()  # set-up is not a window
         try:
-            stop = self._loop(tokens_per_step, logger)
+            stop = self._loop(logger)
             logger.close()
             if stop.save and self.last_saved != self.plan.ckpt_dir / checkpoint.tag_for(self.step):
                 try:
@@ -474,11 +451,53 @@ class Trainer:
         finally:
             self.signals.restore()
             logger.close()
+        return self._finish(stop)
+
+    def _loop(self, logger: StepLogger) -> StopRun:
+        """Each step: train, gather once, then the participants observe it, the record is written, and
+        they act on it (participants/base.py); the first StopRun ends the run, REWOUND goes on."""
+        pending = None  # every rank's fields for the fetched batches, from the last collective
+        try:
+            while self.step < self.cfg.max_steps:
+                if pending is None:  # the first step (or a rollback from the last): fetch and agree alone
+                    pending = self.agree(self.fetch())
+                step = self.step_once(pending)
+                pending = step.agreed if self.fetched is not None else None
+                outcome = self.call("observe", step)
+                if outcome is None:
+                    with self.clock.phase("log"):
+                        step.record = self.log_step(step, logger)
+                    outcome = self.call("logged", step)
+                if isinstance(outcome, StopRun):
+                    return outcome
+            return StopRun("finished", f"reached --max-steps {self.cfg.max_steps}")
+        except StopRun as s:
+            return s
+        except CheckpointError as e:
+            return StopRun("save-failed", str(e))
+
+    def call(self, hook: str, step: StepState):
+        """Each participant's `hook` in turn, until one returns a StopRun or REWOUND."""
+        for p in self.participants:
+            outcome = getattr(p, hook)(step)
+            if outcome is not None:
+                return outcome
+        return None
+
+    def log_step(self, step: StepState, logger: StepLogger) -> dict:
+        """The step's record (metrics.jsonl, the sinks, the progress bar)."""
+        window = step.window
+        return logger.log(step.step, step.loss, step.lr, step.tokens_sha, step.step_time, data_wait_s=self.data_wait,
+                          grad_norm=step.grad_norm, tokens_seen=self.tokens_seen, elapsed_s=self.elapsed(),
+                          val=step.val, data_shares=self.data_shares(), window=window and window[0].figures())
+
+    def _finish(self, stop: StopRun) -> RunResult:
+        """The end of the run recorded and said (rank 0's manifest before any rank exits)."""
         self.metrics.event("stop", self.step, reason=stop.kind, message=stop.message, saves=self.saves,
                            save_blocked_s=round(self.save_seconds, 3))
         self.metrics.close()
         if self.is_main:
-            manifest.record_end(plan.run_dir, stop, self.step)  # the kind, its exit code and the message
+            manifest.record_end(self.plan.run_dir, stop, self.step)  # the kind, its exit code and the message
             report_exit(stop.exit_code)
         # Nobody exits before rank 0's last write: DeepSpeed's launcher SIGTERMs the other ranks as
         # soon as one exits non-zero (codes 3-7 are non-zero by design).
@@ -488,145 +507,28 @@ class Trainer:
                 print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)
         else:
             self.say(f"{stop.message}; saved checkpoint {self.last_saved}" if stop.save else stop.message)
-        if cfg.compile:
+        if self.cfg.compile:
             from torch._dynamo.utils import counters
 
             self.say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")
-        self.say(f"run directory: {plan.run_dir.resolve()}")
-        return RunResult(run_dir=plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.kind,
+        self.say(f"run directory: {self.plan.run_dir.resolve()}")
+        return RunResult(run_dir=self.plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.kind,
                          message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved)
 
-    def _loop(self, tokens_per_step: int, logger) -> StopRun:
-        cfg = self.cfg
-        pending = None  # every rank's row for the fetched batches, from the last collective
-        try:
-            while self.step < cfg.max_steps:
-                if pending is None:  # the first step (or a rollback from the last): fetch and agree alone
-                    pending = self.agree(self.fetch())[0]
-                t0 = time.time()  # step_s: from here, plus the fetch of this step's batches (data_wait)
-                lr = self.engine.get_lr()[0]
-                batches, tokens_sha = self.accept(pending)
-                loss_sum = self.train_step(batches)
-                step_time = time.time() - t0 + self.data_wait
-                save_hours = self.checkpointer.hours_due(time.time()) if self.is_main else False
-                budget_why = self.budget.exceeded_after_next(self.elapsed(), step_time, self.tokens_seen
-                                                             + tokens_per_step, tokens_per_step,
-                                                             reserve_s=self.last_save_s)
-                # The next step's batches are taken now, so that their agreement rides on this step's
-                # one collective with the loss and the stop flags (none after the last step).
-                ahead = self.fetch() if self.step + 1 < cfg.max_steps else NOTHING_FETCHED
-                rows, loss, (signalled, save_hours, over_budget), self.grad_norm = self.agree(
-                    ahead, loss_sum, (save_hours, budget_why is not None))
-                pending = rows if self.fetched is not None else None
-                self.step += 1
-                self.clock.set_step(self.step)
-                window = self.time_step()
-                self.tokens_seen += tokens_per_step
-                self.check_finite(loss)
-                if self.on_spike(loss, tokens_sha):
-                    continue  # rolled back to the last good checkpoint: the loop goes on from there
-                val = self.maybe_evaluate()
-                with self.clock.phase("log"):
-                    record = logger.log(self.step, loss, lr, tokens_sha, step_time, data_wait_s=self.data_wait,
-                                        grad_norm=self.grad_norm, tokens_seen=self.tokens_seen,
-                                        elapsed_s=self.elapsed(), val=val, data_shares=self.data_shares(),
-                                        window=window and window[0].figures())
-                    self.check_golden(record)
-                    for verdict in window[1] if window else ():
-                        self.say(f"zerotrain: health: {verdict['message']}")
-                        self.metrics.event("health", self.step, **verdict)
-                last = self.step >= cfg.max_steps
-                new_best = val is not None and self.note_best(val["val_loss"])
-                if (self.checkpointer.due(self.step, save_hours, last) and not last) or new_best:
-                    self.save()
-                if new_best:
-                    self.checkpointer.mark_best(checkpoint.tag_for(self.step), self.step, val["val_loss"])
-                if val is not None or self.last_saved == self.plan.ckpt_dir / checkpoint.tag_for(self.step):
-                    signalled = signalled or self.signal_seen()  # a signal during the evaluation or the save
-                if signalled:
-                    raise StopRun("signal", f"stopped by {self.signals.requested or 'a signal on another rank'}"
-                                  f" at step {self.step}; resume with --resume auto")
-                if over_budget:
-                    raise StopRun("budget", f"budget reached at step {self.step}:"
-                                  f" {budget_why or 'rank 0 clock (--max-hours / --budget-usd)'}")
-                if self.early is not None and self.early.should_stop:
-                    raise StopRun("early-stop", f"early stop at step {self.step}: {self.early.message()}")
-            return StopRun("finished", f"reached --max-steps {cfg.max_steps}")
-        except StopRun as s:
-            return s
-        except CheckpointError as e:
-            return StopRun("save-failed", str(e))
-
-    def time_step(self):
-        """Where this rank's time went since the last step (the phase clock): its step work (outside the
-        collectives where ranks wait for each other) and data wait ride on the next step's collective;
-        rank 0's health check (components/observe/health.py) returns (window, verdicts) when a window closed."""
-        wall, phases = self.clock.take_window()
-        waits = sum(phases.get(p, 0.0) for p in WAITS)
-        self.step_seconds = (wall - waits, phases.get("data", 0.0))
-        if self.health is None:
-            return None
-        return self.health.add_step(self.step, wall, phases, self.rank_seconds)
-
-    def read_best(self) -> dict | None:
-        """best.json as rank 0 sees it, on every rank (the decision to save a new best is collective)."""
-        best = [checkpoint.read_best(self.plan.ckpt_dir) if self.is_main else None]
-        self.dist.broadcast_object_list(best, src=0)
-        return best[0]
-
-    # -- evaluation, best, spikes -----------------------------------------------------------------
-    def maybe_evaluate(self) -> dict | None:
-        """Every rank evaluates (ZeRO-3 gathers parameters inside each forward: nobody may skip one)."""
-        if self.evaluator is None or self.step % self.cfg.eval_every_steps:
-            return None
-        t0 = time.time()
-        with self.clock.phase("eval"):
-            self.hooks.hang_here(self.rank, "eval", self.step, self.plan.run_dir)
-            val = self.evaluator.evaluate(self.engine, device=self.engine.device)
-        val.pop("val_tokens", None)
-        val["eval_s"] = round(time.time() - t0, 3)
-        return val
-
-    def note_best(self, val_loss: float) -> bool:
-        """A new lowest validation loss? (also feeds --early-stop-patience)"""
-        if self.early is not None:
-            self.early.update(val_loss)
-        if math.isfinite(val_loss) and (self.best is None or val_loss < self.best["val_loss"]):
-            self.best = {"step": self.step, "val_loss": val_loss}
-            return True
-        return False
-
-    def on_spike(self, loss: float, tokens_sha: str) -> bool:
-        """--on-spike: warn, stop (exit 3) or roll back; True when the loop was rolled back."""
-        if not self.spikes.update(loss):
-            return False
-        what = f"loss spike at step {self.step}: {self.spikes.explain()}"
-        if self.cfg.on_spike == "warn":
-            self.say(f"zerotrain: warning: {what}")
-            return False
-        if self.cfg.on_spike == "stop":
-            raise StopRun("diverged", f"{what}; stopping (--on-spike stop). Last checkpoint:"
-                                      f" {self.last_saved or 'none'}")
-        if self.last_saved is None or self.rollbacks >= ROLLBACKS_MAX:
-            why = "no checkpoint to roll back to" if self.last_saved is None else f"{ROLLBACKS_MAX} rollbacks already"
-            raise StopRun("diverged", f"{what}; {why}; stopping. Last checkpoint: {self.last_saved or 'none'}")
-        self.rollback(what)
-        return True
-
     def rollback(self, what: str) -> None:
-        """Reload the last good checkpoint, keep the data where it is: the window that spiked is skipped."""
+        """Reload the last good checkpoint, keep the data where it is: the window that spiked is skipped.
+        The participants keep what they learnt (spike steps never enter the detector) and rewind()."""
         spiked_at, tag = self.step, self.last_saved
         first_skipped = checkpoint.read_meta(tag)["step"] + 1
         self.rollbacks += 1
-        spikes = self.spikes.state_dict()  # the detector keeps what it learnt (spike steps never enter it)
         self.checkpointer.wait()
         state = checkpointer.load(self.engine, tag)["zerotrain"]
         self._restore_schedule()  # the tag may hold the plan before a resume re-planned it
-        self.spikes.load_state_dict(spikes)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.checkpointer.note_loaded(self.step)
         self.checkpointer.discard_after(self.step)  # rank 0: no later tag of the abandoned timeline survives
-        self.best = self.read_best()
+        for p in self.participants:
+            p.rewind()  # evaluation: best.json as it now stands
         window = {"spike_at_step": spiked_at, "rolled_back_to": str(tag), "skipped_steps": [first_skipped, spiked_at],
                   "why": what, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if self.is_main:
@@ -637,16 +539,6 @@ class Trainer:
         self.say(f"zerotrain: warning: {what}; rolled back to {tag} (step {self.step}); the data of steps"
                  f" {first_skipped}-{spiked_at} is skipped (recorded in rollbacks.json)")
 
-    def check_finite(self, loss: float) -> None:
-        grad_norm = self.grad_norm  # rank 0's, from the step's collective
-        bad = None if math.isfinite(loss) else f"loss is {loss}"
-        if bad is None and grad_norm is not None and not math.isfinite(float(grad_norm)):
-            bad = f"gradient norm is {float(grad_norm)}"
-        if bad:
-            # Nothing of this step is logged or saved; the last checkpoint is the last good state.
-            raise StopRun("diverged", f"step {self.step}: {bad}; stopping. Last checkpoint:"
-                                      f" {self.last_saved or 'none'}")
-
     def close(self) -> None:
         if self.watchdog is not None:  # first: a watchdog that has fired ends the process from here
             self.watchdog.stop()
@@ -654,6 +546,8 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        for p in self.participants:
+            p.close()
         self.checkpointer.close()
         self.loader.close()
         # Issue 9 (a notebook calls run() again in this process): without this each run kept its
@@ -674,17 +568,6 @@ class Trainer:
         self.dist.all_reduce(per_source)
         shares = (per_source / per_source.sum()).tolist()
         return [(s.name, x, s.weight) for s, x in zip(self.plan.data.specs, shares)]
-
-    def check_golden(self, record: dict) -> None:
-        """--golden (issue 10): rank 0's verdict at the golden steps, on every rank; --golden-strict stops."""
-        if self.plan.golden is None:
-            return
-        off = self.plan.golden.check(self.step, record, self.dist)
-        if off:
-            self.say(f"zerotrain: warning: {off}")
-            self.metrics.event("golden", self.step, message=off)
-            if self.cfg.golden_strict:
-                raise StopRun("golden", f"{off}; stopping (--golden-strict)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -319,3 +319,24 @@ def test_readme_layout_names_every_module():
         if name not in words and f"{name}.py" not in words:
             missing.append(f"{path.relative_to(REPO)} ({module})")
     assert not missing, "modules README's Layout section does not name: " + ", ".join(missing)
+
+
+def test_the_trainer_reads_as_short_functions_and_names_no_monitor():
+    """trainer.py stays a list of calls: no function's body (its docstring aside) over 45 lines, the loop
+    about 25; and it names no monitor of the step: those are components/participants/ modules, listed in
+    participants.ORDER (adding one does not edit the trainer)."""
+    path = REPO / "launcher" / "trainer.py"
+    tree = ast.parse(path.read_text())
+    long = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body[1:] if ast.get_docstring(node) is not None and len(node.body) > 1 else node.body
+            lines = node.end_lineno - body[0].lineno + 1
+            if lines > (25 if node.name == "_loop" else 45):
+                long.append(f"launcher/trainer.py:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "functions too long to read at a glance (split them):\n" + "\n".join(long)
+    modules = project_modules()
+    named = sorted({t for t, _ in imports_of("zerotrain.launcher.trainer", path, modules)
+                    if t.startswith("zerotrain.launcher.components.participants.")
+                    and t != "zerotrain.launcher.components.participants.base"})
+    assert not named, f"the trainer imports monitors by name ({', '.join(named)}): list them in participants.ORDER"

@@ -5,8 +5,9 @@ Everything here is plain Python with no process group: the Trainer does the coll
 (all-reduced loss, the OR of every rank's signal flag, rank 0's clock broadcast) and hands these
 objects values that every rank already agrees on, so every rank reaches the same decision at the
 same step. What must survive a resume has `state_dict()` / `load_state_dict()` (JSON-safe: it
-travels in DeepSpeed's `client_state`). The Trainer turns a decision to stop into a
-`StopRun(kind, message)`; the kind's exit code is in the table of `zerotrain.launcher.errors`.
+travels in DeepSpeed's `client_state`). The step's participants (components/participants/) turn a
+decision to stop into a `StopRun(kind, message)`; the kind's exit code is in the table of
+`zerotrain.launcher.errors`.
 """
 from __future__ import annotations
 

@@ -1,0 +1,27 @@
+"""The training step's participants (components/participants/base.py: the protocol, and the layout of the
+step's one gather), one module each. ORDER is the order they are called at each hook (the first StopRun
+wins): before the step's record (observe), health's window, finite, spikes, evaluation and best, early
+stop's update; after it (logged), golden, health's verdicts, the save, then the stops by precedence:
+signal, budget, early stop. Adding a monitor is a new module here and its place in ORDER; the Trainer
+does not change.
+"""
+from __future__ import annotations
+
+from zerotrain.launcher.components.participants.base import Participant, Run
+from zerotrain.launcher.components.participants.budget import BudgetStop
+from zerotrain.launcher.components.participants.checkpointing import Checkpointing
+from zerotrain.launcher.components.participants.early_stop import EarlyStop
+from zerotrain.launcher.components.participants.evaluation import Evaluation
+from zerotrain.launcher.components.participants.finite import Finite
+from zerotrain.launcher.components.participants.golden import GoldenWatch
+from zerotrain.launcher.components.participants.health import HealthWatch
+from zerotrain.launcher.components.participants.signals import Signals
+from zerotrain.launcher.components.participants.spikes import Spikes
+
+ORDER: tuple[type[Participant], ...] = (GoldenWatch, HealthWatch, Finite, Spikes, Evaluation, Checkpointing, Signals,
+                                        BudgetStop, EarlyStop)
+
+
+def build(run: Run) -> list[Participant]:
+    """This run's participants, in ORDER (those that do not take part left out)."""
+    return [p for p in (cls.from_run(run) for cls in ORDER) if p is not None]

@@ -1,0 +1,221 @@
+"""The step's participants: what a monitor of the training step is, and the one gather they share.
+
+A participant is a small object the Trainer calls at fixed points of every step (OLMo-core's callbacks,
+with one difference: every rank decides on the same values, because what a decision needs from other
+ranks rides on the step's one collective, `Trainer.agree`):
+
+    fields()          the NAMED fields it adds to the step's gather (`Field`: how each is reduced over ranks)
+    open()            once, when the loop starts (say what it watches)
+    contribute(step)  before the gather: this rank's value of each of its fields
+    observe(step)     after the gather, before the step's record is written (`step.agreed[name]`)
+    logged(step)      after the record is written
+    rewind()          after a rollback to an earlier checkpoint
+    state_dict() / load_state_dict(state)   what survives a resume (`saved_as`: its key in the checkpoint)
+    close()
+
+`observe` and `logged` return None to go on, a `StopRun` to end the run (its kind and message; the
+Trainer saves if the kind saves), or `REWOUND` when the step was abandoned (a rollback: the loop goes on
+from the restored step). Participants run in the order the Trainer lists them; the first StopRun wins.
+
+`Layout` packs the named fields of every rank into one int64 row (floats ride as their bits) and
+reduces the gathered table into an `Agreed` mapping: pure torch on tensors, no process group, so
+the gather's meaning is unit-tested without one. A participant never imports the Trainer: what it
+may ask of the run is the `Run` protocol below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import torch
+
+from zerotrain.launcher.errors import StopRun
+
+KINDS = ("int", "float", "flag", "optional")  # optional: a float or None (one more slot says which)
+REDUCTIONS = ("every", "sum", "any", "rank0")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One named value of a rank's row. `reduce`: "every" (a list, one per rank, in rank order), "sum"
+    (summed in rank order: the same float on every rank), "any" (True when any rank's is nonzero) or
+    "rank0" (rank 0's: its clock and the engine's gradient norm are read once). `kind` int rides as an
+    int64, the others as float64 (flag -> bool, optional -> float or None)."""
+    name: str
+    reduce: str
+    kind: str = "float"
+
+    def __post_init__(self):
+        if self.reduce not in REDUCTIONS or self.kind not in KINDS:
+            raise ValueError(f"field {self.name}: reduce {self.reduce!r} / kind {self.kind!r}"
+                             f" (known: {', '.join(REDUCTIONS)} / {', '.join(KINDS)})")
+
+
+# The step's own fields (the Trainer's): the next step's data (ended? error? batch digest, labelled tokens:
+# every rank's), this step's loss sum (summed in rank order) and rank 0's gradient norm (None: not read).
+STEP_FIELDS = [Field("data_ended", "every", "int"), Field("data_error", "every", "int"),
+               Field("batch_digest", "every", "int"), Field("labelled", "every", "int"),
+               Field("loss_sum", "sum"), Field("grad_norm", "rank0", "optional")]
+
+
+class Agreed(dict):
+    """The gathered fields by name, reduced: identical on every rank."""
+
+
+class Layout:
+    """Where each named field sits in a rank's row: int fields first, then float64 slots."""
+
+    def __init__(self, fields: list[Field]):
+        names = [f.name for f in fields]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"fields claimed twice in the step's gather: {', '.join(twice)}")
+        self.ints = [f for f in fields if f.kind == "int"]
+        self.floats = [f for f in fields if f.kind != "int"]
+        self.slot, n = {}, 0
+        for f in self.floats:
+            self.slot[f.name] = n
+            n += 2 if f.kind == "optional" else 1
+        self.n_floats = n
+
+    def pack(self, values: Mapping[str, Any], device=None) -> torch.Tensor:
+        """This rank's row; a field missing from `values` is 0 (None for optional). A float may be a
+        device tensor: it is copied on the device (no host sync)."""
+        unknown = set(values) - {f.name for f in self.ints} - set(self.slot)
+        if unknown:
+            raise ValueError(f"values for fields nobody declared: {', '.join(sorted(unknown))}")
+        floats = torch.zeros(self.n_floats, dtype=torch.float64, device=device)
+        for f in self.floats:
+            value, i = values.get(f.name), self.slot[f.name]
+            if f.kind == "optional":
+                if value is not None:
+                    floats[i], floats[i + 1] = 1.0, value
+            elif value is not None:
+                floats[i] = value if isinstance(value, torch.Tensor) else float(value)
+        ints = torch.tensor([int(values.get(f.name) or 0) for f in self.ints], dtype=torch.int64, device=device)
+        return torch.cat([ints, floats.view(torch.int64)])
+
+    def unpack(self, table: torch.Tensor) -> Agreed:
+        """Every rank's rows (world x row, int64, on the host) reduced field by field."""
+        n = len(self.ints)
+        int_rows = table[:, :n].tolist()
+        float_rows = table[:, n:].contiguous().view(torch.float64).tolist()
+        agreed = Agreed()
+        for j, f in enumerate(self.ints):
+            agreed[f.name] = _reduce(f, [row[j] for row in int_rows])
+        for f in self.floats:
+            i = self.slot[f.name]
+            if f.kind == "optional":
+                per_rank = [row[i + 1] if row[i] > 0 else None for row in float_rows]
+            elif f.kind == "flag":
+                per_rank = [row[i] > 0 for row in float_rows]
+            else:
+                per_rank = [row[i] for row in float_rows]
+            agreed[f.name] = _reduce(f, per_rank)
+        return agreed
+
+
+def _reduce(f: Field, per_rank: list):
+    if f.reduce == "every":
+        return per_rank
+    if f.reduce == "rank0":
+        return per_rank[0]
+    if f.reduce == "any":
+        return any(bool(x) for x in per_rank)
+    return sum(per_rank)  # in rank order: the same float on every rank
+
+
+class _Rewound:
+    def __repr__(self) -> str:
+        return "REWOUND"
+
+
+REWOUND = _Rewound()  # observe()/logged(): this step was abandoned (rolled back), the loop goes on
+
+
+@dataclass
+class StepState:
+    """One step as the participants see it, filled in as the step goes (one object per step)."""
+    step: int                  # the step being trained; after the gather, the step just completed
+    tokens_sha: str            # every rank's batch digests of this step, hashed
+    lr: float
+    step_time: float           # seconds of this step's work and its data wait
+    trained_at: float          # time.time() when this step's work ended (before the next step's fetch)
+    last: bool                 # the run's last step (--max-steps)
+    agreed: Agreed = field(default_factory=Agreed)
+    loss: float | None = None
+    grad_norm: float | None = None  # rank 0's, agreed
+    window: Any = None         # the health check's (window, verdicts) when a window closed here (rank 0)
+    val: dict | None = None    # the evaluation's metrics at an eval step
+    new_best: bool = False     # a new lowest validation loss
+    record: dict | None = None  # the step's logged record
+    saved: bool = False        # a checkpoint of this step was written in the loop
+
+
+class Run(Protocol):
+    """What a participant may ask of the run (the Trainer satisfies it; participants never import it):
+    what it is built from (`from_run`), and the counters and actions the participants share."""
+    plan: Any                  # the RunPlan: run_dir, ckpt_dir, golden, model_args, zt
+    cfg: Any                   # the resolved RunConfig
+    rank: int
+    world: int
+    is_main: bool
+    dist: Any                  # torch.distributed
+    engine: Any                # the DeepSpeed engine
+    clock: Any                 # observe.phases.PhaseClock
+    hooks: Any                 # hooks.TestHooks
+    metrics: Any               # observe.metrics.MetricsLogger
+    checkpointer: Any          # checkpoints.checkpointer.Checkpointer
+    signals: Any               # guards.SignalStop
+    budget: Any                # guards.Budget
+    evaluator: Any             # evaluate.Evaluator, or None
+    tokens_per_step: int
+    step: int
+    tokens_seen: int
+    rollbacks: int
+    last_saved: Path | None
+    last_save_s: float
+
+    def say(self, line: str) -> None: ...
+    def elapsed(self, at: float | None = None) -> float: ...
+    def save(self) -> Path: ...
+    def rollback(self, what: str) -> None: ...
+
+
+class Participant:
+    """A monitor of the step. Every hook is optional; see the module docstring for when each runs."""
+    name = "participant"
+    saved_as: str | None = None  # its key under the checkpoint's "guards" (None: nothing to keep)
+
+    @classmethod
+    def from_run(cls, run: Run) -> "Participant | None":
+        """Built for this run (None: not taking part, e.g. golden without --golden)."""
+        return cls()
+
+    def fields(self) -> list[Field]:
+        return []
+
+    def open(self) -> None:
+        pass
+
+    def contribute(self, step: StepState) -> dict:
+        return {}
+
+    def observe(self, step: StepState) -> StopRun | _Rewound | None:
+        return None
+
+    def logged(self, step: StepState) -> StopRun | _Rewound | None:
+        return None
+
+    def rewind(self) -> None:
+        pass
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

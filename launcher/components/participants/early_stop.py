@@ -1,0 +1,35 @@
+"""--early-stop-patience (guards.EarlyStopping): fed every evaluation's agreed val_loss before the step
+is saved (its state travels in the checkpoint under "early_stop"); stops last, after a signal or a
+budget would have (early-stop, exit 4)."""
+from __future__ import annotations
+
+from zerotrain.launcher.components.guards import EarlyStopping
+from zerotrain.launcher.components.participants.base import Participant, Run, StepState
+from zerotrain.launcher.errors import StopRun
+
+
+class EarlyStop(Participant):
+    name, saved_as = "early-stop", "early_stop"
+
+    def __init__(self, patience: int | None):
+        self.early = EarlyStopping(patience) if patience else None
+
+    @classmethod
+    def from_run(cls, run: Run) -> "EarlyStop":
+        return cls(run.cfg.early_stop_patience)
+
+    def observe(self, step: StepState) -> None:
+        if self.early is not None and step.val is not None:
+            self.early.update(step.val["val_loss"])
+
+    def logged(self, step: StepState) -> StopRun | None:
+        if self.early is not None and self.early.should_stop:
+            return StopRun("early-stop", f"early stop at step {step.step}: {self.early.message()}")
+        return None
+
+    def state_dict(self) -> dict | None:
+        return self.early.state_dict() if self.early is not None else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.early is not None and state:
+            self.early.load_state_dict(state)

@@ -1,0 +1,171 @@
+"""The step's participants without a process group (fakes for the run; the gather done by hand over the
+rows of a few ranks, as Trainer.agree does with one all-gather): the named fields reduce the same on every
+rank, each monitor's decision is the one the loop acts on, and what survives a resume round-trips."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zerotrain.launcher.components import participants
+from zerotrain.launcher.components.guards import Budget, SignalStop
+from zerotrain.launcher.components.observe.phases import PhaseClock
+from zerotrain.launcher.components.participants.base import (REWOUND, STEP_FIELDS, Agreed, Field, Layout,
+                                                             Participant, StepState)
+from zerotrain.launcher.components.participants.budget import BudgetStop
+from zerotrain.launcher.components.participants.early_stop import EarlyStop
+from zerotrain.launcher.components.participants.finite import Finite
+from zerotrain.launcher.components.participants.signals import Signals
+from zerotrain.launcher.components.participants.spikes import ROLLBACKS_MAX, Spikes
+from zerotrain.launcher.errors import StopRun
+
+
+def gather(layout: Layout, rows: list[dict]) -> Agreed:
+    """What Trainer.agree's all-gather returns on every rank, from each rank's values."""
+    return layout.unpack(torch.stack([layout.pack(values) for values in rows]))
+
+
+def a_step(step: int = 5, **kw) -> StepState:
+    return StepState(step, "sha", 1e-3, step_time=kw.pop("step_time", 1.0), trained_at=kw.pop("trained_at", 100.0),
+                     last=kw.pop("last", False), **kw)
+
+
+class FakeRun:
+    """The counters and actions a participant may use (participants/base.py Run), recorded."""
+
+    def __init__(self, **kw):
+        self.step, self.tokens_seen, self.rollbacks, self.last_saved, self.last_save_s = 5, 0, 0, None, 0.0
+        self.said, self.rolled_back, self.saves = [], [], 0
+        self.__dict__.update(kw)
+
+    def say(self, line):
+        self.said.append(line)
+
+    def elapsed(self, at=None):
+        return at
+
+    def save(self):
+        self.saves += 1
+        return Path("ckpt")
+
+    def rollback(self, what):
+        self.rollbacks += 1
+        self.rolled_back.append(what)
+
+
+def test_named_fields_reduce_the_same_on_every_rank():
+    layout = Layout(STEP_FIELDS + [Field("flag", "any", "flag"), Field("clock", "rank0", "flag"),
+                                   Field("work", "every")])
+    losses = [0.1, 0.2, 0.30000000000000004]
+    rows = [{"loss_sum": torch.tensor(losses[r], dtype=torch.float64), "batch_digest": (2 ** 63 - 1) - r,
+             "labelled": 10 + r, "flag": r == 2, "clock": r == 1, "work": 0.5 * r} for r in range(3)]
+    rows[0]["grad_norm"] = 1.5  # rank 0 reads it; the others send nothing
+    agreed = gather(layout, rows)
+    assert agreed["loss_sum"] == sum(losses)  # in rank order: the same float everywhere
+    assert agreed["batch_digest"] == [2 ** 63 - 1, 2 ** 63 - 2, 2 ** 63 - 3]  # 63-bit digests intact
+    assert agreed["labelled"] == [10, 11, 12] and agreed["data_ended"] == [0, 0, 0]
+    assert agreed["flag"] is True and agreed["clock"] is False  # any rank / rank 0's alone
+    assert agreed["grad_norm"] == 1.5 and agreed["work"] == [0.0, 0.5, 1.0]
+    assert gather(layout, [{}, {}])["grad_norm"] is None  # not read: None, not 0.0
+
+
+def test_a_field_claimed_twice_or_a_value_nobody_declared_is_refused():
+    with pytest.raises(ValueError, match="claimed twice.*signal"):
+        Layout([Field("signal", "any", "flag"), Field("signal", "rank0")])
+    with pytest.raises(ValueError, match="nobody declared: typo"):
+        Layout(STEP_FIELDS).pack({"typo": 1.0})
+    with pytest.raises(ValueError, match="reduce 'mean'"):
+        Field("x", "mean")
+
+
+def test_every_participant_of_the_run_fits_one_gather():
+    """All of ORDER built for one run: their fields and the step's own share one layout (no name twice)."""
+    dist = SimpleNamespace(broadcast_object_list=lambda box, src: None)
+    run = FakeRun(plan=SimpleNamespace(golden=object(), run_dir=Path("r"), ckpt_dir=Path("r/c"), zt={},
+                                       model_args=None),
+                  cfg=SimpleNamespace(on_spike="rollback", eval_every_steps=10, golden_strict=False,
+                                      early_stop_patience=2, seq_len=8),
+                  rank=1, world=2, is_main=False, dist=dist, engine=SimpleNamespace(device="cpu"),
+                  clock=PhaseClock(), hooks=None, metrics=None, checkpointer=None, signals=SignalStop(),
+                  budget=Budget(), evaluator=None, tokens_per_step=64)
+    built = participants.build(run)
+    assert [type(p) for p in built] == list(participants.ORDER)
+    layout = Layout(STEP_FIELDS + [f for p in built for f in p.fields()])
+    assert {"signal", "save_hours", "over_budget", "step_work_s", "data_wait_s"} <= set(layout.slot)
+    assert all(isinstance(p, Participant) for p in built)
+
+
+def test_a_non_finite_loss_or_gradient_norm_stops_naming_the_last_checkpoint():
+    finite = Finite(FakeRun(last_saved=Path("ckpt/step_00000004")))
+    assert finite.observe(a_step(loss=2.0, grad_norm=1.0)) is None
+    stop = finite.observe(a_step(loss=math.nan))
+    assert isinstance(stop, StopRun) and stop.kind == "diverged"
+    assert stop.message == "step 5: loss is nan; stopping. Last checkpoint: ckpt/step_00000004"
+    stop = finite.observe(a_step(loss=2.0, grad_norm=math.inf))
+    assert stop.kind == "diverged" and "gradient norm is inf" in stop.message
+
+
+def spiking(spikes: Spikes, steps: int = 30) -> list:
+    """Feed a flat loss, then a tripled one, until the detector decides; every outcome."""
+    outcomes = [spikes.observe(a_step(s, loss=2.0)) for s in range(1, steps)]
+    return outcomes + [spikes.observe(a_step(steps + s, loss=6.0)) for s in range(3)]
+
+
+def test_a_spike_warns_stops_or_rolls_back_and_gives_up_after_the_last_rollback():
+    run = FakeRun()
+    warned = spiking(Spikes(run, "warn", run.say))
+    assert warned == [None] * len(warned) and "loss spike at step 32" in run.said[0]
+    assert spiking(Spikes(run, "stop", run.say))[-1].kind == "diverged"
+    nothing = spiking(Spikes(run, "rollback", run.say))[-1]
+    assert nothing.kind == "diverged" and "no checkpoint to roll back to" in nothing.message
+    run = FakeRun(last_saved=Path("ckpt/step_00000020"))
+    spikes = Spikes(run, "rollback", run.say)
+    assert spiking(spikes)[-1] is REWOUND and run.rollbacks == 1 and run.rolled_back[0].startswith("loss spike")
+    run.rollbacks = ROLLBACKS_MAX
+    assert spikes.observe(a_step(40, loss=2.0)) is None  # accepted: the next streak is a new spike
+    gave_up = [spikes.observe(a_step(41 + s, loss=6.0)) for s in range(3)][-1]
+    assert gave_up.kind == "diverged" and f"{ROLLBACKS_MAX} rollbacks already" in gave_up.message
+
+
+def test_rank_0s_clock_stops_every_rank_at_the_same_step():
+    """--max-hours: only rank 0's clock counts (another rank's clock may say otherwise); every rank
+    reads the same flag from the gather and stops with the budget's kind."""
+    ranks = [BudgetStop(FakeRun(), Budget(max_hours=1.0), tokens_per_step=64) for _ in range(2)]
+    layout = Layout(STEP_FIELDS + ranks[0].fields())
+    steps = [a_step(trained_at=3599.5), a_step(trained_at=10.0)]  # rank 0 is near the hour, rank 1 is not
+    agreed = gather(layout, [p.contribute(s) for p, s in zip(ranks, steps)])
+    stops = []
+    for p, s in zip(ranks, steps):
+        s.agreed = agreed
+        stops.append(p.logged(s))
+    assert [s.kind for s in stops] == ["budget", "budget"]
+    assert stops[0].message.startswith("budget reached at step 5: --max-hours 1")
+    assert stops[1].message == "budget reached at step 5: rank 0 clock (--max-hours / --budget-usd)"
+
+
+def test_a_signal_on_one_rank_stops_every_rank():
+    signals = [SignalStop(), SignalStop()]
+    signals[1].requested = "SIGTERM"
+    ranks = [Signals(s, dist=None, device="cpu") for s in signals]
+    layout = Layout(STEP_FIELDS + ranks[0].fields())
+    agreed = gather(layout, [p.contribute(a_step()) for p in ranks])
+    stops = [p.logged(a_step(agreed=agreed)) for p in ranks]
+    assert [s.kind for s in stops] == ["signal", "signal"]
+    assert "a signal on another rank" in stops[0].message and "SIGTERM" in stops[1].message
+    assert ranks[0].logged(a_step(agreed=gather(layout, [{}, {}]))) is None
+
+
+def test_early_stopping_learns_from_evaluations_and_its_state_survives_a_resume():
+    early = EarlyStop(patience=2)
+    for step, loss in ((10, 3.0), (20, 3.1), (30, 3.2)):
+        s = a_step(step, val={"val_loss": loss})
+        early.observe(s)
+    stop = early.logged(s)
+    assert stop.kind == "early-stop" and stop.message.startswith("early stop at step 30")
+    resumed = EarlyStop(patience=2)
+    resumed.load_state_dict(early.state_dict())
+    assert resumed.logged(a_step(30)).kind == "early-stop"
+    assert EarlyStop(patience=None).state_dict() is None and EarlyStop(None).logged(a_step()) is None
