@@ -155,7 +155,7 @@ class RunConfig:
                                            " eval, save, ...) before its watchdog dumps every rank's stacks to"
                                            " RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the profile's"
                                            " zerotrain.hang_timeout, else the larger of 600 s and 5x the slowest phase"
-                                           " so far (start-up: at least 1800 s)", RUN)
+                                           " so far (start-up and the first step: at least 1800 s)", RUN)
     # --- determinism (docs/gpu.md): GPU kernels that accumulate in a varying order, or not ---
     deterministic: bool | None = opt(None, "deterministic kernels: torch.use_deterministic_algorithms, a fixed cuBLAS"
                                            " workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8) and, for attention auto, sdpa"

@@ -42,6 +42,9 @@ def test_default_timeout_is_the_larger_of_600_s_and_5x_the_slowest_phase():
     assert watchdog.timeout_for("start", 3600, {}) == 3600
     # ... and once the loop runs, "start" is the time between the measured phases: the normal timeout
     assert watchdog.timeout_for("start", 8, {"start": 1.0, "data": 0.1}) == 8
+    # the first step of a launch compiles (flex, --compile, Muon): the start-up's grace, given or not
+    assert watchdog.timeout_for("compute", None, {"data": 0.1}, first_step=True) == 1800
+    assert watchdog.timeout_for("compute", 8, {"data": 0.1}, first_step=True) == 1800
     assert "600 s and 5x the slowest" in watchdog.describe(None) and "8 s" in watchdog.describe(8)
     assert watchdog.describe(0) == "watchdog: off (--hang-timeout 0)"
 
@@ -49,6 +52,22 @@ def test_default_timeout_is_the_larger_of_600_s_and_5x_the_slowest_phase():
 def beat(rank, step, phase, age, launch="L", now=1000.0):
     return {"rank": rank, "step": step, "phase": phase, "in_phase_s": 1.0, "time": now - age, "host": "h",
             "pid": 100 + rank, "launch": launch}
+
+
+def test_the_first_step_of_a_launch_gets_the_start_up_grace(tmp_path):
+    """Its compute compiles (flex on a GPU, --compile, Muon): 9 s of it at --hang-timeout 8 is not a hang; the
+    same 9 s in a later step is."""
+    now = FakeTime()
+    clock = PhaseClock(clock=now)
+    exits = []
+    dog = watchdog.Watchdog(clock, tmp_path / "run", 0, 1, "L", 8, exit_fn=exits.append, now=now)
+    dog.beat_dir.mkdir(parents=True)
+    for finished in range(2):
+        with clock.phase("compute"):
+            now.t += 9
+            dog.check()
+        clock.set_step(finished + 1)
+    assert exits == [EXIT_HUNG]  # the second step's, not the first's
 
 
 def test_behind_names_lower_steps_and_stale_heartbeats_of_this_launch(tmp_path):

@@ -57,6 +57,7 @@ class PhaseClock:
         self._lock = threading.Lock()  # take_window against a phase ending on the main thread
         self.longest: dict[str, float] = {}  # the longest single stay in each phase so far (hang-timeout default)
         self.last_stay = 0.0  # seconds of the last phase left (the trainer's data wait is its "data" stay)
+        self.steps_done = 0  # steps finished in this process (set_step calls): the first step compiles
 
     def _account(self, phase: str, start: float, now: float) -> None:
         spent = now - start
@@ -88,6 +89,7 @@ class PhaseClock:
         _, phase, start = self.state
         now = self._clock()
         self._account(phase, start, now)
+        self.steps_done += 1
         self.state = (step, phase, now)
 
     def now_state(self) -> tuple[int, str, float]:

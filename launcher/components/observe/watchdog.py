@@ -56,10 +56,12 @@ STALE_BEATS = 3  # a heartbeat older than this many periods is stale: that rank'
 TICK_S = 1.0  # how often the thread looks at the clock
 
 
-def timeout_for(phase: str, given: float | None, longest: dict[str, float]) -> float:
+def timeout_for(phase: str, given: float | None, longest: dict[str, float], first_step: bool = False) -> float:
     """Seconds this rank may stay in `phase` before it counts as hung. `given`: --hang-timeout (or the
-    profile's), None for the default; `longest`: PhaseClock.longest (the slowest single stay per phase)."""
-    if phase == "start" and not started(longest):
+    profile's), None for the default; `longest`: PhaseClock.longest (the slowest single stay per phase);
+    `first_step`: no step of this launch has finished yet (its compute compiles: flex on a GPU, --compile,
+    Muon's Newton-Schulz), which gets the start-up's grace too."""
+    if first_step or (phase == "start" and not started(longest)):
         return max(given or 0.0, START_TIMEOUT_S)
     if given:
         return float(given)
@@ -85,7 +87,8 @@ def describe(given: float | None) -> str:
         return "watchdog: off (--hang-timeout 0)"
     rule = (f"{given:g} s" if given else
             f"the larger of {DEFAULT_FLOOR_S:.0f} s and {SLOWEST_MULTIPLE:g}x the slowest phase so far")
-    return (f"watchdog: a rank with no progress for {rule} (start-up: {max(given or 0, START_TIMEOUT_S):.0f} s)"
+    return (f"watchdog: a rank with no progress for {rule} (start-up and the first step:"
+            f" {max(given or 0, START_TIMEOUT_S):.0f} s)"
             f" dumps its stacks to RUN_DIR/{HANGS}/ and exits {EXIT_HUNG} (hung); --hang-timeout to change")
 
 
@@ -280,7 +283,8 @@ class Watchdog:
             self.fire(state, timeout)
 
     def timeout(self, state: dict) -> float:
-        return timeout_for(state["phase"], self.given, self.clock.longest.copy())  # copy(): one C call, atomic
+        return timeout_for(state["phase"], self.given, self.clock.longest.copy(),  # copy(): one C call, atomic
+                           first_step=self.clock.steps_done == 0)
 
     # -- firing -----------------------------------------------------------------------------------
     def _claim(self, state: dict) -> dict:
