@@ -114,7 +114,7 @@ class RunConfig:
                         RUN, ("warn", "stop", "rollback"))
     piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from"
                                       " --seq-len)", IDENTITY_WHEN_SET)
-    # --- observability (issue 10, section 3; launcher/components/observe/metrics.py) ---
+    # --- observability (launcher/components/observe/metrics.py) ---
     log: str | None = opt(None, "metrics sinks besides metrics.jsonl, comma-separated: tensorboard"
                                 " (RUN_DIR/tensorboard/), wandb (offline unless an API key is set)", RUN)
     wandb_project: str | None = opt(None, "with --log wandb: the W&B project (default: $WANDB_PROJECT, else"
@@ -124,33 +124,33 @@ class RunConfig:
     wandb_group: str | None = opt(None, "with --log wandb: the W&B group (default: $WANDB_RUN_GROUP)", RUN)
     wandb_name: str | None = opt(None, "with --log wandb: the W&B display name (default: $WANDB_NAME, else the run"
                                        " id; the W&B run id is $WANDB_RUN_ID, else the run id)", RUN)
-    # --- optimizers (issue 11; launcher/optimizers.py) ---
+    # --- optimizers (launcher/optimizers.py) ---
     optimizer: str | None = opt(None, "adamw (default: the profile's), muon, lion, adamw-decaying-wd, ademamix, or"
                                       " module.path:ClassName (README \"Optimizers\")", IDENTITY_WHEN_SET)
     optimizer_args: dict | None = opt(None, "the optimizer's hyper-parameters as a JSON object, e.g."
                                             " '{\"weight_decay\": 0.0}'", IDENTITY_WHEN_SET)
-    # --- the planner's fit check (issue 10; launcher/components/planner.py) ---
+    # --- the planner's fit check (launcher/components/planner.py) ---
     fit_check: bool | None = opt(None, "refuse, before building anything, a config the planner says cannot fit in"
                                        " this device's memory (default on; --no-fit-check to try anyway)", RUN)
-    # --- recipes (issue 11) ---
+    # --- recipes (--config) and --dry-run ---
     dry_run: bool | None = opt(None, "resolve everything (profile, batch, model, data, plan) against the world"
                                      " size, print it and exit 0 without building or writing anything", RUN)
     description: str | None = opt(None, "free text; recipes use it to say what they are for", RUN)
-    # --- pre-flight golden steps (issue 10, section 2; launcher/commands/preflight/) ---
+    # --- pre-flight golden steps (launcher/commands/preflight/) ---
     golden: str | None = opt(None, "a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak"
                                    " memory at its golden steps is more than 10% off (another config is refused)", RUN)
     golden_strict: bool | None = opt(None, "with --golden: stop (checkpoint saved, exit 8) instead of warning", RUN)
-    # --- start-up speed (issue 12, section 1.5) ---
+    # --- start-up speed ---
     verify_data: str | None = opt(None, "prepared shards at start-up: quick (default: manifest, sizes, headers and"
                                         " offsets every start; sha256 once per node, remembered by file identity) or"
                                         " full (every byte hashed by every rank, every start)", RUN,
                                   ("quick", "full"))
-    # --- attention kernel (issue 18, section 2; modeling/model.py) ---
+    # --- attention kernel (modeling/model.py) ---
     attention: str | None = opt(None, "attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex"
                                       " or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else"
                                       " auto. The same math whichever runs: not part of the run id", RUN,
                                 ATTENTION_BACKENDS)
-    # --- hang watchdog (issue 20, section 1; launcher/components/observe/watchdog.py) ---
+    # --- hang watchdog (launcher/components/observe/watchdog.py) ---
     hang_timeout: float | None = opt(None, "seconds a rank may stay in one phase (data, compute, the step's collective,"
                                            " eval, save, ...) before its watchdog dumps every rank's stacks to"
                                            " RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the profile's"
@@ -219,24 +219,24 @@ class RunConfig:
             raise UsageError(f"--eval-data {self.eval_data}: no such file or directory")
         if self.on_spike not in ("warn", "stop", "rollback"):
             raise UsageError(f"--on-spike {self.on_spike!r}: must be warn, stop or rollback")
-        if self.fit_check is not None and not isinstance(self.fit_check, bool):  # issue 10: the planner's fit check
+        if self.fit_check is not None and not isinstance(self.fit_check, bool):  # the planner's fit check
             raise UsageError(f"--fit-check: must be true or false, got {self.fit_check!r}")
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
             raise UsageError(f"--deterministic: must be true or false, got {self.deterministic!r}")
-        if self.verify_data not in (None, "quick", "full"):  # issue 12
+        if self.verify_data not in (None, "quick", "full"):
             raise UsageError(f"--verify-data: must be quick or full, got {self.verify_data!r}")
-        if self.attention is not None and self.attention not in ATTENTION_BACKENDS:  # issue 18
+        if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise UsageError(f"--attention: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
-        v = self.hang_timeout  # issue 20: 0 switches the watchdog off
+        v = self.hang_timeout  # 0 switches the watchdog off
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
             raise UsageError(f"--hang-timeout: must be a non-negative number of seconds (0: off), got {v!r}")
-        if self.golden_strict is not None and not isinstance(self.golden_strict, bool):  # issue 10: pre-flight
+        if self.golden_strict is not None and not isinstance(self.golden_strict, bool):  # pre-flight's golden steps
             raise UsageError(f"--golden-strict: must be true or false, got {self.golden_strict!r}")
         if self.golden_strict and self.golden is None:
             raise UsageError("--golden-strict: needs --golden PATH (a golden.json from `zerotrain preflight --stage v3`)")
         if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
-        # issue 11: normalised, so `adamw` keeps the default's id
+        # normalised, so `adamw` keeps the default's id
         self.optimizer, self.optimizer_args = check_optimizer(self.optimizer, self.optimizer_args)
         if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
             raise UsageError(f"--run-id {self.run_id!r}: --log wandb uses it as the W&B run id, which cannot"

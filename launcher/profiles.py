@@ -63,12 +63,12 @@ def validate_profile(profile, where: str) -> None:
     peak = zt.get("peak_flops_per_device")
     if peak is not None and (not isinstance(peak, (int, float)) or peak <= 0):
         raise UsageError(f"{where}: zerotrain.peak_flops_per_device must be a positive number, got {peak!r}")
-    # issue 10: the planner's assumed MFU and pre-flight's threshold are fractions of that peak
+    # the planner's assumed MFU and pre-flight's threshold are fractions of that peak
     for key in ("expected_mfu", "mfu_threshold"):
         v = zt.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
             raise UsageError(f"{where}: zerotrain.{key} must be a number in (0, 1], got {v!r}")
-    health = zt.get("health")  # issue 20: the health check's windows (components/observe/health.py)
+    health = zt.get("health")  # the health check's windows (components/observe/health.py)
     if health is not None:
         if not isinstance(health, dict) or set(health) - set(HEALTH_KEYS):
             raise UsageError(f"{where}: zerotrain.health must be an object with keys among {', '.join(HEALTH_KEYS)},"
@@ -82,13 +82,13 @@ def validate_profile(profile, where: str) -> None:
     v = zt.get("max_epochs")  # the most passes over any source a run may make (hparams.resolve_max_epochs)
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
         raise UsageError(f"{where}: zerotrain.max_epochs must be a positive number, got {v!r}")
-    for key in ("hang_timeout", "comm_timeout_s"):  # issue 20: the watchdog (0: off) and the process group
+    for key in ("hang_timeout", "comm_timeout_s"):  # the watchdog (0: off) and the process group
         v = zt.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
                               or (key == "comm_timeout_s" and v == 0)):
             raise UsageError(f"{where}: zerotrain.{key} must be a " + ("positive" if key == "comm_timeout_s" else
                              "non-negative") + f" number of seconds, got {v!r}")
-    attention = zt.get("attention")  # issue 18: the attention kernel a profile asks for (--attention overrides)
+    attention = zt.get("attention")  # the attention kernel a profile asks for (--attention overrides)
     if attention is not None and attention not in ATTENTION_BACKENDS:
         raise UsageError(f"{where}: zerotrain.attention must be one of {', '.join(ATTENTION_BACKENDS)},"
                          f" got {attention!r}")

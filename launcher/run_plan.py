@@ -15,6 +15,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.loader import dataloader_settings, load_data, open_data
 from zerotrain.dataio.packing import check_packing
@@ -24,6 +26,7 @@ from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components import determinism, manifest
 from zerotrain.launcher.components.checkpoints import checkpoint, universal
+from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
@@ -41,9 +44,7 @@ def single_process_env() -> None:
     """Plain `python launcher/train.py` or a notebook: become rank 0 of a world of 1."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
@@ -69,8 +70,8 @@ class RunPlan:
     resume_from: Path | None
     resume_meta: dict | None = None
     warnings: tuple[str, ...] = ()
-    golden: object | None = None  # --golden: a zerotrain.launcher.components.observe.golden.GoldenCheck (issue 10)
-    attention: str = "sdpa"  # the attention kernel the model runs (issue 18; `attention_kernel`)
+    golden: object | None = None  # --golden: a zerotrain.launcher.components.observe.golden.GoldenCheck
+    attention: str = "sdpa"  # the attention kernel the model runs (`attention_kernel`)
     attention_why: str = ""  # how it was chosen, for the start-up line
     deterministic: bool = False  # --deterministic, else the profile's (components/determinism.py)
     resume_line: str = ""  # whether a resume on this hardware is bit-identical, for the start-up line and dry run
@@ -119,7 +120,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
     data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
     loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
-    loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # issue 9: SFT needs best-fit
+    loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # SFT needs best-fit
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
     device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else accelerator_devices()),
                                     detect=detect_profile)
@@ -162,7 +163,7 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
             raise UsageError(f"config drift against {run_dir / 'config.json'}: " + ", ".join(drift)
                              + "; start a new --run-id instead")
     golden = None
-    if cfg.golden:  # --golden (issue 10): a golden file of another config or world size is refused here
+    if cfg.golden:  # --golden: a golden file of another config or world size is refused here
         golden = GoldenCheck.load(cfg.golden, cfg, world)
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
         ds_config["train_batch_size"] * cfg.seq_len)
@@ -240,8 +241,6 @@ def run_device(cfg: RunConfig, zt: dict) -> tuple[str, bool]:
     profile's hardware (a torch with varlen assumed); else this node's."""
     if cfg.dry_run:
         return zt.get("hardware", {}).get("accelerator", "cuda"), True
-    import torch  # heavy: imported here, as the run is about to build the model with it
-
     device = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
     return device, importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch >= 2.9
 
@@ -249,7 +248,7 @@ def run_device(cfg: RunConfig, zt: dict) -> tuple[str, bool]:
 def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:
     """The checkpoint --resume names (verified), or None; --resume never refuses a run holding checkpoints."""
     if cfg.resume == "auto":
-        return checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=_say_rank0(rank))
+        return checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=say_rank0(rank))
     if cfg.resume == "never":
         if checkpoint.complete_checkpoints(ckpt_dir):
             raise UsageError(f"--resume never: {run_dir} already holds checkpoints; pick another --run-id")
@@ -270,7 +269,7 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
     if saved_run is not None and "piece_len" not in saved_run:
         piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
     holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
-    # issue 9: seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
+    # seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
     data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.seq_len, verify=cfg.verify_data or "quick")
     if not cfg.eval_every_steps:
         return data, None
@@ -312,5 +311,5 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
 EVAL_TOKENS_DEFAULT = 65536  # --eval-data without --eval-tokens: tokens per evaluation
 
 
-def _say_rank0(rank: int):
+def say_rank0(rank: int):
     return (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)

@@ -42,6 +42,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.hub import hub_lines
@@ -67,7 +69,7 @@ from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, repor
 from zerotrain.launcher.hparams import describe_hparams, describe_length, token_budget
 from zerotrain.launcher.optimizers import describe, describe_implementation
 from zerotrain.launcher.profiles import describe_precision, load_profile
-from zerotrain.launcher.run_plan import RunPlan, _say_rank0, finished_again, plan_run, single_process_env
+from zerotrain.launcher.run_plan import RunPlan, say_rank0, finished_again, plan_run, single_process_env
 from zerotrain.modeling.model import count_params, flops_per_token, global_token_mean_scale
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
@@ -105,11 +107,9 @@ class Trainer:
     """Built once from a RunPlan; `train()` runs the loop and returns a RunResult."""
 
     def __init__(self, plan: RunPlan, hard_exit: bool = True, watch: bool = False):
-        import torch
-
         self.plan, self.cfg = plan, plan.cfg
         self.world, self.rank, self.is_main = plan.world, plan.rank, plan.rank == 0
-        self.say = _say_rank0(plan.rank)
+        self.say = say_rank0(plan.rank)
         warning = ds_compat.check_deepspeed_version()  # one line, exit 2, before anything is built or written
         if warning:
             self.say(warning)
@@ -178,7 +178,7 @@ class Trainer:
                         "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
                         "identity_hash": self.cfg.identity_hash(),
                         "run_sources": self.cfg.sources,  # where lr, the schedule, ... came from (hparams.py)
-                        "attention": plan.attention, "deterministic": plan.deterministic}  # the kernel resolved (issue 18); "run" has what was asked
+                        "attention": plan.attention, "deterministic": plan.deterministic}  # the kernel resolved; "run" has what was asked
             durable.write_json(plan.run_dir / "config.json", resolved)  # read back: drift checks, export, resume
             durable.write_json(plan.run_dir / "ds_config.json", plan.ds_config)
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
@@ -213,7 +213,7 @@ class Trainer:
         self.dist.all_gather_object(held, built.held)
         self.say(f"attention: {plan.attention} ({plan.attention_why})")
         self.say(describe(cfg, ds_config))
-        self.say(describe_implementation(cfg, ds_config, accel.device_name()))  # issue 18: what steps, built or not
+        self.say(describe_implementation(cfg, ds_config, accel.device_name()))  # what steps, built or not
         self.say(describe_precision(ds_config))
         self.say(plan.resume_line)  # bit-identical or not, on this hardware with these settings
         self.say(describe_hparams(cfg))  # each value and where it came from (launcher/hparams.py)
@@ -550,7 +550,7 @@ class Trainer:
             p.close()
         self.checkpointer.close()
         self.loader.close()
-        # Issue 9 (a notebook calls run() again in this process): without this each run kept its
+        # A notebook calls run() again in this process: without this each run kept its
         # whole engine alive (~1 GB for `tiny`). ZeRO-3's hooks on tensors hold the engine where
         # gc cannot see them (destroy() removes them); DeepSpeed 0.19 also keeps modules in globals.
         self.engine.destroy()
@@ -624,7 +624,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              f" optimizer {cfg.optimizer or 'adamw'}",
              describe_hparams(cfg), describe_length(cfg, plan.tokens_per_step), schedule.describe(cfg.lr),
              f"attention: {plan.attention} ({plan.attention_why})",
-             describe_precision(ds),  # issue 18: what a machine of the profile's kind runs, and whether it compiles
+             describe_precision(ds),  # what a machine of the profile's kind runs, and whether it compiles
              plan.resume_line,
              describe_implementation(cfg, ds, zt.get("hardware", {}).get("accelerator", "cuda")),
              *(f"zerotrain: warning: {w}" for w in plan.warnings)]

@@ -23,6 +23,8 @@ import sys
 import time
 import traceback
 
+import torch
+
 from zerotrain import durable
 from zerotrain.cli_args import Parser
 from zerotrain.launcher.commands.preflight.measure import device_description, reset_peak_rss, slowed
@@ -258,8 +260,6 @@ class Preflight:
     def ensure_backend(self) -> str:
         """The process group, as the Trainer makes it (the Trainer then reuses it), and the run directory's
         pre-flight lock; the backend's name."""
-        import torch
-
         self.torch = torch
         self.dist, self.accel = init_process_group(self.zt)
         if not self.locked:  # one pre-flight per run directory at a time (it wipes its scratch directories)
