@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.process_group import comm_timeout_s, init_process_group
 from zerotrain.launcher.components.schedule import make_scheduler
@@ -86,7 +88,6 @@ def build_model(spec: EngineSpec):
     """The model, seeded, under zero.Init at ZeRO-3, with its pretrained weights if any (the process
     group must exist: build_engine joins it)."""
     import deepspeed
-    import torch
 
     torch.manual_seed(spec.seed)
     if spec.zero_stage == 3:
