@@ -50,7 +50,7 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
-from zerotrain.launcher.components import determinism, ds_compat, manifest, planner
+from zerotrain.launcher.components import ds_compat, manifest, planner
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
@@ -204,7 +204,6 @@ class Trainer:
 
     def _build_engine(self, accel):
         plan, cfg = self.plan, self.cfg
-        determinism.apply(self.torch, plan.deterministic)  # --deterministic: before cuBLAS starts
         built = build_engine(spec_from_plan(plan))  # components/engine.py: the one builder (tests use it too)
         engine, ds_config, args = built.engine, built.ds_config, plan.model_args
         if plan.init_from is not None and plan.resume_from is None:

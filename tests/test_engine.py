@@ -111,3 +111,24 @@ def test_every_engine_is_built_by_build_engine():
     trainer = ast.parse((REPO / "launcher" / "trainer.py").read_text())
     run_build = [n for n in ast.walk(trainer) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "build_engine"]
     assert [ast.unparse(n) for n in run_build] == ["build_engine(spec_from_plan(plan))"]  # the run: from its plan
+
+
+def test_the_runs_spec_carries_what_the_plan_decided():
+    """spec_from_plan: the pretrained weights only on a fresh start; --deterministic, the attention kernel,
+    activation checkpointing (flag, else the profile's) and the process group's settings reach the builder."""
+    from types import SimpleNamespace
+
+    from zerotrain.launcher.components.engine import spec_from_plan
+    from zerotrain.launcher.config import config_from
+
+    cfg = config_from({"data": "mix.json", "seed": 7})
+    plan = SimpleNamespace(cfg=cfg, zt={"activation_checkpointing": True, "dist_backend": "gloo", "hang_timeout": 1200},
+                           ds_config={"zero_optimization": {"stage": 3}}, model_args="args", init_from="hf-dir",
+                           resume_from=None, attention="sdpa", deterministic=True)
+    spec = spec_from_plan(plan)
+    assert (spec.seed, spec.run, spec.model_args, spec.zero_stage, spec.init_from) == (7, cfg, "args", 3, "hf-dir")
+    assert (spec.deterministic, spec.attention, spec.activation_checkpointing) == (True, "sdpa", True)
+    assert (spec.dist_backend, spec.comm_timeout_s) == ("gloo", 2400.0)  # twice the profile's hang timeout
+    assert spec.optimizer is None and spec.lr_scheduler is None  # the registry's and the run's schedule
+    resumed = spec_from_plan(SimpleNamespace(**{**vars(plan), "resume_from": "ckpt", "deterministic": False}))
+    assert resumed.init_from is None and resumed.deterministic is False  # a resume loads its checkpoint instead

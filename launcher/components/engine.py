@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from zerotrain.launcher.components import ds_compat
+from zerotrain.launcher.components import determinism, ds_compat
 from zerotrain.launcher.components.process_group import comm_timeout_s, init_process_group
 from zerotrain.launcher.components.schedule import make_scheduler
 from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
@@ -42,6 +42,7 @@ class EngineSpec:
     ds_config: dict  # as handed to deepspeed.initialize: batch numbers resolved; its zero_optimization's stage
     model_args: ModelArgs
     seed: int  # torch.manual_seed before the model is built: its initial weights
+    deterministic: bool = False  # --deterministic: components/determinism.apply before anything is built
     run: Any = None  # launcher/config.RunConfig
     optimizer: Callable | None = None  # parameters -> torch.optim.Optimizer
     lr_scheduler: Callable | None = None
@@ -77,7 +78,8 @@ def spec_from_plan(plan) -> EngineSpec:
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
         else zt.get("activation_checkpointing")
     hang_timeout = cfg.hang_timeout if cfg.hang_timeout is not None else zt.get("hang_timeout")
-    return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.seed, run=cfg,
+    return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.seed,
+                      deterministic=bool(plan.deterministic), run=cfg,
                       init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
                       activation_checkpointing=bool(ac), compile=bool(cfg.compile),
                       compile_backend=zt.get("compile_backend"), dist_backend=zt.get("dist_backend"),
@@ -113,6 +115,7 @@ def build_engine(spec: EngineSpec) -> Built:
     from deepspeed.accelerator import get_accelerator
 
     init_process_group({"dist_backend": spec.dist_backend, "comm_timeout_s": spec.comm_timeout_s})
+    determinism.apply(torch, spec.deterministic)  # before cuBLAS starts
     model = build_model(spec)
     held = held_numel(model)
     ds_config, optimizer, scheduler = spec.ds_config, None, spec.lr_scheduler
