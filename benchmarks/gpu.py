@@ -101,9 +101,9 @@ def main(argv: list[str]) -> int:
             except UsageError as e:  # e.g. varlen with a torch that lacks it
                 row["result"] = f"refused: {e}"
                 continue
-            setup = planner.setup_from(plan.ds_config, plan.zt, world=1, nodes=1, device_bytes=props.total_memory,
+            setup = planner.setup_from(plan.ds_config, plan.settings.values, world=1, nodes=1, device_bytes=props.total_memory,
                                        args=plan.model_args, attention=plan.attention)
-            ac = bool(plan.zt.get("activation_checkpointing", False))
+            ac = bool(plan.settings.activation_checkpointing)
             fit = planner.max_micro_batch(plan.model_args, replace(setup, device_bytes=FIT_FRACTION * props.total_memory),
                                           stage, SEQ_LEN, ac)
             micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit)
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
             mem = planner.memory(plan.model_args, setup, stage, micro, SEQ_LEN, ac)
             row.update(micro=micro, kernel=plan.attention, planned_tensors=(mem["total"] - mem["context"]
                                                                             - mem["fragmentation"]) / 2**30,
-                       planned_total=mem["total"] / 2**30, peak_flops=plan.zt.get("peak_flops_per_device"))
+                       planned_total=mem["total"] / 2**30, peak_flops=plan.settings.peak_flops_per_device)
             row.update(measure(values, micro, out))
     print(table(rows, name, device, argv))
     return 0

@@ -246,6 +246,7 @@ def bench_planner_rss():
     from zerotrain.launcher.components import planner
     from zerotrain.launcher.config import RunConfig
     from zerotrain.launcher.profiles import load_profile
+    from zerotrain.launcher.settings import resolve as resolve_settings
 
     root = workdir() / "planner-rss"
     root.mkdir(parents=True, exist_ok=True)
@@ -277,7 +278,7 @@ def bench_planner_rss():
             cfg = RunConfig(data="-", profile=profile, model=model, seq_len=256, micro_batch=2)
             args, _, _ = model_spec.resolve(cfg, 258)
             prof = load_profile(profile)[1]
-            setup = planner.setup_from(prof, prof["zerotrain"], world=2, nodes=1, device_bytes=float("inf"))
+            setup = planner.setup_from(prof, resolve_settings(None, profile, prof).values, world=2, nodes=1, device_bytes=float("inf"))
             m = planner.memory(args, setup, stage, 2, 256, False)
             predicted = m["total"] / planner.GiB
             parts = ", ".join(f"{k.replace('_', ' ')} {v / planner.GiB:.2f}" for k, v in m.items() if k != "total")

@@ -6,7 +6,9 @@ Every field carries metadata (litgpt / torchtitan habit): its `--help` text and 
   so the run ids of earlier runs, and so their resumes, stay valid);
 - "run": how long, where, how often, how watched (steps, cadence, logging, budgets, mirror):
   may change on resume and never changes the run id.
-`--help` is generated from this table. Flag names use dashes (`--seq-len`; `--seq_len` is accepted too:
+`--help` is generated from this table. The fields of the declared settings (those with a profile key or a
+rule: lr and the schedule, activation checkpointing, attention, compile, the hang timeout, ...) are generated
+from launcher/settings.py's TABLE, which resolves every setting once, with its source (plan_run). Flag names use dashes (`--seq-len`; `--seq_len` is accepted too:
 zerotrain/cli_args.py), recipe keys may use dashes or underscores. Unknown recipe keys are refused, never ignored. The schedule's values a run
 leaves open (lr, min_lr, warmup_steps; None here) come from the profile or the model (launcher/hparams.py, which
 records where each came from in `sources`). The batch triple is resolved later, against the profile and the
@@ -24,15 +26,15 @@ from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.cli_args import Parser
+from zerotrain.launcher import settings
 from zerotrain.launcher.errors import UsageError, exit_status_help, read_json_object
 from zerotrain.launcher.hparams import check_schedule, hashed_warmup, is_resolved, resolve_hparams
 from zerotrain.launcher.optimizers import check_optimizer
 from zerotrain.launcher.profiles import profile_from_accelerate
-from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 
 RECIPE_DIR = resource_dir("zerotrain.recipes")
 
-IDENTITY, IDENTITY_WHEN_SET, RUN = "identity", "identity-when-set", "run"
+IDENTITY, IDENTITY_WHEN_SET, RUN = settings.IDENTITY, settings.IDENTITY_WHEN_SET, settings.RUN
 SOURCES = "sources"  # RunConfig.sources: where each value came from; not a flag, not hashed, not in config.json's "run"
 
 
@@ -52,25 +54,8 @@ class RunConfig:
     grad_accum: int | None = opt(None, "micro-batches per optimizer step (default: the profile's, or derived"
                                        " from --global-batch-tokens)")
     global_batch_tokens: int | None = opt(None, "tokens per optimizer step over all ranks")
-    # None here: resolved against the profile and the model (launcher/hparams.py), each with its source
-    lr: float | None = opt(None, "peak learning rate (default: the scaling rule's law, else the profile's"
-                                 " optimizer.params.lr, else the optimizer's own, else a per-size rule; the start-up"
-                                 " line says which)")
-    min_lr: float | None = opt(None, "learning rate at the end of the decay (default: the profile scheduler's"
-                                     " cos_min_ratio x lr, else lr / 10)")
-    warmup_steps: int | None = opt(None, "linear warmup steps (default: from --warmup-tokens, else the profile"
-                                         " scheduler's, else max(20, 1% of --max-steps): Pythia's warmup)")
     warmup_tokens: int | None = opt(None, "linear warmup over N training tokens, rounded up to whole steps (instead"
                                           " of --warmup-steps)", IDENTITY_WHEN_SET)
-    max_steps: int = opt(100, "optimizer steps of the whole run (default: from --total-tokens, else the profile"
-                              " scheduler's, else 100); may grow on resume (see --schedule)", RUN)
-    schedule: str | None = opt(None, "after warmup, cosine (default): decay to --min-lr at --max-steps; wsd"
-                                     " (warmup-stable-decay): hold the peak, then decay linearly over the last"
-                                     " --decay-fraction of the steps. A wsd run resumed in its stable phase with a"
-                                     " larger --max-steps re-plans its decay; a cosine one keeps its length",
-                               IDENTITY_WHEN_SET, ("cosine", "wsd"))
-    decay_fraction: float | None = opt(None, "with --schedule wsd: the fraction of --max-steps spent decaying"
-                                             " (default 0.2)", IDENTITY_WHEN_SET)
     seed: int = opt(1337, "seed of the model init and the data order")
     out: str = opt("runs", "directory holding run directories", RUN)
     run_id: str | None = opt(None, "run directory name (default: derived from the config, so the same command"
@@ -78,7 +63,6 @@ class RunConfig:
     save_every_steps: int = opt(0, "save a checkpoint every N steps (0: only at the end)", RUN)
     resume: str = opt("auto", "auto (newest verified checkpoint of the run, local then mirror), never, or a"
                               " checkpoint path", RUN)
-    activation_checkpointing: bool | None = opt(None, "recompute activations in backward (default: the profile's)")
     log_data_every_steps: int = opt(100, "log the realised token share per source every N steps (0: never)", RUN)
     packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/packing.py", IDENTITY_WHEN_SET,
                               ("best-fit", "greedy"))
@@ -90,7 +74,6 @@ class RunConfig:
     rules_file: str | None = opt(None, "scaling rules YAML (default modeling/scaling_rules.yaml)", IDENTITY_WHEN_SET)
     init_from: str | None = opt(None, "a Hugging Face Llama directory (safetensors) to start from", IDENTITY_WHEN_SET)
     qk_norm: bool | None = opt(None, "RMSNorm on queries and keys (default off)", IDENTITY_WHEN_SET)
-    compile: bool | None = opt(None, "torch.compile the model (default off)", IDENTITY_WHEN_SET)
     # --- long runs (README "Long runs") ---
     save_every_hours: float | None = opt(None, "also save every H hours of wall clock (whichever comes first)", RUN)
     keep_last: int = opt(0, "keep the newest K complete checkpoints (0: all); never the best one", RUN)
@@ -106,8 +89,6 @@ class RunConfig:
                                          " length (steps = N / tokens per step, rounded up; the schedule spans"
                                          " them); with --max-steps, a budget: stop (after saving) at the last step"
                                          " within N tokens", RUN)
-    max_epochs: float | None = opt(None, "refuse a run that reads any source more than E times (default: the"
-                                         " profile's zerotrain.max_epochs, else no limit; above 4 a warning)", RUN)
     budget_usd: float | None = opt(None, "stop (after saving) before spending B dollars; needs --gpu-hour-usd", RUN)
     gpu_hour_usd: float | None = opt(None, "price of one GPU-hour; cost = price x world size x hours", RUN)
     on_spike: str = opt("warn", "on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint",
@@ -145,23 +126,12 @@ class RunConfig:
                                         " offsets every start; sha256 once per node, remembered by file identity) or"
                                         " full (every byte hashed by every rank, every start)", RUN,
                                   ("quick", "full"))
-    # --- attention kernel (modeling/model.py) ---
-    attention: str | None = opt(None, "attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex"
-                                      " or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else"
-                                      " auto. The same math whichever runs: not part of the run id", RUN,
-                                ATTENTION_BACKENDS)
-    # --- hang watchdog (launcher/components/observe/watchdog.py) ---
-    hang_timeout: float | None = opt(None, "seconds a rank may stay in one phase (data, compute, the step's collective,"
-                                           " eval, save, ...) before its watchdog dumps every rank's stacks to"
-                                           " RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the profile's"
-                                           " zerotrain.hang_timeout, else the larger of 600 s and 5x the slowest phase"
-                                           " so far (start-up and the first step: at least 1800 s)", RUN)
-    # --- determinism (docs/gpu.md): GPU kernels that accumulate in a varying order, or not ---
-    deterministic: bool | None = opt(None, "deterministic kernels: torch.use_deterministic_algorithms, a fixed cuBLAS"
-                                           " workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8) and, for attention auto, sdpa"
-                                           " rather than varlen's flash kernel; slower on a GPU (no effect on a CPU,"
-                                           " whose kernels are deterministic). A GPU resume is bit-identical only with"
-                                           " it. Default: the profile's zerotrain.deterministic, else off", RUN)
+    # The declared settings' flags (lr and the schedule, activation checkpointing, attention, compile, the hang
+    # timeout, ...): one entry each in launcher/settings.py TABLE, generated here.
+    for _s in settings.FLAGS:
+        __annotations__[_s.name] = _s.type
+        locals()[_s.name] = opt(_s.field_default, _s.help, _s.kind, _s.choices)
+    del _s
 
     # Not a setting: where each value came from ("flag", "recipe", "given"; launcher/hparams.py adds the
     # resolved ones), for the start-up line. Filled by resolve_config / config_from.
@@ -174,28 +144,22 @@ class RunConfig:
     def validate(self) -> None:
         if self.data is None:
             raise UsageError("--data: a mix file is required (its format: docs/data.md)")
-        for name in ("seq_len", "max_steps", "micro_batch", "grad_accum", "global_batch_tokens", "eval_tokens",
+        for name in ("seq_len", "micro_batch", "grad_accum", "global_batch_tokens", "eval_tokens",
                      "early_stop_patience", "total_tokens", "piece_len", "warmup_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise UsageError(f"{flag(name)}: must be a positive integer, got {v!r}")
-        for name in ("save_every_steps", "warmup_steps", "seed", "log_data_every_steps", "keep_last",
-                     "eval_every_steps"):
+        for name in ("save_every_steps", "seed", "log_data_every_steps", "keep_last", "eval_every_steps"):
             v = getattr(self, name)
-            if (v is not None or name != "warmup_steps") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise UsageError(f"{flag(name)}: must be a non-negative integer, got {v!r}")
-        for name in ("lr", "min_lr", "decay_fraction"):  # None: resolved later (launcher/hparams.py)
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                  or v < 0):
-                raise UsageError(f"{flag(name)}: must be a non-negative number, got {v!r}")
-        for name in ("save_every_hours", "max_hours", "budget_usd", "gpu_hour_usd", "max_epochs"):
+        # the declared settings' own checks (lr and the schedule, attention, the hang timeout, ...; None: unset)
+        settings.check_flags(self, flag)
+        for name in ("save_every_hours", "max_hours", "budget_usd", "gpu_hour_usd"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v <= 0):
                 raise UsageError(f"{flag(name)}: must be a positive number, got {v!r}")
-        if self.schedule not in (None, "cosine", "wsd"):
-            raise UsageError(f"--schedule: must be cosine or wsd, got {self.schedule!r}")
         if self.lr is not None and self.min_lr is not None:  # else checked once resolved (launcher/hparams.py)
             check_schedule(self)
         if self.warmup_tokens is not None and self.warmup_steps is not None:
@@ -225,11 +189,6 @@ class RunConfig:
             raise UsageError(f"--deterministic: must be true or false, got {self.deterministic!r}")
         if self.verify_data not in (None, "quick", "full"):
             raise UsageError(f"--verify-data: must be quick or full, got {self.verify_data!r}")
-        if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
-            raise UsageError(f"--attention: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
-        v = self.hang_timeout  # 0 switches the watchdog off
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
-            raise UsageError(f"--hang-timeout: must be a non-negative number of seconds (0: off), got {v!r}")
         if self.golden_strict is not None and not isinstance(self.golden_strict, bool):  # pre-flight's golden steps
             raise UsageError(f"--golden-strict: must be true or false, got {self.golden_strict!r}")
         if self.golden_strict and self.golden is None:

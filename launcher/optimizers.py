@@ -49,6 +49,7 @@ from typing import Callable
 from packaging.version import Version
 
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.node import Node
 
 DEFAULT = "adamw"
 MUON_MIN_DEEPSPEED = "0.19.8"  # the release verified here; see the module docstring for what was wrong before
@@ -188,11 +189,9 @@ def _muon_configure(ds, hp, cfg):
 
 
 def _lion_client(params, hp, cfg):
-    from deepspeed.accelerator import get_accelerator
-
     from zerotrain.launcher.client_optimizers import sign_zero_safe
 
-    if get_accelerator().device_name() == "cpu":
+    if Node.here().device == "cpu":
         # FusedLion is a CUDA kernel ("not implemented on CPU backend"): DeepSpeed's CPU Lion, the
         # one ZeRO-Offload uses (a C++ op, JIT-built once into ~/.cache/torch_extensions).
         from deepspeed.ops.lion import DeepSpeedCPULion as kernel

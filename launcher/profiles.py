@@ -3,24 +3,24 @@ and resolution into the exact dict handed to `deepspeed.initialize`.
 
 A profile is real DeepSpeed JSON plus one `zerotrain` section of our own (description, the
 hardware it is for, the distributed backend, the peak FLOP/s used for MFU, activation
-checkpointing); that section is removed before DeepSpeed sees the dict.
+checkpointing, ...: each key a setting of launcher/settings.py, which reads and checks it); that
+section is removed before DeepSpeed sees the dict.
 """
 from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.launcher.errors import UsageError, read_json_object
+from zerotrain.launcher.node import Node
 from zerotrain.launcher.optimizers import resolve_ds_optimizer
-from zerotrain.modeling.sizes import ATTENTION_BACKENDS
+from zerotrain.launcher.settings import check_section, profile_value
 
 PROFILE_DIR = resource_dir("zerotrain.ds_configs")  # the shipped profiles (package data)
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-HEALTH_KEYS = ("repeat_s", "straggler_ratio", "window_s", "windows")  # zerotrain.health: components/observe/health.py DEFAULTS
 
 
 def list_profiles() -> list[str]:
@@ -57,61 +57,21 @@ def validate_profile(profile, where: str) -> None:
         v = profile.get(key, "auto")
         if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise UsageError(f"{where}: {key} must be a positive integer or \"auto\", got {v!r}")
-    zt = profile.get("zerotrain", {})
-    if not isinstance(zt, dict):
-        raise UsageError(f"{where}: the zerotrain section must be an object")
-    peak = zt.get("peak_flops_per_device")
-    if peak is not None and (not isinstance(peak, (int, float)) or peak <= 0):
-        raise UsageError(f"{where}: zerotrain.peak_flops_per_device must be a positive number, got {peak!r}")
-    # the planner's assumed MFU and pre-flight's threshold are fractions of that peak
-    for key in ("expected_mfu", "mfu_threshold"):
-        v = zt.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1):
-            raise UsageError(f"{where}: zerotrain.{key} must be a number in (0, 1], got {v!r}")
-    health = zt.get("health")  # the health check's windows (components/observe/health.py)
-    if health is not None:
-        if not isinstance(health, dict) or set(health) - set(HEALTH_KEYS):
-            raise UsageError(f"{where}: zerotrain.health must be an object with keys among {', '.join(HEALTH_KEYS)},"
-                             f" got {health!r}")
-        for key, v in health.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (key == "windows" and v != int(v)) \
-                    or (key == "straggler_ratio" and v <= 1):
-                raise UsageError(f"{where}: zerotrain.health.{key} must be a positive number"
-                                 + (" (a whole count)" if key == "windows" else " above 1" if key == "straggler_ratio"
-                                    else "") + f", got {v!r}")
-    v = zt.get("max_epochs")  # the most passes over any source a run may make (hparams.resolve_max_epochs)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
-        raise UsageError(f"{where}: zerotrain.max_epochs must be a positive number, got {v!r}")
-    for key in ("hang_timeout", "comm_timeout_s"):  # the watchdog (0: off) and the process group
-        v = zt.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
-                              or (key == "comm_timeout_s" and v == 0)):
-            raise UsageError(f"{where}: zerotrain.{key} must be a " + ("positive" if key == "comm_timeout_s" else
-                             "non-negative") + f" number of seconds, got {v!r}")
-    attention = zt.get("attention")  # the attention kernel a profile asks for (--attention overrides)
-    if attention is not None and attention not in ATTENTION_BACKENDS:
-        raise UsageError(f"{where}: zerotrain.attention must be one of {', '.join(ATTENTION_BACKENDS)},"
-                         f" got {attention!r}")
-    mem = zt.get("hardware", {}).get("device_memory_gib") if isinstance(zt.get("hardware"), dict) else None
-    if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
-        raise UsageError(f"{where}: zerotrain.hardware.device_memory_gib must be a positive number, got {mem!r}")
+    check_section(profile.get("zerotrain", {}), where)  # its keys, checked by launcher/settings.py
 
 
 def detect_profile() -> tuple[str, str]:
-    """(profile name, why) for the accelerators on this node."""
-    import torch
-
-    if not torch.cuda.is_available():
+    """(profile name, why) for the accelerators on this node (launcher/node.py)."""
+    node = Node.here()
+    if node.device != "cuda":
         return "cpu", "no CUDA device found"
-    count = torch.cuda.device_count()
-    props = torch.cuda.get_device_properties(0)
-    mem_gib = props.total_memory / 2**30
-    nodes = max(1, int(__import__("os").environ.get("WORLD_SIZE", count)) // count)
-    seen = f"{count} x {props.name} ({mem_gib:.0f} GiB), {nodes} node(s)"
+    count, mem_gib = node.count, node.memory / 2**30
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", count)) // count)
+    seen = f"{count} x {node.name} ({mem_gib:.0f} GiB), {nodes} node(s)"
     best = None
     for name in list_profiles():
-        hw = json.loads((PROFILE_DIR / f"{name}.json").read_text()).get("zerotrain", {}).get("hardware", {})
-        if hw.get("accelerator") != "cuda" or not any(s in props.name for s in hw.get("name_contains", [])):
+        hw = profile_value(json.loads((PROFILE_DIR / f"{name}.json").read_text()), "hardware", {})
+        if hw.get("accelerator") != "cuda" or not any(s in node.name for s in hw.get("name_contains", [])):
             continue
         if mem_gib < hw.get("min_memory_gib", 0) or hw.get("nodes", 1) != nodes:
             continue
@@ -240,7 +200,7 @@ def check_devices(profile_name: str, profile: dict, world: int, device_type: str
     node where DeepSpeed runs on CUDA (it would put the model on the GPUs with the CPU profile's gloo, fp32 and
     batch). `device_type`, `local_devices`: what DeepSpeed's accelerator reports on this node (None: not asked,
     as for --dry-run, which is resolved against the profile's hardware). Pure: the caller asks the machine."""
-    hw = profile.get("zerotrain", {}).get("hardware", {})
+    hw = profile_value(profile, "hardware", {})
     if hw.get("accelerator") == "cpu" and device_type == "cuda":
         try:
             instead = f"--profile {detect()[0]}"

@@ -1,14 +1,18 @@
 """The run's plan: everything decided before any process touches disk or builds a model.
 
-    plan_run(cfg, world, rank) -> RunPlan   the run directory and id, the profile resolved into the exact
-                                           DeepSpeed config, the model's shape, the data, where to resume
-                                           (and on which world size), the golden check: frozen
+    identify(cfg) -> RunIdentity           cheap: the profile, the settings (launcher/settings.py, each
+                                           with its source), the model, the run id and directory; what
+                                           pre-flight and `zerotrain launch` need
+    plan(identity, world, rank) -> RunPlan  the profile resolved into the exact DeepSpeed config for this
+                                           world, the data, the machine (launcher/node.py), the attention
+                                           kernel, where to resume (and on which world size), the golden
+                                           check: frozen
+    plan_run(cfg, world, rank)             plan(identify(cfg), world, rank)
 
 The Trainer (zerotrain.launcher.trainer) is built from a RunPlan; `--dry-run` prints one.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.loader import dataloader_settings, load_data, open_data
 from zerotrain.dataio.packing import check_packing
@@ -30,13 +35,18 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.manifest import run_id_of
 from zerotrain.launcher.components.planner import fit_check
+from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
-from zerotrain.launcher.hparams import check_repeats, resolve_hparams, resolve_max_epochs, run_tokens, size_in_tokens
-from zerotrain.launcher.profiles import check_devices, detect_profile, load_profile, resolve_ds_config
+from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
+                                        resolve_max_epochs, run_tokens, size_in_tokens, token_budget)
+from zerotrain.launcher.node import Node
+from zerotrain.launcher.optimizers import describe_implementation
+from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile, resolve_ds_config
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
+from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
+from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import choose_attention
 
 
@@ -58,7 +68,7 @@ class RunPlan:
     profile_name: str
     profile_why: str | None
     ds_config: dict
-    zt: dict  # the profile's "zerotrain" section
+    settings: object  # zerotrain.launcher.settings.Settings: every setting's value and source
     data: object  # zerotrain.dataio.loader.Data, loaded and checked
     eval_rows: dict | None  # per source, the packed rows every evaluation runs (dataio/holdout.py)
     loader_settings: dict
@@ -71,10 +81,24 @@ class RunPlan:
     resume_meta: dict | None = None
     warnings: tuple[str, ...] = ()
     golden: object | None = None  # --golden: a zerotrain.launcher.components.observe.golden.GoldenCheck
-    attention: str = "sdpa"  # the attention kernel the model runs (`attention_kernel`)
-    attention_why: str = ""  # how it was chosen, for the start-up line
-    deterministic: bool = False  # --deterministic, else the profile's (components/determinism.py)
+    node: Node | None = None  # the machine (a dry run: the profile's hardware)
+    budget: Budget | None = None  # --max-hours, --total-tokens, --budget-usd: the one the run counts against
     resume_line: str = ""  # whether a resume on this hardware is bit-identical, for the start-up line and dry run
+
+    @property
+    def attention(self) -> str:
+        """The attention kernel the model runs (`attention_kernel`)."""
+        return self.settings.attention
+
+    @property
+    def attention_why(self) -> str:
+        """How it was chosen, for the start-up line."""
+        return self.settings.given_words("attention")
+
+    @property
+    def deterministic(self) -> bool:
+        """--deterministic, else the profile's (components/determinism.py)."""
+        return bool(self.settings.deterministic)
 
     @property
     def finished(self) -> bool:
@@ -105,34 +129,74 @@ class RunPlan:
         return Path(self.cfg.mirror) / self.run_dir.name / "checkpoints" if self.cfg.mirror else None
 
 
-def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
-    """Everything decided before any process touches disk or builds a model. Raises UsageError/DataError."""
+@dataclass(frozen=True)
+class RunIdentity:
+    """What names a run, cheap to find (no data read, no checkpoint opened, no machine asked beyond
+    --profile auto's detection): the profile, the settings, the model, the run id and directory."""
+    cfg: RunConfig  # its schedule resolved (launcher/hparams.py): the run id hashes what the run trains with
+    profile_name: str
+    profile_why: str | None  # --profile auto: what was detected
+    profile: dict
+    settings: Settings
+    tokenizer: object
+    model_args: object
+    model_label: str
+    init_from: str | None
+    run_dir: Path
+
+
+def identify(cfg: RunConfig) -> RunIdentity:
+    """The run's identity: pre-flight, `zerotrain launch` (where restarts are recorded) and plan() start
+    here. Raises UsageError."""
     why = None
     profile_spec = cfg.profile
     if profile_spec == "auto":
         profile_spec, why = detect_profile()
     profile_name, profile = load_profile(profile_spec)
     cfg = resolve_hparams(cfg, profile_name, profile)  # lr, schedule: flag > recipe > profile > rule (hparams.py)
-    ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
-    zt = profile.get("zerotrain", {})
-    cfg = size_in_tokens(resolve_max_epochs(cfg, zt, profile_name), ds_config["train_batch_size"] * cfg.seq_len)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
-    data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
-    loader_settings = dataloader_settings(zt.get("dataloader"), f"profile {profile_name}")
-    loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # SFT needs best-fit
+    settings = resolve_settings(cfg, profile_name, profile)  # every other setting, each with its source
+    tokenizer = load_tokenizer(cfg.tokenizer)  # its vocabulary size is part of the model's label
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
-    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else accelerator_devices()),
-                                    detect=detect_profile)
-    deterministic = determinism.resolve(cfg.deterministic, zt, profile_name)
-    attention, attention_why = attention_kernel(cfg, zt, ds_config, profile_name, deterministic)
-    if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
-        fit_check(cfg, model_args, ds_config, zt, world, attention=attention)
-
-    run_id = run_id_of(cfg, model_label, profile_name)
-    run_dir = Path(cfg.out) / run_id
+    run_dir = Path(cfg.out) / run_id_of(cfg, model_label, profile_name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir}: exists and is not a directory")
+    return RunIdentity(cfg, profile_name, why, profile, settings, tokenizer, model_args, model_label, init_from,
+                       run_dir)
+
+
+def run_id_of(cfg: RunConfig, model_label: str, profile_name: str) -> str:
+    """The run id: --run-id, else the model, the profile and the hash of the config's identity fields."""
+    return cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
+
+
+def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
+    """Everything decided before any process touches disk or builds a model. Raises UsageError/DataError."""
+    return plan(identify(cfg), world, rank)
+
+
+def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
+    """The identified run against its data, this machine (or, on a dry run, the profile's) and its
+    checkpoints: the DeepSpeed dict for this world size, the data read and checked, the attention kernel,
+    the fit check, where to resume from, drift, the golden check."""
+    cfg, profile_name, profile, settings = ident.cfg, ident.profile_name, ident.profile, ident.settings
+    tokenizer, model_args, run_dir = ident.tokenizer, ident.model_args, ident.run_dir
+    run_id = run_dir.name
+    ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
+    # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
+    cfg = size_in_tokens(resolve_max_epochs(cfg, settings.values, profile_name),
+                         ds_config["train_batch_size"] * cfg.seq_len)
+    settings = resolve_settings(cfg, profile_name, profile)  # the schedule's sources final once sized
+    # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
+    data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
+    loader_settings = dataloader_settings(settings.dataloader, f"profile {profile_name}")
+    loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # SFT needs best-fit
+    node = Node.of_profile(settings.hardware) if cfg.dry_run else Node.here()  # the machine, asked once
+    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
+                                    detect=detect_profile)
+    settings = attention_kernel(cfg, settings, ds_config, node)
+    if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
+        fit_check(cfg, model_args, ds_config, settings.values, world, attention=settings.attention)
+
     if cfg.mirror is not None:
         checkpoint.check_mirror(cfg.mirror, run_dir, run_id)
     ckpt_dir = run_dir / "checkpoints"
@@ -166,17 +230,19 @@ def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
     if cfg.golden:  # --golden: a golden file of another config or world size is refused here
         golden = GoldenCheck.load(cfg.golden, cfg, world)
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
-        ds_config["train_batch_size"] * cfg.seq_len)
+        ds_config["train_batch_size"] * cfg.seq_len)  # --total-tokens as given, even when it sets the length
+    # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
+    budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, world)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
     repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed), cfg)
-    return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=why, ds_config=ds_config,
-                   zt=zt, data=data, eval_rows=eval_rows, loader_settings=loader_settings, tokenizer=tokenizer,
-                   model_args=model_args, model_label=model_label, init_from=init_from, run_dir=run_dir,
+    return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=ident.profile_why,
+                   ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
+                   loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
+                   model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
                    resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats),
-                   golden=golden,
-                   attention=attention, attention_why=attention_why, deterministic=deterministic,
-                   resume_line=determinism.describe_resume(run_device(cfg, zt)[0], deterministic))
+                   golden=golden, node=node, budget=budget,
+                   resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)))
 
 
 def finished_again(plan: RunPlan) -> StopRun:
@@ -197,43 +263,51 @@ def finished_again(plan: RunPlan) -> StopRun:
     return stop
 
 
-def accelerator_devices() -> tuple[str, int]:
-    """(device type, devices on this node) as DeepSpeed's accelerator sees them: what the run will train on."""
-    from deepspeed.accelerator import get_accelerator  # heavy: imported here, as the run is about to build
-
-    accel = get_accelerator()
-    return accel.device_name(), accel.device_count() if accel.device_name() == "cuda" else 0
-
-
-def attention_kernel(cfg: RunConfig, zt: dict, ds_config: dict, profile_name: str,
-                     deterministic: bool = False) -> tuple[str, str]:
-    """(the attention kernel this run's model uses, how it was chosen): --attention, else the profile's
+def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: Node) -> Settings:
+    """The settings with `attention` the kernel this run's model uses: --attention, else the profile's
     zerotrain.attention, else auto, resolved for the accelerator and precision (modeling/sizes.py
     `choose_attention`). One that cannot run here is refused (UsageError) before anything is written.
 
     A dry run names what the profile's hardware would run (a CUDA machine for a GPU profile, with a
-    torch that has the varlen kernel); a real run asks this node: DeepSpeed's accelerator choice
-    (DS_ACCELERATOR if set, else CUDA when torch sees a GPU, else the CPU; asked of torch rather than of
-    deepspeed.accelerator, whose import logs a warning line before a refusal's one line) and this torch.
-    `deterministic`: auto takes sdpa rather than varlen, whose flash backward accumulates in a varying order.
+    torch that has the varlen kernel); a real run asks this node (launcher/node.py). --deterministic: auto
+    takes sdpa rather than varlen, whose flash backward accumulates in a varying order.
     """
-    name = cfg.attention or zt.get("attention") or "auto"
-    from_profile = cfg.attention is None and zt.get("attention") is not None
-    source = f"profile {profile_name}: zerotrain.attention" if from_profile else "--attention"
+    name, source = settings.attention, settings.sources["attention"]
+    words = f"--attention" if source in GIVEN or source == "default" else source
     precision = profile_precision(ds_config)
-    device, installed = run_device(cfg, zt)
+    device, installed = node.device, node.varlen
     try:
         kernel = choose_attention(name, device, precision, installed)
     except ValueError as e:
-        raise UsageError(f"{source} {name}: {e}") from None
-    if name == "auto" and deterministic and kernel == "varlen":
-        return "sdpa", f"auto on {device}, {precision}, --deterministic"
+        raise UsageError(f"{words} {name}: {e}") from None
+    if name == "auto" and settings.deterministic and kernel == "varlen":
+        return settings.replace("attention", "sdpa", f"rule: auto on {device}, {precision}, --deterministic")
     if kernel == "flex" and device == "cpu" and cfg.compile:
         # torch 2.13 compiles flex_attention for a CPU without a backward (inductor's CPU lowering fails on
         # the eager operator model.py calls there, and the public function refuses gradients on a CPU)
-        raise UsageError(f"{source} flex with --compile: torch cannot compile flex attention with a backward on a"
+        raise UsageError(f"{words} flex with --compile: torch cannot compile flex attention with a backward on a"
                          " CPU (drop --compile, or use sdpa)")
-    return kernel, (f"auto on {device}, {precision}" if name == "auto" else f"{source} {name}")
+    return settings.replace("attention", kernel, f"rule: auto on {device}, {precision}" if name == "auto" else source)
+
+
+def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
+    """The run as the start-up lines and --dry-run both print it: where each hyper-parameter came from, the lr
+    schedule (`schedule`: not when resuming, which says its own), the attention kernel, the precision, the
+    optimizer's implementation on this machine (a dry run: the profile's), the settings that a profile or
+    a rule decided, the warnings, and the data."""
+    cfg, ds = plan.cfg, plan.ds_config
+    lines = [describe_hparams(cfg),  # each value and where it came from (launcher/hparams.py)
+             describe_length(cfg, plan.tokens_per_step, *plan.resumed_at)]
+    if schedule:
+        lines.append(Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
+                              cfg.decay_fraction).describe(cfg.lr))
+    lines += [f"attention: {plan.attention} ({plan.attention_why})",
+              describe_precision(ds),
+              plan.resume_line,  # bit-identical or not, on this hardware with these settings
+              describe_implementation(cfg, ds, plan.node.device),  # what steps, built or not
+              describe_settings(plan.settings),
+              *(f"zerotrain: warning: {w}" for w in plan.warnings)]
+    return lines + describe_data(plan.data, plan.run_tokens)
 
 
 def run_device(cfg: RunConfig, zt: dict) -> tuple[str, bool]:

@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
@@ -55,7 +54,7 @@ from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, 
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
-from zerotrain.launcher.components.guards import Budget, SignalStop
+from zerotrain.launcher.components.guards import SignalStop
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.observe.metrics import MetricsLogger, StepLogger, read_metrics
 from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
@@ -63,13 +62,13 @@ from zerotrain.launcher.components import participants
 from zerotrain.launcher.components.participants.base import STEP_FIELDS, Agreed, Layout, StepState
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
-from zerotrain.launcher.components.schedule import Schedule, reapply
+from zerotrain.launcher.components.schedule import reapply
 from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, report_exit  # report_exit: pre-flight too
-from zerotrain.launcher.hparams import describe_hparams, describe_length, token_budget
-from zerotrain.launcher.optimizers import describe, describe_implementation
-from zerotrain.launcher.profiles import describe_precision, load_profile
-from zerotrain.launcher.run_plan import RunPlan, say_rank0, finished_again, plan_run, single_process_env
+from zerotrain.launcher.optimizers import describe as describe_optimizer
+from zerotrain.launcher.profiles import load_profile
+from zerotrain.launcher.settings import profile_value
+from zerotrain.launcher.run_plan import RunPlan, say_rank0, describe, finished_again, plan_run, single_process_env
 from zerotrain.modeling.model import count_params, flops_per_token, global_token_mean_scale
 
 # DeepSpeed 0.19 still calls torch.distributed's deprecated *_tensor collectives under ZeRO-3.
@@ -118,18 +117,14 @@ class Trainer:
             self.say(self.hooks.describe())
         self.clock = PhaseClock()  # where this rank is (the watchdog) and where its time went (health)
         self.torch = torch
-        # --hang-timeout, else the profile's (None: the watchdog's default rule; 0: off)
-        self.hang_timeout = plan.cfg.hang_timeout if plan.cfg.hang_timeout is not None else plan.zt.get("hang_timeout")
-        self.dist, self.accel = init_process_group(plan.zt, self.hang_timeout)
+        # --hang-timeout, else the profile's (None: the watchdog's default rule; 0: off): launcher/settings.py
+        self.hang_timeout = plan.settings.hang_timeout
+        self.dist, self.accel = init_process_group(plan.settings.dist_backend, plan.settings.comm_timeout_s)
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
-        self.budget = Budget(plan.cfg.max_hours, token_budget(plan.cfg), plan.cfg.budget_usd, plan.cfg.gpu_hour_usd,
-                             self.world)  # --total-tokens only when it does not set the length (hparams.py)
+        self.budget = plan.budget  # built once, by plan_run
         if self.budget.active:
             self.say(self.budget.describe())
-        for line in (describe_length(plan.cfg, plan.tokens_per_step, *plan.resumed_at),
-                     *(f"zerotrain: warning: {w}" for w in plan.warnings)):
-            self.say(line)
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
         ds_compat.unlink_shm_buffer(self.rank)
         self.universal_dir = None
@@ -141,6 +136,8 @@ class Trainer:
         self._write_run_dir()
         self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none
         self.engine = self._build_engine(self.accel)
+        for line in describe(plan, schedule=plan.resume_from is None):  # the same lines as --dry-run's
+            self.say(line)
         self.loader = self._build_data()
         self._build_components(hard_exit)
         self.participants = participants.build(self)  # the step's monitors, in participants.ORDER
@@ -177,8 +174,8 @@ class Trainer:
                         "world_size": self.world, "model": plan.model_args.to_dict(),
                         "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
                         "identity_hash": self.cfg.identity_hash(),
-                        "run_sources": self.cfg.sources,  # where lr, the schedule, ... came from (hparams.py)
-                        "attention": plan.attention, "deterministic": plan.deterministic}  # the kernel resolved; "run" has what was asked
+                        "run_sources": plan.settings.sources,  # where every setting came from (settings.py)
+                        "attention": plan.attention, "deterministic": plan.deterministic}  # the kernel resolved
             durable.write_json(plan.run_dir / "config.json", resolved)  # read back: drift checks, export, resume
             durable.write_json(plan.run_dir / "ds_config.json", plan.ds_config)
             manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
@@ -210,14 +207,7 @@ class Trainer:
             self.say(f"initialised from {plan.init_from}")
         held = [None] * self.world
         self.dist.all_gather_object(held, built.held)
-        self.say(f"attention: {plan.attention} ({plan.attention_why})")
-        self.say(describe(cfg, ds_config))
-        self.say(describe_implementation(cfg, ds_config, accel.device_name()))  # what steps, built or not
-        self.say(describe_precision(ds_config))
-        self.say(plan.resume_line)  # bit-identical or not, on this hardware with these settings
-        self.say(describe_hparams(cfg))  # each value and where it came from (launcher/hparams.py)
-        if plan.resume_from is None:
-            self.say(engine.lr_scheduler.lr_lambdas[0].describe(cfg.lr))
+        self.say(describe_optimizer(cfg, ds_config))
         n_params = count_params(args)
         self.say(f"model {plan.model_label}: {n_params['total'] / 1e6:.2f}M params"
                  f" ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"
@@ -230,8 +220,6 @@ class Trainer:
 
     def _build_data(self):
         plan, cfg = self.plan, self.cfg
-        for line in describe_data(plan.data, plan.run_tokens):
-            self.say(line)
         return self.hooks.slow_training_data(Batches(plan.data, self.rank, self.world, cfg.seed, cfg.seq_len,
                                                      plan.ds_config["train_micro_batch_size_per_gpu"],
                                                      plan.loader_settings, plan.loader_settings["packing"]), self.rank)
@@ -434,7 +422,7 @@ class Trainer:
         logger = StepLogger(self.metrics, self.budget, is_main=self.is_main, world=self.world,
                             tokens_per_step=self.tokens_per_step, max_steps=self.cfg.max_steps, first_step=self.step,
                             flops_per_token=flops_per_token(self.plan.model_args, self.cfg.seq_len),
-                            peak_flops=self.plan.zt.get("peak_flops_per_device"), accelerator=self.accel)
+                            peak_flops=self.plan.settings.peak_flops_per_device, accelerator=self.accel)
         self.clock.take_window()  # set-up is not a window
         try:
             stop = self._loop(logger)
@@ -606,14 +594,12 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     """`--dry-run`: the run resolved against its profile's hardware (or the launch's world size when
     launched), printed; nothing built, nothing written. Recipes are checked this way in CI."""
     if world is None:
-        hw = load_profile(cfg.profile)[1].get("zerotrain", {}).get("hardware", {}) if cfg.profile != "auto" else {}
+        hw = profile_value(load_profile(cfg.profile)[1], "hardware", {}) if cfg.profile != "auto" else {}
         world = int(os.environ.get("WORLD_SIZE") or hw.get("devices_per_node", 1) * hw.get("nodes", 1))
     plan = plan_run(dataclasses.replace(cfg, dry_run=True), world, 0)  # no fit check against this machine
     cfg = plan.cfg  # resolved: lr and the schedule from the flags, the recipe, the profile or the model
-    ds, zt, args = plan.ds_config, plan.zt, plan.model_args
+    ds, s, args = plan.ds_config, plan.settings, plan.model_args
     n = count_params(args)
-    schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
-                        cfg.decay_fraction)
     lines = [f"dry run: {plan.run_dir} (nothing built or written)",
              f"profile {plan.profile_name}, world {world}, ZeRO-{ds['zero_optimization'].get('stage', 0)},"
              f" batch {ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} x {world}"
@@ -621,25 +607,17 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" vocab {args.vocab_size:,} (tokenizer {plan.tokenizer.name}: {plan.tokenizer.vocab_size:,}),"
              f" optimizer {cfg.optimizer or 'adamw'}",
-             describe_hparams(cfg), describe_length(cfg, plan.tokens_per_step), schedule.describe(cfg.lr),
-             f"attention: {plan.attention} ({plan.attention_why})",
-             describe_precision(ds),  # what a machine of the profile's kind runs, and whether it compiles
-             plan.resume_line,
-             describe_implementation(cfg, ds, zt.get("hardware", {}).get("accelerator", "cuda")),
-             *(f"zerotrain: warning: {w}" for w in plan.warnings)]
-    lines += describe_data(plan.data, plan.run_tokens)
+             *describe(plan)]  # the start-up's lines (run_plan.describe)
     lines += hub_lines(plan.data.specs, plan.tokenizer)  # each hub name: cached, reachable, or refused (exit 2)
     fits = None
-    hw = zt.get("hardware", {})
+    hw = s.hardware
     if "device_memory_gib" in hw or hw.get("accelerator") == "cpu":
         nodes = hw.get("nodes", 1) if world >= hw.get("nodes", 1) else 1
-        setup = planner.setup_from(ds, zt, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args,
+        setup = planner.setup_from(ds, s.values, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args,
                                    attention=plan.attention)
-        ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
-            else bool(zt.get("activation_checkpointing", False))
         p = planner.make_plan(args, setup, ds["zero_optimization"].get("stage", 0), ds["train_micro_batch_size_per_gpu"],
-                              ds["gradient_accumulation_steps"], cfg.seq_len, ac,
-                              peak_flops=zt.get("peak_flops_per_device"), mfu=zt.get("expected_mfu"),
+                              ds["gradient_accumulation_steps"], cfg.seq_len, bool(s.activation_checkpointing),
+                              peak_flops=s.peak_flops_per_device, mfu=s.expected_mfu,
                               total_tokens=cfg.total_tokens, max_hours=cfg.max_hours, budget_usd=cfg.budget_usd,
                               gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps)
         fits = p["fits"]

@@ -30,7 +30,6 @@ and `params` use them), and are importable from here too; the Hugging Face conve
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 from typing import NamedTuple
 
@@ -42,7 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
                                       choose_attention, count_params, flops_per_token, loss_chunk_tokens,
-                                      preset)  # the model's sizes and which kernels run where, without torch
+                                      preset, varlen_available)  # sizes and which kernels run where, without torch
 
 
 class RMSNorm(nn.Module):
@@ -76,11 +75,6 @@ def apply_rotary(x, cos, sin):
 # -- attention: one document contract, three kernels ----------------------------------------------
 
 PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def varlen_available() -> bool:
-    """torch.nn.attention.varlen exists (torch >= 2.9); found without importing it (the import takes ~1 s)."""
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 def resolve_attention(name: str, device_type: str, dtype: torch.dtype) -> str:

@@ -17,6 +17,7 @@ it into a one-line flag error.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -141,6 +142,11 @@ LOSS_CHUNK_BYTES = 128 * 2**20
 def loss_chunk_tokens(vocab_size: int) -> int:
     """Tokens per chunk of the chunked loss: as many as fit LOSS_CHUNK_BYTES of fp32 logits."""
     return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
+def varlen_available() -> bool:
+    """torch.nn.attention.varlen exists (torch >= 2.9); found without importing it (the import takes ~1 s)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 def choose_attention(name: str, device_type: str, precision: str, varlen_installed: bool = True) -> str:

@@ -9,7 +9,8 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
     3  dataio's pipeline: packing, pieces, holdout, loader (a run's batches), reshard
     4  dataio's commands (`zerotrain data ...`)
     5  launcher/errors
-    6  the config layer: config, hparams, profiles, model_spec, optimizers, client_optimizers
+    6  the config layer: config, settings (the settings table), node (the machine), hparams, profiles, model_spec,
+       optimizers, client_optimizers
     7  launcher/components/*: the flat modules, checkpoints/ and observe/
     8  launcher/components/launching/*: starting ranks and restarting jobs
     9  the run: run_plan, trainer
@@ -50,6 +51,7 @@ LAYERS = {
     "zerotrain.launcher.errors": 5,
     "zerotrain.launcher.config": 6, "zerotrain.launcher.profiles": 6, "zerotrain.launcher.model_spec": 6,
     "zerotrain.launcher.optimizers": 6, "zerotrain.launcher.client_optimizers": 6, "zerotrain.launcher.hparams": 6,
+    "zerotrain.launcher.settings": 6, "zerotrain.launcher.node": 6,
     "zerotrain.launcher.components.*": 7,
     "zerotrain.launcher.components.launching.*": 8,
     "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9,

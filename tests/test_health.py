@@ -22,7 +22,8 @@ from zerotrain.launcher.components.hooks import SLOW_DATA, TestHooks
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.components.observe.phases import PHASES
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.profiles import HEALTH_KEYS, validate_profile
+from zerotrain.launcher.profiles import validate_profile
+from zerotrain.launcher.settings import HEALTH_DEFAULTS as HEALTH_KEYS, resolve
 
 REPO = Path(__file__).resolve().parent.parent
 SLOW = {"data": 0.6, "compute": 0.3, "agree": 0.1}  # a step of 1 s, mostly waiting for data
@@ -194,9 +195,10 @@ def test_profile_knobs_are_validated_before_anything_runs():
     assert set(HEALTH_KEYS) == set(DEFAULTS)
     zt = {"expected_mfu": 0.5, "peak_flops_per_device": 1e12, "health": {"window_s": 30, "windows": 2}}
     validate_profile({"zerotrain": zt}, "p")
-    health = HealthCheck.from_profile(zt, world=2, tokens_per_step=1, flops_per_token=1.0)
+    health = HealthCheck.from_settings(resolve(None, "p", {"zerotrain": zt}), world=2, tokens_per_step=1,
+                                       flops_per_token=1.0)
     assert (health.window_s, health.windows, health.straggler_ratio) == (30.0, 2, 1.2)
-    assert health.threshold == pytest.approx(0.375)  # 0.75 x expected_mfu: golden.mfu_threshold
+    assert health.threshold == pytest.approx(0.375)  # 0.75 x expected_mfu: the rule in launcher/settings.py
     for bad, words in [({"window": 3}, "keys among"), ({"windows": 1.5}, "whole count"), ({"window_s": 0}, "positive"),
                        ({"straggler_ratio": 0.9}, "above 1"), ([], "must be an object")]:
         with pytest.raises(UsageError, match=words):

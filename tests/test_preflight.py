@@ -26,7 +26,8 @@ from zerotrain.launcher.components import hooks
 from zerotrain.launcher.components.observe import golden
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED, UsageError
-from zerotrain.launcher.components.observe.golden import GoldenCheck, golden_steps, make_golden, mfu_threshold
+from zerotrain.launcher.components.observe.golden import GoldenCheck, golden_steps, make_golden
+from zerotrain.launcher.settings import DEFAULT_MFU_THRESHOLD, resolve
 
 PREFLIGHT = "zerotrain.launcher.commands.preflight"  # run as a module, like the driver
 
@@ -248,9 +249,12 @@ def test_stage_arguments_and_defaults():
             parse_args(bad)
     assert golden_steps(8) == ([6, 7, 8], 5) and golden_steps(2) == ([2], 1)
     assert preflight.rehearsal_steps(100) == 20 and preflight.rehearsal_steps(10**6) == 200
-    assert mfu_threshold({"mfu_threshold": 0.2})[0] == 0.2
-    assert mfu_threshold({"expected_mfu": 0.4})[0] == pytest.approx(0.3)
-    assert mfu_threshold({})[0] == golden.DEFAULT_MFU_THRESHOLD
+    def mfu_threshold(zt):
+        return resolve(None, "p", {"zerotrain": zt}).mfu_threshold
+
+    assert mfu_threshold({"mfu_threshold": 0.2}) == 0.2
+    assert mfu_threshold({"expected_mfu": 0.4}) == pytest.approx(0.3)
+    assert mfu_threshold({}) == DEFAULT_MFU_THRESHOLD
 
 
 def test_zerotrain_preflight_bad_stage_is_exit_2(capsys):

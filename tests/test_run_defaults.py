@@ -13,6 +13,7 @@ from zerotrain.errors import UsageError
 from zerotrain.launcher import run_plan
 from zerotrain.launcher.cli import main as cli
 from zerotrain.launcher.config import RunConfig, config_from, resolve_config
+from zerotrain.launcher.node import Node
 from zerotrain.launcher.profiles import check_devices, load_profile, resolve_ds_config
 from zerotrain.modeling.sizes import count_params, default_lr, preset
 
@@ -140,7 +141,9 @@ def test_world_size_against_the_profile_and_one_process_on_many_gpus():
 
 
 def test_plan_run_asks_the_machine(mix_path, tmp_path, monkeypatch):
-    monkeypatch.setattr(run_plan, "accelerator_devices", lambda: ("cuda", 8))
+    # the machine, as launcher/node.py probes it: 8 GPUs
+    monkeypatch.setattr(Node, "here", staticmethod(lambda: Node("cuda", 8, "NVIDIA H100 80GB HBM3", 80 * 2**30,
+                                                                True, False)))
     monkeypatch.setattr(run_plan, "detect_profile", detect_h100)
     argv = ["--data", str(mix_path), "--out", str(tmp_path / "runs")]
     with pytest.raises(UsageError, match="use --profile h100-80g-x8"):

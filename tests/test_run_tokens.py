@@ -11,7 +11,8 @@ import pytest
 from conftest import launch, read_metrics
 from test_run_defaults import A100, profile_file
 from zerotrain.launcher.cli import main as cli
-from zerotrain.launcher.config import config_from, resolve_config
+from zerotrain.launcher import settings
+from zerotrain.launcher.config import RunConfig, config_from, resolve_config
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.hparams import RULE_MAX_STEPS, RULE_WARMUP, RULE_WARMUP_TOKENS, size_in_tokens
 
@@ -120,6 +121,11 @@ def test_length_and_warmup_from_tokens_then_extended_on_another_world(tmp_path, 
     sources = saved["run_sources"]
     assert sources["warmup_steps"] == RULE_WARMUP_TOKENS + " (kept from the run's start)"
     assert (sources["lr"], sources["schedule"], sources["decay_fraction"]) == ("flag", "flag", "default")
+    # every resolved setting is recorded, in the table's order, with where it came from (launcher/settings.py)
+    assert list(sources) == [s.name for s in settings.table(RunConfig) if not s.note]
+    assert all(v.startswith(settings.SOURCE_WORDS) for v in sources.values()), sources
+    assert (sources["seq_len"], sources["seed"], sources["attention"]) == ("flag", "default", "rule: auto on cpu, fp32")
+    assert sources["comm_timeout_s"] == "rule: max(1800 s, 2 x hang_timeout)"
     metrics = read_metrics(out / "w")
     lrs = [m["lr"] for m in metrics]
     assert len(lrs) == 20 and lrs[:16] == pytest.approx([5e-4] + [1e-3] * 15)

@@ -23,10 +23,10 @@ from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.observe.phases import PhaseClock
-from zerotrain.launcher.components.process_group import comm_timeout_s
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_HUNG, UsageError
 from zerotrain.launcher.profiles import validate_profile
+from zerotrain.launcher.settings import comm_timeout_s
 
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--log-data-every-steps", "0"]
 

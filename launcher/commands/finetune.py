@@ -53,6 +53,7 @@ from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import END_KINDS, EXIT_USAGE, UsageError, ZerotrainError, kind_of_exit
+from zerotrain.launcher.node import Node
 from zerotrain.launcher.run_plan import plan_run
 from zerotrain.launcher.trainer import run
 from zerotrain.modeling import hf
@@ -264,7 +265,7 @@ def _newest(run_dir) -> Path | None:
 def _launch(cfg, gpus: int | None) -> FinetuneResult:
     """The same run under the deepspeed launcher on `gpus` local ranks; output streamed here."""
     if gpus is None:
-        gpus = torch.cuda.device_count()
+        gpus = Node.here().count
         if gpus < 1:
             raise UsageError("launch=True: no GPU found here; give gpus=N (N CPU ranks work too, slowly)")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.cli_args import Parser
-from zerotrain.launcher.components import ds_compat, manifest
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.launching import hostfile
 from zerotrain.launcher.components.launching.jobs import (TRAIN_MODULE, deepspeed_command, deepspeed_runner,
                                                           run_with_restarts)
@@ -50,6 +50,8 @@ from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError, ZerotrainError, final_exit_codes
 from zerotrain.launcher.profiles import detect_profile, load_profile
+from zerotrain.launcher.run_plan import identify
+from zerotrain.launcher.settings import profile_value
 
 SBATCH_TEMPLATE = resource_dir("zerotrain.launcher", "slurm", "train.sbatch")
 USAGE = ("usage: zerotrain launch -n N [--max-restarts K] [--restart-backoff S] [--] [train flags]\n"
@@ -58,10 +60,10 @@ USAGE = ("usage: zerotrain launch -n N [--max-restarts K] [--restart-backoff S] 
 
 
 def restart_run_dir(train_args: list[str]) -> Path | None:
-    """The run directory restarts are recorded in (manifest.run_dir_of); None, with a warning, if it cannot
+    """The run directory restarts are recorded in (run_plan.identify); None, with a warning, if it cannot
     be named here (the job itself then says why)."""
     try:
-        return manifest.run_dir_of(resolve_config(train_args))[0]
+        return identify(resolve_config(train_args)).run_dir
     except (ZerotrainError, OSError) as e:
         print(f"zerotrain launch: warning: restarts will not be recorded: {e}", file=sys.stderr, flush=True)
         return None
@@ -331,7 +333,7 @@ def slurm_main(argv: list[str]) -> None:
     ns.accelerator_gpus = True
     if cfg.profile != "auto":
         name, profile = load_profile(cfg.profile)
-        ns.accelerator_gpus = profile.get("zerotrain", {}).get("hardware", {}).get("accelerator") != "cpu"
+        ns.accelerator_gpus = profile_value(profile, "hardware", {}).get("accelerator") != "cpu"
         if not ns.force:
             hostfile.check_world(name, profile, [ns.gpus_per_node] * ns.nodes)
     workdir = Path(ns.workdir or Path(cfg.out) / "slurm").resolve()

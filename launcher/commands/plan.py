@@ -15,6 +15,7 @@ from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import (check_repeats, length_from_tokens, resolve_hparams, resolve_max_epochs,
                                        size_in_tokens)
 from zerotrain.launcher.profiles import load_profile, resolve_batch
+from zerotrain.launcher.settings import resolve as resolve_settings
 
 
 # `--gpus N --gpu-mem G` without --profile: DeepSpeed's defaults (ZeRO-0, i.e. plain data parallelism), bf16.
@@ -60,7 +61,7 @@ def plan_main(argv: list[str]) -> dict:
         name, profile = "generic GPU", json.loads(json.dumps(GENERIC_GPU_PROFILE))
     else:
         name, profile = load_profile(cfg.profile)
-    zt = profile.get("zerotrain", {})
+    settings = resolve_settings(cfg, name, profile)  # the profile's knobs under the flags given (settings.py)
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
     # the data may not exist yet when a run is planned: then its repeats are not checked
@@ -71,20 +72,19 @@ def plan_main(argv: list[str]) -> dict:
     else:  # the tokenizer the run would train with: its vocabulary sizes the embedding and the head
         vocab, vocab_from = tokenizer.vocab_size, f"tokenizer {tokenizer.name}"
     args, _, _ = model_spec.resolve(cfg, vocab)
-    hw = zt.get("hardware", {})
+    hw = settings.hardware
     nodes = ns.nodes or hw.get("nodes", 1)
     per_node = ns.gpus or hw.get("devices_per_node", 1)
-    setup = setup_from(profile, zt, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
+    setup = setup_from(profile, settings.values, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
                        getattr(cfg, "optimizer", None), args, attention=cfg.attention)
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world, f"profile {name}")
     # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)
-    cfg = size_in_tokens(resolve_max_epochs(resolve_hparams(cfg, name, profile), zt, name),
+    cfg = size_in_tokens(resolve_max_epochs(resolve_hparams(cfg, name, profile), settings.values, name),
                          micro * accum * setup.world * cfg.seq_len)
-    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
-        else bool(zt.get("activation_checkpointing", False))
-    peak = ns.peak_tflops * 1e12 if ns.peak_tflops else zt.get("peak_flops_per_device")
-    mfu = ns.mfu or zt.get("expected_mfu")
+    ac = bool(settings.activation_checkpointing)
+    peak = ns.peak_tflops * 1e12 if ns.peak_tflops else settings.peak_flops_per_device
+    mfu = ns.mfu or settings.expected_mfu
     plan = make_plan(args, setup, profile.get("zero_optimization", {}).get("stage", 0), micro, accum, cfg.seq_len, ac,
                      peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
                      length_from_tokens(cfg))

@@ -25,9 +25,10 @@ from typing import Any, Callable
 import torch
 
 from zerotrain.launcher.components import determinism, ds_compat
-from zerotrain.launcher.components.process_group import comm_timeout_s, init_process_group
+from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.schedule import make_scheduler
 from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
+from zerotrain.launcher.settings import COMM_TIMEOUT_S
 from zerotrain.modeling.hf import load_weights
 from zerotrain.modeling.model import ModelArgs, Transformer, held_numel
 
@@ -74,16 +75,12 @@ class Built:
 def spec_from_plan(plan) -> EngineSpec:
     """The run's engine: `plan` is a RunPlan (launcher/run_plan.py, the layer above: read, not imported).
     The pretrained weights are loaded only on a fresh start (a resume loads its checkpoint instead)."""
-    cfg, zt = plan.cfg, plan.zt
-    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
-        else zt.get("activation_checkpointing")
-    hang_timeout = cfg.hang_timeout if cfg.hang_timeout is not None else zt.get("hang_timeout")
+    cfg, s = plan.cfg, plan.settings  # the resolved settings (launcher/settings.py)
     return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.seed,
                       deterministic=bool(plan.deterministic), run=cfg,
                       init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
-                      activation_checkpointing=bool(ac), compile=bool(cfg.compile),
-                      compile_backend=zt.get("compile_backend"), dist_backend=zt.get("dist_backend"),
-                      comm_timeout_s=comm_timeout_s(zt, hang_timeout))
+                      activation_checkpointing=bool(s.activation_checkpointing), compile=bool(s.compile),
+                      compile_backend=s.compile_backend, dist_backend=s.dist_backend, comm_timeout_s=s.comm_timeout_s)
 
 
 def build_model(spec: EngineSpec):
@@ -114,7 +111,7 @@ def build_engine(spec: EngineSpec) -> Built:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    init_process_group({"dist_backend": spec.dist_backend, "comm_timeout_s": spec.comm_timeout_s})
+    init_process_group(spec.dist_backend, spec.comm_timeout_s or COMM_TIMEOUT_S)
     determinism.apply(torch, spec.deterministic)  # before cuBLAS starts
     model = build_model(spec)
     held = held_numel(model)

@@ -15,8 +15,7 @@ per restart: `attempt`, `time`, the end kind (`kind`), `exit_code`, `cause` in w
 rank that exited, when the launcher could see it; for a hang, the ranks the hang summary names as
 behind) and `backoff_s`; the segment of the launch that ended is closed then with that kind. `zerotrain
 runs` reads it with `read_manifest`. Written with zerotrain.durable (temp file, fsync, rename, fsync the
-directory). `run_dir_of(cfg)`: where a config's run directory is, named as plan_run names it, for the
-commands that need it without planning the run (pre-flight, `zerotrain launch`'s restart records).
+directory). Where a config's run directory is: launcher/run_plan.py identify().
 """
 from __future__ import annotations
 
@@ -29,12 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from zerotrain import durable, resource_dir
-from zerotrain.dataio.tokenizer import load_tokenizer
-from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.errors import StopRun, end_kind
-from zerotrain.launcher.hparams import resolve_hparams
-from zerotrain.launcher.profiles import detect_profile, load_profile
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -72,21 +67,6 @@ def git_commit(root: Path = SOURCE_ROOT) -> dict | None:
                 "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def run_id_of(cfg, model_label: str, profile_name: str) -> str:
-    """The run id: --run-id, else the model, the profile and the hash of the config's identity fields."""
-    return cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
-
-
-def run_dir_of(cfg) -> tuple[Path, str, dict]:
-    """(the run's directory, profile name, profile) exactly as plan_run names it, without reading data or
-    checkpoints (the tokenizer is loaded: its vocabulary size is part of the model's label)."""
-    spec = cfg.profile if cfg.profile != "auto" else detect_profile()[0]
-    name, profile = load_profile(spec)
-    cfg = resolve_hparams(cfg, name, profile)  # as plan_run does: the run id hashes the values the run trains with
-    _, label, _ = model_spec.resolve(cfg, load_tokenizer(cfg.tokenizer).vocab_size)
-    return Path(cfg.out) / run_id_of(cfg, label, name), name, profile
 
 
 def read_manifest(run_dir: Path) -> dict | None:

@@ -45,6 +45,7 @@ import os
 from dataclasses import dataclass, replace
 
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.node import Node
 from zerotrain.modeling.sizes import choose_attention, count_params, flops_per_token, loss_chunk_tokens
 
 GiB = 2**30
@@ -286,13 +287,14 @@ def _gib(x: float) -> float:
 # The plan
 # ------------------------------------------------------------------------------------------------
 
-def setup_from(ds_config: dict, zt: dict, world: int | None = None, nodes: int | None = None,
+def setup_from(ds_config: dict, knobs: dict, world: int | None = None, nodes: int | None = None,
                device_bytes: float | None = None, optimizer: str | None = None, args=None,
                attention: str | None = None) -> Setup:
-    """A Setup from a profile (DeepSpeed dict + zerotrain section), with hardware overrides.
+    """A Setup from a profile (DeepSpeed dict + the run's resolved settings, `plan.settings.values`: hardware,
+    attention; a profile's zerotrain section holds the same keys), with hardware overrides.
     `attention`: --attention, else the profile's zerotrain.attention, else auto; one that cannot run
     on this hardware and precision is refused (UsageError)."""
-    hw = zt.get("hardware", {})
+    hw = knobs.get("hardware") or {}
     accel = hw.get("accelerator", "cuda")
     nodes = nodes or hw.get("nodes", 1)
     per_node = world // nodes if world else hw.get("devices_per_node", 1)
@@ -305,7 +307,7 @@ def setup_from(ds_config: dict, zt: dict, world: int | None = None, nodes: int |
     mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
     setup = Setup(accel, per_node, nodes, float(device_bytes), mixed, dict(ds_config.get("zero_optimization", {})),
                   optimizer_state_bytes(optimizer, args) if args is not None else 8,
-                  attention or zt.get("attention") or "auto")
+                  attention or knobs.get("attention") or "auto")
     try:
         setup.kernel
     except ValueError as e:
@@ -510,32 +512,32 @@ def device_memory_here(accelerator: str, local_world: int) -> tuple[float, str, 
     """(bytes this rank may use, "cuda" or "cpu", what that is): the GPU's total memory, or the RAM
     available now divided among this node's ranks."""
     if accelerator != "cpu":
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-            return float(props.total_memory), "cuda", f"{props.name}, {props.total_memory / GiB:.1f} GiB"
+        node = Node.here()
+        if node.device == "cuda":
+            return node.memory, "cuda", f"{node.name}, {node.memory / GiB:.1f} GiB"
     ram = available_ram()
     return ram / local_world, "cpu", f"{ram / GiB:.1f} GiB RAM available / {local_world} local rank(s)"
 
 
-def fit_check(cfg, model_args, ds_config: dict, zt: dict, world: int, attention: str | None = None) -> dict:
+def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attention: str | None = None) -> dict:
     """Refuse (UsageError, the planner's one-line verdict) a resolved run that cannot fit on this device.
 
     Called by launcher/run_plan.py plan_run before anything is built or written; skipped with
     --no-fit-check. `attention`: the kernel the driver resolved for this node (None: the profile's, else
-    auto). Returns the chosen stage's memory by component (bytes).
+    auto); `knobs`: the run's resolved settings (hardware, activation_checkpointing). Returns the chosen
+    stage's memory by component (bytes).
     """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
-    device_bytes, accel, what = device_memory_here(zt.get("hardware", {}).get("accelerator", "cuda"), local_world)
+    hw = knobs.get("hardware") or {}
+    device_bytes, accel, what = device_memory_here(hw.get("accelerator", "cuda"), local_world)
     nodes = max(1, world // max(1, local_world))
-    hardware = {**zt.get("hardware", {}), "accelerator": accel}
-    setup = setup_from(ds_config, {**zt, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
+    hardware = {**hw, "accelerator": accel}
+    setup = setup_from(ds_config, {**knobs, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
                        device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args,
                        attention=attention)
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
-        else bool(zt.get("activation_checkpointing", False))
+        else bool(knobs.get("activation_checkpointing", False))
     micro = ds_config["train_micro_batch_size_per_gpu"]
     m = memory(model_args, setup, stage, micro, cfg.seq_len, ac)
     if m["total"] > device_bytes:

@@ -44,7 +44,7 @@ def build(model_preset: str = "debug"):
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import preset
 
-    dist, _ = init_process_group({})
+    dist, _ = init_process_group()
     world = dist.get_world_size()
     _, profile = load_profile("cpu")
     ds_config = {k: v for k, v in profile.items() if k != "zerotrain"}

@@ -59,7 +59,7 @@ def main(mix: str, out_dir: str) -> None:
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import Transformer, preset
 
-    dist, _ = init_process_group({})
+    dist, _ = init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
 
     data = open_data(mix, ByteTokenizer())  # what load_data does, with the holdout before the cut

@@ -35,7 +35,7 @@ def main(out_dir: str) -> None:
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import ModelArgs, Transformer, next_token_loss
 
-    init_process_group({})
+    init_process_group()
     rank = dist.get_rank()
     _, profile = load_profile("cpu")
     ds_config = {k: v for k, v in profile.items() if k not in ("zerotrain", "optimizer")}

@@ -400,7 +400,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--resume-stages", default="3")
     p.add_argument("--against-the-run", default=None, help="a mix: compare the run's engine with this harness's")
     ns, _ = p.parse_known_args(argv)  # the deepspeed launcher adds --local_rank
-    dist, _ = init_process_group({})
+    dist, _ = init_process_group()
     world, rank = dist.get_world_size(), dist.get_rank()
     results = {}
 

@@ -38,7 +38,7 @@ def main(mix: str, out_dir: str) -> None:
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.model import Transformer, global_token_mean_scale, next_token_loss, preset
 
-    dist, _ = init_process_group({})
+    dist, _ = init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     data = load_data(open_data(mix, ByteTokenizer()), None, world, 0, seq_len=SEQ_LEN)
     loader = make_loader(data, rank, world, SEED, SEQ_LEN, MICRO)

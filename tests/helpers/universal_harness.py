@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--variants", default="zero2,zero3,zero3-persist")
     ap.add_argument("--local_rank", type=int, default=0)  # added by the deepspeed launcher
     opts = ap.parse_args()
-    init_process_group({})
+    init_process_group()
     data = batch()
     variants = opts.variants.split(",")
     for variant in variants:

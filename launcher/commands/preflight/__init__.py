@@ -32,7 +32,7 @@ v2 throughput  a micro-batch sweep (--sweep, default micro/2, micro, 2x, 4x; gra
 v3 rehearsal   N steps of the full config (--steps, default `rehearsal_steps`), saves and evaluations
                at the run's cadence (at least one of each that the run has); golden steps recorded
                in RUN_DIR/preflight/golden.json; passes only if the median MFU against the profile's
-               peak reaches `mfu_threshold(zt)`.
+               peak reaches the resolved `mfu_threshold`.
 
 The package: harness.py (the command line, the runner, the verdict every rank agrees on, reports),
 stability.py (v1), throughput.py (v2), rehearsal.py (v3), measure.py (what the stages measure with).

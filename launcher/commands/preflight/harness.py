@@ -32,15 +32,14 @@ from zerotrain.launcher.commands.preflight.rehearsal import Rehearsal
 from zerotrain.launcher.commands.preflight.stability import Stability
 from zerotrain.launcher.commands.preflight.throughput import Throughput
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.manifest import run_dir_of
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
-from zerotrain.launcher.hparams import resolve_hparams, size_in_tokens
+from zerotrain.launcher.hparams import size_in_tokens
 from zerotrain.launcher.profiles import resolve_ds_config
-from zerotrain.launcher.run_plan import plan_run, single_process_env
+from zerotrain.launcher.run_plan import identify, plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 
 STAGES = {stage.name: stage for stage in (Stability, Throughput, Rehearsal)}  # --stage name -> its checks
@@ -107,13 +106,14 @@ class Preflight:
         single_process_env()
         self.world, self.rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         self.is_main = self.rank == 0
-        self.run_dir, self.profile_name, self.profile = run_dir_of(self.cfg)  # bad input: UsageError, exit 2
-        self.cfg = resolve_hparams(self.cfg, self.profile_name, self.profile)  # --profile auto: now detected
+        ident = identify(self.cfg)  # bad input: UsageError, exit 2; --profile auto: detected here
+        self.cfg, self.run_dir, self.profile_name, self.profile = ident.cfg, ident.run_dir, ident.profile_name, \
+            ident.profile  # the v2 sweep resolves its candidates' DeepSpeed dicts from the profile
         # the run's length and warmup when given in tokens (the rehearsal's steps follow the run's)
         self.cfg = size_in_tokens(self.cfg, resolve_ds_config(self.profile, self.cfg, self.world,
                                                               f"profile {self.profile_name}")["train_batch_size"]
                                   * self.cfg.seq_len)
-        self.zt = self.profile.get("zerotrain", {})
+        self.settings = ident.settings  # the run's own: the process group gets the run's comm timeout
         self.root = self.run_dir / "preflight"
         failed = False
         try:
@@ -261,7 +261,7 @@ class Preflight:
         """The process group, as the Trainer makes it (the Trainer then reuses it), and the run directory's
         pre-flight lock; the backend's name."""
         self.torch = torch
-        self.dist, self.accel = init_process_group(self.zt)
+        self.dist, self.accel = init_process_group(self.settings.dist_backend, self.settings.comm_timeout_s)
         if not self.locked:  # one pre-flight per run directory at a time (it wipes its scratch directories)
             self.lock = take_lock(self.root, self.dist, self.is_main, say=self.say)
             self.locked = True

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import re
 from pathlib import Path
 
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.hooks import SlowLoader, TestHooks
+from zerotrain.launcher.node import Node
 
 DATA_RATIO_MIN = 2.0  # the loader must produce at least twice what the model consumes (headroom for hiccups)
 DATA_WAIT_MAX = 0.10  # at most 10% of a step waiting on data
@@ -25,11 +25,7 @@ def rehearsal_steps(max_steps: int) -> int:
 
 
 def device_description() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    return f"cpu ({os.cpu_count()} cores)"
+    return Node.here().name
 
 
 def peak_rss() -> float | None:

@@ -3,7 +3,7 @@
 N steps of the full config (--steps, default `rehearsal_steps`), saves and evaluations at the run's
 cadence (at least one of each that the run has); golden steps recorded in RUN_DIR/preflight/golden.json
 (components/observe/golden.py); passes only if the median MFU against the profile's peak reaches
-`mfu_threshold(zt)`.
+the run's resolved `mfu_threshold` (launcher/settings.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import statistics
 
 from zerotrain import durable
 from zerotrain.launcher.commands.preflight.measure import SIGTERM_GRACE_S, device_description, rate, rehearsal_steps
-from zerotrain.launcher.components.observe.golden import make_golden, mfu_threshold
+from zerotrain.launcher.components.observe.golden import make_golden
 
 
 class Rehearsal:
@@ -70,14 +70,15 @@ class Rehearsal:
             {"steps": n, "golden_steps": points, "save_blocked_s": saves}
 
     def c_mfu(self):
-        peak = self.pf.zt.get("peak_flops_per_device")
+        peak = self.pf.settings.peak_flops_per_device
         if not peak:
             return False, (f"profile {self.pf.profile_name} has no zerotrain.peak_flops_per_device: MFU cannot be"
                            " judged"), {}
         mfus = [r["mfu"] for r in (self.records3[1:] or self.records3) if r.get("mfu") is not None]
         if not mfus:
             return False, "the rehearsal's records have no MFU", {}
-        mfu, (threshold, source) = statistics.median(mfus), mfu_threshold(self.pf.zt)
+        threshold, source = self.pf.settings.mfu_threshold, self.pf.settings.sources["mfu_threshold"]
+        mfu = statistics.median(mfus)
         return mfu >= threshold, (f"median MFU {mfu:.3f} of {peak / 1e12:.4g} TFLOP/s per device; threshold"
                                   f" {threshold:.3f} ({source})"), \
             {"mfu": mfu, "threshold": threshold, "threshold_source": source, "peak_flops_per_device": peak,

@@ -67,7 +67,7 @@ class Throughput:
         if getattr(self.pf.cfg, "fit_check", None) is False:
             return None, None
         try:
-            m = fit_check(cfg, self.base.model_args, ds_config, self.base.zt, self.pf.world)
+            m = fit_check(cfg, self.base.model_args, ds_config, self.base.settings.values, self.pf.world)
         except UsageError as e:
             return None, str(e)
         return (m.get("total") if isinstance(m, dict) else None), None
@@ -75,7 +75,7 @@ class Throughput:
     def device_bytes(self) -> float | None:
         """Memory one rank may use: the planner's view of this device (GPU memory, or RAM / local ranks)."""
         try:
-            return device_memory_here(self.pf.zt.get("hardware", {}).get("accelerator", "cuda"),
+            return device_memory_here(self.pf.settings.hardware.get("accelerator", "cuda"),
                                       int(os.environ.get("LOCAL_WORLD_SIZE", self.pf.world)))[0]
         except (UsageError, TypeError, ValueError):
             return None

@@ -47,6 +47,7 @@ from pathlib import Path
 from zerotrain import __version__, resource_dir
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.settings import profile_value
 
 # What version_line() digests: the code and the shipped profiles, found the same way in a checkout
 # and in a wheel (package -> glob patterns inside it).
@@ -117,7 +118,7 @@ def check_world(profile_name: str, profile: dict, slots_per_node: list[int]) -> 
     """Refuse a hostfile whose nodes x slots differ from what the profile was written for
     (`zerotrain.hardware.nodes`, default 1, and `devices_per_node`). Profiles without a device
     count (the CPU one) fit any world."""
-    hw = profile.get("zerotrain", {}).get("hardware", {})
+    hw = profile_value(profile, "hardware", {})
     per_node = hw.get("devices_per_node")
     if per_node is None:
         return
@@ -134,7 +135,7 @@ def check_world(profile_name: str, profile: dict, slots_per_node: list[int]) -> 
 
 def profile_env(profile: dict, where: str) -> tuple[dict[str, str], list[str]]:
     """({name: value} to set, [names to pass through]) from the profile's zerotrain.env section."""
-    env = profile.get("zerotrain", {}).get("env", {})
+    env = profile_value(profile, "env", {})
     if not isinstance(env, dict) or set(env) - {"set", "pass"}:
         raise UsageError(f"{where}: zerotrain.env must be an object with 'set' and/or 'pass'")
     values, names = env.get("set", {}), env.get("pass", [])

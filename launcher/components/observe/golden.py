@@ -17,17 +17,6 @@ GOLDEN_FORMAT, GOLDEN_VERSION = "zerotrain-golden", 1
 TOLERANCE = 0.10  # the doctrine: the full run hits the rehearsal's numbers within +-10%
 GOLDEN_WINDOW = 5  # a golden step's figures are medians over the steps (s - 5, s]: one step alone is noise
 GOLDEN_POINTS = 4  # golden steps per rehearsal
-DEFAULT_MFU_THRESHOLD = 0.30  # 0.75 x a typical dense bf16 MFU of 0.4, when the profile says nothing
-
-
-def mfu_threshold(zt: dict) -> tuple[float, str]:
-    """(threshold, where it came from): the profile's `mfu_threshold`, else 0.75 x its
-    `expected_mfu` (the doctrine: >= 75% of the expected rate), else DEFAULT_MFU_THRESHOLD."""
-    if zt.get("mfu_threshold") is not None:
-        return float(zt["mfu_threshold"]), "the profile's zerotrain.mfu_threshold"
-    if zt.get("expected_mfu") is not None:
-        return 0.75 * float(zt["expected_mfu"]), "0.75 x the profile's zerotrain.expected_mfu"
-    return DEFAULT_MFU_THRESHOLD, "the default (the profile has no zerotrain.mfu_threshold)"
 
 
 def golden_steps(n_steps: int, window: int = GOLDEN_WINDOW, points: int = GOLDEN_POINTS) -> tuple[list[int], int]:

@@ -2,7 +2,7 @@
 
 A policy object fed numbers (no torch, no process group; rank 0 owns one, tests feed it by hand):
 
-    health = HealthCheck.from_profile(zt, world, tokens_per_step, flops_per_token)
+    health = HealthCheck.from_settings(plan.settings, world, tokens_per_step, flops_per_token)
     closed = health.add_step(step, wall_s, phases, rank_seconds)   # every step: None, or (Window, verdicts)
 
 - `wall_s, phases` is the step's `PhaseClock.take_window()` (components/observe/phases.py): seconds per phase,
@@ -22,8 +22,8 @@ plot them. The first window (start-up: allocator, caches, compilation) is logged
 Verdicts, each at most once per diagnosis (again only when it changes, or after `repeat_s` of wall
 time, default 30 min, while it stands):
 - slow: the MFU over the window's wall time (tokens trained x model FLOPs / wall / peak / ranks, so
-  evaluations and saves count against it) stays below the profile's `mfu_threshold` (golden.py's
-  `mfu_threshold`: else 0.75 x `expected_mfu`) for `windows` consecutive windows (default 3): one
+  evaluations and saves count against it) stays below the profile's `mfu_threshold` (launcher/settings.py:
+  else 0.75 x `expected_mfu`) for `windows` consecutive windows (default 3): one
   event naming the largest share of those windows' wall time and what to do about it (REMEDIES).
 - straggler: a rank whose step work is more than `straggler_ratio` (default 1.2) times the median of
   the other ranks' for `windows` consecutive windows is named, with how much of the gap is data wait.
@@ -43,9 +43,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from zerotrain.launcher.components.observe.golden import mfu_threshold
-
-DEFAULTS = {"window_s": 60.0, "windows": 3, "straggler_ratio": 1.2, "repeat_s": 1800.0}
+from zerotrain.launcher.settings import HEALTH_DEFAULTS as DEFAULTS
 
 # What a phase is called in a verdict, and what to do when it holds the largest share of a slow run's time.
 LABELS = {"data": "data wait", "compute": "compute (forward/backward/optimizer)",
@@ -120,12 +118,13 @@ class HealthCheck:
         self.said_stragglers: tuple[tuple[int, ...], float] | None = None
 
     @classmethod
-    def from_profile(cls, zt: dict, *, world: int, tokens_per_step: int, flops_per_token: float) -> "HealthCheck":
-        threshold, source = mfu_threshold(zt)
-        knobs = {**DEFAULTS, **(zt.get("health") or {})}
+    def from_settings(cls, settings, *, world: int, tokens_per_step: int, flops_per_token: float) -> "HealthCheck":
+        """From the run's resolved settings (launcher/settings.py): health, mfu_threshold, expected_mfu, peak."""
+        knobs = settings.health
         return cls(world=world, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
-                   peak_flops=zt.get("peak_flops_per_device"), expected_mfu=zt.get("expected_mfu"),
-                   threshold=threshold, threshold_source=source, window_s=float(knobs["window_s"]),
+                   peak_flops=settings.peak_flops_per_device, expected_mfu=settings.expected_mfu,
+                   threshold=settings.mfu_threshold, threshold_source=settings.sources["mfu_threshold"],
+                   window_s=float(knobs["window_s"]),
                    windows=int(knobs["windows"]), straggler_ratio=float(knobs["straggler_ratio"]),
                    repeat_s=float(knobs["repeat_s"]))
 

@@ -1,0 +1,411 @@
+"""Every setting once: the declared table, and its resolution into values that each name their source.
+
+A setting is a knob a run is given: by flag (and the same key in a recipe), by the profile, or by a rule.
+`TABLE` declares each one that is more than a plain flag: its name, whether it is a flag, its profile key,
+its default or the rule that derives it (which may read settings resolved before it), its check, and its
+kind (launcher/config.py: "identity" and "identity-when-set" are hashed into the run id and may not change
+on resume; "run" may). The plain flags (a RunConfig field with nothing but a default) are entries too,
+derived from RunConfig by `table()`: every flag and every profile key has exactly one entry
+(tests/test_settings.py).
+
+    resolve(cfg, profile_name, profile, node) -> Settings
+        once per run, in run_plan.identify(): each value and where it came from, one of
+        "flag", "recipe", "given" (the Python API), "profile NAME: KEY", "rule: ...", "default".
+        config.json's "run_sources" holds them all; the start-up lines and --dry-run print them.
+    section(profile)          the raw "zerotrain" section: this module is the only reader of it
+    check_section(zt, where)  the profile's section against the table (load_profile calls it)
+
+The first that says wins: the flag (or the recipe) | the profile's key | the rule | the default. The
+schedule's values (lr, min_lr, warmup_steps, max_steps, schedule, decay_fraction) are resolved before, as a
+group, by launcher/hparams.py, whose sources are kept (a rule's prefixed "rule: ").
+
+To add a setting, add ONE `Setting` to TABLE:
+    Setting("offload", help="...", flag=True, type="str | None", kind=RUN, profile_key="zerotrain.offload",
+            default="none", check=one_of(("none", "cpu")))
+- `flag=True` makes it a RunConfig field (so a --flag, a recipe key, a notebook keyword and a line of
+  `zerotrain train --help`: regenerate docs/cli.md with `python docs/generate_cli.py`); its value in the
+  config stays None when not given, so the run ids of earlier runs do not change;
+- `profile_key`: "zerotrain.KEY" is read from the profile's own section and checked when the profile loads;
+- `default`: the value when nothing says; `rule(values, node) -> (value, why) | None` derives it from the
+  settings above it (`values`) and the machine (`node`, launcher/node.py; None before it is probed);
+- the run reads `plan.settings.NAME`; nothing else reads the profile's section.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from zerotrain.launcher.errors import UsageError
+from zerotrain.modeling.sizes import ATTENTION_BACKENDS
+
+IDENTITY, IDENTITY_WHEN_SET, RUN = "identity", "identity-when-set", "run"
+GIVEN = ("flag", "recipe", "given")  # the sources of a value the run was handed
+SOURCE_WORDS = (*GIVEN, "default", "profile ", "rule: ")  # every source starts with one of these
+
+COMM_TIMEOUT_S = 1800.0  # torch's own default for gloo; DeepSpeed's init_distributed would give 10 minutes
+HEALTH_DEFAULTS = {"window_s": 60.0, "windows": 3, "straggler_ratio": 1.2, "repeat_s": 1800.0}
+DEFAULT_MFU_THRESHOLD = 0.30  # 0.75 x a typical dense bf16 MFU of 0.4, when the profile says nothing
+
+
+# -- checks: a value -> None, or what is wrong with it ---------------------------------------------------------
+
+def _number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def positive_int(v):
+    return None if not isinstance(v, bool) and isinstance(v, int) and v > 0 else "must be a positive integer"
+
+
+def nonneg_int(v):
+    return None if not isinstance(v, bool) and isinstance(v, int) and v >= 0 else "must be a non-negative integer"
+
+
+def nonneg_number(v):
+    return None if _number(v) and v >= 0 else "must be a non-negative number"
+
+
+def positive_number(v):
+    return None if _number(v) and v > 0 else "must be a positive number"
+
+
+def fraction(v):
+    return None if _number(v) and 0 < v <= 1 else "must be a number in (0, 1]"
+
+
+def boolean(v):
+    return None if isinstance(v, bool) else "must be true or false"
+
+
+def one_of(choices: tuple) -> Callable:
+    def check(v):
+        return None if v in choices else (f"must be {choices[0]} or {choices[1]}" if len(choices) == 2 else
+                                          f"must be one of {', '.join(choices)}")
+    return check
+
+
+def seconds(v):
+    return None if _number(v) and v >= 0 else "must be a non-negative number of seconds"
+
+
+def positive_seconds(v):
+    return None if _number(v) and v > 0 else "must be a positive number of seconds"
+
+
+def obj(v):
+    return None if isinstance(v, dict) else "must be an object"
+
+
+def text(v):
+    return None if isinstance(v, str) else "must be a string"
+
+
+def health_check(v):
+    """(A problem starting with "." names a key inside the object.)"""
+    if not isinstance(v, dict) or set(v) - set(HEALTH_DEFAULTS):
+        return f"must be an object with keys among {', '.join(sorted(HEALTH_DEFAULTS))}"
+    for key, x in v.items():
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 or (key == "windows" and x != int(x)) \
+                or (key == "straggler_ratio" and x <= 1):
+            return (f".{key} must be a positive number" + (" (a whole count)" if key == "windows" else
+                    " above 1" if key == "straggler_ratio" else ""))
+    return None
+
+
+def hardware_check(v):
+    if not isinstance(v, dict):
+        return "must be an object"
+    mem = v.get("device_memory_gib")
+    if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
+        return ".device_memory_gib must be a positive number"
+    return None
+
+
+# -- rules: (values resolved so far, node) -> (value, why) or None (nothing said: the default) -------------------
+
+def hang_timeout_rule(values: dict, node) -> tuple[None, str]:
+    """None: the watchdog decides per phase as the run goes (components/observe/watchdog.py timeout_for)."""
+    return None, "the larger of 600 s and 5x the slowest phase so far (start-up: at least 1800 s)"
+
+
+def comm_timeout_rule(values: dict, node) -> tuple[float, str]:
+    """Longer than the hang watchdog's on purpose: on gloo, where a blocked collective only raises "timed
+    out" once this expires, the watchdog fires first and says where every rank was (components/watchdog.py);
+    this is the backstop when the watchdog is off. NCCL: docs/hangs.md."""
+    return max(COMM_TIMEOUT_S, 2.0 * (values.get("hang_timeout") or 0.0)), "max(1800 s, 2 x hang_timeout)"
+
+
+def mfu_threshold_rule(values: dict, node):
+    if values.get("expected_mfu") is not None:
+        return 0.75 * float(values["expected_mfu"]), "0.75 x expected_mfu"
+    return None
+
+
+def health_rule(values: dict, node):
+    return None  # the profile's knobs are merged over HEALTH_DEFAULTS in `resolve`
+
+
+# -- the table -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    help: str = ""  # a flag's --help line; for a profile-only key, what it is for
+    flag: bool = False  # a --flag and recipe key: a RunConfig field (launcher/config.py)
+    type: str = "str | None"  # the RunConfig field's annotation (a flag's argparse type and bool-ness)
+    kind: str = RUN  # identity, identity-when-set (hashed once set), run (may change on resume)
+    profile_key: str | None = None  # "zerotrain.KEY" (the profile's own section), or a DeepSpeed path
+    default: object = None  # the value when nothing says
+    field_default: object = None  # a flag's RunConfig default (None: unset, so that a recipe applies)
+    rule: Callable | None = None  # (values, node) -> (value, why) or None
+    check: Callable | None = None  # value -> None or what is wrong ("must be ...")
+    choices: tuple | None = None
+    group: str | None = None  # "hparams": resolved by launcher/hparams.py as one group
+    note: bool = False  # documentation in the profile (a free text), not a setting the run reads
+
+    @property
+    def identity(self) -> bool:
+        return self.kind != RUN
+
+    @property
+    def resumable(self) -> bool:
+        """May change on resume (a "run" setting); identity settings changed on resume are drift."""
+        return self.kind == RUN
+
+    @property
+    def zt_key(self) -> str | None:
+        """The key in the profile's zerotrain section, or None."""
+        if self.profile_key and self.profile_key.startswith("zerotrain."):
+            return self.profile_key[len("zerotrain."):]
+        return None
+
+
+HANG_HELP = ("seconds a rank may stay in one phase (data, compute, the step's collective, eval, save, ...) before its"
+             " watchdog dumps every rank's stacks to RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the"
+             " profile's zerotrain.hang_timeout, else the larger of 600 s and 5x the slowest phase so far (start-up and"
+             " the first step: at least 1800 s)")
+ATTENTION_HELP = ("attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex or varlen (CUDA,"
+                  " bf16/fp16); default: the profile's zerotrain.attention, else auto. The same math whichever runs:"
+                  " not part of the run id")
+
+TABLE: tuple[Setting, ...] = (
+    # the schedule (launcher/hparams.py resolves these as a group: flag > recipe > rule/profile > default)
+    Setting("lr", "peak learning rate (default: the scaling rule's law, else the profile's optimizer.params.lr,"
+                  " else the optimizer's own, else a per-size rule; the start-up line says which)",
+            flag=True, type="float | None", kind=IDENTITY, profile_key="optimizer.params.lr", check=nonneg_number,
+            group="hparams"),
+    Setting("min_lr", "learning rate at the end of the decay (default: the profile scheduler's cos_min_ratio x lr,"
+                      " else lr / 10)", flag=True, type="float | None", kind=IDENTITY,
+            profile_key="scheduler.params.cos_min_ratio", check=nonneg_number, group="hparams"),
+    Setting("warmup_steps", "linear warmup steps (default: from --warmup-tokens, else the profile scheduler's, else"
+                            " max(20, 1% of --max-steps): Pythia's warmup)", flag=True,
+            type="int | None", kind=IDENTITY, profile_key="scheduler.params.warmup_num_steps", default=20,
+            check=nonneg_int, group="hparams"),
+    Setting("max_steps", "optimizer steps of the whole run (default: from --total-tokens, else the profile"
+                         " scheduler's, else 100); may grow on resume (see --schedule)", flag=True,
+            type="int", kind=RUN, profile_key="scheduler.params.total_num_steps", default=100, field_default=100,
+            check=positive_int, group="hparams"),
+    Setting("schedule", "after warmup, cosine (default): decay to --min-lr at --max-steps; wsd (warmup-stable-decay):"
+                        " hold the peak, then decay linearly over the last --decay-fraction of the steps. A wsd run"
+                        " resumed in its stable phase with a larger --max-steps re-plans its decay; a cosine one keeps"
+                        " its length", flag=True, kind=IDENTITY_WHEN_SET, choices=("cosine", "wsd"), default="cosine",
+            check=one_of(("cosine", "wsd")), group="hparams"),
+    Setting("decay_fraction", "with --schedule wsd: the fraction of --max-steps spent decaying (default 0.2)",
+            flag=True, type="float | None", kind=IDENTITY_WHEN_SET, default=0.2, check=nonneg_number,
+            group="hparams"),
+    # the data read over the run (launcher/hparams.py check_repeats)
+    Setting("max_epochs", "refuse a run that reads any source more than E times (default: the profile's"
+                          " zerotrain.max_epochs, else no limit; above 4 a warning)", flag=True, type="float | None",
+            kind=RUN, profile_key="zerotrain.max_epochs", check=positive_number),
+    # the model's execution
+    Setting("activation_checkpointing", "recompute activations in backward (default: the profile's)", flag=True,
+            type="bool | None", kind=IDENTITY, profile_key="zerotrain.activation_checkpointing", default=False,
+            check=boolean),
+    Setting("attention", ATTENTION_HELP, flag=True, kind=RUN, choices=ATTENTION_BACKENDS,
+            profile_key="zerotrain.attention", default="auto", check=one_of(ATTENTION_BACKENDS)),
+    Setting("deterministic", "deterministic kernels: torch.use_deterministic_algorithms, a fixed cuBLAS workspace"
+                             " (CUBLAS_WORKSPACE_CONFIG=:4096:8) and, for attention auto, sdpa rather than varlen's"
+                             " flash kernel; slower on a GPU (no effect on a CPU, whose kernels are deterministic). A"
+                             " GPU resume is bit-identical only with it. Default: the profile's"
+                             " zerotrain.deterministic, else off", flag=True, type="bool | None", kind=RUN,
+            profile_key="zerotrain.deterministic", default=False, check=boolean),
+    Setting("compile", "torch.compile the model (default off)", flag=True, type="bool | None",
+            kind=IDENTITY_WHEN_SET, default=False, check=boolean),
+    Setting("compile_backend", "torch.compile's backend (default: the accelerator's)",
+            profile_key="zerotrain.compile_backend", check=text),
+    # hangs and the process group
+    Setting("hang_timeout", HANG_HELP, flag=True, type="float | None", kind=RUN,
+            profile_key="zerotrain.hang_timeout", rule=hang_timeout_rule, check=seconds),
+    Setting("comm_timeout_s", "seconds one collective may wait before the backend fails it",
+            profile_key="zerotrain.comm_timeout_s", rule=comm_timeout_rule, check=positive_seconds),
+    Setting("dist_backend", "the process group's backend (default: the accelerator's: nccl on CUDA, gloo on CPU)",
+            profile_key="zerotrain.dist_backend", check=text),
+    # speed: the planner's assumption, pre-flight's threshold, the health check
+    Setting("peak_flops_per_device", "peak FLOP/s of one device, for MFU",
+            profile_key="zerotrain.peak_flops_per_device", check=positive_number),
+    Setting("expected_mfu", "the MFU the planner assumes", profile_key="zerotrain.expected_mfu", check=fraction),
+    Setting("mfu_threshold", "the MFU below which pre-flight v3 fails and the health check warns",
+            profile_key="zerotrain.mfu_threshold", rule=mfu_threshold_rule, default=DEFAULT_MFU_THRESHOLD,
+            check=fraction),
+    Setting("health", "the health check's windows (components/observe/health.py)", profile_key="zerotrain.health",
+            default=HEALTH_DEFAULTS, check=health_check),
+    # the data loader, the hardware, the launch's environment
+    Setting("dataloader", "workers, prefetch_factor, pin_memory, persistent_workers (dataio/loader.py)",
+            profile_key="zerotrain.dataloader"),
+    Setting("hardware", "what the profile was written for: accelerator, devices_per_node, nodes, memory, names",
+            profile_key="zerotrain.hardware", default={}, check=hardware_check),
+    Setting("env", "environment variables a launch sets and passes (components/hostfile.py)",
+            profile_key="zerotrain.env", default={}),
+    # free text in a profile, read by people
+    Setting("profile_description", profile_key="zerotrain.description", note=True, check=text),
+    Setting("peak_flops_note", profile_key="zerotrain.peak_flops_note", note=True, check=text),
+    Setting("mfu_note", profile_key="zerotrain.mfu_note", note=True, check=text),
+)
+BY_NAME = {s.name: s for s in TABLE}
+FLAGS = tuple(s for s in TABLE if s.flag)  # the RunConfig fields the table generates
+BY_ZT_KEY = {s.zt_key: s for s in TABLE if s.zt_key}
+
+
+def table(config_cls) -> tuple[Setting, ...]:
+    """Every setting: the declared ones, then each other RunConfig field (a plain flag) as its own entry."""
+    plain = tuple(Setting(f.name, f.metadata["help"], flag=True, type=str(f.type), kind=f.metadata["kind"],
+                          field_default=f.default, default=f.default, choices=f.metadata.get("choices"))
+                  for f in fields(config_cls) if f.name not in BY_NAME and f.metadata["kind"] != "sources")
+    return TABLE + plain
+
+
+# -- the profile's own section: read here only ----------------------------------------------------------------
+
+def section(profile: dict) -> dict:
+    """The profile's "zerotrain" section ({} when it has none)."""
+    return profile.get("zerotrain", {})
+
+
+def profile_value(profile: dict, name: str, default=None):
+    """The raw value the profile gives a setting's key (None: not given). For callers that hold a profile
+    but no resolved run: the launcher (hardware, env), auto-detection (hardware)."""
+    key = BY_NAME[name].zt_key
+    return section(profile).get(key, default)
+
+
+def check_section(zt, where: str) -> None:
+    """UsageError (one line) for a value of the profile's section a setting's check refuses."""
+    if not isinstance(zt, dict):
+        raise UsageError(f"{where}: the zerotrain section must be an object")
+    for key, v in zt.items():
+        s = BY_ZT_KEY.get(key)
+        if s is None or s.check is None or v is None:
+            continue
+        problem = s.check(v)
+        if problem:
+            raise UsageError(f"{where}: zerotrain.{key}{'' if problem.startswith('.') else ' '}{problem}, got {v!r}")
+
+
+def check_flags(cfg, flag: Callable[[str], str]) -> None:
+    """UsageError (one line) for a declared flag's value its check refuses (None: not given)."""
+    for s in FLAGS:
+        v = getattr(cfg, s.name)
+        if v is None or s.check is None:
+            continue
+        problem = s.check(v)
+        if problem:
+            extra = " (0: off)" if s.name == "hang_timeout" else ""
+            raise UsageError(f"{flag(s.name)}: {problem}{extra}, got {v!r}")
+
+
+# -- resolution ------------------------------------------------------------------------------------------------
+
+class Settings:
+    """The resolved settings: `settings.NAME` is the value, `settings.sources[NAME]` where it came from."""
+
+    def __init__(self, values: dict, sources: dict):
+        object.__setattr__(self, "values", dict(values))
+        object.__setattr__(self, "sources", dict(sources))
+
+    def __getattr__(self, name):
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Settings are resolved once: frozen")
+
+    def replace(self, name: str, value, source: str) -> "Settings":
+        """A copy with one value decided later (the attention kernel, once the machine is known)."""
+        return Settings({**self.values, name: value}, {**self.sources, name: source})
+
+    def given_words(self, name: str) -> str:
+        """How a value was chosen, for a start-up line: '--attention sdpa', 'profile cpu: zerotrain.attention
+        flex', or a rule's own words."""
+        source, value = self.sources[name], self.values[name]
+        if source in GIVEN:
+            return f"--{name.replace('_', '-')} {value}"
+        if source.startswith("rule: "):
+            return source[len("rule: "):]
+        return f"{source} {value}"
+
+
+def hparams_source(source: str) -> str:
+    """launcher/hparams.py's words for a source, in the table's: a derived value is a "rule: "."""
+    if source in (*GIVEN, "default") or source.startswith("profile ") or source.startswith("rule"):
+        return source if not source.startswith("rule ") else "rule: " + source
+    return "rule: " + source
+
+
+def given(cfg, s: Setting) -> str | None:
+    """Where a flag's value came from ("flag", "recipe", "given"), or None when it was not given. Without
+    recorded sources (a RunConfig built directly) a value differing from the field's default counts as given."""
+    if cfg.sources is not None:
+        return cfg.sources[s.name] if cfg.sources.get(s.name) in GIVEN else None
+    v = getattr(cfg, s.name)
+    return "given" if v is not None and v != s.field_default else None
+
+
+def resolve(cfg, profile_name: str, profile: dict, node=None) -> Settings:
+    """Every setting's value and source, in table order (see the module docstring). `cfg` has its schedule
+    resolved (launcher/hparams.py) and its given values' sources in `cfg.sources`; None: the profile's
+    settings alone (nothing given by flag: `zerotrain plan`, a benchmark)."""
+    given_sources = (cfg.sources or {}) if cfg is not None else {}
+    zt = section(profile)
+    values, sources = {}, {}
+    for s in (table(type(cfg)) if cfg is not None else TABLE):
+        if s.note:
+            continue
+        v = getattr(cfg, s.name, None) if s.flag and cfg is not None else None
+        if s.group == "hparams" and cfg is None:
+            continue
+        if s.group == "hparams":
+            values[s.name] = v if not (s.name == "schedule" and v is None) else "cosine"
+            sources[s.name] = hparams_source(given_sources.get(s.name, "default"))
+        elif s.flag and cfg is not None and v is not None and (v != s.field_default or s.name in given_sources):
+            # given, or resolved before into the config (launcher/hparams.py), each with its source
+            values[s.name], sources[s.name] = v, hparams_source(given_sources.get(s.name, "given"))
+        elif s.zt_key and zt.get(s.zt_key) is not None:
+            v = zt[s.zt_key]
+            values[s.name], sources[s.name] = ({**s.default, **v} if isinstance(s.default, dict) else v,
+                                               f"profile {profile_name}: {s.profile_key}")
+        elif s.rule is not None and (ruled := s.rule(values, node)) is not None:
+            values[s.name], sources[s.name] = ruled[0], f"rule: {ruled[1]}"
+        else:
+            values[s.name], sources[s.name] = (dict(s.default) if isinstance(s.default, dict) else s.default,
+                                               "default")
+    return Settings(values, sources)
+
+
+def describe_settings(settings: Settings) -> str:
+    """The start-up (and --dry-run) line of the declared settings a profile or a rule decided (the schedule
+    and the attention kernel have lines of their own; objects are left to `config.json`'s run_sources)."""
+    parts = [f"{s.name.replace('_', '-')} {settings.values[s.name]:g} ({settings.sources[s.name]})"
+             if isinstance(settings.values[s.name], float) else
+             f"{s.name.replace('_', '-')} {settings.values[s.name]} ({settings.sources[s.name]})"
+             for s in TABLE if not s.note and s.group is None and s.name != "attention"
+             and settings.sources[s.name] != "default" and not isinstance(settings.values[s.name], dict)]
+    return "settings: " + (", ".join(parts) or "the defaults")
+
+
+def comm_timeout_s(zt: dict, hang_timeout: float | None = None) -> float:
+    """The process group's timeout from a profile section and a hang timeout, as `resolve` decides it."""
+    given = zt.get("comm_timeout_s")
+    return float(given) if given else comm_timeout_rule({"hang_timeout": hang_timeout}, None)[0]
