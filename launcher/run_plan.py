@@ -185,7 +185,6 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
     cfg = size_in_tokens(resolve_max_epochs(cfg, settings.values, profile_name),
                          ds_config["train_batch_size"] * cfg.seq_len)
-    settings = resolve_settings(cfg, profile_name, profile)  # the schedule's sources final once sized
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
     data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
     loader_settings = dataloader_settings(settings.dataloader, f"profile {profile_name}")
@@ -236,6 +235,10 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
     repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed), cfg)
+    # the schedule's values and sources are final now (sized in tokens, a resumed run's warmup kept): resolved
+    # again with them, the attention kernel as chosen for this machine
+    settings = resolve_settings(cfg, profile_name, profile).replace("attention", settings.attention,
+                                                                     settings.sources["attention"])
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=ident.profile_why,
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
