@@ -19,8 +19,6 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.loader import dataloader_settings, load_data, open_data
@@ -311,15 +309,6 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
               describe_settings(plan.settings),
               *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     return lines + describe_data(plan.data, plan.run_tokens)
-
-
-def run_device(cfg: RunConfig, zt: dict) -> tuple[str, bool]:
-    """(the accelerator the run trains on, whether this torch has the varlen kernel): for a dry run, the
-    profile's hardware (a torch with varlen assumed); else this node's."""
-    if cfg.dry_run:
-        return zt.get("hardware", {}).get("accelerator", "cuda"), True
-    device = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
-    return device, importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch >= 2.9
 
 
 def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:
