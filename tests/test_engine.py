@@ -122,7 +122,10 @@ def test_the_runs_spec_carries_what_the_plan_decided():
     from zerotrain.launcher.config import config_from
 
     cfg = config_from({"data": "mix.json", "seed": 7})
-    plan = SimpleNamespace(cfg=cfg, zt={"activation_checkpointing": True, "dist_backend": "gloo", "hang_timeout": 1200},
+    from zerotrain.launcher.settings import resolve
+
+    zt = {"activation_checkpointing": True, "dist_backend": "gloo", "hang_timeout": 1200}  # the run's settings:
+    plan = SimpleNamespace(cfg=cfg, settings=resolve(cfg, "p", {"zerotrain": zt}),
                            ds_config={"zero_optimization": {"stage": 3}}, model_args="args", init_from="hf-dir",
                            resume_from=None, attention="sdpa", deterministic=True)
     spec = spec_from_plan(plan)
