@@ -54,8 +54,6 @@ class RunConfig:
     grad_accum: int | None = opt(None, "micro-batches per optimizer step (default: the profile's, or derived"
                                        " from --global-batch-tokens)")
     global_batch_tokens: int | None = opt(None, "tokens per optimizer step over all ranks")
-    warmup_tokens: int | None = opt(None, "linear warmup over N training tokens, rounded up to whole steps (instead"
-                                          " of --warmup-steps)", IDENTITY_WHEN_SET)
     seed: int = opt(1337, "seed of the model init and the data order")
     out: str = opt("runs", "directory holding run directories", RUN)
     run_id: str | None = opt(None, "run directory name (default: derived from the config, so the same command"
@@ -85,10 +83,6 @@ class RunConfig:
     early_stop_patience: int | None = opt(None, "stop after P evaluations without a new best", RUN)
     max_hours: float | None = opt(None, "stop (after saving) at the last step that fits in H hours, over resumes",
                                   RUN)
-    total_tokens: int | None = opt(None, "training tokens of the whole run: without --max-steps it sets the run's"
-                                         " length (steps = N / tokens per step, rounded up; the schedule spans"
-                                         " them); with --max-steps, a budget: stop (after saving) at the last step"
-                                         " within N tokens", RUN)
     budget_usd: float | None = opt(None, "stop (after saving) before spending B dollars; needs --gpu-hour-usd", RUN)
     gpu_hour_usd: float | None = opt(None, "price of one GPU-hour; cost = price x world size x hours", RUN)
     on_spike: str = opt("warn", "on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint",
@@ -145,7 +139,7 @@ class RunConfig:
         if self.data is None:
             raise UsageError("--data: a mix file is required (its format: docs/data.md)")
         for name in ("seq_len", "micro_batch", "grad_accum", "global_batch_tokens", "eval_tokens",
-                     "early_stop_patience", "total_tokens", "piece_len", "warmup_tokens"):
+                     "early_stop_patience", "piece_len"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise UsageError(f"{flag(name)}: must be a positive integer, got {v!r}")

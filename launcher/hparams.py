@@ -9,7 +9,8 @@ came from.
     size_in_tokens(cfg, tokens_per_step, resumed, started) -> RunConfig
         max_steps and warmup_steps from --total-tokens / --warmup-tokens / the warmup rule, once the tokens per
         step are known (run_plan.plan_run); describe_length(...) the `run length:` line saying what ends the run
-    check_repeats(data, run_tokens, cfg)   the warning for sources read more than 4 times; --max-epochs refuses
+    check_repeats(data, run_tokens, max_epochs, source)   the warning for sources read more than 4 times;
+        the resolved max_epochs (launcher/settings.py) refuses
 
 The first that says wins:
     lr              --lr | recipe | the --scaling-rule's lr law for the run's optimizer (modeling/scaling_rules.yaml)
@@ -227,29 +228,22 @@ def describe_length(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int =
     return line
 
 
-def resolve_max_epochs(cfg, zt: dict, profile_name: str):
-    """--max-epochs | recipe | the profile's zerotrain.max_epochs (profiles.py validates it) | no limit."""
-    if cfg.max_epochs is not None or zt.get("max_epochs") is None:
-        return cfg
-    return dataclasses.replace(cfg, max_epochs=zt["max_epochs"],
-                               sources={**(cfg.sources or {}), "max_epochs": f"profile {profile_name}: zerotrain.max_epochs"})
-
-
 REPEAT_WHY = ("beyond ~4 epochs repeated tokens are worth much less than new ones (Muennighoff et al. 2023, Scaling"
               " Data-Constrained Language Models)")
 
 
-def check_repeats(data, run_tokens: int, cfg) -> tuple[str, ...]:
+def check_repeats(data, run_tokens: int, max_epochs: float | None, source: str = "given") -> tuple[str, ...]:
     """The warning for sources a run of `run_tokens` tokens reads more than the mix's warn_epochs (default 4)
-    times, naming each with its epochs and unique tokens; UsageError when one goes past --max-epochs."""
+    times, naming each with its epochs and unique tokens; UsageError when one goes past `max_epochs` (the
+    resolved setting, launcher/settings.py; `source`: where it came from)."""
     read = data.epochs(run_tokens)  # sources of unknown size (streamed from the hub) are not judged
     over = [(name, epochs, size) for name, epochs, size in read if epochs > data.warn_epochs]
     named = ", ".join(f"{name!r} ~{epochs:,.1f} epochs of {size:,} unique tokens" for name, epochs, size in over)
-    if cfg.max_epochs is not None:
-        beyond = [(name, epochs) for name, epochs, _ in read if epochs > cfg.max_epochs]
+    if max_epochs is not None:
+        beyond = [(name, epochs) for name, epochs, _ in read if epochs > max_epochs]
         if beyond:
             name, epochs = max(beyond, key=lambda x: x[1])
-            raise UsageError(f"--max-epochs {cfg.max_epochs:g} ({(cfg.sources or {}).get('max_epochs', 'given')}):"
+            raise UsageError(f"--max-epochs {max_epochs:g} ({source}):"
                              f" this run of {run_tokens:,} tokens reads source {name!r} ~{epochs:,.1f} times"
                              f" ({len(beyond)} source(s) over); more data, fewer tokens, or a larger --max-epochs")
     if not over:

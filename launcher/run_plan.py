@@ -38,7 +38,7 @@ from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
 from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
-                                        resolve_max_epochs, run_tokens, size_in_tokens, token_budget)
+                                        run_tokens, size_in_tokens, token_budget)
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.optimizers import describe_implementation
 from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile, resolve_ds_config
@@ -181,8 +181,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     run_id = run_dir.name
     ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
-    cfg = size_in_tokens(resolve_max_epochs(cfg, settings.values, profile_name),
-                         ds_config["train_batch_size"] * cfg.seq_len)
+    cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len)
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
     data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
     loader_settings = dataloader_settings(settings.dataloader, f"profile {profile_name}")
@@ -232,7 +231,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, world)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
-    repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed), cfg)
+    repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed),
+                            settings.max_epochs, settings.sources["max_epochs"])
     # the schedule's values and sources are final now (sized in tokens, a resumed run's warmup kept): resolved
     # again with them, the attention kernel as chosen for this machine
     settings = resolve_settings(cfg, profile_name, profile).replace("attention", settings.attention,

@@ -202,10 +202,17 @@ TABLE: tuple[Setting, ...] = (
                             " max(20, 1% of --max-steps): Pythia's warmup)", flag=True,
             type="int | None", kind=IDENTITY, profile_key="scheduler.params.warmup_num_steps", default=20,
             check=nonneg_int, group="hparams"),
+    Setting("warmup_tokens", "linear warmup over N training tokens, rounded up to whole steps (instead of"
+                             " --warmup-steps)", flag=True, type="int | None", kind=IDENTITY_WHEN_SET,
+            check=positive_int, group="hparams"),
     Setting("max_steps", "optimizer steps of the whole run (default: from --total-tokens, else the profile"
                          " scheduler's, else 100); may grow on resume (see --schedule)", flag=True,
             type="int", kind=RUN, profile_key="scheduler.params.total_num_steps", default=100, field_default=100,
             check=positive_int, group="hparams"),
+    Setting("total_tokens", "training tokens of the whole run: without --max-steps it sets the run's length (steps ="
+                            " N / tokens per step, rounded up; the schedule spans them); with --max-steps, a budget:"
+                            " stop (after saving) at the last step within N tokens", flag=True, type="int | None",
+            kind=RUN, check=positive_int, group="hparams"),
     Setting("schedule", "after warmup, cosine (default): decay to --min-lr at --max-steps; wsd (warmup-stable-decay):"
                         " hold the peak, then decay linearly over the last --decay-fraction of the steps. A wsd run"
                         " resumed in its stable phase with a larger --max-steps re-plans its decay; a cosine one keeps"

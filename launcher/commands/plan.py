@@ -12,8 +12,7 @@ from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.hparams import (check_repeats, length_from_tokens, resolve_hparams, resolve_max_epochs,
-                                       size_in_tokens)
+from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
 from zerotrain.launcher.profiles import load_profile, resolve_batch
 from zerotrain.launcher.settings import resolve as resolve_settings
 
@@ -80,8 +79,7 @@ def plan_main(argv: list[str]) -> dict:
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world, f"profile {name}")
     # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)
-    cfg = size_in_tokens(resolve_max_epochs(resolve_hparams(cfg, name, profile), settings.values, name),
-                         micro * accum * setup.world * cfg.seq_len)
+    cfg = size_in_tokens(resolve_hparams(cfg, name, profile), micro * accum * setup.world * cfg.seq_len)
     ac = bool(settings.activation_checkpointing)
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops else settings.peak_flops_per_device
     mfu = ns.mfu or settings.expected_mfu
@@ -89,16 +87,16 @@ def plan_main(argv: list[str]) -> dict:
                      peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from
-    plan["warnings"] = list(repeats(cfg, tokenizer, plan["tokens"])) if data_here else []
+    plan["warnings"] = list(repeats(cfg, tokenizer, plan["tokens"], settings)) if data_here else []
     print(json.dumps(plan, indent=2) if ns.json else f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
           + render(plan) + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
 
 
-def repeats(cfg, tokenizer, tokens: int) -> tuple[str, ...]:
-    """With --data: the warning for sources the plan's tokens read more than 4 times (run_plan.check_repeats;
-    UsageError past --max-epochs). The sources are read as the run reads them (hub sources not fetched)."""
+def repeats(cfg, tokenizer, tokens: int, settings) -> tuple[str, ...]:
+    """With --data: the warning for sources the plan's tokens read more than 4 times (hparams.check_repeats;
+    UsageError past the resolved max_epochs). The sources are read as the run reads them (hub sources not fetched)."""
     from zerotrain.dataio.loader import load_data, open_data  # imports torch: only when a plan names its data
 
     data = load_data(open_data(cfg.data, tokenizer, fetch=False), seq_len=cfg.seq_len, verify="quick")
-    return check_repeats(data, tokens, cfg)
+    return check_repeats(data, tokens, settings.max_epochs, settings.sources["max_epochs"])
