@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
     has_attention = "attention" in {f.name for f in fields(RunConfig)}  # a driver older than --attention has none
     backends = a.attention.split(",") if has_attention else ["(the driver's default)"]
     rows = []
+    print(header(name, device, argv), flush=True)  # each row as it is measured: a run cut short keeps the rows done
     for stage in (int(s) for s in a.stages.split(",")):
         prof = json.loads(json.dumps(profile))
         prof["zero_optimization"]["stage"] = stage
@@ -100,6 +101,7 @@ def main(argv: list[str]) -> int:
                 plan = plan_run(config_from({**values, "dry_run": True}), 1)
             except UsageError as e:  # e.g. varlen with a torch that lacks it
                 row["result"] = f"refused: {e}"
+                print(row_line(row), flush=True)
                 continue
             setup = planner.setup_from(plan.ds_config, plan.settings.values, world=1, nodes=1, device_bytes=props.total_memory,
                                        args=plan.model_args, attention=plan.attention)
@@ -109,13 +111,14 @@ def main(argv: list[str]) -> int:
             micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit)
             if micro == 0:
                 row["result"] = f"not run: the planner fits no row in {FIT_FRACTION:.0%} of this GPU"
+                print(row_line(row), flush=True)
                 continue
             mem = planner.memory(plan.model_args, setup, stage, micro, SEQ_LEN, ac)
             row.update(micro=micro, kernel=plan.attention, planned_tensors=(mem["total"] - mem["context"]
                                                                             - mem["fragmentation"]) / 2**30,
                        planned_total=mem["total"] / 2**30, peak_flops=plan.settings.peak_flops_per_device)
             row.update(measure(values, micro, out))
-    print(table(rows, name, device, argv))
+            print(row_line(row), flush=True)
     return 0
 
 
@@ -144,23 +147,24 @@ def measure(values: dict, micro: int, out: Path) -> dict:
             "last_step": steps[-1]["step"], "wall_s": time.time() - t0}
 
 
-def table(rows: list[dict], profile: str, device: str, argv: list[str]) -> str:
+def header(profile: str, device: str, argv: list[str]) -> str:
     import torch
 
-    lines = [f"GPU benchmark, {time.strftime('%Y-%m-%d')}: {device}, torch {torch.__version__} (CUDA"
-             f" {torch.version.cuda}), profile {profile}; {MODEL} (1.4B) at seq {SEQ_LEN}, bf16, 1 GPU; medians"
-             f" over steps {WARMUP_STEPS + 1}+; command: python benchmarks/gpu.py {' '.join(argv)}".rstrip(), "",
-             "| ZeRO | attention | micro | tokens/s | MFU | peak allocated | planner: tensors / total | loss (step) |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "tokens_per_s" not in r:
-            lines.append(f"| {r['stage']} | {r['attention']} | {r.get('micro', '')} | {r.get('result', '')} | | | | |")
-            continue
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (no peak in the profile)"
-        lines.append(f"| {r['stage']} | {r['kernel']} | {r['micro']} | {r['tokens_per_s']:,.0f} | {mfu} |"
-                     f" {r['peak_gib']:.1f} GiB | {r['planned_tensors']:.1f} / {r['planned_total']:.1f} GiB |"
-                     f" {r['loss']:.3f} ({r['last_step']}) |")
-    return "\n".join(lines)
+    return "\n".join([
+        f"GPU benchmark, {time.strftime('%Y-%m-%d')}: {device}, torch {torch.__version__} (CUDA"
+        f" {torch.version.cuda}), profile {profile}; {MODEL} (1.4B) at seq {SEQ_LEN}, bf16, 1 GPU; medians"
+        f" over steps {WARMUP_STEPS + 1}+; command: python benchmarks/gpu.py {' '.join(argv)}".rstrip(), "",
+        "| ZeRO | attention | micro | tokens/s | MFU | peak allocated | planner: tensors / total | loss (step) |",
+        "|---|---|---|---|---|---|---|---|"])
+
+
+def row_line(r: dict) -> str:
+    if "tokens_per_s" not in r:
+        return f"| {r['stage']} | {r['attention']} | {r.get('micro', '')} | {r.get('result', '')} | | | | |"
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (no peak in the profile)"
+    return (f"| {r['stage']} | {r['kernel']} | {r['micro']} | {r['tokens_per_s']:,.0f} | {mfu} |"
+            f" {r['peak_gib']:.1f} GiB | {r['planned_tensors']:.1f} / {r['planned_total']:.1f} GiB |"
+            f" {r['loss']:.3f} ({r['last_step']}) |")
 
 
 if __name__ == "__main__":

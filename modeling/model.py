@@ -217,14 +217,30 @@ def flex_on_cpu(q, k, v, block_mask: BlockMask):
 
 def varlen_kernel(q, k, v, docs: DocumentLayout):
     """q (B, T, H, hd), k/v (B, T, KV, hd) -> (B, T, H, hd): documents end to end through the flash kernel."""
-    from torch.nn.attention.varlen import varlen_attn  # ~1 s to import: only when this kernel runs
+    from torch.nn.attention import varlen  # ~1 s to import: only when this kernel runs
 
     B, T = q.shape[:2]
-    # window_size (-1, 0) is how varlen_attn is told "causal" (it compares the tuple); fewer kv heads
-    # go to the kernel as they are (enable_gqa), never repeated.
-    out = varlen_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs.cu_seqlens, docs.cu_seqlens,
-                      docs.max_seqlen, docs.max_seqlen, window_size=(-1, 0), enable_gqa=k.shape[2] != q.shape[2])
+    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    accepts = _varlen_keywords(varlen.varlen_attn)
+    # "causal" is window_size (-1, 0) since torch 2.11 (it compares the tuple), is_causal=True in 2.9/2.10.
+    causal = {"window_size": (-1, 0)} if "window_size" in accepts else {"is_causal": True}
+    if k.shape[1] == q.shape[1]:
+        gqa = {}
+    elif "enable_gqa" in accepts:  # torch >= 2.13: fewer kv heads go to the kernel as they are, never repeated
+        gqa = {"enable_gqa": True}
+    else:  # torch 2.9-2.12 has no enable_gqa (found on an H100 with torch 2.11): repeat the kv heads, as sdpa does
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        gqa = {}
+    out = varlen.varlen_attn(q, k, v, docs.cu_seqlens, docs.cu_seqlens, docs.max_seqlen, docs.max_seqlen,
+                             **causal, **gqa)
     return out.view(B, T, *out.shape[1:])  # out: (B*T, H, hd)
+
+
+def _varlen_keywords(fn) -> frozenset:
+    """The keywords this torch's varlen_attn takes: its signature changed between 2.9, 2.11 and 2.13."""
+    import inspect
+
+    return frozenset(inspect.signature(fn).parameters)
 
 
 ATTENTION_KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel, "varlen": varlen_kernel}

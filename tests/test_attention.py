@@ -312,3 +312,38 @@ def test_flex_and_sdpa_train_the_same_two_rank_run(tmp_path, mix_path):
         losses[backend] = [m["loss"] for m in read_metrics(out / backend)]
     assert len(losses["flex"]) == 10 and losses["flex"][-1] < losses["flex"][0]
     assert losses["flex"] == pytest.approx(losses["sdpa"], abs=1e-4), losses
+
+
+def _varlen_of_torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                          window_size=(-1, -1)):
+    """torch 2.11's signature (seen on an H100): a causal window, no enable_gqa, so heads must match."""
+    assert key.shape[1] == query.shape[1], "torch 2.11's varlen_attn takes as many kv heads as query heads"
+    return _REAL_VARLEN[0](query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size)
+
+
+def _varlen_of_torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.9/2.10's signature: is_causal instead of a window, no enable_gqa."""
+    assert key.shape[1] == query.shape[1], "torch 2.10's varlen_attn takes as many kv heads as query heads"
+    return _REAL_VARLEN[0](query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                           window_size=(-1, 0) if is_causal else (-1, -1))
+
+
+_REAL_VARLEN: list = []
+
+
+@needs_varlen
+@pytest.mark.parametrize("older", [_varlen_of_torch_2_11, _varlen_of_torch_2_10], ids=["torch2.11", "torch2.10"])
+def test_varlen_with_an_older_torch_signature_matches_sdpa(older, reference_flash_kernel, monkeypatch):
+    from torch.nn.attention import varlen
+
+    _REAL_VARLEN[:] = [varlen.varlen_attn]
+    monkeypatch.setattr(varlen, "varlen_attn", older)
+    model = model_for("gqa")
+    x, pos = packed_batch()
+    sdpa_out, sdpa_grads = forward_backward(model, "sdpa", x, pos)
+    varlen_out, varlen_grads = forward_backward(model, "varlen", x, pos)
+    assert reference_flash_kernel and all(c["causal"] and c["window"] == (-1, 0) for c in reference_flash_kernel)
+    assert all(c["k"][1] == model.args.n_heads for c in reference_flash_kernel)  # kv heads repeated for it
+    assert torch.allclose(varlen_out, sdpa_out, atol=1e-5, rtol=0), (varlen_out - sdpa_out).abs().max()
+    for name, g in sdpa_grads.items():
+        assert torch.allclose(g, varlen_grads[name], atol=1e-5, rtol=0), (name, (g - varlen_grads[name]).abs().max())
