@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.zerotrain-installed
 
-.PHONY: install demo test bench bench-gpu clean
+.PHONY: install demo test test-gpu bench bench-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# On a CUDA host: what torch and DeepSpeed do on the GPU (tests/test_gpu_cuda.py); each test says why it is
+# skipped where no GPU (or a second one) is visible.
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu tests/test_gpu_cuda.py
 
 bench: install
 	$(BIN)/python benchmarks/run.py

@@ -47,6 +47,8 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="auto", help="a GPU profile name or path (default: the one this GPU matches)")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--model", default=MODEL, help=f"a model preset (default {MODEL}; a small one for a smoke run)")
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--stages", default="2,3")
     p.add_argument("--attention", default="sdpa,flex,varlen", help="kernels to run, comma-separated")
     p.add_argument("--out", default=str(REPO / "runs" / "bench-gpu"), help="run directories (checkpoints deleted)")
@@ -83,14 +85,14 @@ def main(argv: list[str]) -> int:
     has_attention = "attention" in {f.name for f in fields(RunConfig)}  # a driver older than --attention has none
     backends = a.attention.split(",") if has_attention else ["(the driver's default)"]
     rows = []
-    print(header(name, device, argv), flush=True)  # each row as it is measured: a run cut short keeps the rows done
+    print(header(name, device, argv, a.model, a.seq_len), flush=True)  # each row as it is measured: a run cut short keeps the rows done
     for stage in (int(s) for s in a.stages.split(",")):
         prof = json.loads(json.dumps(profile))
         prof["zero_optimization"]["stage"] = stage
         prof_path = out / f"{name}-zero{stage}.json"
         prof_path.write_text(json.dumps(prof, indent=2))
         for backend in backends:
-            values = {"profile": str(prof_path), "data": str(mix), "model": MODEL, "seq_len": SEQ_LEN,
+            values = {"profile": str(prof_path), "data": str(mix), "model": a.model, "seq_len": a.seq_len,
                       "grad_accum": 1, "max_steps": a.steps, "warmup_steps": WARMUP_STEPS, "out": str(out),
                       "run_id": f"zero{stage}-{backend}", "resume": "never", "log_data_every_steps": 0}
             if has_attention:
@@ -107,13 +109,13 @@ def main(argv: list[str]) -> int:
                                        args=plan.model_args, attention=plan.attention)
             ac = bool(plan.settings.activation_checkpointing)
             fit = planner.max_micro_batch(plan.model_args, replace(setup, device_bytes=FIT_FRACTION * props.total_memory),
-                                          stage, SEQ_LEN, ac)
+                                          stage, a.seq_len, ac)
             micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit)
             if micro == 0:
                 row["result"] = f"not run: the planner fits no row in {FIT_FRACTION:.0%} of this GPU"
                 print(row_line(row), flush=True)
                 continue
-            mem = planner.memory(plan.model_args, setup, stage, micro, SEQ_LEN, ac)
+            mem = planner.memory(plan.model_args, setup, stage, micro, a.seq_len, ac)
             row.update(micro=micro, kernel=plan.attention, planned_tensors=(mem["total"] - mem["context"]
                                                                             - mem["fragmentation"]) / 2**30,
                        planned_total=mem["total"] / 2**30, peak_flops=plan.settings.peak_flops_per_device)
@@ -147,12 +149,12 @@ def measure(values: dict, micro: int, out: Path) -> dict:
             "last_step": steps[-1]["step"], "wall_s": time.time() - t0}
 
 
-def header(profile: str, device: str, argv: list[str]) -> str:
+def header(profile: str, device: str, argv: list[str], model: str, seq_len: int) -> str:
     import torch
 
     return "\n".join([
         f"GPU benchmark, {time.strftime('%Y-%m-%d')}: {device}, torch {torch.__version__} (CUDA"
-        f" {torch.version.cuda}), profile {profile}; {MODEL} (1.4B) at seq {SEQ_LEN}, bf16, 1 GPU; medians"
+        f" {torch.version.cuda}), profile {profile}; {model} at seq {seq_len}, bf16, 1 GPU; medians"
         f" over steps {WARMUP_STEPS + 1}+; command: python benchmarks/gpu.py {' '.join(argv)}".rstrip(), "",
         "| ZeRO | attention | micro | tokens/s | MFU | peak allocated | planner: tensors / total | loss (step) |",
         "|---|---|---|---|---|---|---|---|"])

@@ -47,6 +47,14 @@ def mix_path(tmp_path_factory) -> Path:
     return write_mix(tmp_path_factory.mktemp("data"))
 
 
+def pytest_configure(config):
+    """`make test` hides the GPUs of a CUDA host from every test and every rank it launches: the `cpu` profiles
+    are refused where DeepSpeed would pick CUDA, and these tests are about the CPU path. `make test-gpu`
+    (`-m gpu`, tests/test_gpu_cuda.py) keeps them."""
+    if (config.option.markexpr or "").strip() != "gpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 TRAIN_MODULE = "zerotrain.launcher.train"
 
 
