@@ -21,6 +21,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class RunConfig:
     qk_norm: bool | None = opt(None, "RMSNorm on queries and keys (default off)", IDENTITY_WHEN_SET)
     # --- long runs (README "Long runs") ---
     save_every_hours: float | None = opt(None, "also save every H hours of wall clock (whichever comes first)", RUN)
-    keep_last: int = opt(0, "keep the newest K complete checkpoints (0: all); never the best one", RUN)
+    keep_last: int = opt(0, "keep the newest K complete checkpoints (0: all); never the --keep-best ones", RUN)
     mirror: str | None = opt(None, "copy each checkpoint in the background to DIR/RUN_ID/checkpoints/", RUN)
     eval_every_steps: int = opt(0, "evaluate every N steps (0: never); needs --eval-tokens or --eval-data", RUN)
     eval_tokens: int | None = opt(None, "tokens per evaluation; without --eval-data they are held out of the"
@@ -189,6 +190,8 @@ class RunConfig:
             raise UsageError("--golden-strict: needs --golden PATH (a golden.json from `zerotrain preflight --stage v3`)")
         if self.mirror is not None and Path(self.mirror).exists() and not Path(self.mirror).is_dir():
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
+        if self.nvme_path is not None:
+            check_nvme_dir(self.nvme_path, "--nvme-path")
         # normalised, so `adamw` keeps the default's id
         self.optimizer, self.optimizer_args = check_optimizer(self.optimizer, self.optimizer_args)
         if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
@@ -246,6 +249,20 @@ class RunConfig:
         if not is_resolved(self):  # --profile auto before detection: the rank checks these once resolved
             old = {k: v for k, v in old.items() if k in new or k not in ("lr", "min_lr", "warmup_steps")}
         return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def check_nvme_dir(path: str, where: str) -> None:
+    """An offload directory must exist, be a directory and take a file (a probe, removed; root passes any mode bit)."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{where} {path}: no such directory")
+    if not p.is_dir():
+        raise UsageError(f"{where} {path}: not a directory")
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".zerotrain-probe-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{where} {path}: not writable ({e.strerror or e})") from None
 
 
 def flag(name: str) -> str:

@@ -23,6 +23,94 @@ PROFILE_DIR = resource_dir("zerotrain.ds_configs")  # the shipped profiles (pack
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
+# DeepSpeed 0.19's runtime/zero/offload_config.py: the keys of each offload section (pydantic refuses others
+# there too, with a traceback) and the kind of value each takes.
+_BOOL, _COUNT, _FRACTION = "a boolean", "a non-negative integer", "a number in [0, 1]"
+OFFLOAD_KEYS = {
+    "offload_param": {"device": None, "nvme_path": None, "buffer_count": _COUNT, "buffer_size": _COUNT,
+                      "max_in_cpu": _COUNT, "pin_memory": _BOOL},
+    "offload_optimizer": {"device": None, "nvme_path": None, "buffer_count": _COUNT, "pin_memory": _BOOL,
+                          "pipeline_read": _BOOL, "pipeline_write": _BOOL, "fast_init": _BOOL, "ratio": _FRACTION,
+                          "super_offload": _BOOL, "cpuadam_cores_perc": _FRACTION},
+}
+
+
+def _kind_ok(kind: str, v) -> bool:
+    if kind == _BOOL:
+        return isinstance(v, bool)
+    if kind == _COUNT:
+        return not isinstance(v, bool) and isinstance(v, int) and v >= 0
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 <= v <= 1
+
+
+def check_offload(zero: dict, where: str) -> None:
+    """The offload sections of zero_optimization, as a profile gives them or as --offload wrote them: known keys,
+    values of the right kind, a device DeepSpeed has, an nvme_path for NVMe, parameters only at ZeRO-3."""
+    stage = zero.get("stage", 0)
+    for section, keys in OFFLOAD_KEYS.items():
+        sub = zero.get(section)
+        if sub is None:
+            continue
+        name = f"zero_optimization.{section}"
+        if not isinstance(sub, dict):
+            raise UsageError(f"{where}: {name} must be an object, got {sub!r}")
+        unknown = sorted(set(sub) - set(keys))
+        if unknown:
+            raise UsageError(f"{where}: {name} has no key {unknown[0]!r} in DeepSpeed 0.19 (known: {', '.join(keys)})")
+        device = sub.get("device", "none")
+        if device not in ("none", "cpu", "nvme"):
+            raise UsageError(f"{where}: {name}.device must be none, cpu or nvme, got {device!r}")
+        for key, kind in keys.items():
+            if kind and key in sub and not _kind_ok(kind, sub[key]):
+                raise UsageError(f"{where}: {name}.{key} must be {kind}, got {sub[key]!r}")
+        if device == "nvme" and not isinstance(sub.get("nvme_path"), str):
+            raise UsageError(f"{where}: {name} on nvme needs an nvme_path (a directory; --nvme-path DIR)")
+        if device != "none" and section == "offload_param" and stage != 3:
+            raise UsageError(f"{where}: {name} at ZeRO-{stage}: only ZeRO-3 partitions parameters (offload the"
+                             " optimizer instead, or use a ZeRO-3 profile)")
+        if device != "none" and section == "offload_optimizer" and stage == 0:
+            raise UsageError(f"{where}: {name} at ZeRO-0: DeepSpeed offloads ZeRO-1/2/3 optimizer partitions")
+
+
+def offload_settings(cfg, profile: dict, profile_name: str) -> tuple[str | None, str | None, str]:
+    """(offload, nvme_path, where they came from): --offload / --nvme-path, else the profile's zerotrain.offload /
+    zerotrain.nvme_path (launcher/settings.py declares and checks both); offload None: the profile's DeepSpeed
+    keys as they are."""
+    flag, flag_nvme = getattr(cfg, "offload", None), getattr(cfg, "nvme_path", None)  # a RunConfig, or as plan has it
+    offload = flag if flag is not None else profile_value(profile, "offload")
+    nvme = flag_nvme if flag_nvme is not None else profile_value(profile, "nvme_path")
+    where = "--offload" if flag is not None else f"profile {profile_name}: zerotrain.offload"
+    if nvme is not None and offload in (None, "none"):
+        raise UsageError(f"--nvme-path {nvme}: offloads nothing without --offload optimizer or all")
+    return offload, nvme, where
+
+
+def apply_offload(ds: dict, offload: str | None, nvme: str | None, where: str) -> dict:
+    """--offload onto DeepSpeed's own keys: "optimizer" sets zero_optimization.offload_optimizer, "all" that and
+    offload_param (ZeRO-3 only), "none" removes both; the device is nvme (at `nvme`) or cpu. A profile's other
+    keys in those sections (pin_memory, buffer counts, ratio) are kept. None: the dict as the profile has it."""
+    if offload is None:
+        return ds
+    zero = dict(ds.get("zero_optimization") or {})
+    stage = zero.get("stage", 0)
+    if offload == "all" and stage != 3:
+        raise UsageError(f"{where} all: offloads parameters, which only ZeRO-3 partitions; this profile is"
+                         f" ZeRO-{stage} (use --offload optimizer, or a ZeRO-3 profile)")
+    if offload == "optimizer" and stage == 0:
+        raise UsageError(f"{where} optimizer: DeepSpeed offloads ZeRO-1/2/3 optimizer partitions; this profile is"
+                         " ZeRO-0")
+    on = {"optimizer": ("offload_optimizer",), "all": ("offload_optimizer", "offload_param")}.get(offload, ())
+    for section in OFFLOAD_KEYS:
+        sub = {k: v for k, v in (zero.get(section) or {}).items() if k not in ("device", "nvme_path")}
+        if section not in on:
+            zero.pop(section, None)
+        elif nvme:
+            zero[section] = {**sub, "device": "nvme", "nvme_path": nvme}
+        else:
+            zero[section] = {**sub, "device": "cpu"}
+    return {**ds, "zero_optimization": zero}
+
+
 def list_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
@@ -58,6 +146,8 @@ def validate_profile(profile, where: str) -> None:
         if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise UsageError(f"{where}: {key} must be a positive integer or \"auto\", got {v!r}")
     check_section(profile.get("zerotrain", {}), where)  # its keys, checked by launcher/settings.py
+    if isinstance(zero, dict):
+        check_offload(zero, where)  # DeepSpeed's offload sections (zerotrain.offload: the settings table)
 
 
 def detect_profile() -> tuple[str, str]:
@@ -70,7 +160,10 @@ def detect_profile() -> tuple[str, str]:
     seen = f"{count} x {node.name} ({mem_gib:.0f} GiB), {nodes} node(s)"
     best = None
     for name in list_profiles():
-        hw = profile_value(json.loads((PROFILE_DIR / f"{name}.json").read_text()), "hardware", {})
+        candidate = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+        if profile_value(candidate, "offload") not in (None, "none"):
+            continue  # an offload profile trades speed for memory: asked for by name, never picked silently
+        hw = profile_value(candidate, "hardware", {})
         if hw.get("accelerator") != "cuda" or not any(s in node.name for s in hw.get("name_contains", [])):
             continue
         if mem_gib < hw.get("min_memory_gib", 0) or hw.get("nodes", 1) != nodes:
@@ -121,6 +214,9 @@ def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     micro, accum, train = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens,
                                         cfg.seq_len, world, where)
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
+    offload, nvme, source = offload_settings(cfg, profile, where.removeprefix("profile "))
+    ds = apply_offload(ds, offload, nvme, source)
+    check_offload(ds.get("zero_optimization") or {}, source)
 
     ds = resolve_ds_optimizer(ds, cfg, where)  # --optimizer: the section DeepSpeed builds, or none for a client one
     ds.pop("scheduler", None)

@@ -27,7 +27,7 @@ from zerotrain.dataio.reshard import check_reshard
 from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components import determinism, manifest
+from zerotrain.launcher.components import determinism, manifest, offload
 from zerotrain.launcher.components.checkpoints import checkpoint, universal
 from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
@@ -35,7 +35,7 @@ from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.planner import fit_check
 from zerotrain.launcher.components.schedule import Schedule
-from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
 from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
                                         run_tokens, size_in_tokens, token_budget)
@@ -45,7 +45,7 @@ from zerotrain.launcher.profiles import check_devices, describe_precision, detec
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import choose_attention
+from zerotrain.modeling.sizes import choose_attention, count_params
 
 
 def single_process_env() -> None:
@@ -190,6 +190,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
                                     detect=detect_profile)
     settings = attention_kernel(cfg, settings, ds_config, node)
+    check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, settings.values, world, attention=settings.attention)
 
@@ -264,6 +265,21 @@ def finished_again(plan: RunPlan) -> StopRun:
     return stop
 
 
+def check_offload_here(ds_config: dict, model_args, world: int, dry_run: bool) -> None:
+    """NVMe offload: its directory (a profile's too) takes files and has room for this node's share, and the
+    async I/O op can be built (libaio); a dry run checks libaio and the directory, not the room."""
+    zero = ds_config.get("zero_optimization") or {}
+    paths = {(zero.get(k) or {}).get("nvme_path") for k in ("offload_optimizer", "offload_param")
+             if (zero.get(k) or {}).get("device") == "nvme"}
+    for path in sorted(paths):
+        check_nvme_dir(path, "--nvme-path")
+        offload.check_libaio(ds_config, f"--nvme-path {path}")
+        if not dry_run:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            need = offload.nvme_bytes(count_params(model_args)["total"], ds_config, local, world)
+            offload.check_nvme_space(path, need, "--nvme-path")
+
+
 def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: Node) -> Settings:
     """The settings with `attention` the kernel this run's model uses: --attention, else the profile's
     zerotrain.attention, else auto, resolved for the accelerator and precision (modeling/sizes.py
@@ -306,6 +322,7 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
               describe_precision(ds),
               plan.resume_line,  # bit-identical or not, on this hardware with these settings
               describe_implementation(cfg, ds, plan.node.device),  # what steps, built or not
+              *offload.describe(ds),  # what is offloaded where, and the DeepSpeed ops JIT-built for it
               describe_settings(plan.settings),
               *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     return lines + describe_data(plan.data, plan.run_tokens)

@@ -45,6 +45,7 @@ SOURCE_WORDS = (*GIVEN, "default", "profile ", "rule: ")  # every source starts 
 
 COMM_TIMEOUT_S = 1800.0  # torch's own default for gloo; DeepSpeed's init_distributed would give 10 minutes
 HEALTH_DEFAULTS = {"window_s": 60.0, "windows": 3, "straggler_ratio": 1.2, "repeat_s": 1800.0}
+OFFLOAD_CHOICES = ("none", "optimizer", "all")  # --offload / zerotrain.offload
 DEFAULT_MFU_THRESHOLD = 0.30  # 0.75 x a typical dense bf16 MFU of 0.4, when the profile says nothing
 
 
@@ -99,6 +100,10 @@ def obj(v):
 
 def text(v):
     return None if isinstance(v, str) else "must be a string"
+
+
+def directory_path(v):
+    return None if isinstance(v, str) and v else "must be a directory path"
 
 
 def health_check(v):
@@ -241,6 +246,19 @@ TABLE: tuple[Setting, ...] = (
             kind=IDENTITY_WHEN_SET, default=False, check=boolean),
     Setting("compile_backend", "torch.compile's backend (default: the accelerator's)",
             profile_key="zerotrain.compile_backend", check=text),
+    # where ZeRO's state lives (launcher/profiles.py apply_offload; launcher/components/offload.py)
+    Setting("offload", "move ZeRO state to host memory (or NVMe with --nvme-path): optimizer (its states and fp32"
+                       " master weights, with DeepSpeed's CPU Adam) or all (the parameters too; ZeRO-3 only); none:"
+                       " neither. Default: the profile's zerotrain.offload, else its DeepSpeed offload keys. Moves"
+                       " state, not the math: not part of the run id", flag=True, kind=RUN,
+            choices=OFFLOAD_CHOICES, profile_key="zerotrain.offload", check=one_of(OFFLOAD_CHOICES)),
+    Setting("nvme_path", "with --offload: swap the offloaded state to files in DIR (an NVMe mount) instead of host"
+                         " memory; default: the profile's zerotrain.nvme_path", flag=True, kind=RUN,
+            profile_key="zerotrain.nvme_path", check=directory_path),
+    # checkpoints kept (components/checkpoints/checkpointer.py)
+    Setting("keep_best", "keep the K checkpoints of lowest validation loss (checkpoints/best.json lists them, best"
+                         " first); --keep-last never removes them", flag=True, type="int", kind=RUN, default=1,
+            field_default=1, check=positive_int),
     # hangs and the process group
     Setting("hang_timeout", HANG_HELP, flag=True, type="float | None", kind=RUN,
             profile_key="zerotrain.hang_timeout", rule=hang_timeout_rule, check=seconds),

@@ -49,7 +49,7 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
-from zerotrain.launcher.components import ds_compat, manifest, planner
+from zerotrain.launcher.components import ds_compat, manifest, offload, planner
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
@@ -150,7 +150,7 @@ class Trainer:
         plan, cfg = self.plan, self.cfg
         self.checkpointer = checkpointer.Checkpointer(
             plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=cfg.save_every_steps,
-            save_every_hours=cfg.save_every_hours, keep_last=cfg.keep_last,
+            save_every_hours=cfg.save_every_hours, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
             mirror=Path(cfg.mirror) if cfg.mirror else None, say=self.say, hooks=self.hooks)
         self.step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
         self.tokens_per_step = plan.tokens_per_step
@@ -500,7 +500,8 @@ class Trainer:
             self.say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")
         self.say(f"run directory: {self.plan.run_dir.resolve()}")
         return RunResult(run_dir=self.plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.kind,
-                         message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved)
+                         message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved,
+                         extra={"offload": offload.offloaded(self.plan.ds_config)})
 
     def rollback(self, what: str) -> None:
         """Reload the last good checkpoint, keep the data where it is: the window that spiked is skipped.
@@ -615,7 +616,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
         nodes = hw.get("nodes", 1) if world >= hw.get("nodes", 1) else 1
         setup = planner.setup_from(ds, s.values, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args,
                                    attention=plan.attention)
-        p = planner.make_plan(args, setup, ds["zero_optimization"].get("stage", 0), ds["train_micro_batch_size_per_gpu"],
+        p = planner.make_plan(args, setup, planner.stage_key(ds), ds["train_micro_batch_size_per_gpu"],
                               ds["gradient_accumulation_steps"], cfg.seq_len, bool(s.activation_checkpointing),
                               peak_flops=s.peak_flops_per_device, mfu=s.expected_mfu,
                               total_tokens=cfg.total_tokens, max_hours=cfg.max_hours, budget_usd=cfg.budget_usd,

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, check_mirror, complete_checkpoints, find_resume,
-                                                      read_meta, rotation_victims, tag_for, verify)
+from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, check_mirror, complete_checkpoints,
+                                                                  find_resume, read_best, read_best_list, read_meta,
+                                                                  rotation_victims, tag_for, verify)
 from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.checkpoints.run_lock import LOCK, RunLock
@@ -218,8 +219,9 @@ def test_rotation_keeps_best_newest_and_in_flight_mirror_copies(tmp_path, engine
     mirror = tmp_path / "mirror" / "run" / "checkpoints"
     assert names(complete_checkpoints(mirror)) == ["global_step2", "global_step4"]
     assert all(verify(p) is None for p in complete_checkpoints(mirror))
-    assert json.loads((mirror / BEST).read_text()) == {"tag": "global_step2", "step": 2, "val_loss": 0.5}
-    assert json.loads((ckpt.ckpt_dir / BEST).read_text()) == {"tag": "global_step2", "step": 2, "val_loss": 0.5}
+    best = {"tag": "global_step2", "step": 2, "val_loss": 0.5}
+    assert json.loads((mirror / BEST).read_text()) == json.loads((ckpt.ckpt_dir / BEST).read_text()) == {
+        **best, "kept": [best]}
     assert not [p for p in mirror.iterdir() if p.name.startswith(".")]
     assert find_resume(ckpt.ckpt_dir) == ckpt.ckpt_dir / "global_step4"  # the planted step 9 is ignored
     where = {"local": ckpt.ckpt_dir, "mirror": mirror}
@@ -266,6 +268,46 @@ def test_an_unwritable_mirror_warns_once_and_saving_goes_on(tmp_path, engine):
     assert len(said) == 1 and said[0].startswith(f"warning: --mirror {tmp_path / 'a-file' / 'mirror'}: not writable (")
     assert said[0].endswith("training goes on without a mirror")
     assert names(complete_checkpoints(ckpt.ckpt_dir)) == ["global_step1"]
+
+
+def test_keep_best_k_survive_rotation_a_resume_and_a_rollback(tmp_path, engine):
+    """--keep-best 2 with --keep-last 1: a tag is saved when its validation loss is among the 2 lowest, best.json
+    lists them lowest first, rotation removes the one pushed out; a new Checkpointer (a resume) takes the list
+    from best.json (trimmed when K is lowered); a rollback drops the given-up tags from it."""
+    ckpt, said = make(tmp_path, keep_last=1, keep_best=2)
+    ckpt.sync_best()
+    assert ckpt.kept == []
+    val = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: 1.5}
+    for step, loss in val.items():
+        if ckpt.would_keep(loss):
+            save(ckpt, engine, step)
+            ckpt.mark_best(tag_for(step), step, loss)
+        ckpt.wait()
+    assert not ckpt.would_keep(1.6) and ckpt.would_keep(1.4) and not ckpt.would_keep(float("nan"))
+    save(ckpt, engine, 6)  # the last step: saved, newest
+    ckpt.close()
+    kept = [{"tag": "global_step2", "step": 2, "val_loss": 1.0}, {"tag": "global_step5", "step": 5, "val_loss": 1.5}]
+    assert json.loads((ckpt.ckpt_dir / BEST).read_text()) == {**kept[0], "kept": kept}
+    assert names(complete_checkpoints(ckpt.ckpt_dir)) == ["global_step2", "global_step5", "global_step6"]
+    assert [s.split(" from ")[0] for s in said] == [f"checkpoint rotation (--keep-last 1): removed {t}" for t in (
+        "global_step1", "global_step3")]  # step 1 pushed out by step 3, step 3 by step 5
+
+    resumed, _ = make(tmp_path, keep_last=1, keep_best=2)
+    assert resumed.sync_best() == kept
+    save(resumed, engine, 7)
+    resumed.close()
+    assert names(complete_checkpoints(ckpt.ckpt_dir)) == ["global_step2", "global_step5", "global_step7"]
+    assert resumed.discard_after(4) == ["global_step5", "global_step7"]
+    assert read_best_list(ckpt.ckpt_dir) == kept[:1] and resumed.kept == kept[:1]
+    lowered, _ = make(tmp_path, keep_best=1)
+    (ckpt.ckpt_dir / BEST).write_text(json.dumps({**kept[0], "kept": kept}))
+    assert lowered.sync_best() == kept[:1]
+    lowered.close()
+    (ckpt.ckpt_dir / BEST).write_text(json.dumps(kept[1]))  # best.json from before --keep-best: a list of one
+    assert read_best_list(ckpt.ckpt_dir) == kept[1:] and read_best(ckpt.ckpt_dir) == kept[1]
+    for bad in (0, -1, True, "2"):
+        with pytest.raises(UsageError, match=f"--keep-best: must be an integer >= 1, got {bad!r}"):
+            make(tmp_path, keep_best=bad)
 
 
 def test_best_names_only_a_complete_checkpoint(tmp_path, engine):
@@ -367,7 +409,8 @@ def test_two_ranks_failed_saves_rotation_mirror_and_load(tmp_path):
     assert r0["errors"] == r1["errors"]
     assert r0["local"] == r0["mirror"] == ["global_step2", "global_step4", "global_step6"]  # keep 2 + the best
     assert r0["local_incomplete"] == [] and r0["mirror_leftovers"] == []
-    assert r0["best"] == r0["mirror_best"] == {"tag": "global_step2", "step": 2, "val_loss": 1.0}
+    best = {"tag": "global_step2", "step": 2, "val_loss": 1.0}
+    assert r0["best"] == r0["mirror_best"] == {**best, "kept": [best]}
     assert set(r0["verify"].values()) == {None} and len(r0["verify"]) == 6
     assert r0["marker_files"] == r0["on_disk"]
     assert r0["marker_files"]["global_step6"] == [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt"

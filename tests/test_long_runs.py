@@ -68,7 +68,7 @@ def reference(tmp_path_factory, mix_path):
 def test_sigterm_saves_once_and_resumes_exactly_with_eval_best_rotation_and_mirror(tmp_path, mix_path, reference):
     out, mirror = tmp_path / "runs", tmp_path / "mirror"
     args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS, "--save-every-steps", "2",
-            "--keep-last", "1", "--mirror", str(mirror), "--eval-every-steps", "2"]
+            "--keep-last", "1", "--keep-best", "2", "--mirror", str(mirror), "--eval-every-steps", "2"]
     run = out / "r"
     # SIGTERM reaches only `zerotrain launch` (as from a scheduler), during a slowed-down evaluation
     proc = popen(zerotrain_launch_cmd(args), {"ZEROTRAIN_TEST_SLOW_MIRROR": "1"})
@@ -90,22 +90,24 @@ def test_sigterm_saves_once_and_resumes_exactly_with_eval_best_rotation_and_mirr
     history = read_metrics(run)
     same_history(history, reference)  # eval, rotation and the mirror do not touch the training
 
-    # evaluation every 2 steps on a held-out slice, best checkpoint kept through rotation
+    # evaluation every 2 steps on a held-out slice, the 2 best checkpoints kept through rotation and the resume
     evals = {m["step"]: m["val_loss"] for m in history if "val_loss" in m}
     assert sorted(evals) == list(range(2, N + 1, 2))
     assert all(set(m["val_loss_per_source"]) == {"prose", "notes"} for m in history if "val_loss" in m)
-    best_step = min(evals, key=evals.get)
+    kept = sorted(evals, key=lambda s: (evals[s], s))[:2]
+    best_step = kept[0]
     best = json.loads((ckpts / "best.json").read_text())
     assert best["step"] == best_step and best["tag"] == f"global_step{best_step}"
+    assert [(b["step"], b["val_loss"]) for b in best["kept"]] == [(s, evals[s]) for s in kept]
     complete = sorted(p.name for p in ckpts.glob("global_step*") if (p / "zerotrain.json").is_file())
-    assert complete == sorted({f"global_step{N}", f"global_step{best_step}"})  # keep-last 1, plus the best
+    assert complete == sorted({f"global_step{N}", *(f"global_step{s}" for s in kept)})  # keep-last 1, plus the 2 best
     # the mirror holds verified copies of the tags
     from zerotrain.launcher.components.checkpoints.checkpoint import verify
 
     mirrored = mirror / "r" / "checkpoints"
     assert (mirrored / f"global_step{N}" / "zerotrain.json").is_file()
     assert verify(mirrored / f"global_step{N}") is None
-    assert json.loads((mirrored / "best.json").read_text())["step"] == best_step
+    assert json.loads((mirrored / "best.json").read_text()) == best
     assert not list(mirrored.glob("*.tmp*"))
     manifest = json.loads((run / "manifest.json").read_text())
     assert [(s.get("end_reason"), s.get("end_exit_code")) for s in manifest["segments"]] == [("signal", 6), ("finished", 0)]
@@ -215,7 +217,8 @@ def test_early_stop_keeps_and_exports_the_best_checkpoint(tmp_path, mix_path):
     out = tmp_path / "runs"
     proc = launch("python", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS[:-1], "60",
                              "--eval-data", str(tmp_path / "eval.json"), "--eval-tokens", "4000",
-                             "--eval-every-steps", "2", "--early-stop-patience", "3", "--keep-last", "1"])
+                             "--eval-every-steps", "2", "--early-stop-patience", "3", "--keep-last", "1",
+                             "--keep-best", "3"])
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "early stop" in proc.stdout
     history = read_metrics(out / "r")
@@ -223,8 +226,13 @@ def test_early_stop_keeps_and_exports_the_best_checkpoint(tmp_path, mix_path):
     best_step = min(evals, key=evals.get)
     assert max(evals) == best_step + 3 * 2 < 60  # three evaluations without a new best, then stop
     best = json.loads((out / "r" / "checkpoints" / "best.json").read_text())
-    assert best["step"] == best_step
-    assert (out / "r" / "checkpoints" / best["tag"] / "zerotrain.json").is_file()  # rotation kept it
+    kept = sorted(evals, key=lambda s: (evals[s], s))[:3]
+    assert best["step"] == best_step and [b["step"] for b in best["kept"]] == kept
+    complete = sorted(int(p.name[11:]) for p in (out / "r" / "checkpoints").glob("global_step*")
+                      if (p / "zerotrain.json").is_file())
+    assert complete == sorted({*kept, max(evals)})  # rotation kept the 3 best, and the newest
+    runs = subprocess.run([str(BIN / "zerotrain"), "runs", str(out)], capture_output=True, text=True, cwd=REPO)
+    assert f"({best_step}; also {kept[1]}, {kept[2]})" in runs.stdout, runs.stdout + runs.stderr
     exported = subprocess.run([str(BIN / "zerotrain"), "export", str(out / "r"), "--best", "--to",
                                str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO)
     assert exported.returncode == 0, exported.stderr

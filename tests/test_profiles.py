@@ -142,3 +142,20 @@ def test_gpu_profiles_environment():
         assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0, name  # the flight recorder the watchdog dumps
         if p["zero_optimization"]["stage"] == 3:
             assert "expandable_segments:True" in env.get("PYTORCH_CUDA_ALLOC_CONF", ""), name
+
+
+@pytest.mark.parametrize("gpu, count, mem_gib, picked", [("NVIDIA A100-SXM4-80GB", 8, 80, "a100-80g-x8"),
+                                                         ("NVIDIA RTX 6000 Ada Generation", 2, 48, "rtx6000ada-48g-x2")])
+def test_auto_never_picks_an_offload_profile(gpu, count, mem_gib, picked, monkeypatch):
+    """The offload profiles match the same hardware as their plain ones: --profile auto takes the plain one."""
+    import torch
+
+    from zerotrain.launcher.profiles import detect_profile, list_profiles
+
+    assert f"{picked}-offload" in list_profiles()
+    props = type("Props", (), {"name": gpu, "total_memory": mem_gib * 2**30})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert detect_profile()[0] == picked

@@ -38,6 +38,8 @@ EXPECTED = {
     "h100pcie-x8-1000usd": dict(params=12_904_828_928, world=8, stage=3, micro=8, accum=8, seq_len=2048),
     "h100pcie-x8-1000usd-optimal": dict(params=1_284_209_280, world=8, stage=3, micro=8, accum=8, seq_len=2048),
     "cpu-debug": dict(params=869_504, world=1, stage=3, micro=8, accum=1, seq_len=256),
+    "a100x8-13b-offload": dict(params=12_612_817_920, world=8, stage=3, micro=4, accum=16, seq_len=2048),
+    "rtx6000ada-x2-7b-offload": dict(params=6_453_727_232, world=2, stage=3, micro=2, accum=64, seq_len=2048),
 }
 
 

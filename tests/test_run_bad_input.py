@@ -23,6 +23,15 @@ def corrupt_only_checkpoint(run: Path) -> None:
 
 CASES = {
     "keep-last -1": (["--keep-last", "-1"], "--keep-last: must be a non-negative integer"),
+    "keep-best 0": (["--keep-best", "0"], "--keep-best: must be a positive integer, got 0"),
+    "keep-best -2": (["--keep-best", "-2"], "--keep-best: must be a positive integer, got -2"),
+    "offload all at ZeRO-2": (["--profile", "cpu-zero2", "--offload", "all"], "--offload all: offloads parameters,"
+                              " which only ZeRO-3 partitions; this profile is ZeRO-2"),
+    "offload bogus": (["--offload", "bogus"], "--offload: must be one of none, optimizer, all, got 'bogus'"),
+    "nvme-path missing": (["--offload", "all", "--nvme-path", "{run}/nope"], "/nope: no such directory"),
+    "nvme-path a file": (["--offload", "all", "--nvme-path", "{run}/config.json"], "config.json: not a directory"),
+    "nvme-path not writable": (["--offload", "all", "--nvme-path", "/proc"], "--nvme-path /proc: not writable"),
+    "nvme-path without offload": (["--nvme-path", "{run}"], "offloads nothing without --offload optimizer or all"),
     "save-every-hours 0": (["--save-every-hours", "0"], "--save-every-hours: must be a positive number"),
     "eval without data": (["--eval-every-steps", "10"], "--eval-every-steps 10: no eval data"),
     "budget without price": (["--budget-usd", "100"], "--budget-usd 100.0: needs --gpu-hour-usd"),

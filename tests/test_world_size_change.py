@@ -17,7 +17,7 @@ FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3
 def test_two_to_one_to_two_ranks(stage, tmp_path, mix_path):
     out = tmp_path / "runs"
     args = ["--profile", cpu_profile(tmp_path, stage=stage), "--data", str(mix_path), "--out", str(out), "--run-id", "r",
-            *FLAGS]
+            *FLAGS, "--eval-tokens", "2000", "--eval-every-steps", "4", "--keep-best", "2", "--keep-last", "1"]
     first = launch("deepspeed", args + ["--max-steps", "8"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     one = launch("python", args + ["--max-steps", "12"])  # the same run on 1 rank
@@ -36,3 +36,10 @@ def test_two_to_one_to_two_ranks(stage, tmp_path, mix_path):
         assert losses[k] < initial - 0.5 and abs(losses[k] - losses[k - 1]) < 0.5, losses
     assert len({m["tokens_sha"] for m in history}) == 16  # no step saw the same data again
     assert not (out / "r" / "checkpoints" / "universal").exists()  # removed once the new world saved
+    # --keep-best 2 across both changes: the two lowest of all evaluations (steps 4, 8 on 2 ranks, 12 on 1, 16 on 2)
+    evals = {m["step"]: m["val_loss"] for m in history if "val_loss" in m}
+    assert sorted(evals) == [4, 8, 12, 16]
+    kept = sorted(evals, key=lambda s: (evals[s], s))[:2]
+    best = json.loads((out / "r" / "checkpoints" / "best.json").read_text())
+    assert [b["step"] for b in best["kept"]] == kept
+    assert all((out / "r" / "checkpoints" / f"global_step{s}" / "zerotrain.json").is_file() for s in kept)

@@ -9,11 +9,11 @@ from pathlib import Path
 from zerotrain.cli_args import Parser
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from
+from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from, stage_key
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
-from zerotrain.launcher.profiles import load_profile, resolve_batch
+from zerotrain.launcher.profiles import apply_offload, load_profile, offload_settings, resolve_batch
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -63,6 +63,8 @@ def plan_main(argv: list[str]) -> dict:
     settings = resolve_settings(cfg, name, profile)  # the profile's knobs under the flags given (settings.py)
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
+    offload, nvme, source = offload_settings(cfg, profile, name)  # --offload / the profile's: the row planned
+    profile = apply_offload(profile, offload, nvme, source)
     # the data may not exist yet when a run is planned: then its repeats are not checked
     data_here = bool(values.get("data")) and Path(values["data"]).exists()
     tokenizer = load_tokenizer(cfg.tokenizer) if ns.vocab_size is None or data_here else None
@@ -83,7 +85,7 @@ def plan_main(argv: list[str]) -> dict:
     ac = bool(settings.activation_checkpointing)
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops else settings.peak_flops_per_device
     mfu = ns.mfu or settings.expected_mfu
-    plan = make_plan(args, setup, profile.get("zero_optimization", {}).get("stage", 0), micro, accum, cfg.seq_len, ac,
+    plan = make_plan(args, setup, stage_key(profile), micro, accum, cfg.seq_len, ac,
                      peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from

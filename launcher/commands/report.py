@@ -97,7 +97,8 @@ def summarize(run: Run) -> dict:
     h = run.history
     last = h[-1] if h else {}
     evals = [(r["step"], r["val_loss"]) for r in h if isinstance(r.get("val_loss"), (int, float))]
-    best = checkpoint.read_best(run.path / "checkpoints")
+    kept = checkpoint.read_best_list(run.path / "checkpoints")
+    best = kept[0] if kept else None
     if best is None and evals:
         step, loss = min(evals, key=lambda e: e[1])
         best = {"step": step, "val_loss": loss, "tag": None}
@@ -120,7 +121,7 @@ def summarize(run: Run) -> dict:
         "tokens": last.get("tokens_seen"), "last_loss": last.get("loss"),
         "last_loss_mean10": statistics.fmean(losses[-10:]) if losses else None,
         "best_val_loss": best and best["val_loss"], "best_step": best and best["step"],
-        "best_tag": best and best.get("tag"),
+        "best_tag": best and best.get("tag"), "best_checkpoints": kept,
         "last_val_loss": evals[-1][1] if evals else None, "last_val_step": evals[-1][0] if evals else None,
         "tokens_per_s_median": statistics.median(tps) if tps else None,
         "tokens_per_s_p10": _quantile(tps, 0.1), "tokens_per_s_p90": _quantile(tps, 0.9),
@@ -432,6 +433,14 @@ def write_report(runs: list[Run], out: Path) -> Path:
     return path
 
 
+def _best_cell(s: dict) -> str:
+    """`zerotrain runs`' best column: the lowest validation loss (its step), and the steps of the others kept."""
+    if s["best_val_loss"] is None:
+        return "-"
+    others = [str(b["step"]) for b in s["best_checkpoints"][1:]]
+    return f"{_num(s['best_val_loss'])} ({s['best_step']}" + (f"; also {', '.join(others)})" if others else ")")
+
+
 def _summary_table(s: dict) -> list[str]:
     rows = [("steps", f"{s['step']}" + (f" of {s['max_steps']}" if s["max_steps"] else "")),
             ("tokens seen", _tokens(s["tokens"])),
@@ -440,6 +449,9 @@ def _summary_table(s: dict) -> list[str]:
     if s["best_val_loss"] is not None:
         where = f"step {s['best_step']}" + (f", checkpoint {s['best_tag']}" if s["best_tag"] else "")
         rows.append(("best validation loss", f"{_num(s['best_val_loss'])} ({where})"))
+        if len(s["best_checkpoints"]) > 1:
+            rows.append(("best checkpoints kept", ", ".join(f"{b['tag']} ({_num(b['val_loss'])})"
+                                                            for b in s["best_checkpoints"])))
         rows.append(("last validation loss", f"{_num(s['last_val_loss'])} (step {s['last_val_step']})"))
     if s["tokens_per_s_median"] is not None:
         rows.append(("throughput", f"median {_num(s['tokens_per_s_median'])} tokens/s; 10th-90th percentile"
@@ -589,7 +601,7 @@ def runs_main(argv: list[str]) -> None:
     header = ("run", "status", "steps", "last loss", "best val (step)", "tokens", "last checkpoint", "health")
     rows = [(s["run"], s["status"] + (f" after {s['restarts']} restart(s)" if s["restarts"] else ""),
              f"{s['step']}" + (f"/{s['max_steps']}" if s["max_steps"] else ""), _num(s["last_loss"]),
-             f"{_num(s['best_val_loss'])} ({s['best_step']})" if s["best_val_loss"] is not None else "-",
+             _best_cell(s),
              _tokens(s["tokens"]), s["last_checkpoint"] or "-", s["health"] or "-") for s in summaries]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:

@@ -55,6 +55,7 @@ FRAGMENTATION = 0.10
 CHINCHILLA_TOKENS_PER_PARAM = 20
 STAGES = (0, 1, 2, 3)
 OFFLOAD = ("zero2_offload", "zero3_offload")
+STAGE_LABELS = {"zero2_offload": "2 + optimizer offload", "zero3_offload": "3 + param/optimizer offload"}
 OPTIMIZER_STATE_BYTES = {None: 8, "adamw": 8, "adamw-decaying-wd": 8, "lion": 4, "ademamix": 12}
 DS_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7, "stage3_max_reuse_distance": 1e9,
                "contiguous_gradients": True}
@@ -107,6 +108,20 @@ def deepspeed_model_states(stage, total_params: int, largest_layer_params: int, 
     if stage == "zero3_offload":
         return 4 * L, P * 18 * (1 / nodes) * 1.5
     raise ValueError(f"unknown stage {stage!r}")
+
+
+def stage_key(ds_config: dict):
+    """The planner's row for a resolved DeepSpeed dict: its ZeRO stage, or the offload variant it runs
+    (zero3_offload: parameters and optimizer offloaded at ZeRO-3; zero2_offload: the optimizer at ZeRO-2).
+    ZeRO-3 with only the optimizer offloaded is planned as plain ZeRO-3 (its device memory, an upper bound)."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    on = {k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device", "none") != "none"}
+    if stage == 3 and on == {"offload_optimizer", "offload_param"}:
+        return "zero3_offload"
+    if stage == 2 and on == {"offload_optimizer"}:
+        return "zero2_offload"
+    return stage
 
 
 def model_states_bytes(stage, P: int, L: int, gpus_per_node: int, nodes: int, mixed: bool,
@@ -341,7 +356,7 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
         per_stage[f"zero{s}" if isinstance(s, int) else s] = {
             **{f"{k}_gib": _gib(v) for k, v in m.items()}, "fits": m["total"] <= setup.device_bytes,
             "max_micro_batch": max_micro_batch(args, setup, s, seq_len, checkpointing)}
-    chosen = per_stage[f"zero{stage}"]
+    chosen = per_stage[stage if stage in OFFLOAD else f"zero{stage}"]
     tokens_per_step = micro * accum * setup.world * seq_len
     plan = {
         "model": {"layers": args.n_layers, "dim": args.dim, "heads": args.n_heads, "kv_heads": args.n_kv_heads,
@@ -357,7 +372,8 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
         "headroom_gib": round(_gib(setup.device_bytes) - chosen["total_gib"], 2),
         "max_micro_batch": chosen["max_micro_batch"], "grad_accum": accum, "tokens_per_step": tokens_per_step,
     }
-    plan["would_fit"] = [] if chosen["fits"] else alternatives(args, setup, stage, micro, seq_len, checkpointing)
+    plan["would_fit"] = [] if chosen["fits"] else alternatives(args, setup, int(stage[4]) if stage in OFFLOAD else stage,
+                                                               micro, seq_len, checkpointing)
     plan.update(budget(counts["total"], fpt, tokens_per_step, setup.world, peak_flops, mfu, total_tokens,
                        max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length))
     plan["verdict"] = verdict(plan)
@@ -388,6 +404,10 @@ def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, check
             add(f"micro-batch {mb}" if (s, ac) == (stage, checkpointing) else f"ZeRO-3 + {ac_name} + micro-batch {mb}",
                 s, mb, ac)
             break
+    for variant, flag, s in (("zero2_offload", "ZeRO-2 + --offload optimizer", 2), ("zero3_offload",
+                                                                                   "ZeRO-3 + --offload all", 3)):
+        if s >= stage and not out:  # offload trades speed for memory: offered when nothing faster fits
+            add(flag + (f" + {ac_name}" if not checkpointing else ""), variant, micro, True)
     if not out:  # not even one row fits: the longest row that would, at micro-batch 1
         for s, ac in ((stage, checkpointing), (3, True)):
             lo, hi = 0, seq_len
@@ -452,7 +472,8 @@ def verdict(plan: dict) -> str:
     """One line: fits (with headroom) or not (by how much, and what would)."""
     hw = plan["hardware"]
     unit = "rank" if hw["accelerator"] == "cpu" else "GPU"
-    where = f"ZeRO-{plan['zero_stage']}{' + activation checkpointing' if plan['activation_checkpointing'] else ''}," \
+    stage = STAGE_LABELS.get(plan["zero_stage"], plan["zero_stage"])
+    where = f"ZeRO-{stage}{' + activation checkpointing' if plan['activation_checkpointing'] else ''}," \
             f" micro-batch {plan['micro_batch']} x {plan['seq_len']}, {hw['world']} x {_size(hw['device_memory_gib'])}"
     need = plan["memory_per_gpu_gib"]
     if plan["fits"]:
@@ -477,8 +498,8 @@ def render(plan: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     ac = " + AC" if plan["activation_checkpointing"] else ""
     for name, r in plan["memory"].items():
-        label = {"zero2_offload": "2 + optimizer offload", "zero3_offload": "3 + param/optimizer offload"}.get(
-            name, name[4:]) + ac + (" (chosen)" if name == f"zero{plan['zero_stage']}" else "")
+        label = STAGE_LABELS.get(
+            name, name[4:]) + ac + (" (chosen)" if name in (plan["zero_stage"], f"zero{plan['zero_stage']}") else "")
         lines.append(f"| {label} | {r['model_states_gib']} | {r['buffers_gib']} | {r['activations_gib']} |"
                      f" {r['context_gib']} | {r['fragmentation_gib']} | {r['total_gib']} |"
                      f" {'yes' if r['fits'] else 'no'} | {r['max_micro_batch']} |")
@@ -539,7 +560,7 @@ def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attenti
     ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
         else bool(knobs.get("activation_checkpointing", False))
     micro = ds_config["train_micro_batch_size_per_gpu"]
-    m = memory(model_args, setup, stage, micro, cfg.seq_len, ac)
+    m = memory(model_args, setup, stage_key(ds_config), micro, cfg.seq_len, ac)
     if m["total"] > device_bytes:
         plan = {"hardware": {"world": setup.world, "device_memory_gib": _gib(device_bytes), "accelerator": accel},
                 "zero_stage": stage, "activation_checkpointing": ac, "micro_batch": micro, "seq_len": cfg.seq_len,

@@ -12,7 +12,7 @@ under `RUN/checkpoints/`. This module is the format around them, read and checke
 - **Resume.** `find_resume` takes the newest complete checkpoint whose files verify, falling back
   to older ones (saying so), the local directory and the mirror together. Markers written before
   `files` existed are accepted as complete.
-- **Rotation** (`rotation_victims`, `drop_tag`), **best.json** (`read_best`), the mirror's place
+- **Rotation** (`rotation_victims`, `drop_tag`), **best.json** (`read_best_list`, `rank_best`: the K lowest validation losses), the mirror's place
   (`check_mirror`).
 
 Not here: writing checkpoints, when to save, the background completion, the mirror copy
@@ -72,13 +72,40 @@ def read_meta(tag_dir: Path) -> dict:
     return json.loads((Path(tag_dir) / MARKER).read_text())
 
 
-def read_best(ckpt_dir: Path) -> dict | None:
-    """checkpoints/best.json ({"tag", "step", "val_loss"}), or None if there is none (or it is unreadable)."""
+def read_best_list(ckpt_dir: Path) -> list[dict]:
+    """The checkpoints best.json keeps (--keep-best K): [{"tag", "step", "val_loss"}, ...], lowest validation
+    loss first; [] if there is none (or it is unreadable). A best.json written before --keep-best (one
+    checkpoint, no "kept" list) reads as a list of one."""
     try:
         best = json.loads((Path(ckpt_dir) / BEST).read_text())
     except (OSError, ValueError):
-        return None
-    return best if isinstance(best, dict) and isinstance(best.get("tag"), str) else None
+        return []
+    if not isinstance(best, dict):
+        return []
+    kept = best.get("kept", [best])
+    if not isinstance(kept, list):
+        return []
+    return [{"tag": b["tag"], "step": b.get("step"), "val_loss": b["val_loss"]} for b in kept
+            if isinstance(b, dict) and isinstance(b.get("tag"), str) and isinstance(b.get("val_loss"), (int, float))]
+
+
+def read_best(ckpt_dir: Path) -> dict | None:
+    """The lowest-validation-loss checkpoint of best.json ({"tag", "step", "val_loss"}), or None."""
+    kept = read_best_list(ckpt_dir)
+    return kept[0] if kept else None
+
+
+def best_json(kept: list[dict]) -> dict:
+    """best.json's content: the lowest's tag, step and val_loss at the top (what readers of the one-best format
+    read), and "kept": every kept checkpoint, lowest validation loss first."""
+    return {**kept[0], "kept": kept}
+
+
+def rank_best(kept: list[dict], entry: dict, keep_best: int) -> list[dict]:
+    """`kept` with `entry` in its place (a tag already there is replaced), the lowest `keep_best` validation
+    losses, lowest first (ties: the earlier step first)."""
+    merged = [b for b in kept if b["tag"] != entry["tag"]] + [entry]
+    return sorted(merged, key=lambda b: (b["val_loss"], b["step"]))[:keep_best]
 
 
 def file_sha256(path: Path) -> str:

@@ -10,7 +10,8 @@ rotation, best.json and the mirror copy. The format it writes and verifies is co
   a 32-rank checkpoint is hashed 32 ways at once: the marker of a final save must fit in the
   launcher's 30 s grace after SIGTERM); the hashes meet on rank 0 over a gloo group of their own. The
   loop only waits for DeepSpeed's own writes.
-- **Rotation** (`keep_last`), **best.json** (`mark_best`), **mirror** (a background copy to other
+- **Rotation** (`keep_last`), **the K best** (`keep_best`: `would_keep`, `mark_best`, best.json; rotation never
+  removes them), **mirror** (a background copy to other
   storage, verified, renamed into place).
 
 Not here: what goes into client_state and meta (the Trainer's), and sharing `hours_due` between
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import queue
 import shutil
@@ -36,8 +38,8 @@ from zerotrain import durable
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, PARTIAL, check_files, complete_checkpoints,
                                                       drop_tag, hash_file, hash_files, incomplete_checkpoints,
-                                                      one_line, read_best, read_meta, rotation_victims, step_of,
-                                                      tag_dirs, tag_for)
+                                                      best_json, one_line, rank_best, read_best_list, read_meta,
+                                                      rotation_victims, step_of, tag_dirs, tag_for)
 from zerotrain.launcher.components.hooks import NO_HOOKS, TestHooks
 from zerotrain.launcher.errors import CheckpointError, UsageError
 
@@ -196,17 +198,21 @@ class Checkpointer:
     """
 
     def __init__(self, ckpt_dir: Path, run_id: str, rank: int, world: int, save_every_steps: int = 0,
-                 save_every_hours: float | None = None, keep_last: int = 0, mirror: Path | str | None = None,
-                 say: Callable[[str], None] = print, clock: Callable[[], float] = time.time,
+                 save_every_hours: float | None = None, keep_last: int = 0, keep_best: int = 1,
+                 mirror: Path | str | None = None, say: Callable[[str], None] = print, clock: Callable[[], float] = time.time,
                  hooks: TestHooks = NO_HOOKS):
         for flag, value in (("--save-every-steps", save_every_steps), ("--keep-last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"{flag}: must be an integer >= 0, got {value!r}")
+        if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 1:
+            raise UsageError(f"--keep-best: must be an integer >= 1, got {keep_best!r}")
         hours = save_every_hours
         if hours is not None and (isinstance(hours, bool) or not isinstance(hours, (int, float)) or not hours > 0):
             raise UsageError(f"--save-every-hours: must be a positive number, got {hours!r}")
         self.ckpt_dir, self.run_id, self.rank, self.world = Path(ckpt_dir), run_id, rank, world
         self.save_every_steps, self.save_every_hours, self.keep_last = save_every_steps, save_every_hours, keep_last
+        self.keep_best = keep_best
+        self.kept: list[dict] = []  # the K best, lowest validation loss first: the same on every rank (sync_best)
         self.say, self.clock, self.hooks = say, clock, hooks
         self.mirror_dir = Path(mirror) / run_id / "checkpoints" if mirror else None
         self.last_saved_step: int | None = None
@@ -277,13 +283,20 @@ class Checkpointer:
             for d in (self.ckpt_dir, self.mirror_dir if self._mirror is not None else None):
                 if d is None:
                     continue
-                best = read_best(d)
+                dropped = set()
                 for p in tag_dirs(d):
                     if step_of(p.name) > step:
                         drop_tag(p)
-                        victims.append(p.name)
-                        if best and best["tag"] == p.name:
-                            (d / BEST).unlink(missing_ok=True)
+                        dropped.add(p.name)
+                kept = read_best_list(d)
+                if any(b["tag"] in dropped for b in kept):
+                    kept = [b for b in kept if b["tag"] not in dropped]
+                    if kept:
+                        durable.write_json(d / BEST, best_json(kept))
+                    else:
+                        (d / BEST).unlink(missing_ok=True)
+                victims += dropped
+            self.kept = [b for b in self.kept if step_of(b["tag"]) <= step]
         victims = sorted(set(victims), key=step_of)
         if victims:
             self.say(f"removed checkpoints newer than step {step} (a timeline given up): {', '.join(victims)}")
@@ -402,8 +415,7 @@ class Checkpointer:
         if self.keep_last == 0 and not incomplete_checkpoints(ckpt_dir):
             return
         with self._lock:
-            best = read_best(self.ckpt_dir)
-            protected = set(self._mirroring) | ({best["tag"]} if best else set())
+            protected = set(self._mirroring) | {b["tag"] for b in self.kept}
             if self._writing:
                 protected.add(self._writing)
             complete = [p.name for p in complete_checkpoints(ckpt_dir)]
@@ -449,16 +461,39 @@ class Checkpointer:
         self._rotate(self.mirror_dir)
         self._rotate(self.ckpt_dir)  # the tag just copied is no longer protected here
 
-    # -- best ----------------------------------------------------------------------------------
-    def mark_best(self, tag: str, step: int, val_loss: float) -> None:
-        """Name `tag` in checkpoints/best.json (and the mirror's); rank 0, after the tag's marker."""
-        if self.rank == 0:
-            self._finalizer.submit(self._write_best, {"tag": tag, "step": step, "val_loss": val_loss})
+    # -- the K best ----------------------------------------------------------------------------
+    def sync_best(self) -> list[dict]:
+        """Collective: every rank takes rank 0's best.json (at start, after a resume or a rollback), trimmed
+        to --keep-best (a resume may lower it; the file follows at the next mark_best)."""
+        kept = read_best_list(self.ckpt_dir) if self.rank == 0 else None
+        if self.world > 1:
+            box = [kept]
+            dist.broadcast_object_list(box, src=0)
+            kept = box[0]
+        with self._lock:
+            self.kept = kept[:self.keep_best]
+        return self.kept
 
-    def _write_best(self, best: dict) -> None:
-        if not (self.ckpt_dir / best["tag"] / MARKER).is_file():
-            self._warn(f"best.json not updated: {best['tag']} is not a complete checkpoint")
+    def would_keep(self, val_loss: float) -> bool:
+        """Would a checkpoint with this validation loss be among the K best? (every rank answers alike)"""
+        if not math.isfinite(val_loss):
+            return False
+        return len(self.kept) < self.keep_best or val_loss < self.kept[self.keep_best - 1]["val_loss"]
+
+    def mark_best(self, tag: str, step: int, val_loss: float) -> None:
+        """Every rank: `tag` takes its place among the K best, and the one it pushes out may be rotated away;
+        rank 0 rewrites checkpoints/best.json (and the mirror's) after the tag's marker."""
+        with self._lock:
+            self.kept = rank_best(self.kept, {"tag": tag, "step": step, "val_loss": val_loss}, self.keep_best)
+            kept = list(self.kept)
+        if self.rank == 0:
+            self._finalizer.submit(self._write_best, tag, kept)
+
+    def _write_best(self, tag: str, kept: list[dict]) -> None:
+        if not (self.ckpt_dir / tag / MARKER).is_file():
+            self._warn(f"best.json not updated: {tag} is not a complete checkpoint")
             return
+        best = best_json(kept)
         durable.write_json(self.ckpt_dir / BEST, best)
         if self._mirror is not None:
             self._mirror.submit(self._mirror_best, best)

@@ -1,0 +1,116 @@
+"""ZeRO-Offload before anything is built: the DeepSpeed ops a run will JIT-build (and how long that takes here),
+libaio for NVMe, and room in --nvme-path. What --offload writes into the DeepSpeed dict is
+launcher/profiles.py's `apply_offload`; the host memory and traffic it costs, components/planner.py's.
+
+DeepSpeed builds its C++ ops on first use (torch.utils.cpp_extension, cached per user in
+~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR): DeepSpeedCPUAdam for an offloaded optimizer, the async
+I/O op for NVMe. Measured here (2 cores, DeepSpeed 0.19.8): cpu_adam about 45 s, async_io about 3 min. A
+build needs a C++ compiler, and async_io libaio's header as well; `DS_BUILD_CPU_ADAM=1 DS_BUILD_AIO=1 pip
+install deepspeed` builds them at install time instead (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import ctypes.util
+import os
+import shutil
+from pathlib import Path
+
+from zerotrain.launcher.errors import UsageError
+
+# op name (the extension's name) -> (what it is for, measured build seconds on this 2-core machine)
+OPS = {"cpu_adam": ("DeepSpeedCPUAdam, the offloaded optimizer's step", 45),
+       "async_io": ("the async I/O op that swaps offloaded state to --nvme-path", 180)}
+LIBAIO_HEADERS = ("/usr/include/libaio.h", "/usr/local/include/libaio.h")
+INSTALL_LIBAIO = "apt-get install libaio-dev"
+
+
+def ops_needed(ds: dict) -> list[str]:
+    """The JIT-built DeepSpeed ops a DeepSpeed dict needs: cpu_adam when DeepSpeed builds its CPU Adam for an
+    offloaded optimizer (not when the optimizer section says torch_adam, nor for a client optimizer), async_io
+    when anything goes to NVMe."""
+    zero = ds.get("zero_optimization") or {}
+    devices = {k: (zero.get(k) or {}).get("device", "none") for k in ("offload_optimizer", "offload_param")}
+    section = ds.get("optimizer") or {}
+    needed = []
+    if devices["offload_optimizer"] != "none" and str(section.get("type", "")).lower() in ("adam", "adamw") \
+            and not (section.get("params") or {}).get("torch_adam"):
+        needed.append("cpu_adam")
+    if "nvme" in devices.values():
+        needed.append("async_io")
+    return needed
+
+
+def extensions_root() -> Path:
+    """Where torch.utils.cpp_extension caches builds (its get_default_build_root, without importing torch)."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(env) if env else Path(os.path.expanduser("~/.cache/torch_extensions"))
+
+
+def is_built(op: str, root: Path | None = None) -> bool:
+    """A cached build of `op` exists (torch lays builds out as ROOT/py311_cpu/NAME/NAME.so)."""
+    return any((root or extensions_root()).glob(f"*/{op}/{op}.so"))
+
+
+def offloaded(ds: dict) -> dict[str, str]:
+    """{"optimizer"/"parameters": device} for what a DeepSpeed dict offloads ({} for nothing)."""
+    zero = ds.get("zero_optimization") or {}
+    devices = {what: (zero.get(section) or {}).get("device", "none")
+               for what, section in (("optimizer", "offload_optimizer"), ("parameters", "offload_param"))}
+    return {what: device for what, device in devices.items() if device != "none"}
+
+
+def describe(ds: dict, root: Path | None = None) -> list[str]:
+    """--dry-run's offload lines: what goes where (none when nothing is offloaded), then the ops to build."""
+    zero = ds.get("zero_optimization") or {}
+    where = {what: zero.get(section) or {} for what, section in (("optimizer states and fp32 master weights",
+                                                                  "offload_optimizer"),
+                                                                 ("parameters", "offload_param"))}
+    moved = [f"{what} -> " + (f"nvme ({sub['nvme_path']})" if sub.get("device") == "nvme" else "host memory")
+             for what, sub in where.items() if sub.get("device", "none") != "none"]
+    if not moved:
+        return []
+    return ["offload (ZeRO-Offload): " + "; ".join(moved), *describe_builds(ds, root)]
+
+
+def describe_builds(ds: dict, root: Path | None = None) -> list[str]:
+    """One line per op the run needs, for --dry-run and start-up: built already, or JIT-built on first use."""
+    lines = []
+    for op in ops_needed(ds):
+        what, seconds = OPS[op]
+        if is_built(op, root):
+            lines.append(f"DeepSpeed op {op} ({what}): built already ({root or extensions_root()})")
+        else:
+            lines.append(f"DeepSpeed op {op} ({what}): JIT-built on first use, about {seconds} s on 2 CPU cores"
+                         f" (once per machine; cached in {root or extensions_root()})")
+    return lines
+
+
+def check_libaio(ds: dict, where: str, headers=None, root: Path | None = None) -> None:
+    """NVMe offload needs DeepSpeed's async_io op; building it needs libaio's header. Refused in one line
+    before anything is built when neither a cached build nor the header exists."""
+    if "async_io" not in ops_needed(ds) or is_built("async_io", root):
+        return
+    if not any(Path(h).is_file() for h in headers or LIBAIO_HEADERS) or ctypes.util.find_library("aio") is None:
+        raise UsageError(f"{where}: NVMe offload needs DeepSpeed's async_io op, which builds against libaio;"
+                         f" libaio is not installed ({INSTALL_LIBAIO}, or pre-build the op: DS_BUILD_AIO=1)")
+
+
+def nvme_bytes(params: int, ds: dict, ranks_here: int, world: int) -> int:
+    """Bytes the NVMe directory takes on this node: for an offloaded optimizer the fp32 master weights and
+    Adam's two moments (12 bytes per parameter), for offloaded parameters their 16-bit (fp32: 4-byte) copy,
+    each rank swapping its 1/world partition; `ranks_here` ranks share the directory."""
+    zero = ds.get("zero_optimization") or {}
+    per_param = 0
+    if (zero.get("offload_optimizer") or {}).get("device") == "nvme":
+        per_param += 12
+    if (zero.get("offload_param") or {}).get("device") == "nvme":
+        per_param += 2 if any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
+    return per_param * params * ranks_here // max(world, 1)
+
+
+def check_nvme_space(path: str, need: int, where: str) -> None:
+    """Refuse (one line) an NVMe directory without room for what will be swapped there."""
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise UsageError(f"{where} {path}: {free / 2**30:.2f} GiB free, the offloaded state needs"
+                         f" {need / 2**30:.2f} GiB on this node")
