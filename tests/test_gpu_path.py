@@ -27,7 +27,10 @@ from zerotrain.launcher.optimizers import NO_BUILD_ADAMW, implementation
 from zerotrain.launcher.profiles import accumulate_in_fp32, list_profiles, load_profile, precision, resolve_ds_config
 from zerotrain.modeling.model import ModelArgs, Transformer, global_token_mean_scale
 
-GPU_PROFILES = [n for n in list_profiles() if load_profile(n)[1]["zerotrain"]["hardware"]["accelerator"] == "cuda"]
+CUDA_PROFILES = [n for n in list_profiles() if load_profile(n)[1]["zerotrain"]["hardware"]["accelerator"] == "cuda"]
+# the offload profiles keep DeepSpeed's CPU Adam and its own buffers (test_offload_profiles_step_with_cpu_adam)
+OFFLOAD_PROFILES = [n for n in CUDA_PROFILES if load_profile(n)[1]["zerotrain"].get("offload") not in (None, "none")]
+GPU_PROFILES = [n for n in CUDA_PROFILES if n not in OFFLOAD_PROFILES]
 
 
 def resolved(name: str, profile: dict | None = None, **values) -> tuple[dict, object]:
@@ -127,6 +130,14 @@ def test_gpu_profiles_step_with_torch_fused_adamw_and_compile_nothing(name):
     assert ds["optimizer"]["type"] == "AdamW" and NO_BUILD_ADAMW.items() <= ds["optimizer"]["params"].items()
     what, build = implementation(cfg, ds, "cuda")
     assert what == "torch.optim.AdamW(fused=True) through DeepSpeed" and build is None
+
+
+@pytest.mark.parametrize("name", OFFLOAD_PROFILES)
+def test_offload_profiles_step_with_cpu_adam(name):
+    ds, cfg = resolved(name)
+    assert precision(ds) == "bf16" and "data_types" not in ds  # offload keeps DeepSpeed's own buffers
+    what, build = implementation(cfg, ds, "cuda")
+    assert what.startswith("deepspeed.ops.adam.DeepSpeedCPUAdam") and "DS_BUILD_CPU_ADAM=1" in build
 
 
 def test_offloaded_optimizer_keeps_deepspeeds_cpu_adam_and_other_choices_say_what_they_build():

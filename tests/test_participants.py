@@ -89,7 +89,8 @@ def test_every_participant_of_the_run_fits_one_gather():
                   cfg=SimpleNamespace(on_spike="rollback", eval_every_steps=10, golden_strict=False,
                                       early_stop_patience=2, seq_len=8),
                   rank=1, world=2, is_main=False, dist=dist, engine=SimpleNamespace(device="cpu"),
-                  clock=PhaseClock(), hooks=None, metrics=None, checkpointer=None, signals=SignalStop(),
+                  clock=PhaseClock(), hooks=None, metrics=None,
+                  checkpointer=SimpleNamespace(sync_best=lambda: []), signals=SignalStop(),
                   budget=Budget(), evaluator=None, tokens_per_step=64)
     built = participants.build(run)
     assert [type(p) for p in built] == list(participants.ORDER)

@@ -148,14 +148,11 @@ def test_gpu_profiles_environment():
                                                          ("NVIDIA RTX 6000 Ada Generation", 2, 48, "rtx6000ada-48g-x2")])
 def test_auto_never_picks_an_offload_profile(gpu, count, mem_gib, picked, monkeypatch):
     """The offload profiles match the same hardware as their plain ones: --profile auto takes the plain one."""
-    import torch
-
+    from zerotrain.launcher.node import Node
     from zerotrain.launcher.profiles import detect_profile, list_profiles
 
     assert f"{picked}-offload" in list_profiles()
-    props = type("Props", (), {"name": gpu, "total_memory": mem_gib * 2**30})()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    node = Node("cuda", count, gpu, float(mem_gib * 2**30), varlen=True, cpu_bf16=False)
+    monkeypatch.setattr(Node, "here", staticmethod(lambda: node))  # the machine detect_profile asks
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert detect_profile()[0] == picked
