@@ -32,6 +32,7 @@ To add a setting, add ONE `Setting` to TABLE:
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -320,7 +321,11 @@ def check_section(zt, where: str) -> None:
         raise UsageError(f"{where}: the zerotrain section must be an object")
     for key, v in zt.items():
         s = BY_ZT_KEY.get(key)
-        if s is None or s.check is None or v is None:
+        if s is None:  # a misspelt key would otherwise be ignored, and the run would use the default silently
+            close = difflib.get_close_matches(key, BY_ZT_KEY, n=1)
+            hint = f"did you mean zerotrain.{close[0]}?" if close else "the keys: " + ", ".join(sorted(BY_ZT_KEY))
+            raise UsageError(f"{where}: zerotrain.{key} is not a setting ({hint})")
+        if s.check is None or v is None:
             continue
         problem = s.check(v)
         if problem:

@@ -107,3 +107,24 @@ def test_the_dry_run_prints_the_start_up_description(mix_path, tmp_path, capsys,
     dry_run(cfg)
     printed = capsys.readouterr().out.splitlines()
     assert [line for line in printed if line in lines] == lines
+
+
+def test_a_misspelt_profile_key_is_refused_in_one_line_naming_the_likely_one(tmp_path, mix_path):
+    """A key of the zerotrain section no setting owns would be ignored, the run taking the default silently."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    p = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    p["zerotrain"]["activation_checkpoint"] = True
+    prof = tmp_path / "typo.json"
+    prof.write_text(json.dumps(p))
+    out = tmp_path / "runs"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "train", "--profile", str(prof), "--data", str(mix_path),
+                           "--out", str(out), "--dry-run"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "zerotrain.activation_checkpoint is not a setting (did you mean zerotrain.activation_checkpointing?)")
+    assert list(out.iterdir()) == []
