@@ -1,10 +1,10 @@
 """bf16 end to end: a user-written bf16 copy of the cpu profiles (`"bf16": {"enabled":
 true}`, nothing else changed) on 2 ranks under the real `deepspeed` launcher, at ZeRO-2 (cpu-zero2) and ZeRO-3
 (cpu), as every GPU profile trains. This CPU runs bf16 matmuls natively with AVX-512 BF16; where it is missing
-(AVX2 CI hosts) PyTorch emulates them, slowly: the shapes stay tiny (debug model, seq 64, 12 steps).
+(AVX2 CI hosts) PyTorch emulates them, slowly: the shapes stay tiny (debug model, seq 64, 8 steps).
 
 Per stage two launches serve every assertion: one uninterrupted reference run (eval every 4 steps, saves at
-4, 8, 12) and one run killed with kill -9 after step 5 then resumed with `--resume auto`. Shown:
+4 and 8) and one run killed with kill -9 after step 5 then resumed with `--resume auto`. Shown:
 - the loss falls, checkpoints save, and DeepSpeed's dict says bf16 with gradients accumulated in fp32;
 - ZeRO-2 and ZeRO-3 start from the same bf16 weights and train the same model (to bf16 rounding);
 - the killed-and-resumed run logs the reference's token digests and losses bit for bit;
@@ -28,7 +28,7 @@ from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from conftest import BIN, REPO, TRAIN_PY, free_port, launch, read_metrics
 from test_long_runs import popen, wait_for_step
 
-N = 12
+N = 8
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--lr", "3e-3",
          "--warmup-steps", "1", "--log-data-every-steps", "0", "--eval-tokens", "2000", "--eval-every-steps", "4",
          "--max-steps", str(N)]
@@ -58,7 +58,7 @@ def runs(tmp_path_factory, mix_path):
         args = ["--profile", bf16_copy(tmp, name), "--data", str(mix_path), "--out", str(tmp / f"z{stage}"), *FLAGS]
         ref = launch("deepspeed", args + ["--run-id", "ref", "--save-every-steps", "4"])
         assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-        # kill -9 of the whole process group after step 5, with each save slowed so that steps 6-12 cannot
+        # kill -9 of the whole process group after step 5, with each save slowed so that steps 6-8 cannot
         # finish first (a save may be cut in half: its marker is written last)
         run, port = tmp / f"z{stage}" / "killed", free_port()
         cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(TRAIN_PY), *args,
@@ -88,7 +88,7 @@ def test_bf16_trains_and_saves_under_zero2_and_zero3_with_fp32_accumulation(runs
         history = read_metrics(r["ref"])
         assert [m["step"] for m in history] == list(range(1, N + 1))
         losses = [m["loss"] for m in history]
-        assert losses[-1] < losses[0] - 1.0, losses  # ~5.7 (ln 258 + init) down past 4.7
+        assert losses[-1] < losses[0] - 1.0, losses  # ~5.8 (ln 258 + init) down to ~3.3
         tag = r["ref"] / "checkpoints" / f"global_step{N}"
         assert (tag / "zerotrain.json").is_file()
         assert sorted(p.name for p in tag.glob("bf16_zero_pp_rank_*_optim_states.pt")) == [
@@ -113,7 +113,7 @@ def test_evaluation_and_the_best_checkpoint(runs, tmp_path):
 
     for stage, r in runs.items():
         evals = {m["step"]: m["val_loss"] for m in read_metrics(r["ref"]) if "val_loss" in m}
-        assert sorted(evals) == [4, 8, 12] and all(v == v and v < 10 for v in evals.values())  # finite
+        assert sorted(evals) == [4, 8] and all(v == v and v < 10 for v in evals.values())  # finite
         best = json.loads((r["ref"] / "checkpoints" / "best.json").read_text())
         assert best["step"] == min(evals, key=evals.get) and best["val_loss"] == evals[best["step"]]
         cli(["export", str(r["ref"]), "--best", "--to", str(tmp_path / f"best{stage}")])
