@@ -14,19 +14,7 @@ from __future__ import annotations
 
 import os
 
-from zerotrain.launcher.errors import UsageError
-
 CUBLAS_WORKSPACE = ":4096:8"
-
-
-def resolve(flag: bool | None, zt: dict, profile_name: str) -> bool:
-    """--deterministic, else the profile's zerotrain.deterministic (a bool), else off."""
-    if flag is not None:
-        return flag
-    value = zt.get("deterministic", False)
-    if not isinstance(value, bool):
-        raise UsageError(f"profile {profile_name}: zerotrain.deterministic must be true or false, got {value!r}")
-    return value
 
 
 def describe_resume(device: str, deterministic: bool) -> str:
