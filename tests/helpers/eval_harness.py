@@ -13,6 +13,7 @@ Usage: deepspeed --num_gpus 2 tests/helpers/eval_harness.py MIX.json OUT_DIR
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -139,5 +140,8 @@ def main(mix: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])  # the deepspeed launcher adds it
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])  # the deepspeed launcher adds it
+    finally:
+        gc.freeze()  # the exit frees it all: no full collections in the interpreter's shutdown (launcher/train.py)

@@ -34,6 +34,7 @@ update runs eagerly, the same arithmetic without a 30-60 s compile on a CPU.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -437,4 +438,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    finally:
+        gc.freeze()  # the exit frees it all: no full collections in the interpreter's shutdown (launcher/train.py)

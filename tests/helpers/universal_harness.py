@@ -17,6 +17,7 @@ loss of the step after it. Each phase writes result-PHASE-VARIANT.json for the t
 """
 from __future__ import annotations
 
+import gc
 import argparse
 import json
 import shutil
@@ -236,4 +237,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        gc.freeze()  # the exit frees it all: no full collections in the interpreter's shutdown (launcher/train.py)
