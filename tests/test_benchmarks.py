@@ -70,3 +70,34 @@ def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
     assert f"{n} of {n} shards hashed" in first and f"0 of {n} shards hashed" in later
     assert "shards hashed per rank [0, " in rows["shard verify: 2 ranks of a node, quick, first start"] or \
         rows["shard verify: 2 ranks of a node, quick, first start"].endswith(f"[{n}, 0]")
+
+
+def gpu_bench(*args):
+    return subprocess.run([sys.executable, "benchmarks/gpu.py", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+
+
+def test_gpu_benchmark_arguments_are_checked_before_anything_runs():
+    for args, says in ((["--nproc", "0"], "--nproc must be at least 1, got 0"),
+                       (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+                       (["--steps", "5"], "--steps must be at least 11, got 5"),
+                       (["--vocab-size", "100"], "--vocab-size must be 0 (bytes) or at least 259, got 100"),
+                       (["--stages", "2,1"], "--stages '2,1': '1' is not one of 2, 3"),
+                       (["--attention", "flash"], "--attention 'flash': 'flash' is not one of sdpa, flex, varlen")):
+        proc = gpu_bench(*args)
+        assert proc.returncode == 2 and proc.stderr.strip() == f"benchmarks/gpu.py: {says}", (args, proc.stderr)
+    fine = gpu_bench("--vocab-size", "128256", "--nproc", "2", "--grad-accum", "4", "--model", "debug")
+    assert fine.returncode == 0 and fine.stdout.startswith("benchmarks/gpu.py: no CUDA device"), fine.stderr
+
+
+def test_gpu_benchmarks_sized_tokenizer_gives_the_model_that_vocabulary(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu import sized_tokenizer
+
+    from zerotrain.dataio.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(sized_tokenizer(128256, tmp_path / "tok")))
+    assert tok.vocab_size == 128256 and tok.eos_id is not None
+    text = "packed rows, héllo ✓"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and max(ids) < 258 + 2  # bytes and specials only: the rest is the head's size
