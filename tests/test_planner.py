@@ -274,3 +274,35 @@ def test_bad_mfu_in_a_profile_is_refused(tmp_path):
     p.write_text(json.dumps({"zerotrain": {"expected_mfu": 1.5}}))
     with pytest.raises(UsageError, match="expected_mfu must be a number in"):
         load_profile(str(p))
+
+
+def test_the_cuda_context_is_the_profiles_and_hpz_keeps_a_secondary_weight_partition():
+    """NVSwitch H100 profiles add NCCL's NVLS buffers to the context (hardware.context_gib); ZeRO++ hpZ's
+    secondary 16-bit partition (P / hpz elements per rank, DeepSpeed's _partition_param_sec) is counted."""
+    args = preset("xlarge", vocab_size=32000, max_seq_len=2048)
+    P = count_params(args)["total"]
+    contexts = {}
+    for name in ("h100-80g-x8", "h100-pcie-80g-x8", "h100-80g-2x8-multinode"):
+        prof = load_profile(name)[1]
+        setup = planner.setup_from(prof, prof["zerotrain"])
+        contexts[name] = planner.memory(args, setup, 3, 1, 2048, False)["context"] / planner.GiB
+    assert contexts == {"h100-80g-x8": 1.3, "h100-pcie-80g-x8": 1.0, "h100-80g-2x8-multinode": 1.3}
+    prof = load_profile("h100-80g-2x8-multinode")[1]
+    assert prof["zero_optimization"]["zero_hpz_partition_size"] == 8
+    with_hpz = planner.setup_from(prof, prof["zerotrain"])
+    without = planner.setup_from({**prof, "zero_optimization": {**prof["zero_optimization"],
+                                                                 "zero_hpz_partition_size": 1}}, prof["zerotrain"])
+    extra = planner.memory(args, with_hpz, 3, 1, 2048, False)["buffers"] - \
+        planner.memory(args, without, 3, 1, 2048, False)["buffers"]
+    assert extra == pytest.approx(2 * P / 8)
+
+
+@pytest.mark.parametrize("value", [0, -1, "1", True, 100])
+def test_a_bad_context_size_in_a_profile_is_refused(value, tmp_path):
+    prof = load_profile("h100-80g-x8")[1]
+    prof["zerotrain"]["hardware"]["context_gib"] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    with pytest.raises(UsageError, match=r"zerotrain.hardware.context_gib \(the CUDA context, cuBLAS and NCCL"
+                                         r" buffers per GPU process\) must be in \(0, 64\) GiB"):
+        load_profile(str(path))

@@ -28,8 +28,10 @@ Memory per rank = model states + ZeRO buffers + activations + context, plus a fr
   autograd really saves in tests/test_planner.py), for the attention kernel the run gets
   (`--attention`, or the profile's `zerotrain.attention`; auto: varlen on a GPU in 16-bit, sdpa
   otherwise, modeling/sizes.py `choose_attention`); the fit check uses the kernel the driver resolved.
-- context: the CUDA context, cuBLAS/NCCL workspaces (1 GiB per GPU process), or on a CPU node the
-  resident size of a driver rank before it builds the model (0.6 GiB, measured here).
+- context: the CUDA context, cuBLAS/NCCL workspaces: the profile's `zerotrain.hardware.context_gib` (with
+  its reason in `context_note`: the NVSwitch H100 profiles add NCCL's NVLS buffers), else 1 GiB per GPU
+  process; or on a CPU node the resident size of a driver rank before it builds the model (0.6 GiB,
+  measured here). ZeRO++ hpZ's secondary weight partition counts with the buffers.
 - fragmentation: 10% of everything but the context (PyTorch's caching allocator on a GPU, glibc's
   arenas on a CPU).
 
@@ -155,7 +157,12 @@ def zero_buffers_bytes(stage, P: int, zero: dict, mixed: bool, cpu: bool) -> flo
     reuse = float(zero.get("stage3_max_reuse_distance", DS_DEFAULTS["stage3_max_reuse_distance"]))
     prefetch = float(zero.get("stage3_prefetch_bucket_size", DS_DEFAULTS["stage3_prefetch_bucket_size"]))
     gathered = min(P, reuse / 2 + prefetch)
-    return p * ((held if contiguous else 0) + used + gloo + gathered)
+    # ZeRO++ hpZ (zero_hpz_partition_size H > 1): each rank also keeps a secondary 16-bit copy of the weights,
+    # partitioned over the H ranks of its node, so backward gathers inside the node (DeepSpeed's
+    # partition_parameters.py `_partition_param_sec`): P / H more elements per rank
+    hpz = int(zero.get("zero_hpz_partition_size", 1) or 1)
+    secondary = P / hpz if hpz > 1 else 0
+    return p * ((held if contiguous else 0) + used + gloo + gathered + secondary)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,6 +236,7 @@ class Setup:
     zero: dict  # the profile's zero_optimization section
     optimizer_bytes: float = 8
     attention: str = "auto"  # as asked (--attention / zerotrain.attention); `kernel` is what runs
+    context_bytes: float = CUDA_CONTEXT_BYTES  # per GPU process: the profile's hardware.context_gib, else 1 GiB
 
     @property
     def world(self) -> int:
@@ -251,7 +259,7 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
                                 setup.optimizer_bytes)
     buffers = zero_buffers_bytes(stage, P, setup.zero, setup.mixed, setup.cpu)
     act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.kernel)["peak"]
-    context = CPU_PROCESS_BYTES if setup.cpu else CUDA_CONTEXT_BYTES
+    context = CPU_PROCESS_BYTES if setup.cpu else setup.context_bytes
     frag = FRAGMENTATION * (states + buffers + act)
     return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
             "fragmentation": frag, "total": states + buffers + act + context + frag}
@@ -322,7 +330,8 @@ def setup_from(ds_config: dict, knobs: dict, world: int | None = None, nodes: in
     mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
     setup = Setup(accel, per_node, nodes, float(device_bytes), mixed, dict(ds_config.get("zero_optimization", {})),
                   optimizer_state_bytes(optimizer, args) if args is not None else 8,
-                  attention or knobs.get("attention") or "auto")
+                  attention or knobs.get("attention") or "auto",
+                  float(hw.get("context_gib", CUDA_CONTEXT_BYTES / GiB)) * GiB)
     try:
         setup.kernel
     except ValueError as e:
