@@ -23,14 +23,15 @@ def test_no_variable_set_is_the_no_op_object():
 def test_values_are_parsed_once_into_the_object():
     hooks = TestHooks.from_env({"ZEROTRAIN_TEST_SPIKE": "1:32-34:20", "ZEROTRAIN_TEST_FAIL_SAVE": "1:40,0:3",
                                 "ZEROTRAIN_TEST_SLOW_SAVE": "0.3", "ZEROTRAIN_TEST_PREFLIGHT_READBACK": "perturb",
-                                "ZEROTRAIN_TEST_SLOW_LOADER": "0.5"})
+                                "ZEROTRAIN_TEST_SLOW_LOADER": "0.5", "ZEROTRAIN_TEST_PREFLIGHT_OOM": "1:4"})
     assert [hooks.spike_factor(r, s) for r, s in ((1, 31), (1, 32), (1, 34), (0, 33), (1, 35))] == [1, 20, 20, 1, 1]
     assert hooks.fails_save(1, 40) and hooks.fails_save(0, 3) and not hooks.fails_save(0, 40)
     assert (hooks.slow_save_s, hooks.preflight_readback, hooks.slow_loader_s) == (0.3, "perturb", 0.5)
+    assert hooks.preflight_oom == (1, 4)
 
 
 @pytest.mark.parametrize("name, value", [("ZEROTRAIN_TEST_SPIKE", "1:32:20"), ("ZEROTRAIN_TEST_FAIL_SAVE", "1"),
-                                         ("ZEROTRAIN_TEST_SLOW_MIRROR", "soon")])
+                                         ("ZEROTRAIN_TEST_SLOW_MIRROR", "soon"), ("ZEROTRAIN_TEST_PREFLIGHT_OOM", "1")])
 def test_a_malformed_value_is_one_line_naming_the_variable(name, value):
     with pytest.raises(UsageError, match=rf"^{name}={value}: expected"):
         TestHooks.from_env({name: value})
@@ -50,3 +51,19 @@ def test_only_the_hooks_module_reads_the_variables():
              for p in (REPO / folder).rglob("*.py") if p.name != "hooks.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
     assert not found, f"ZEROTRAIN_TEST_* read outside launcher/components/hooks.py: {found}"
+
+
+def test_the_preflight_oom_loader_raises_on_its_second_batch_on_that_rank_and_micro_batch_only():
+    import torch
+
+    class Loader:
+        def next(self):
+            return "batch"
+
+    hooks = TestHooks.from_env({"ZEROTRAIN_TEST_PREFLIGHT_OOM": "1:4"})
+    loader = Loader()
+    assert hooks.preflight_loader(loader, 0, 4) is loader and hooks.preflight_loader(loader, 1, 2) is loader
+    planted = hooks.preflight_loader(loader, 1, 4)
+    assert planted.next() == "batch"
+    with pytest.raises(torch.OutOfMemoryError):
+        planted.next()

@@ -171,6 +171,23 @@ def test_v1_catches_a_differing_read_back_and_v2_a_slow_loader(setup):
     assert "fix: the loader cannot keep the model fed" in proc.stdout
 
 
+def test_an_out_of_memory_on_one_rank_ends_the_sweep_on_every_rank(setup):
+    """Rank 1 alone runs out of memory in the sweep's micro-batch 4 (ZEROTRAIN_TEST_PREFLIGHT_OOM) while rank 0
+    goes on into the step's collectives: the ranks' outcomes are exchanged through the rendezvous store, rank 1
+    finds rank 0 missing and ends pre-flight with one verdict line, and the launch ends long before the 30-minute
+    comm timeout (the subprocess's own limit, 300 s, would fail the test otherwise)."""
+    out = setup["root"] / "oom"
+    proc = launch_preflight("deepspeed", ["--stage", "v2", "--sweep", "2,4", "--sweep-steps", "2",
+                                          "--loader-seconds", "0.5", *flags(setup, out)],
+                            env_extra={"ZEROTRAIN_TEST_PREFLIGHT_OOM": "1:4"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_PREFLIGHT_FAILED, text[-3000:]
+    assert ("zerotrain: preflight v2 micro-batch sweep: FAIL on rank 1: micro-batch 4 ran out of memory here while"
+            " another rank was still inside the step's collectives; pre-flight ends now rather than at the comm"
+            " timeout (1800 s): sweep micro-batches below 4 (--sweep)") in text, text[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_golden_strict_stops_a_run_slower_than_its_rehearsal(setup, healthy):
     """The rehearsal's golden file with its tokens/s made 10x faster: this run is then a step-time
     regression of about 90% at the first golden step, and --golden-strict stops it there, saved."""

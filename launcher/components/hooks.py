@@ -16,6 +16,10 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
     ZEROTRAIN_TEST_SLOW_MIRROR=S                     delay each mirror copy by S s
     ZEROTRAIN_TEST_PREFLIGHT_READBACK=perturb        pre-flight v1 changes one value of the read-back state
     ZEROTRAIN_TEST_SLOW_LOADER=S                     pre-flight's data loaders sleep S s per batch
+    ZEROTRAIN_TEST_PREFLIGHT_OOM=RANK:MICRO          in pre-flight's micro-batch sweep, that rank's candidate at
+                                                     micro-batch MICRO raises torch.OutOfMemoryError when it
+                                                     fetches its second batch (the other ranks go on into the
+                                                     step's collectives, as after an OOM mid-backward)
     ZEROTRAIN_TEST_SLOW_DATA=S[,RANK:S...]           the training loader sleeps S s per micro-batch on every rank
                                                      (RANK:S: that rank sleeps S instead), inside the
                                                      trainer's data phase as a slow source would (the
@@ -52,7 +56,9 @@ SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER = (
 SLOW_DATA = PREFIX + "SLOW_DATA"
 HANG = PREFIX + "HANG"
 DIE_AFTER_END = PREFIX + "DIE_AFTER_END"
-KNOWN = (SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER, SLOW_DATA, HANG, DIE_AFTER_END)
+PREFLIGHT_OOM = PREFIX + "PREFLIGHT_OOM"
+KNOWN = (SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER, SLOW_DATA, HANG, DIE_AFTER_END,
+         PREFLIGHT_OOM)
 HANG_PHASES = ("save", "eval")  # where the trainer calls TestHooks.hang_here
 
 
@@ -69,6 +75,7 @@ class TestHooks:
     slow_data: frozenset[tuple[int | None, float]] = frozenset()  # (rank or None for every rank, seconds)
     hang: tuple[int, str, int] | None = None  # (rank, phase, step)
     die_after_end: int | None = None  # the rank
+    preflight_oom: tuple[int, int] | None = None  # (rank, micro-batch)
     variables: tuple[tuple[str, str], ...] = ()  # every ZEROTRAIN_TEST_* variable set, sorted: said and recorded
 
     @classmethod
@@ -117,6 +124,12 @@ class TestHooks:
                 hooks["die_after_end"] = int(env[DIE_AFTER_END])
             except ValueError:
                 raise UsageError(f"{DIE_AFTER_END}={env[DIE_AFTER_END]}: expected RANK") from None
+        if env.get(PREFLIGHT_OOM):
+            try:
+                rank, micro = (int(x) for x in env[PREFLIGHT_OOM].split(":"))
+                hooks["preflight_oom"] = (rank, micro)
+            except ValueError:
+                raise UsageError(f"{PREFLIGHT_OOM}={env[PREFLIGHT_OOM]}: expected RANK:MICRO") from None
         hooks["preflight_readback"] = env.get(PREFLIGHT_READBACK) or None
         return cls(**hooks)
 
@@ -160,6 +173,29 @@ class TestHooks:
         seconds = dict(self.slow_data)
         seconds = seconds.get(rank, seconds.get(None, 0.0))
         return SlowLoader(loader, seconds) if seconds else loader
+
+
+    def preflight_loader(self, loader, rank: int, micro_batch: int):
+        """A sweep candidate's loader: unchanged, or (ZEROTRAIN_TEST_PREFLIGHT_OOM) one that runs out of memory."""
+        return OomLoader(loader) if self.preflight_oom == (rank, micro_batch) else loader
+
+
+class OomLoader:
+    """A loader whose second batch raises torch.OutOfMemoryError (ZEROTRAIN_TEST_PREFLIGHT_OOM)."""
+
+    def __init__(self, inner):
+        self.inner, self.batches = inner, 0
+
+    def next(self):
+        import torch  # heavy: only a test that plants the fault pays for it here
+
+        self.batches += 1
+        if self.batches == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (ZEROTRAIN_TEST_PREFLIGHT_OOM)")
+        return self.inner.next()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 class SlowLoader:

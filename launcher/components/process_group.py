@@ -38,3 +38,11 @@ def init_process_group(dist_backend: str | None = None, comm_timeout_s: float = 
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     return dist, accel
+
+
+def rendezvous_store(timeout_s: float):
+    """A client of the launch's rendezvous store (MASTER_ADDR:MASTER_PORT, hosted by rank 0's launcher-given
+    TCPStore): a channel between the ranks that still works while the process group is stuck inside a
+    collective (pre-flight's out-of-memory agreement)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s))

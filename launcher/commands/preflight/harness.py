@@ -33,7 +33,7 @@ from zerotrain.launcher.commands.preflight.stability import Stability
 from zerotrain.launcher.commands.preflight.throughput import Throughput
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.observe.metrics import read_metrics
-from zerotrain.launcher.components.process_group import init_process_group
+from zerotrain.launcher.components.process_group import init_process_group, rendezvous_store
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
@@ -42,7 +42,11 @@ from zerotrain.launcher.profiles import resolve_ds_config
 from zerotrain.launcher.run_plan import identify, plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 
-STAGES = {stage.name: stage for stage in (Stability, Throughput, Rehearsal)}  # --stage name -> its checks
+STAGES = {stage.name: stage for stage in (Stability, Throughput, Rehearsal)}
+# How long a rank waits for the others' outcome of a sweep candidate before it concludes that one of them is
+# stuck inside a collective of the step (far below the comm timeout, 30 minutes; ranks leave a healthy
+# candidate together, its last save being collective).
+OUTCOME_WAIT_S = 20.0  # --stage name -> its checks
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -228,6 +232,30 @@ class Preflight:
         every = [None] * self.world
         self.dist.all_gather_object(every, value)
         return every
+
+    def outcomes(self, name: str, mine: str) -> list[str] | None:
+        """Every rank's outcome of scratch run `name` ("ok", "oom"), exchanged through the launch's rendezvous
+        store, not the process group: a rank that ran out of memory mid-step left the others inside the step's
+        collectives (a ZeRO gather, a reduce-scatter), where no collective of ours would reach them. None: some
+        rank did not report within OUTCOME_WAIT_S (it is still inside such a collective)."""
+        if self.world == 1:
+            return [mine]
+        store = rendezvous_store(OUTCOME_WAIT_S)
+        keys = [f"zerotrain/preflight/{name}/rank{r}" for r in range(self.world)]
+        store.set(keys[self.rank], mine)
+        try:
+            store.wait(keys)
+        except RuntimeError:  # DistStoreError: the wait's timeout
+            return None
+        return [store.get(k).decode() for k in keys]
+
+    def end_after_oom(self, detail: str) -> None:
+        """This rank ran out of memory while another is still inside the step's collectives: no agreement is
+        possible there, so pre-flight ends now (its exit ends the launch; the others' collectives fail on the
+        closed connection or the launcher stops them) rather than when the comm timeout fails them."""
+        print(f"zerotrain: preflight {self.stage} micro-batch sweep: FAIL on rank {self.rank}: {detail}",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_PREFLIGHT_FAILED)
 
     def plan(self, cfg):
         """plan_run on every rank, its refusal agreed: a rank that stopped here while the others went on to

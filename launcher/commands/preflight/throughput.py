@@ -128,13 +128,23 @@ class Throughput:
         self.pf.fresh_peaks()
         try:
             trainer = self.pf.build(plan)
+            trainer.loader = self.pf.hooks.preflight_loader(trainer.loader, self.pf.rank, plan.cfg.micro_batch)
             trainer.train()
         except RuntimeError as e:  # torch.OutOfMemoryError is one; the CPU allocator words it differently
             if "out of memory" not in str(e).lower() and "can't allocate memory" not in str(e):
+                self.pf.release(trainer)
                 raise
             oom = True
-        finally:
-            self.pf.release(trainer)
+        # agreed before any rank frees, gathers or tries the next candidate: after an out-of-memory on one rank
+        # the others may still be inside the step's collectives
+        if self.pf.outcomes(name, "oom" if oom else "ok") is None:
+            if not oom:
+                raise RuntimeError(f"another rank did not finish micro-batch {plan.cfg.micro_batch}")
+            self.pf.end_after_oom(f"micro-batch {plan.cfg.micro_batch} ran out of memory here while another rank"
+                                  " was still inside the step's collectives; pre-flight ends now rather than at the"
+                                  f" comm timeout ({self.pf.settings.comm_timeout_s:g} s): sweep micro-batches below"
+                                  f" {plan.cfg.micro_batch} (--sweep)")
+        self.pf.release(trainer)
         every = self.pf.gather((oom, self.pf.accel.max_memory_allocated() if gpu else (peak_rss() or 0)))
         self.pf.drop_checkpoints(name)
         if any(o for o, _ in every):
