@@ -566,8 +566,7 @@ def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attenti
                        device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args,
                        attention=attention)
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    ac = cfg.activation_checkpointing if cfg.activation_checkpointing is not None \
-        else bool(knobs.get("activation_checkpointing", False))
+    ac = bool(knobs.get("activation_checkpointing"))  # resolved once (launcher/settings.py): flag | profile | off
     micro = ds_config["train_micro_batch_size_per_gpu"]
     m = memory(model_args, setup, stage_key(ds_config), micro, cfg.seq_len, ac)
     if m["total"] > device_bytes:
