@@ -5,8 +5,11 @@ uninterrupted run's bit for bit (tests/test_resume_exact.py). On a GPU the flash
 attention backward, atomics in scatter/index kernels and cuBLAS's split-K choices accumulate in a varying
 order: a resume gets the same data and the same states, and losses equal to within those reductions. With
 --deterministic (profile key zerotrain.deterministic) the run asks torch for deterministic algorithms
-(`torch.use_deterministic_algorithms(True, warn_only=True)`: an operator without a deterministic kernel
-warns once rather than stopping a long run), a fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set
+(`torch.use_deterministic_algorithms(True)`, not warn-only: torch picks the deterministic flash and
+memory-efficient attention backward only then, varlen's included (aten/src/ATen/native/transformers/cuda/
+attention_backward.cu reads `deterministicAlgorithmsWarnOnly()`: warn-only keeps the non-deterministic one and
+warns "Flash Attention defaults to a non-deterministic algorithm"); an operator without a deterministic kernel
+raises at the first step, naming itself, instead of silently breaking the promise), a fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set
 before cuBLAS starts), no cuDNN autotuning, and attention `auto` resolves to sdpa instead of varlen. The
 cost is the GPU's: sdpa's deterministic backward and the fixed workspace are slower (not measured here).
 """
@@ -32,5 +35,5 @@ def apply(torch, deterministic: bool) -> None:
     if not deterministic:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)  # warn_only would keep flash attention's non-deterministic backward
     torch.backends.cudnn.benchmark = False
