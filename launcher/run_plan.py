@@ -33,7 +33,7 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.planner import fit_check
+from zerotrain.launcher.components.planner import fit_check, run_loss_chunk
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
@@ -82,6 +82,7 @@ class RunPlan:
     node: Node | None = None  # the machine (a dry run: the profile's hardware)
     budget: Budget | None = None  # --max-hours, --total-tokens, --budget-usd: the one the run counts against
     resume_line: str = ""  # whether a resume on this hardware is bit-identical, for the start-up line and dry run
+    loss_chunk_tokens: int | None = None  # the chunked loss's chunk on this device (planner.run_loss_chunk)
 
     @property
     def attention(self) -> str:
@@ -244,7 +245,10 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
                    resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats),
                    golden=golden, node=node, budget=budget,
-                   resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)))
+                   resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
+                   loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
+                                                    bool(settings.activation_checkpointing), settings.attention,
+                                                    node.device))
 
 
 def finished_again(plan: RunPlan) -> StopRun:

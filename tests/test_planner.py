@@ -306,3 +306,20 @@ def test_a_bad_context_size_in_a_profile_is_refused(value, tmp_path):
     with pytest.raises(UsageError, match=r"zerotrain.hardware.context_gib \(the CUDA context, cuBLAS and NCCL"
                                          r" buffers per GPU process\) must be in \(0, 64\) GiB"):
         load_profile(str(path))
+
+
+def test_the_loss_chunk_on_a_gpu_uses_the_memory_backward_needs_anyway():
+    """A GPU's chunked loss takes as many tokens as fit in the memory one block's backward already needs (no
+    higher peak); a CPU keeps ~261 tokens at the Llama-3 vocabulary (its 1.33 GB peak); the run's plan hands
+    the chunk to the engine's model on a GPU, None (the model's own) on a CPU."""
+    args = preset("ws-1.3b", vocab_size=128256)
+    cpu = planner.activation_bytes(args, 16, 2048, 2, False, "varlen", "cpu")
+    gpu = planner.activation_bytes(args, 16, 2048, 2, False, "varlen", "cuda")
+    assert cpu["loss_chunk"] == 261 and gpu["loss_chunk"] > 3 * cpu["loss_chunk"]  # 887 tokens: 4x fewer chunks
+    assert gpu["peak"] == cpu["peak"] and gpu["transient"] == 16 * 2048 * gpu["block_per_token"]
+    small = planner.activation_bytes(args, 1, 256, 2, False, "varlen", "cuda")  # no room: the CPU's size
+    assert small["loss_chunk"] == 256  # capped by the micro-batch's tokens
+    profile = load_profile("rtx6000ada-48g-x2")[1]
+    ds = {**profile, "train_micro_batch_size_per_gpu": 16}
+    assert planner.run_loss_chunk(args, ds, 2048, False, "varlen", "cuda") == gpu["loss_chunk"]
+    assert planner.run_loss_chunk(args, ds, 2048, False, "varlen", "cpu") is None

@@ -50,6 +50,7 @@ class EngineSpec:
     init_from: str | Path | None = None  # a checked HF directory whose weights are loaded before initialize
     attention: str | None = None  # the attention kernel (None: the model's default)
     activation_checkpointing: bool | None = None  # None: the model's default (off)
+    loss_chunk_tokens: int | None = None  # the chunked loss's tokens per chunk (None: the model's, sized for a CPU)
     compile: bool = False  # torch.compile the engine's module in place (parameter names do not change)
     compile_backend: str | None = None  # None: the accelerator's
     dist_backend: str | None = None  # the process group's, if this joins it (None: the accelerator's)
@@ -80,6 +81,7 @@ def spec_from_plan(plan) -> EngineSpec:
                       deterministic=bool(plan.deterministic), run=cfg,
                       init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
                       activation_checkpointing=bool(s.activation_checkpointing), compile=bool(s.compile),
+                      loss_chunk_tokens=plan.loss_chunk_tokens,
                       compile_backend=s.compile_backend, dist_backend=s.dist_backend, comm_timeout_s=s.comm_timeout_s)
 
 
@@ -103,6 +105,8 @@ def build_model(spec: EngineSpec):
         model.activation_checkpointing = bool(spec.activation_checkpointing)
     if spec.attention is not None:
         model.attention = spec.attention
+    if spec.loss_chunk_tokens is not None:
+        model.lm_head.chunk_tokens = spec.loss_chunk_tokens
     return model
 
 

@@ -170,7 +170,7 @@ def zero_buffers_bytes(stage, P: int, zero: dict, mixed: bool, cpu: bool) -> flo
 # ------------------------------------------------------------------------------------------------
 
 def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointing: bool,
-                     attention: str) -> dict:
+                     attention: str, device_type: str = "cpu") -> dict:
     """Bytes of activations per rank for one micro-batch: what autograd keeps, and the peak.
 
     Per token, per block (modeling/model.py `Block`), with a = 2 (bf16/fp16) or 4 (fp32) bytes,
@@ -195,7 +195,7 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     Saved (no checkpointing) = tokens × (n_layers × block + once) + a·V·d. With activation checkpointing
     each block keeps only its input: tokens × (n_layers × a·d + once) + a·V·d.
     Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c =
-    `loss_chunk_tokens(V)`, at most the micro-batch): its fp32 logits and logsumexp's fp32 temporary
+    `loss_chunk` below: ~261 tokens at V = 128,256 on a CPU, more on an accelerator, at most the micro-batch): its fp32 logits and logsumexp's fp32 temporary
     8·c·V, and in 16-bit the fp32 accumulator of the weight gradient and one chunk's 16-bit product
     (4 + a)·V·d; in backward, one block's gradients (one block's activations; with checkpointing two:
     the recomputed block and its gradients).
@@ -215,10 +215,34 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     head_grad = a * V * d
     kept_per_block = a * d if checkpointing else block
     saved = tokens * (args.n_layers * kept_per_block + once) + head_grad
-    chunk = min(tokens, loss_chunk_tokens(V))
-    at_loss = 8 * chunk * V + ((4 + a) * V * d if a < 4 else 0)
-    transient = max(at_loss, tokens * (2 if checkpointing else 1) * block)
-    return {"saved": saved, "transient": transient, "peak": saved + transient, "block_per_token": block}
+    backward = tokens * (2 if checkpointing else 1) * block
+    head_accumulator = (4 + a) * V * d if a < 4 else 0
+    chunk = loss_chunk(V, tokens, backward - head_accumulator, device_type)
+    at_loss = 8 * chunk * V + head_accumulator
+    transient = max(at_loss, backward)
+    return {"saved": saved, "transient": transient, "peak": saved + transient, "block_per_token": block,
+            "loss_chunk": chunk}
+
+
+def loss_chunk(V: int, tokens: int, room: float, device_type: str) -> int:
+    """Tokens per chunk of the chunked loss. On a CPU: `loss_chunk_tokens(V)` (128 MiB of fp32 logits, ~261
+    tokens at V = 128,256). On an accelerator, where a ~261-token chunk leaves the GPU waiting on a small
+    product and a re-read of the head per chunk: as many tokens as the memory backward needs anyway (`room`:
+    one block's gradients, less the fp32 head accumulator) holds at 8 bytes x V each, so the peak does not
+    grow; never fewer than the CPU's. At most the micro-batch's tokens."""
+    least = loss_chunk_tokens(V)
+    chunk = least if device_type == "cpu" else max(least, int(room // (8 * V)))
+    return max(1, min(tokens, chunk))
+
+
+def run_loss_chunk(args, ds_config: dict, seq_len: int, checkpointing: bool, attention: str,
+                   device_type: str) -> int | None:
+    """The run's chunk (EngineSpec.loss_chunk_tokens): None on a CPU (the model's own default, the same size)."""
+    if device_type == "cpu":
+        return None
+    mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
+    return activation_bytes(args, ds_config["train_micro_batch_size_per_gpu"], seq_len, 2 if mixed else 4,
+                            checkpointing, attention, device_type)["loss_chunk"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,7 +282,8 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
     states = model_states_bytes(stage, P, largest_layer(args), setup.gpus_per_node, setup.nodes, setup.mixed,
                                 setup.optimizer_bytes)
     buffers = zero_buffers_bytes(stage, P, setup.zero, setup.mixed, setup.cpu)
-    act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.kernel)["peak"]
+    act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.kernel,
+                           setup.accelerator)["peak"]
     context = CPU_PROCESS_BYTES if setup.cpu else setup.context_bytes
     frag = FRAGMENTATION * (states + buffers + act)
     return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
