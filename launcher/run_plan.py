@@ -45,7 +45,7 @@ from zerotrain.launcher.profiles import check_devices, describe_precision, detec
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import choose_attention, count_params
+from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params
 
 
 def single_process_env() -> None:
@@ -190,7 +190,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     node = Node.of_profile(settings.hardware) if cfg.dry_run else Node.here()  # the machine, asked once
     device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
                                     detect=detect_profile)
-    settings = attention_kernel(cfg, settings, ds_config, node)
+    settings = attention_kernel(cfg, settings, ds_config, node, model_args)
     check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, settings.values, world, attention=settings.attention)
@@ -284,7 +284,7 @@ def check_offload_here(ds_config: dict, model_args, world: int, dry_run: bool) -
             offload.check_nvme_space(path, need, "--nvme-path")
 
 
-def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: Node) -> Settings:
+def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: Node, model_args: ModelArgs) -> Settings:
     """The settings with `attention` the kernel this run's model uses: --attention, else the profile's
     zerotrain.attention, else auto, resolved for the accelerator and precision (modeling/sizes.py
     `choose_attention`). One that cannot run here is refused (UsageError) before anything is written.
@@ -298,7 +298,7 @@ def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: 
     precision = profile_precision(ds_config)
     device, installed = node.device, node.varlen
     try:
-        kernel = choose_attention(name, device, precision, installed)
+        kernel = choose_attention(name, device, precision, installed, model_args.n_kv_heads < model_args.n_heads)
     except ValueError as e:
         raise UsageError(f"{words} {name}: {e}") from None
     if name == "auto" and settings.deterministic and kernel == "varlen":

@@ -149,13 +149,16 @@ def varlen_available() -> bool:
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
-def choose_attention(name: str, device_type: str, precision: str, varlen_installed: bool = True) -> str:
+def choose_attention(name: str, device_type: str, precision: str, varlen_installed: bool = True,
+                     gqa: bool = False) -> str:
     """The kernel `name` (one of ATTENTION_BACKENDS) means for activations in `precision` ("fp32",
     "bf16", "fp16") on `device_type` ("cuda", "cpu", ...); `varlen_installed`: torch has
-    torch.nn.attention.varlen (>= 2.9).
+    torch.nn.attention.varlen (>= 2.9); `gqa`: the model has fewer kv heads than heads.
 
     auto: varlen on CUDA in 16-bit (the flash kernel, no O(T^2) mask), else sdpa. An explicit name is
-    checked against what its kernel needs; ValueError (one line, saying why) if it cannot run there.
+    checked against what its kernel needs; ValueError (one line, saying why) if it cannot run there, or
+    if it would run PyTorch's math kernel: sdpa on CUDA with packed documents (a mask; every run packs)
+    and GQA, which neither the flash kernel (no mask) nor the memory-efficient one (no GQA) takes.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
@@ -172,6 +175,10 @@ def choose_attention(name: str, device_type: str, precision: str, varlen_install
         if not half:
             raise ValueError(f"varlen runs flash kernels, which take bf16 or fp16; this run computes in {precision}"
                              " (enable bf16 in the profile, or use sdpa or flex)")
+    if name == "sdpa" and device_type == "cuda" and gqa:
+        raise ValueError("on CUDA, sdpa with packed documents and fewer kv heads than heads (GQA) falls to PyTorch's"
+                         " math kernel, (B, H, T, T) fp32 scores per layer (the flash kernel takes no mask, the"
+                         " memory-efficient one no GQA): use varlen (bf16/fp16) or flex")
     return name
 
 

@@ -176,6 +176,25 @@ def test_dry_run_names_the_kernel_precision_and_optimizer_a_gpu_node_would_use(n
     assert "resume: same data, same states, losses equal to within nondeterministic reductions on cuda" in out
 
 
+def test_sdpa_with_gqa_on_cuda_is_refused_at_planning_naming_varlen_and_flex(mix_path, tmp_path, capsys):
+    """On CUDA, sdpa over packed documents (a mask) with fewer kv heads than heads has no fused kernel (flash takes
+    no mask, memory-efficient no GQA): PyTorch runs the math kernel, (B, H, T, T) fp32 per layer. Refused in one
+    line before anything is written; the same model on a CPU, without GQA, or with flex plans as before."""
+    from zerotrain.launcher.trainer import dry_run
+
+    base = {"data": str(mix_path), "out": str(tmp_path / "runs"), "seq_len": 256, "attention": "sdpa"}
+    with pytest.raises(UsageError, match=r"^--attention sdpa: on CUDA, sdpa with packed documents and fewer kv heads"
+                                         r" than heads \(GQA\) falls to PyTorch's math kernel.*: use varlen \(bf16/fp16\)"
+                                         r" or flex$"):
+        dry_run(config_from({**base, "profile": "h100-80g-x8", "model": "debug"}))  # debug: 4 heads, 2 kv heads
+    assert not (tmp_path / "runs").exists()
+    for extra, kernel in (({"profile": "h100-80g-x8", "model": "xlarge"}, "sdpa"),  # as many kv heads as heads
+                          ({"profile": "h100-80g-x8", "model": "debug", "attention": "flex"}, "flex"),
+                          ({"profile": "cpu", "model": "debug"}, "sdpa")):
+        assert dry_run(config_from({**base, **extra})).exit_code == 0, extra
+        assert f"attention: {kernel} (" in capsys.readouterr().out, extra
+
+
 def test_deterministic_says_whether_a_resume_is_bit_identical_here(mix_path, tmp_path, capsys):
     """--deterministic (or the profile's zerotrain.deterministic): the dry run for a GPU node says a resume will
     be bit-identical and attention auto takes sdpa, not varlen's flash backward; a CPU run is exact anyway."""
