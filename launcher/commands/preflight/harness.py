@@ -43,9 +43,9 @@ from zerotrain.launcher.run_plan import identify, plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 
 STAGES = {stage.name: stage for stage in (Stability, Throughput, Rehearsal)}
-# How long a rank waits for the others' outcome of a sweep candidate before it concludes that one of them is
-# stuck inside a collective of the step (far below the comm timeout, 30 minutes; ranks leave a healthy
-# candidate together, its last save being collective).
+# How long a rank that ran out of memory waits for the others' outcome of a sweep candidate before it concludes
+# that one of them is stuck inside a collective of the step (far below the comm timeout, 30 minutes; ranks that
+# ran out of memory together report within moments of each other).
 OUTCOME_WAIT_S = 20.0  # --stage name -> its checks
 
 
@@ -236,11 +236,13 @@ class Preflight:
     def outcomes(self, name: str, mine: str) -> list[str] | None:
         """Every rank's outcome of scratch run `name` ("ok", "oom"), exchanged through the launch's rendezvous
         store, not the process group: a rank that ran out of memory mid-step left the others inside the step's
-        collectives (a ZeRO gather, a reduce-scatter), where no collective of ours would reach them. None: some
-        rank did not report within OUTCOME_WAIT_S (it is still inside such a collective)."""
+        collectives (a ZeRO gather, a reduce-scatter), where no collective of ours would reach them. A rank out of
+        memory waits OUTCOME_WAIT_S for the others (a rank still inside such a collective never reports); a rank
+        that finished waits as long as a collective would (the comm timeout): its peers report as soon as they
+        finish or run out of memory. None: not every rank reported in time."""
         if self.world == 1:
             return [mine]
-        store = rendezvous_store(OUTCOME_WAIT_S)
+        store = rendezvous_store(OUTCOME_WAIT_S if mine == "oom" else self.settings.comm_timeout_s)
         keys = [f"zerotrain/preflight/{name}/rank{r}" for r in range(self.world)]
         store.set(keys[self.rank], mine)
         try:
