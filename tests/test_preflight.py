@@ -23,6 +23,7 @@ from conftest import BIN, REPO, free_port, write_mix
 from zerotrain.launcher.commands import preflight
 from zerotrain.launcher.commands.preflight import parse_args
 from zerotrain.launcher.components import hooks
+from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from zerotrain.launcher.components.observe import golden
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED, UsageError
@@ -32,8 +33,9 @@ from zerotrain.launcher.settings import DEFAULT_MFU_THRESHOLD, resolve
 PREFLIGHT = "zerotrain.launcher.commands.preflight"  # run as a module, like the driver
 
 
-def launch_preflight(launcher: str, args: list[str], env_extra=None, timeout: int = 300):
-    cmd = ([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", PREFLIGHT, *args]
+def launch_preflight(launcher: str, args: list[str], env_extra=None, timeout: int = 300, port: int | None = None):
+    cmd = ([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port or free_port()), "--module", PREFLIGHT,
+            *args]
            if launcher == "deepspeed" else [sys.executable, "-m", PREFLIGHT, *args])
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
@@ -176,10 +178,14 @@ def test_an_out_of_memory_on_one_rank_ends_the_sweep_on_every_rank(setup):
     goes on into the step's collectives: the ranks' outcomes are exchanged through the rendezvous store, rank 1
     finds rank 0 missing and ends pre-flight with one verdict line, and the launch ends long before the 30-minute
     comm timeout (the subprocess's own limit, 300 s, would fail the test otherwise)."""
-    out = setup["root"] / "oom"
-    proc = launch_preflight("deepspeed", ["--stage", "v2", "--sweep", "2,4", "--sweep-steps", "2",
-                                          "--loader-seconds", "0.5", *flags(setup, out)],
-                            env_extra={"ZEROTRAIN_TEST_PREFLIGHT_OOM": "1:4"})
+    out, port = setup["root"] / "oom", free_port()
+    try:
+        proc = launch_preflight("deepspeed", ["--stage", "v2", "--sweep", "2,4", "--sweep-steps", "2",
+                                              "--loader-seconds", "0.5", *flags(setup, out)],
+                                env_extra={"ZEROTRAIN_TEST_PREFLIGHT_OOM": "1:4"}, port=port)
+    finally:  # the ranks that ended could not remove DeepSpeed's shared-memory buffers (named by the port)
+        for leaked in allreduce_buffer_files(port):
+            leaked.unlink(missing_ok=True)
     text = proc.stdout + proc.stderr
     assert proc.returncode == EXIT_PREFLIGHT_FAILED, text[-3000:]
     assert ("zerotrain: preflight v2 micro-batch sweep: FAIL on rank 1: micro-batch 4 ran out of memory here while"
