@@ -290,8 +290,9 @@ def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: 
     `choose_attention`). One that cannot run here is refused (UsageError) before anything is written.
 
     A dry run names what the profile's hardware would run (a CUDA machine for a GPU profile, with a
-    torch that has the varlen kernel); a real run asks this node (launcher/node.py). --deterministic: auto
-    takes sdpa rather than varlen, whose flash backward accumulates in a varying order.
+    torch that has the varlen kernel); a real run asks this node (launcher/node.py). --deterministic keeps
+    varlen: torch runs its flash backward deterministically once deterministic algorithms are on (not
+    warn-only, components/determinism.py), and sdpa with packed documents and GQA would be torch's math kernel.
     """
     name, source = settings.attention, settings.sources["attention"]
     words = f"--attention" if source in GIVEN or source == "default" else source
@@ -301,8 +302,6 @@ def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: 
         kernel = choose_attention(name, device, precision, installed, model_args.n_kv_heads < model_args.n_heads)
     except ValueError as e:
         raise UsageError(f"{words} {name}: {e}") from None
-    if name == "auto" and settings.deterministic and kernel == "varlen":
-        return settings.replace("attention", "sdpa", f"rule: auto on {device}, {precision}, --deterministic")
     if kernel == "flex" and device == "cpu" and cfg.compile:
         # torch 2.13 compiles flex_attention for a CPU without a backward (inductor's CPU lowering fails on
         # the eager operator model.py calls there, and the public function refuses gradients on a CPU)

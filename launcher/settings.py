@@ -240,9 +240,9 @@ TABLE: tuple[Setting, ...] = (
             check=boolean),
     Setting("attention", ATTENTION_HELP, flag=True, kind=RUN, choices=ATTENTION_BACKENDS,
             profile_key="zerotrain.attention", default="auto", check=one_of(ATTENTION_BACKENDS)),
-    Setting("deterministic", "deterministic kernels: torch.use_deterministic_algorithms, a fixed cuBLAS workspace"
-                             " (CUBLAS_WORKSPACE_CONFIG=:4096:8) and, for attention auto, sdpa rather than varlen's"
-                             " flash kernel; slower on a GPU (no effect on a CPU, whose kernels are deterministic). A"
+    Setting("deterministic", "deterministic kernels: torch.use_deterministic_algorithms (flash and varlen"
+                             " attention take their deterministic backward) and a fixed cuBLAS workspace"
+                             " (CUBLAS_WORKSPACE_CONFIG=:4096:8); slower on a GPU (no effect on a CPU, whose kernels are deterministic). A"
                              " GPU resume is bit-identical only with it. Default: the profile's"
                              " zerotrain.deterministic, else off", flag=True, type="bool | None", kind=RUN,
             profile_key="zerotrain.deterministic", default=False, check=boolean),

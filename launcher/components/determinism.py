@@ -6,12 +6,12 @@ attention backward, atomics in scatter/index kernels and cuBLAS's split-K choice
 order: a resume gets the same data and the same states, and losses equal to within those reductions. With
 --deterministic (profile key zerotrain.deterministic) the run asks torch for deterministic algorithms
 (`torch.use_deterministic_algorithms(True)`, not warn-only: torch picks the deterministic flash and
-memory-efficient attention backward only then, varlen's included (aten/src/ATen/native/transformers/cuda/
-attention_backward.cu reads `deterministicAlgorithmsWarnOnly()`: warn-only keeps the non-deterministic one and
-warns "Flash Attention defaults to a non-deterministic algorithm"); an operator without a deterministic kernel
-raises at the first step, naming itself, instead of silently breaking the promise), a fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set
-before cuBLAS starts), no cuDNN autotuning, and attention `auto` resolves to sdpa instead of varlen. The
-cost is the GPU's: sdpa's deterministic backward and the fixed workspace are slower (not measured here).
+memory-efficient attention backward, varlen's included, only then; aten/src/ATen/native/transformers/cuda/
+attention_backward.cu reads `deterministicAlgorithmsWarnOnly()`, and warn-only keeps the non-deterministic
+kernel with a warning. An operator without a deterministic kernel raises at the first step, naming itself,
+instead of silently breaking the promise), a fixed cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8, set
+before cuBLAS starts) and no cuDNN autotuning; attention `auto` keeps varlen. The cost is the GPU's: the
+deterministic backward and the fixed workspace are slower (not measured).
 """
 from __future__ import annotations
 
