@@ -1,0 +1,206 @@
+"""ZeRO-Offload under the real `deepspeed` launcher on 2 CPU ranks (gloo), one module-scoped sequence of
+launches serving every assertion (the debug model, 6 steps, a save every 3). Each run is killed with kill -9
+after its step-3 save, with steps 4-5 logged: those logged steps are the uninterrupted history a resume must
+reproduce, so no separate reference run is needed. The kill is deterministic: ZEROTRAIN_TEST_HANG holds rank 0
+on entering the step-6 save, so the run cannot finish first.
+
+- `--offload all` (ZeRO-3: parameters and optimizer in host memory) and `--offload optimizer` (ZeRO-2):
+  resumed, each reproduces its steps bit for bit, ends `finished` with exit 0 and its manifest says so
+  (DeepSpeed can abort in its offload teardown: the run's code is decided before), and exports;
+- the killed `--offload optimizer` run, copied, resumed with `--offload none` (offload is not part of the run
+  id): the same data order, losses within DeepSpeedCPUAdam's rounding of torch's AdamW;
+- `--offload all --nvme-path DIR` (state swapped through files there; the only NVMe sequence, 2 launches):
+  it trains, swaps, saves, ends `finished` and resumes at step 3. Two things are NOT right with DeepSpeed
+  0.19.8 (xfail, strict, so a fix shows): its resume is not exact (with the optimizer on NVMe,
+  engine.load_checkpoint skips the ZeRO optimizer state and only copies the swapped tensors back from
+  `offloaded_tensors/`, so the optimizer's own state, Adam's step count, restarts), and `zerotrain export`
+  of its checkpoint fails inside zero_to_fp32 (no fp32 partitions in the optimizer state files).
+
+The settings themselves (mapping, validation, bad input) are in-process tests in test_offload.py and
+test_run_bad_input.py. DeepSpeedCPUAdam and the async I/O op JIT-build once per machine (CI: .ci/run installs
+libaio-dev; without libaio the NVMe tests skip).
+"""
+import json
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from conftest import BIN, TRAIN_PY, cpu_profile, free_port, launch, read_metrics
+from test_bf16 import remove_shm
+from test_long_runs import popen
+from zerotrain.launcher.components import offload
+from zerotrain.launcher.errors import UsageError
+
+N, SAVE = 6, 3
+FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
+         "--log-data-every-steps", "0", "--max-steps", str(N), "--save-every-steps", str(SAVE)]
+ROUNDING = 1e-4  # DeepSpeedCPUAdam against torch's AdamW: the same math, rounded differently
+MODES = {"all": 3, "optimizer": 2}  # --offload value -> the ZeRO stage its runs use
+
+
+def nvme_possible() -> bool:
+    """The async I/O op is built or can be (libaio installed; CI installs it, .ci/run)."""
+    try:
+        offload.check_libaio({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "--nvme-path")
+    except UsageError:
+        return False
+    return True
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def kill_after_save(args: list[str], run) -> list[dict]:
+    """Launch, hold rank 0 on entering the step-N save, and once the step-3 checkpoint is complete and steps
+    4-5 are logged kill -9 the whole process group; the history it logged."""
+    port = free_port()
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(TRAIN_PY), *args]
+    proc = popen(cmd, {"ZEROTRAIN_TEST_HANG": f"0:save:{N}"})
+    marker = run / "checkpoints" / f"global_step{SAVE}" / "zerotrain.json"
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and proc.poll() is None:
+            if marker.is_file() and any(m["step"] >= N - 1 for m in read_metrics(run)):
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, "the run ended before it could be killed: " + proc.stdout.read()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        proc.stdout.close()
+        remove_shm(port)
+    return read_metrics(run)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, mix_path):
+    tmp = tmp_path_factory.mktemp("offload")
+    nvme = tmp / "nvme"
+    nvme.mkdir()
+    out, seconds = {"nvme_dir": nvme}, {}
+    sequences = [("all", 3, ()), ("optimizer", 2, ())]
+    if nvme_possible():
+        sequences.append(("nvme", 3, ("--nvme-path", str(nvme))))
+    for name, stage, extra in sequences:
+        t0 = time.time()
+        mode = "optimizer" if name == "optimizer" else "all"
+        profile = cpu_profile(tmp, stage=stage)
+
+        def args(where, *more, profile=profile, mode=mode, extra=extra):
+            return ["--profile", profile, "--data", str(mix_path), "--out", str(tmp / where), "--run-id", "r", *FLAGS,
+                    "--offload", mode, *extra, *more]
+
+        r = out[name] = {"run": tmp / name / "r"}
+        r["before_kill"] = kill_after_save(args(name), r["run"])
+        if name == "optimizer":  # the killed run copied, to be resumed without offload too
+            shutil.copytree(tmp / name, tmp / "plain")
+        r["stdout"] = ok(launch("deepspeed", args(name))).stdout
+        if name == "optimizer":  # the copy, with --offload none (the last --offload wins)
+            out["plain"] = {"run": tmp / "plain" / "r", "before_kill": r["before_kill"],
+                            "stdout": ok(launch("deepspeed", args("plain", "--offload", "none"))).stdout}
+        seconds[name] = round(time.time() - t0)
+    out["seconds"] = seconds
+    print(f"offload launches (s): {seconds}")
+    return out
+
+
+def resumed_same(r) -> None:
+    """Resumed at step 3, steps 1..6 logged, and the steps logged before the kill reproduced bit for bit."""
+    assert f"resumed from {r['run'] / 'checkpoints' / f'global_step{SAVE}'} at step {SAVE}" in r["stdout"]
+    history, before = read_metrics(r["run"]), r["before_kill"]
+    assert [m["step"] for m in history] == list(range(1, N + 1)) and len(before) >= N - 1
+    assert [m["tokens_sha"] for m in history[:len(before)]] == [m["tokens_sha"] for m in before]
+    assert [m["loss"] for m in history[:len(before)]] == [m["loss"] for m in before]  # full-precision floats
+
+
+def zero_section(run) -> dict:
+    return json.loads((run / "ds_config.json").read_text())["zero_optimization"]
+
+
+def test_offloaded_runs_end_finished_with_exit_0_and_their_manifest_says_so(runs):
+    for name in ("all", "optimizer"):
+        r = runs[name]
+        manifest = json.loads((r["run"] / "manifest.json").read_text())
+        assert manifest["segments"][-1]["end_reason"] == "finished", name
+        assert manifest["segments"][-1]["end_exit_code"] == 0, name
+        assert "return code = -6" not in r["stdout"]  # no rank aborted on the way out
+        history = read_metrics(r["run"])
+        assert history[-1]["loss"] < history[0]["loss"]
+    assert zero_section(runs["all"]["run"])["offload_param"]["device"] == "cpu"
+    assert zero_section(runs["all"]["run"])["offload_optimizer"]["device"] == "cpu"
+    assert zero_section(runs["optimizer"]["run"])["offload_optimizer"]["device"] == "cpu"
+    assert "offload_param" not in zero_section(runs["optimizer"]["run"])
+    assert "offload (ZeRO-Offload): optimizer states and fp32 master weights -> host memory; parameters -> host" \
+           " memory" in runs["all"]["stdout"]
+
+
+def test_kill_9_after_a_save_resumes_bit_identically_with_offload_all_and_optimizer(runs):
+    for name in ("all", "optimizer"):
+        resumed_same(runs[name])
+
+
+def test_a_resume_without_offload_keeps_the_data_order_and_the_losses_within_rounding(runs):
+    r = runs["plain"]
+    assert f"at step {SAVE}" in r["stdout"]
+    assert "offload_optimizer" not in zero_section(r["run"])
+    history, before = read_metrics(r["run"]), r["before_kill"]
+    assert [m["step"] for m in history] == list(range(1, N + 1))
+    assert [m["tokens_sha"] for m in history[:len(before)]] == [m["tokens_sha"] for m in before]  # the same data
+    assert [m["loss"] for m in history[:SAVE]] == [m["loss"] for m in before[:SAVE]]
+    diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(history[SAVE:], before[SAVE:])]
+    assert diffs and max(diffs) < ROUNDING, diffs
+
+
+def nvme_run(runs) -> dict:
+    if "nvme" not in runs:
+        pytest.skip("libaio is not installed (apt-get install libaio-dev): DeepSpeed's async_io op cannot build")
+    return runs["nvme"]
+
+
+def test_offload_all_to_nvme_trains_swaps_saves_and_resumes(runs):
+    r = nvme_run(runs)
+    assert f"resumed from {r['run'] / 'checkpoints' / f'global_step{SAVE}'} at step {SAVE}" in r["stdout"]
+    assert "parameters -> nvme" in r["stdout"]
+    assert any(runs["nvme_dir"].rglob("*.swp")), "nothing was swapped to --nvme-path"
+    assert (r["run"] / "checkpoints" / f"global_step{SAVE}" / "offloaded_tensors").is_dir()
+    zero = zero_section(r["run"])
+    for section in ("offload_param", "offload_optimizer"):
+        assert zero[section]["device"] == "nvme" and zero[section]["nvme_path"] == str(runs["nvme_dir"])
+    manifest = json.loads((r["run"] / "manifest.json").read_text())
+    assert (manifest["segments"][-1]["end_reason"], manifest["segments"][-1]["end_exit_code"]) == ("finished", 0)
+    history = read_metrics(r["run"])
+    assert [m["step"] for m in history] == list(range(1, N + 1))
+    assert history[SAVE]["loss"] == r["before_kill"][SAVE]["loss"]  # the first step after the resume: exact
+
+
+@pytest.mark.xfail(strict=True, reason="DeepSpeed 0.19.8: with the optimizer on NVMe, load_checkpoint skips the"
+                                       " ZeRO optimizer state (Adam's step count restarts); only the swapped"
+                                       " tensors are copied back")
+def test_offload_all_to_nvme_kill_9_resumes_bit_identically(runs):
+    resumed_same(nvme_run(runs))
+
+
+def test_export_reads_offloaded_checkpoints(runs, tmp_path):
+    from zerotrain.launcher.cli import main as cli
+
+    for name in ("all", "optimizer"):  # ZeRO-3 with parameters offloaded, ZeRO-2 with the optimizer offloaded
+        cli(["export", str(runs[name]["run"]), "--to", str(tmp_path / name)])
+        assert (tmp_path / name / "model.safetensors").is_file(), name
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="DeepSpeed 0.19.8's zero_to_fp32 reads the fp32 partitions from the optimizer state files,"
+                          " which hold none when the optimizer is swapped to NVMe (they are in offloaded_tensors/)")
+def test_export_reads_an_nvme_offloaded_checkpoint(runs, tmp_path):
+    from zerotrain.launcher.cli import main as cli
+
+    cli(["export", str(nvme_run(runs)["run"]), "--to", str(tmp_path / "nvme")])
+    assert (tmp_path / "nvme" / "model.safetensors").is_file()
