@@ -216,6 +216,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
             raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
                              f" per rank, this profile has {loader_settings['workers']}; the document order depends"
                              " on it (set zerotrain.dataloader.workers back)")
+        offload.check_resume(ds_config, resume_from)
         if meta["step"] > cfg.max_steps:
             raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}"
                              f" ({cfg.sources.get('max_steps', 'given')})")

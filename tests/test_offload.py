@@ -99,3 +99,18 @@ def test_nvme_full_disk_and_no_libaio_are_refused_before_anything_is_written(tmp
     with pytest.raises(UsageError, match=rf"--nvme-path {tmp_path}: 0.00 GiB free, the offloaded state needs"):
         plan_run(resolve_config(argv), world=1)
     assert snapshot(run.parent) == before and not list(tmp_path.glob(".zerotrain-probe-*"))
+
+
+def test_a_resume_cannot_move_an_nvme_optimizer_to_memory_or_back(tmp_path):
+    tag = tmp_path / "global_step3"
+    tag.mkdir()
+    on_nvme, in_memory = apply_offload(ZERO3, "all", "/mnt/nvme", "--offload"), apply_offload(ZERO3, "all", None,
+                                                                                             "--offload")
+    offload.check_resume(in_memory, tag)  # saved from memory, resumed in memory (or without offload)
+    offload.check_resume(apply_offload(ZERO3, "none", None, "--offload"), tag)
+    with pytest.raises(UsageError, match="saved from memory, and DeepSpeed loads an optimizer on NVMe only"):
+        offload.check_resume(on_nvme, tag)
+    (tag / "offloaded_tensors").mkdir()
+    offload.check_resume(on_nvme, tag)
+    with pytest.raises(UsageError, match=r"saved from NVMe \(offloaded_tensors/\), which DeepSpeed loads only"):
+        offload.check_resume(in_memory, tag)

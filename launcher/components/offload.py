@@ -114,3 +114,18 @@ def check_nvme_space(path: str, need: int, where: str) -> None:
     if free < need:
         raise UsageError(f"{where} {path}: {free / 2**30:.2f} GiB free, the offloaded state needs"
                          f" {need / 2**30:.2f} GiB on this node")
+
+
+def check_resume(ds: dict, tag_dir: Path) -> None:
+    """An optimizer swapped to NVMe is saved under TAG/offloaded_tensors/, and DeepSpeed 0.19 loads it from there
+    only, and only then (engine.load_checkpoint skips the ZeRO optimizer state with the optimizer on NVMe): a
+    resume cannot move the optimizer between NVMe and memory. Refused in one line before anything is built."""
+    saved = (tag_dir / "offloaded_tensors").is_dir()
+    here = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device") == "nvme"
+    if saved and not here:
+        raise UsageError(f"checkpoint {tag_dir}: its optimizer state was saved from NVMe (offloaded_tensors/), which"
+                         " DeepSpeed loads only with the optimizer on NVMe again: resume with the same --nvme-path"
+                         " and --offload")
+    if here and not saved:
+        raise UsageError(f"checkpoint {tag_dir}: its optimizer state was saved from memory, and DeepSpeed loads an"
+                         " optimizer on NVMe only from a checkpoint saved with it there: resume without --nvme-path")
