@@ -200,7 +200,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     ckpt_dir = run_dir / "checkpoints"
     mirror_ckpt = Path(cfg.mirror) / run_id / "checkpoints" if cfg.mirror else None
     resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
-    meta = None
+    meta, nvme_resume = None, None
     saved = run_dir / "config.json"
     saved = json.loads(saved.read_text()) if saved.is_file() else None
     saved_run = saved["run"] if saved is not None else None
@@ -216,7 +216,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
             raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
                              f" per rank, this profile has {loader_settings['workers']}; the document order depends"
                              " on it (set zerotrain.dataloader.workers back)")
-        offload.check_resume(ds_config, resume_from)
+        nvme_resume = offload.check_resume(ds_config, resume_from)
         if meta["step"] > cfg.max_steps:
             raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}"
                              f" ({cfg.sources.get('max_steps', 'given')})")
@@ -244,7 +244,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats),
+                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats,
+                                                          *([nvme_resume] if nvme_resume else [])),
                    golden=golden, node=node, budget=budget,
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,

@@ -106,11 +106,11 @@ def test_a_resume_cannot_move_an_nvme_optimizer_to_memory_or_back(tmp_path):
     tag.mkdir()
     on_nvme, in_memory = apply_offload(ZERO3, "all", "/mnt/nvme", "--offload"), apply_offload(ZERO3, "all", None,
                                                                                              "--offload")
-    offload.check_resume(in_memory, tag)  # saved from memory, resumed in memory (or without offload)
-    offload.check_resume(apply_offload(ZERO3, "none", None, "--offload"), tag)
+    assert offload.check_resume(in_memory, tag) is None  # saved from memory, resumed in memory (or without offload)
+    assert offload.check_resume(apply_offload(ZERO3, "none", None, "--offload"), tag) is None
     with pytest.raises(UsageError, match="saved from memory, and DeepSpeed loads an optimizer on NVMe only"):
         offload.check_resume(on_nvme, tag)
     (tag / "offloaded_tensors").mkdir()
-    offload.check_resume(on_nvme, tag)
+    assert "Adam's step count restarts" in offload.check_resume(on_nvme, tag)  # allowed, said to be inexact
     with pytest.raises(UsageError, match=r"saved from NVMe \(offloaded_tensors/\), which DeepSpeed loads only"):
         offload.check_resume(in_memory, tag)

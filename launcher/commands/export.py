@@ -110,6 +110,10 @@ def consolidated_state_dict(tag_dir: Path) -> dict:
     if not any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         raise UsageError(f"export {tag_dir}: no ZeRO partition files (*zero_pp_rank_*_optim_states.pt); export reads"
                          " checkpoints of ZeRO stage 1, 2 or 3 profiles")
+    if (tag_dir / "offloaded_tensors").is_dir():  # see docs/offload.md
+        raise UsageError(f"export {tag_dir}: its optimizer state, the fp32 weights among it, was swapped to NVMe"
+                         " (offloaded_tensors/), which DeepSpeed 0.19.8's zero_to_fp32 cannot read (it finds 0 elements"
+                         " in the partition files); export a checkpoint of a run without --nvme-path")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
 
