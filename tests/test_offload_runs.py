@@ -25,6 +25,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -70,6 +72,7 @@ def kill_after_save(args: list[str], run) -> list[dict]:
                 break
             time.sleep(0.1)
         assert proc.poll() is None, "the run ended before it could be killed: " + proc.stdout.read()[-3000:]
+        assert marker.is_file(), f"no step-{SAVE} checkpoint within 400 s"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
@@ -90,6 +93,13 @@ def runs(tmp_path_factory, mix_path):
     sequences = [("all", 3, ()), ("optimizer", 2, ())]
     if nvme_possible():
         sequences.append(("nvme", 3, ("--nvme-path", str(nvme))))
+    # DeepSpeed JIT-builds CPU Adam (~2 min) and the async I/O op (~3-5 min on 2 cores) on first use, once per
+    # machine and install: built here, before any launch, so the kill below never lands inside a build (a
+    # build killed holds torch's extension lock file, and every later launch waits on it)
+    ops = ["CPUAdamBuilder", *(["AsyncIOBuilder"] if len(sequences) == 3 else [])]
+    built = subprocess.run([sys.executable, "-c", "from deepspeed.ops import op_builder as b; "
+                            + "; ".join(f"b.{op}().load()" for op in ops)], capture_output=True, text=True, timeout=1800)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     for name, stage, extra in sequences:
         t0 = time.time()
         mode = "optimizer" if name == "optimizer" else "all"
