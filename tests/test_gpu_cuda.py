@@ -18,7 +18,7 @@ import torch
 
 from conftest import REPO, launch, read_metrics
 from test_attention import SHAPES, packed_batch
-from test_resume_exact import stop_at
+from test_resume_exact import stopped_and_resumed
 
 from zerotrain.modeling.model import ModelArgs, Transformer
 
@@ -66,15 +66,9 @@ def test_varlen_and_compiled_flex_match_sdpa_on_cuda(shape):
 def test_the_driver_on_cuda_resumes_bit_for_bit_with_deterministic(tmp_path, mix_path):
     args = ["--profile", gpu_profile(tmp_path, stage=2), "--data", str(mix_path), *COMMON, "--deterministic",
             "--attention", "varlen"]
-    full = launch("python", args + ["--out", str(tmp_path / "a"), "--run-id", "r", "--max-steps", str(N),
-                                    "--save-every-steps", str(K)], nproc=1)
-    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    full, _ = stopped_and_resumed("python", args, tmp_path, N, K, nproc=1)
     assert "torch.optim.AdamW(fused=True)" in full.stdout  # CUDA fused AdamW through DeepSpeed, nothing compiled
     assert "resume: bit-identical" in full.stdout, full.stdout[-3000:]
-    stop_at(tmp_path / "a" / "r", K, tmp_path / "b" / "r")
-    resumed = launch("python", args + ["--out", str(tmp_path / "b"), "--run-id", "r", "--max-steps", str(N),
-                                       "--resume", "auto"], nproc=1)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     a, b = read_metrics(tmp_path / "a" / "r"), read_metrics(tmp_path / "b" / "r")
     assert [m["tokens_sha"] for m in a] == [m["tokens_sha"] for m in b]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]  # exact: --deterministic says bit-identical here
@@ -118,12 +112,6 @@ def test_the_gpu_benchmark_smoke_run(tmp_path):
 def test_two_ranks_over_nccl_resume_bit_for_bit(tmp_path, mix_path):
     args = ["--profile", gpu_profile(tmp_path, stage=3, devices=2), "--data", str(mix_path), *COMMON,
             "--deterministic"]
-    full = launch("deepspeed", args + ["--out", str(tmp_path / "a"), "--run-id", "r", "--max-steps", str(N),
-                                       "--save-every-steps", str(K)])
-    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    stop_at(tmp_path / "a" / "r", K, tmp_path / "b" / "r")
-    resumed = launch("deepspeed", args + ["--out", str(tmp_path / "b"), "--run-id", "r", "--max-steps", str(N),
-                                          "--resume", "auto"])
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    stopped_and_resumed("deepspeed", args, tmp_path, N, K)
     a, b = read_metrics(tmp_path / "a" / "r"), read_metrics(tmp_path / "b" / "r")
     assert [m["loss"] for m in a] == [m["loss"] for m in b]

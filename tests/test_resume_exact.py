@@ -31,6 +31,19 @@ def stop_at(run, k: int, into):
     (into / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines if json.loads(ln)["step"] <= k))
 
 
+def stopped_and_resumed(launcher: str, args: list[str], tmp_path, n: int, k: int, nproc: int = 2):
+    """Run A 0 -> n saving every k steps (tmp_path/a/r), then B: A's directory as it was at step k, resumed to
+    n (tmp_path/b/r). Both launches must succeed; returns (A's, B's) completed processes."""
+    full = launch(launcher, args + ["--out", str(tmp_path / "a"), "--run-id", "r", "--max-steps", str(n),
+                                    "--save-every-steps", str(k)], nproc=nproc)
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    stop_at(tmp_path / "a" / "r", k, tmp_path / "b" / "r")
+    resumed = launch(launcher, args + ["--out", str(tmp_path / "b"), "--run-id", "r", "--max-steps", str(n),
+                                       "--resume", "auto"], nproc=nproc)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return full, resumed
+
+
 @pytest.mark.parametrize("source", ["mix", "shards"])
 def test_stop_and_resume_sees_the_same_tokens_and_losses(source, tmp_path, mix_path):
     data, workers = str(mix_path), 0
@@ -40,13 +53,7 @@ def test_stop_and_resume_sees_the_same_tokens_and_losses(source, tmp_path, mix_p
                                "--out", data, "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
         assert prep.returncode == 0, prep.stderr
     args = ["--profile", cpu_profile(tmp_path, workers=workers), "--data", data, *COMMON]
-    full = launch("deepspeed", args + ["--out", str(tmp_path / "a"), "--run-id", "r", "--max-steps", str(N),
-                                       "--save-every-steps", str(K)])
-    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
-    stop_at(tmp_path / "a" / "r", K, tmp_path / "b" / "r")
-    resumed = launch("deepspeed", args + ["--out", str(tmp_path / "b"), "--run-id", "r", "--max-steps", str(N),
-                                          "--resume", "auto"])
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    full, resumed = stopped_and_resumed("deepspeed", args, tmp_path, N, K)
     assert f"resumed from {tmp_path / 'b' / 'r' / 'checkpoints' / f'global_step{K}'} at step {K}" in resumed.stdout
 
     a, b = read_metrics(tmp_path / "a" / "r"), read_metrics(tmp_path / "b" / "r")
