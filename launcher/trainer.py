@@ -119,6 +119,8 @@ class Trainer:
         self.torch = torch
         # --hang-timeout, else the profile's (None: the watchdog's default rule; 0: off): launcher/settings.py
         self.hang_timeout = plan.settings.hang_timeout
+        for line in offload.describe_stale_locks():  # before the process group: it loads the first op (CPU)
+            self.say(f"zerotrain: warning: {line}")
         self.dist, self.accel = init_process_group(plan.settings.dist_backend, plan.settings.comm_timeout_s)
         if plan.profile_why:
             self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
@@ -608,7 +610,8 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" vocab {args.vocab_size:,} (tokenizer {plan.tokenizer.name}: {plan.tokenizer.vocab_size:,}),"
              f" optimizer {cfg.optimizer or 'adamw'}",
-             *describe(plan)]  # the start-up's lines (run_plan.describe)
+             *describe(plan),  # the start-up's lines (run_plan.describe)
+             *(f"zerotrain: warning: {line}" for line in offload.describe_stale_locks())]
     lines += hub_lines(plan.data.specs, plan.tokenizer)  # each hub name: cached, reachable, or refused (exit 2)
     fits = None
     hw = s.hardware

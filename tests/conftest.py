@@ -55,6 +55,27 @@ def pytest_configure(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def pytest_sessionstart(session):
+    """Every CPU launch loads DeepSpeed's JIT-built shared-memory op (deepspeed_shm_comm). Built here, once, in one
+    process, before any test launches ranks: two ranks of the first launch would otherwise build it concurrently
+    under whatever timeout that test has, and a build killed there (a timeout, a test's kill -9) leaves torch's
+    extension lock, on which every later launch of the session waits until its own timeout. A lock already
+    stale (older than any build takes: a killed build of an earlier session) is removed first, and said."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        return  # the GPU tier: no CPU launches
+    from zerotrain.launcher.components import offload
+    for lock in offload.stale_build_locks():
+        print(f"conftest: removing {lock}, a build lock left by a killed build", file=sys.stderr)
+        lock.unlink(missing_ok=True)
+    if offload.is_built("deepspeed_shm_comm"):
+        return
+    built = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; "
+                            "assert build_shm_op() is not None"], capture_output=True, text=True, timeout=1800)
+    if built.returncode != 0:
+        pytest.exit("conftest: DeepSpeed's deepspeed_shm_comm op did not build, so no CPU launch can run:\n"
+                    + built.stdout[-2000:] + built.stderr[-2000:], returncode=3)
+
+
 TRAIN_MODULE = "zerotrain.launcher.train"
 
 

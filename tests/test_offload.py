@@ -114,3 +114,31 @@ def test_a_resume_cannot_move_an_nvme_optimizer_to_memory_or_back(tmp_path):
     assert "Adam's step count restarts" in offload.check_resume(on_nvme, tag)  # allowed, said to be inexact
     with pytest.raises(UsageError, match=r"saved from NVMe \(offloaded_tensors/\), which DeepSpeed loads only"):
         offload.check_resume(in_memory, tag)
+
+
+def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(tmp_path, mix_path, monkeypatch, capsys):
+    """torch's JIT build lock left by a killed build makes every later load of that op wait forever, silently:
+    one older than any build takes is named (the dry run here; the start-up says it before the process group,
+    which loads the first op); a build in progress (a fresh lock) is not."""
+    import os
+    import time
+
+    from zerotrain.launcher.config import RunConfig
+    from zerotrain.launcher.trainer import dry_run
+
+    stale = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.write_bytes(b"")
+    old = time.time() - offload.STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    assert offload.stale_build_locks(tmp_path) == [stale]
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    dry_run(RunConfig(data=str(mix_path), profile="cpu", model="debug", out=str(tmp_path / "runs"), dry_run=True))
+    said = [line for line in capsys.readouterr().out.splitlines() if "warning" in line and "lock" in line]
+    assert said == [f"zerotrain: warning: {stale} is 11 min old: a DeepSpeed op build that was killed leaves it, and"
+                    " loading deepspeed_shm_comm then waits on it forever; remove it if no other run here is"
+                    " building that op"]
+    os.utime(stale, None)  # a build going on now
+    assert offload.stale_build_locks(tmp_path) == [] and offload.describe_stale_locks(tmp_path) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes.util
 import os
 import shutil
+import time
 from pathlib import Path
 
 from zerotrain.launcher.errors import UsageError
@@ -49,6 +50,39 @@ def extensions_root() -> Path:
 def is_built(op: str, root: Path | None = None) -> bool:
     """A cached build of `op` exists (torch lays builds out as ROOT/py311_cpu/NAME/NAME.so)."""
     return any((root or extensions_root()).glob(f"*/{op}/{op}.so"))
+
+
+# torch.utils.cpp_extension guards a build with ROOT/*/NAME/lock (torch/utils/file_baton.py): a build that was
+# killed leaves the file, and every later load waits on it forever, silently. A build takes minutes at most.
+STALE_LOCK_S = 600
+
+
+def stale_build_locks(root: Path | None = None, older_than_s: float = STALE_LOCK_S, now: float | None = None) -> list[Path]:
+    """Build locks older than `older_than_s`: left by a JIT build that was killed (no build takes that long)."""
+    now = time.time() if now is None else now
+    locks = []
+    for lock in sorted((root or extensions_root()).glob("*/*/lock")):
+        try:
+            if now - lock.stat().st_mtime > older_than_s:
+                locks.append(lock)
+        except FileNotFoundError:  # released while we looked
+            pass
+    return locks
+
+
+def describe_stale_locks(root: Path | None = None) -> list[str]:
+    """The start-up's (and --dry-run's) warning for each stale build lock: the run would hang on it at the first
+    DeepSpeed op it loads (on a CPU every run loads one: deepspeed_shm_comm)."""
+    lines = []
+    for lock in stale_build_locks(root):
+        try:
+            minutes = int((time.time() - lock.stat().st_mtime) // 60)
+        except FileNotFoundError:
+            continue
+        lines.append(f"{lock} is {minutes} min old: a DeepSpeed op build that was killed leaves it, and loading"
+                     f" {lock.parent.name} then waits on it forever; remove it if no other run here is building"
+                     " that op")
+    return lines
 
 
 def offloaded(ds: dict) -> dict[str, str]:
