@@ -1,5 +1,6 @@
 """What was made fast stays fast: the driver's per-step agreement is one collective (an
-all-gather in Trainer.agree; nothing else of ours runs a collective every step), and checkpoint
+all-gather in Trainer.agree; nothing else of ours, the trainer or a participant of the step, runs a
+collective every step), and checkpoint
 files are written without torch's zip CRC-32 (the marker's sha256 is the integrity check) while
 torch's process-wide setting is left as it was; a step's clock is read once the device has finished it.
 Timings are `make bench`'s, never asserted here.
@@ -21,16 +22,19 @@ from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
 REPO = Path(__file__).resolve().parent.parent
 
 COUNT_COLLECTIVES = r"""
-import collections, json, sys
+import collections, json, os, sys
 import torch.distributed as dist
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher import trainer
+from zerotrain.launcher.components import participants
+OURS = os.path.dirname(participants.__file__)  # the step's monitors: each adds fields to agree's one gather
 calls = collections.Counter()
 for name in ("all_gather", "all_reduce", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
     fn = getattr(dist, name)
     def counted(*a, _fn=fn, _name=name, **k):
         f = sys._getframe(1)
-        if f.f_code.co_filename == trainer.__file__:  # ours only, not DeepSpeed's
+        where = f.f_code.co_filename
+        if where == trainer.__file__ or where.startswith(OURS + os.sep):  # ours only, not DeepSpeed's
             # agree() times _agree() in the phase clock: count both under the method's name
             calls[f"{f.f_code.co_name.lstrip('_')}:{_name}"] += 1
         return _fn(*a, **k)
