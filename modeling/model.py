@@ -436,16 +436,25 @@ def _loss_and_grads(hidden, weight, targets, mean: bool, chunk_tokens: int, want
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
     for start in range(0, N, chunk_tokens):
         h, target, keep = (t[start:start + chunk_tokens] for t in (hidden, targets, labelled))
-        logits = (h @ weight.t()).float()  # (n, V)
-        log_norm = logits.logsumexp(dim=-1)  # (n,)
+        logits = (h @ weight.t()).float()  # (n, V); in 16-bit rounded first, as the model's logits are
         target = torch.where(keep, target, 0)  # any valid index for the ignored positions; masked below
-        loss += ((log_norm - logits.gather(1, target[:, None])[:, 0]) * keep).sum()
+        target_logit = logits.gather(1, target[:, None])[:, 0]  # (n,), before the logits are overwritten
+        # logsumexp written out, in place of the logits: aten's logsumexp computes exactly this (max, exp of
+        # the difference, sum, log, + max), but into an (n, V) fp32 temporary of its own, read twice more
+        top = logits.amax(dim=-1)  # (n,)
+        exps = logits.sub_(top[:, None]).exp_()  # exp(logits - max), the softmax's numerator
+        total = exps.sum(dim=-1)  # (n,)
+        loss += ((total.log() + top - target_logit) * keep).sum()
         if not (want_hidden or want_weight):
             continue
-        dlogits = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
-        dlogits.scatter_add_(1, target[:, None], torch.full_like(log_norm[:, None], -1.0))  # minus one-hot
-        dlogits.mul_((keep * scale if mean else keep)[:, None])
-        dlogits = dlogits.to(h.dtype)  # the dtype next_token_loss's .float() hands its gradient back in
+        # d loss/d logits = (softmax - one-hot) x the token's weight = (exps - total x one-hot) x weight / total:
+        # the one-hot first, then one pass that scales and, in 16-bit, writes the gradient's 16-bit copy (the
+        # dtype next_token_loss's .float() hands its gradient back in) without a scaled fp32 copy in between
+        exps.scatter_add_(1, target[:, None], -total[:, None])
+        per_token = ((keep * scale if mean else keep) / total)[:, None]
+        dlogits = exps.mul_(per_token) if h.dtype == exps.dtype else \
+            torch.mul(exps, per_token, out=torch.empty(exps.shape, dtype=h.dtype, device=exps.device))
+        del logits, exps  # the fp32 chunk is free before the two products
         if want_hidden:
             grad_hidden[start:start + chunk_tokens] = dlogits @ weight
         if want_weight:

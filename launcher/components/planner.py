@@ -195,9 +195,10 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     Saved (no checkpointing) = tokens × (n_layers × block + once) + a·V·d. With activation checkpointing
     each block keeps only its input: tokens × (n_layers × a·d + once) + a·V·d.
     Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c =
-    `loss_chunk` below: ~261 tokens at V = 128,256 on a CPU, more on an accelerator, at most the micro-batch): its fp32 logits and logsumexp's fp32 temporary
-    8·c·V, and in 16-bit the fp32 accumulator of the weight gradient and one chunk's 16-bit product
-    (4 + a)·V·d; in backward, one block's gradients (one block's activations; with checkpointing two:
+    `loss_chunk` below: ~261 tokens at V = 128,256 on a CPU, more on an accelerator, at most the micro-batch): its fp32
+    logits, worked on in place, and in 16-bit one 16-bit copy (the product before its cast, the gradient's
+    cast), (4 + a)·c·V in 16-bit and 4·c·V in fp32; and in 16-bit the fp32 accumulator of the weight gradient
+    and one chunk's 16-bit product (4 + a)·V·d; in backward, one block's gradients (one block's activations; with checkpointing two:
     the recomputed block and its gradients).
     """
     d, f, H, KV, h, V, T = args.dim, args.ffn_hidden, args.n_heads, args.n_kv_heads, args.head_dim, \
@@ -217,21 +218,22 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     saved = tokens * (args.n_layers * kept_per_block + once) + head_grad
     backward = tokens * (2 if checkpointing else 1) * block
     head_accumulator = (4 + a) * V * d if a < 4 else 0
-    chunk = loss_chunk(V, tokens, backward - head_accumulator, device_type)
-    at_loss = 8 * chunk * V + head_accumulator
+    per_logit = 4 + (a if a < 4 else 0)
+    chunk = loss_chunk(V, tokens, backward - head_accumulator, device_type, per_logit)
+    at_loss = per_logit * chunk * V + head_accumulator
     transient = max(at_loss, backward)
     return {"saved": saved, "transient": transient, "peak": saved + transient, "block_per_token": block,
             "loss_chunk": chunk}
 
 
-def loss_chunk(V: int, tokens: int, room: float, device_type: str) -> int:
+def loss_chunk(V: int, tokens: int, room: float, device_type: str, per_logit: int) -> int:
     """Tokens per chunk of the chunked loss. On a CPU: `loss_chunk_tokens(V)` (128 MiB of fp32 logits, ~261
     tokens at V = 128,256). On an accelerator, where a ~261-token chunk leaves the GPU waiting on a small
     product and a re-read of the head per chunk: as many tokens as the memory backward needs anyway (`room`:
-    one block's gradients, less the fp32 head accumulator) holds at 8 bytes x V each, so the peak does not
-    grow; never fewer than the CPU's. At most the micro-batch's tokens."""
+    one block's gradients, less the fp32 head accumulator) holds at `per_logit` bytes x V each (6 in 16-bit), so
+    the peak does not grow; never fewer than the CPU's. At most the micro-batch's tokens."""
     least = loss_chunk_tokens(V)
-    chunk = least if device_type == "cpu" else max(least, int(room // (8 * V)))
+    chunk = least if device_type == "cpu" else max(least, int(room // (per_logit * V)))
     return max(1, min(tokens, chunk))
 
 
