@@ -45,7 +45,7 @@ from zerotrain.launcher.profiles import check_devices, describe_precision, detec
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params
+from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel
 
 
 def single_process_env() -> None:
@@ -309,7 +309,13 @@ def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: 
         # the eager operator model.py calls there, and the public function refuses gradients on a CPU)
         raise UsageError(f"{words} flex with --compile: torch cannot compile flex attention with a backward on a"
                          " CPU (drop --compile, or use sdpa)")
-    return settings.replace("attention", kernel, f"rule: auto on {device}, {precision}" if name == "auto" else source)
+    if name != "auto":
+        return settings.replace("attention", kernel, source)
+    why = f"rule: auto on {device}, {precision}"
+    if math_kernel(kernel, device, model_args.n_kv_heads < model_args.n_heads):  # fp32, or a torch without varlen
+        why += ("; with packed documents and GQA PyTorch runs its math kernel here: (B, H, T, T) fp32 scores per"
+                " layer, counted by the fit check (flex, or varlen in bf16, keeps none)")
+    return settings.replace("attention", kernel, why)
 
 
 def describe(plan: RunPlan, schedule: bool = True) -> list[str]:

@@ -175,11 +175,20 @@ def choose_attention(name: str, device_type: str, precision: str, varlen_install
         if not half:
             raise ValueError(f"varlen runs flash kernels, which take bf16 or fp16; this run computes in {precision}"
                              " (enable bf16 in the profile, or use sdpa or flex)")
-    if name == "sdpa" and device_type == "cuda" and gqa:
+    if name == "sdpa" and math_kernel(name, device_type, gqa):
         raise ValueError("on CUDA, sdpa with packed documents and fewer kv heads than heads (GQA) falls to PyTorch's"
                          " math kernel, (B, H, T, T) fp32 scores per layer (the flash kernel takes no mask, the"
                          " memory-efficient one no GQA): use varlen (bf16/fp16) or flex")
     return name
+
+
+def math_kernel(kernel: str, device_type: str, gqa: bool) -> bool:
+    """PyTorch runs its math kernel for this attention: sdpa on CUDA with packed documents (a mask: every run
+    packs) and fewer kv heads than heads, which neither the flash kernel (no mask) nor the memory-efficient one
+    (no GQA) takes. It upcasts q, k and v to fp32, repeats the kv heads and keeps each layer's (B, H, T, T) fp32
+    softmax for backward: `choose_attention` refuses sdpa named so, and the planner counts it where auto
+    resolves to it (fp32 on CUDA, or a torch without varlen)."""
+    return kernel == "sdpa" and device_type == "cuda" and gqa
 
 
 RULES_FILE = resource_dir("zerotrain.modeling", "scaling_rules.yaml")

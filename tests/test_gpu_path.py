@@ -195,6 +195,35 @@ def test_sdpa_with_gqa_on_cuda_is_refused_at_planning_naming_varlen_and_flex(mix
         assert f"attention: {kernel} (" in capsys.readouterr().out, extra
 
 
+def test_auto_resolving_to_sdpa_with_gqa_on_cuda_is_counted_as_the_math_kernel(mix_path, tmp_path, capsys):
+    """auto on CUDA in fp32 (or with a torch without varlen) is sdpa; with GQA and packed documents PyTorch runs its
+    math kernel. Not refused (auto is not a choice the user made), but said on the attention line and counted by the
+    fit check: each layer's (B, H, T, T) fp32 softmax, so a micro-batch that fits with a fused kernel does not fit
+    with the math kernel's scores (its formula against what autograd keeps: tests/test_planner.py)."""
+    from zerotrain.launcher.trainer import dry_run
+
+    profile = json.loads((REPO / "ds_configs" / "h100-80g-x8.json").read_text())
+    profile["bf16"] = {"enabled": False}
+    (tmp_path / "fp32.json").write_text(json.dumps(profile))
+    base = {"data": str(mix_path), "out": str(tmp_path / "runs"), "profile": str(tmp_path / "fp32.json")}
+    assert dry_run(config_from({**base, "model": "debug", "seq_len": 256})).exit_code == 0  # 4 heads, 2 kv heads
+    out = capsys.readouterr().out
+    assert ("attention: sdpa (auto on cuda, fp32; with packed documents and GQA PyTorch runs its math kernel here:"
+            " (B, H, T, T) fp32 scores per layer, counted by the fit check") in out
+    assert dry_run(config_from({**base, "model": "tiny", "seq_len": 256})).exit_code == 0  # no GQA: a fused kernel
+    assert "attention: sdpa (auto on cuda, fp32)\n" in capsys.readouterr().out
+    # 64 heads, 8 kv heads at seq 8192: one layer's softmax alone is 16 GiB at micro-batch 1; 16 layers do not fit
+    # 80 GB, though the same model with a fused kernel does (flex)
+    (tmp_path / "rules.yaml").write_text("gqa:\n  head_dim: 16\n  layers_per_head: [1, 4]\n  mlp_ratio: 2\n"
+                                         "  kv_heads_ratio: 8\n")
+    big = {**base, "scaling_rule": "gqa", "heads": 64, "rules_file": str(tmp_path / "rules.yaml"), "seq_len": 8192,
+           "micro_batch": 1}
+    dry_run(config_from(big))  # a dry run says the verdict; a real run's fit check refuses with it
+    assert "plan: does not fit: needs 332.36 GiB per GPU (ZeRO-3, micro-batch 1 x 8192" in capsys.readouterr().out
+    dry_run(config_from({**big, "attention": "flex"}))
+    assert "plan: fits: 14.50 GiB per GPU" in capsys.readouterr().out
+
+
 def test_deterministic_says_whether_a_resume_is_bit_identical_here(mix_path, tmp_path, capsys):
     """--deterministic (or the profile's zerotrain.deterministic): the dry run for a GPU node says a resume will
     be bit-identical and attention auto takes sdpa, not varlen's flash backward; a CPU run is exact anyway."""

@@ -101,6 +101,51 @@ def test_activation_formula_is_what_autograd_keeps(dtype, name, checkpointing, a
     assert predicted == pytest.approx(measured, rel=0.02)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["debug (GQA)", "qk-norm MQA"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_math_kernel_formula_is_what_autograd_keeps(dtype, name, checkpointing):
+    """sdpa with packed documents and GQA on CUDA is PyTorch's math kernel (sizes.math_kernel), which the planner
+    counts as q, k, v in fp32 with the kv heads repeated and each layer's (B, H, T, T) fp32 softmax. The same
+    aten function runs on a CPU when it is the only backend allowed: what our block saves under it, against the
+    formula for "cuda" (the device only selects the formula; without GQA sdpa is a fused kernel there)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    args = CONFIGS[name]
+    torch.manual_seed(0)
+    model = Transformer(args).to(dtype).train()
+    model.activation_checkpointing = checkpointing
+    model.attention = "sdpa"
+    B, T = 2, 96
+    pos = torch.cat([torch.arange(40), torch.arange(56)]).expand(B, T)
+    with sdpa_kernel(SDPBackend.MATH):
+        measured = saved_activation_bytes(model, torch.randint(0, args.vocab_size, (B, T)), pos) + B * T * T
+    math = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, "sdpa", "cuda")
+    fused = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, "sdpa", "cpu")
+    assert math["saved"] == pytest.approx(measured, rel=0.002)
+    if not checkpointing:  # every layer's softmax is kept until its backward
+        assert math["saved"] - fused["saved"] >= args.n_layers * B * args.n_heads * T * T * 4
+    assert math["transient"] > fused["transient"]  # its backward's extra (B, H, T, T)
+
+
+def test_flex_block_mask_bytes_are_the_block_masks_tensors():
+    """The BlockMask the model builds for flex (one per micro-batch, alive through forward and backward)."""
+    from zerotrain.modeling.model import document_block_mask
+
+    for B, T in ((2, 300), (3, 1024)):
+        pos = (torch.arange(T) % 100).expand(B, T)
+        mask = document_block_mask(pos)
+        held = [t for t in (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+                            mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
+                if t is not None]
+        assert planner.flex_block_mask_bytes(B, T) == sum(t.numel() * t.element_size() for t in held)
+    args = CONFIGS["debug (GQA)"]
+    flex = planner.activation_bytes(args, 2, 1024, 2, False, "flex", "cuda")
+    varlen = planner.activation_bytes(args, 2, 1024, 2, False, "varlen", "cuda")
+    assert flex["saved"] - varlen["saved"] == planner.flex_block_mask_bytes(2, 1024)
+    assert flex["transient"] - varlen["transient"] == 2 * 1024 * 4 * args.n_heads  # the backward's fp32 delta
+
+
 def test_max_micro_batch_is_the_largest_that_fits():
     args = preset("ws-1.3b", vocab_size=128256)
     _, prof = load_profile("rtx6000ada-48g-x2")

@@ -48,7 +48,8 @@ from dataclasses import dataclass, replace
 
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
-from zerotrain.modeling.sizes import choose_attention, count_params, flops_per_token, loss_chunk_tokens
+from zerotrain.modeling.sizes import (choose_attention, count_params, flops_per_token, loss_chunk_tokens,
+                                      math_kernel)
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1.0 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers per GPU process
@@ -182,6 +183,10 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
                                              fp32 log-sum-exp (varlen, flex, and sdpa)
                       + a·T                  sdpa only: the block-diagonal mask as a float, made and kept per
                                              call (packed rows, where documents share a row: the driver's)
+        math kernel   a·d + 4·H·(3h + T)     instead of both lines above, where sdpa is PyTorch's math kernel
+                                             (CUDA, packed rows, GQA: sizes.math_kernel): q, k and v upcast to
+                                             fp32 with the kv heads repeated, and the (B, H, T, T) fp32 softmax,
+                                             kept by every layer until its backward
         SwiGLU        4·a·f          gate, silu(gate), up, their product
         + 8                          the norms' rsqrt
         QK-norm       (8h + 4)·(H + KV)   each head's fp32 input and normalised value (the output is not kept:
@@ -191,7 +196,9 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     instead, a·d), rotary cos and sin 2·a·h, the input ids 8, sdpa's boolean mask T (alive through
     the forward, and a checkpoint input). Per micro-batch once: the head's weight gradient, a·V·d (V the
     padded vocabulary): the chunked loss (modeling/model.py `chunked_next_token_loss`) computes its
-    gradients in forward and keeps no logits.
+    gradients in forward and keeps no logits. flex's BlockMask, 16·B·n·(n + 1) bytes for n = ceil(T/128)
+    blocks (four (B, 1, n, n) int32 block indices and four (B, 1, n) counts, for the forward and the backward),
+    built once per micro-batch and alive through both (`flex_block_mask_bytes`).
     Saved (no checkpointing) = tokens × (n_layers × block + once) + a·V·d. With activation checkpointing
     each block keeps only its input: tokens × (n_layers × a·d + once) + a·V·d.
     Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c =
@@ -207,16 +214,19 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     if attention not in ("sdpa", "flex", "varlen"):
         raise ValueError(f"activation_bytes: attention must be a kernel (sdpa, flex or varlen), got {attention!r}")
     sdpa = attention == "sdpa"
+    math = math_kernel(attention, device_type, KV < H)
     norms = 2 * (8 + a) * d
-    attn = a * (2 * d + 2 * KV * h) + 4 * H + (a * T if sdpa else 0)
+    attn = a * d + 4 * H * (3 * h + T) if math else a * (2 * d + 2 * KV * h) + 4 * H + (a * T if sdpa else 0)
     qk_norm = (8 * h + 4) * (H + KV) if args.qk_norm else 0  # fp32 input and normalised value, rsqrt, per head
     block = norms + attn + qk_norm + 4 * a * f + 8
     once = 8 * d + 4 + a * d + 2 * a * h + 8 + (T if sdpa else 0)
     tokens = micro * seq_len
     head_grad = a * V * d
     kept_per_block = a * d if checkpointing else block
-    saved = tokens * (args.n_layers * kept_per_block + once) + head_grad
-    backward = tokens * (2 if checkpointing else 1) * block
+    block_mask = flex_block_mask_bytes(micro, T) if attention == "flex" else 0
+    saved = tokens * (args.n_layers * kept_per_block + once) + head_grad + block_mask
+    kernel_workspace = 4 * H * T if math else 4 * H if attention == "flex" and device_type != "cpu" else 0
+    backward = tokens * ((2 if checkpointing else 1) * block + kernel_workspace)
     head_accumulator = (4 + a) * V * d if a < 4 else 0
     per_logit = 4 + (a if a < 4 else 0)
     chunk = loss_chunk(V, tokens, backward - head_accumulator, device_type, per_logit)
@@ -224,6 +234,14 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     transient = max(at_loss, backward)
     return {"saved": saved, "transient": transient, "peak": saved + transient, "block_per_token": block,
             "loss_chunk": chunk}
+
+
+def flex_block_mask_bytes(micro: int, seq_len: int) -> int:
+    """flex's document BlockMask for one micro-batch (modeling/model.py `document_block_mask`, one mask for
+    every head): kv_num_blocks, full_kv_num_blocks, q_num_blocks, full_q_num_blocks (B, 1, n) and their
+    indices (B, 1, n, n), int32, n = ceil(T / 128) (torch's default block size)."""
+    n = -(-seq_len // 128)
+    return 16 * micro * n * (n + 1)
 
 
 def loss_chunk(V: int, tokens: int, room: float, device_type: str, per_logit: int) -> int:
