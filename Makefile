@@ -34,8 +34,8 @@ test-gpu: install
 bench: install
 	$(BIN)/python benchmarks/run.py
 
-# One CUDA GPU: xlarge (1.4B) at seq 2048 in bf16, ZeRO-2/3 x each attention kernel, one table for
-# benchmarks/RESULTS.md (benchmarks/gpu.py). Without CUDA: one line, exit 0, nothing run.
+# One CUDA GPU: each shipped GPU recipe's shape (model, seq len, vocabulary, micro-batch, its profile's stage,
+# checkpointing and optimizer), one table for benchmarks/RESULTS.md (benchmarks/gpu.py; --model for the older grid). Without CUDA: one line, exit 0, nothing run.
 bench-gpu: install
 	$(BIN)/python benchmarks/gpu.py
 

@@ -1,29 +1,35 @@
 """`make bench-gpu`: the GPU path measured on one CUDA GPU, as one markdown table for benchmarks/RESULTS.md.
 
-    python benchmarks/gpu.py [--profile NAME|auto] [--steps 50] [--stages 2,3] [--attention sdpa,flex,varlen]
-                             [--model PRESET] [--seq-len T] [--vocab-size V] [--nproc N] [--grad-accum K] [--out DIR]
+    python benchmarks/gpu.py [--recipes all|NAME,...] [--profile NAME|auto] [--steps 50] [--nproc N] [--grad-accum K]
+    python benchmarks/gpu.py --model PRESET [--seq-len T] [--vocab-size V] [--stages 2,3] [--attention sdpa,flex,varlen]
 
-The `xlarge` preset (1.4B parameters) at seq 2048 in bf16, on GPU 0 alone, through the real driver (one
-process per configuration: `python -m zerotrain.launcher.train`, a world of 1), under ZeRO-2 and ZeRO-3,
-with each attention kernel. Per configuration: tokens/s and MFU (median over the steps after the first 10:
-torch.compile and the allocator warm up there) against the profile's `peak_flops_per_device`, peak memory
-(`torch.cuda.max_memory_allocated`, the driver's `peak_mem_gib`) against the planner's prediction
-(launcher/components/planner.py `memory`: tensors alone, comparable with max_memory_allocated, and the total
-with the CUDA context and its fragmentation allowance), and the loss at the last step.
+By default (`make bench-gpu`) each shipped GPU recipe's shape, one row each: the recipe's model, seq len,
+vocabulary (its tokenizer's size: the Llama 3 tokenizer's 128,256 entries for the workstation recipes, bytes
+for the others), micro-batch, and its profile's ZeRO stage, precision, activation checkpointing and optimizer,
+with attention `auto` as the recipe runs it. Only the hardware is this GPU's: the peak FLOP/s and the memory
+come from the profile this GPU matches (`--profile`, default auto), so the MFU is against this GPU. Recipes
+whose profile offloads to host memory or NVMe are left out of `all` (their speed is the host's; name them to
+run them). Not the recipe's: its data (the demo's offline mix), its length (`--steps`) and its gradient
+accumulation (`--grad-accum`, default 1: tokens/s per micro-batch, not the recipe's 2^19-token steps).
 
-The profile gives the peak FLOP/s, precision, ZeRO settings and optimizer: `auto` is the one
-`--profile auto` picks for this GPU (its device count is ignored: one GPU here). The micro-batch is the
-profile's, lowered to the largest the planner fits in 90% of this GPU; a stage the planner cannot fit is a
-row saying so. Data: the demo's offline mix (launcher/commands/demo.py) with the byte tokenizer (vocab 320:
-the head is 0.04% of the model), so nothing is downloaded; `--vocab-size V` (e.g. 128256, Llama-3's, what the
-recipes train with) gives the model a V-entry head and embedding through a byte-level tokenizer padded to V
-entries (its merges are not what costs: the (V, D) head and the loss over V are), `--grad-accum K` accumulates K
-micro-batches a step, and `--nproc N` runs N ranks on the first N GPUs through the real `deepspeed` launcher. Each run's final checkpoint (~17 GB for 1.4B) is
-deleted once its metrics are read.
+With `--model` the older grid instead: that preset (xlarge, 1.4B, for the 2026-11-25 rows) at `--seq-len`
+(2048) under ZeRO-2 and ZeRO-3 with each attention kernel, on the profile's settings; `--vocab-size V` gives it
+a V-entry head and embedding.
+
+One process per configuration through the real driver (`python -m zerotrain.launcher.train`, a world of 1, or
+`--nproc N` ranks on the first N GPUs through the real `deepspeed` launcher). Per configuration: tokens/s and
+MFU (median over the steps after the first 10: torch.compile and the allocator warm up there) against the
+profile's `peak_flops_per_device`, peak memory (`torch.cuda.max_memory_allocated`, the driver's `peak_mem_gib`)
+against the planner's prediction (launcher/components/planner.py `memory`: tensors alone, comparable with
+max_memory_allocated, and the total with the CUDA context and its fragmentation allowance), and the loss at the
+last step. The micro-batch is the recipe's (or the profile's), lowered to the largest the planner fits in 90% of
+this GPU; a configuration the planner cannot fit is a row saying so. A vocabulary other than bytes is a
+byte-level tokenizer padded to V entries (its merges are not what costs: the (V, D) head and the loss over V
+are), so nothing is downloaded. Each run's final checkpoint is deleted once its metrics are read.
 
 Needs our install plus a CUDA build of torch (`make install TORCH_SPEC=...`, docs/gpu.md); nothing compiled
 besides what torch.compile makes for `flex` (Triton, shipped with CUDA torch). Without CUDA it prints one
-line and exits 0, running nothing.
+line and exits 0, running nothing (the arguments are checked first).
 """
 from __future__ import annotations
 
@@ -41,36 +47,110 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-MODEL, SEQ_LEN = "xlarge", 2048
+MODEL, SEQ_LEN = "xlarge", 2048  # the grid's defaults (--model)
 WARMUP_STEPS = 10  # not in the medians: compilation, the allocator's first growth
 FIT_FRACTION = 0.9  # the micro-batch the planner fits in this share of the GPU
+GRID_ONLY = ("--seq-len", "--vocab-size", "--stages", "--attention")  # a recipe brings its own
+# The vocabulary of a recipe's tokenizer that is not shipped (the recipe says which, and where to put it): its size,
+# when the directory is not there to read it from. tests/test_benchmarks.py checks every shipped recipe resolves.
+TOKENIZER_VOCAB = {"data/llama-3-tokenizer": 128256}
+RECIPE_SHAPE_KEYS = ("model", "depth", "aspect_ratio", "head_dim", "scaling_rule", "heads", "qk_norm", "seq_len",
+                     "micro_batch", "activation_checkpointing", "optimizer", "optimizer_args", "lr", "min_lr")
 
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipes", default=None,
+                   help="shipped recipes to run, comma-separated, or all (default: all, unless --model is given)")
     p.add_argument("--profile", default="auto", help="a GPU profile name or path (default: the one this GPU matches)")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--model", default=MODEL, help=f"a model preset (default {MODEL}; a small one for a smoke run)")
-    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
-    p.add_argument("--stages", default="2,3")
-    p.add_argument("--attention", default="sdpa,flex,varlen", help="kernels to run, comma-separated")
-    p.add_argument("--vocab-size", type=int, default=0,
-                   help="the model's vocabulary (a byte tokenizer padded to this many entries; default: 320 bytes)")
+    p.add_argument("--model", default=None, help="a model preset: the grid of stages x kernels instead of recipes")
+    p.add_argument("--seq-len", type=int, default=None, help=f"with --model (default {SEQ_LEN})")
+    p.add_argument("--stages", default=None, help="with --model (default 2,3)")
+    p.add_argument("--attention", default=None, help="with --model: kernels to run, comma-separated (default all)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="with --model: its vocabulary (a byte tokenizer padded to this many entries; default 320 bytes)")
     p.add_argument("--nproc", type=int, default=1, help="ranks, one per GPU, through the deepspeed launcher")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--out", default=str(REPO / "runs" / "bench-gpu"), help="run directories (checkpoints deleted)")
     a = p.parse_args(argv)
-    for name, value, least in (("--steps", a.steps, WARMUP_STEPS + 1), ("--seq-len", a.seq_len, 8),
+    if a.model is not None and a.recipes is not None:
+        p.exit(2, "benchmarks/gpu.py: --recipes and --model: choose one (a recipe names its own model)\n")
+    if a.model is None:
+        given = [flag for flag in GRID_ONLY if getattr(a, flag[2:].replace("-", "_")) is not None]
+        if given:
+            p.exit(2, f"benchmarks/gpu.py: {given[0]} is for --model runs; a recipe brings its own shape, stage and"
+                      " attention\n")
+        try:
+            a.recipes = recipe_names(a.recipes or "all")
+        except ValueError as e:
+            p.exit(2, f"benchmarks/gpu.py: --recipes {a.recipes}: {e}\n")
+    else:
+        a.seq_len = SEQ_LEN if a.seq_len is None else a.seq_len
+        a.vocab_size = a.vocab_size or 0
+        a.stages, a.attention = a.stages or "2,3", a.attention or "sdpa,flex,varlen"
+    for name, value, least in (("--steps", a.steps, WARMUP_STEPS + 1), ("--seq-len", a.seq_len or 8, 8),
                                ("--nproc", a.nproc, 1), ("--grad-accum", a.grad_accum, 1)):
         if value < least:
             p.exit(2, f"benchmarks/gpu.py: {name} must be at least {least}, got {value}\n")
     if a.vocab_size and a.vocab_size < MIN_VOCAB:
         p.exit(2, f"benchmarks/gpu.py: --vocab-size must be 0 (bytes) or at least {MIN_VOCAB}, got {a.vocab_size}\n")
     for name, value, known in (("--stages", a.stages, ("2", "3")), ("--attention", a.attention, ("sdpa", "flex", "varlen"))):
-        unknown = [v for v in value.split(",") if v not in known]
+        unknown = [v for v in (value or "").split(",") if value and v not in known]
         if unknown:
             p.exit(2, f"benchmarks/gpu.py: {name} {value!r}: {unknown[0]!r} is not one of {', '.join(known)}\n")
     return a
+
+
+def gpu_recipes() -> list[str]:
+    """The shipped recipes `all` runs: those on a GPU profile that keeps everything on the GPU."""
+    from zerotrain.launcher.config import RECIPE_DIR, load_recipe
+    from zerotrain.launcher.profiles import load_profile
+
+    names = []
+    for path in sorted(RECIPE_DIR.glob("*.json")):
+        profile = load_profile(load_recipe(str(path))["profile"])[1]
+        zero = profile.get("zero_optimization", {})
+        on_host = any(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+        if profile.get("zerotrain", {}).get("hardware", {}).get("accelerator") != "cpu" and not on_host:
+            names.append(path.stem)
+    return names
+
+
+def recipe_names(spec: str) -> list[str]:
+    """`all` or comma-separated shipped recipe names; ValueError naming the first unknown one."""
+    from zerotrain.launcher.config import RECIPE_DIR
+
+    if spec == "all":
+        return gpu_recipes()
+    names = spec.split(",")
+    shipped = sorted(p.stem for p in RECIPE_DIR.glob("*.json"))
+    unknown = [n for n in names if n not in shipped]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a shipped recipe ({', '.join(shipped)})")
+    return names
+
+
+def recipe_shape(name: str) -> dict:
+    """What the benchmark takes from a shipped recipe: its profile, the driver values that shape its step
+    (RECIPE_SHAPE_KEYS present in it) and its vocabulary (0: bytes). ValueError for a tokenizer whose size is
+    unknown here."""
+    from zerotrain.launcher.config import load_recipe
+
+    recipe = load_recipe(name)
+    tokenizer = recipe.get("tokenizer", "bytes")
+    if tokenizer == "bytes":
+        vocab = 0
+    elif (REPO / tokenizer / "tokenizer.json").is_file():
+        from zerotrain.dataio.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(str(REPO / tokenizer)).vocab_size
+    elif tokenizer in TOKENIZER_VOCAB:
+        vocab = TOKENIZER_VOCAB[tokenizer]
+    else:
+        raise ValueError(f"recipe {name}: the size of tokenizer {tokenizer!r} is not known here")
+    return {"recipe": name, "profile": recipe["profile"], "vocab_size": vocab,
+            "values": {k: recipe[k] for k in RECIPE_SHAPE_KEYS if k in recipe}}
 
 
 MIN_VOCAB = 259  # the 256 bytes, <|endoftext|>, <|begin_of_text|>, and one more
@@ -109,11 +189,8 @@ def main(argv: list[str]) -> int:
         return 0
     from harness import demo_mix
 
-    from zerotrain.launcher.components import planner
-    from zerotrain.launcher.config import RunConfig, config_from
     from zerotrain.launcher.errors import UsageError
     from zerotrain.launcher.profiles import detect_profile, load_profile
-    from zerotrain.launcher.run_plan import plan_run
 
     props = torch.cuda.get_device_properties(0)
     device = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
@@ -128,48 +205,82 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    mix = demo_mix()
-    tokenizer = str(sized_tokenizer(a.vocab_size, out / f"tokenizer-{a.vocab_size}")) if a.vocab_size else "bytes"
+    common = {"data": str(demo_mix()), "grad_accum": a.grad_accum, "max_steps": a.steps,
+              "warmup_steps": WARMUP_STEPS, "out": str(out), "resume": "never", "log_data_every_steps": 0}
+    configs = recipe_configs(a, name, profile, out) if a.model is None else grid_configs(a, name, profile, out)
+    print(header(name, device, argv, a), flush=True)  # each row as it is measured: a run cut short keeps the rows done
+    for row, prof, values in configs:
+        prof_path = out / f"{values['run_id']}.profile.json"
+        prof_path.write_text(json.dumps(prof, indent=2))
+        row.update(run_one({**common, **values, "profile": str(prof_path)}, props.total_memory, out, a.nproc))
+        print(row_line(row), flush=True)
+    return 0
+
+
+def tokenizer_for(vocab_size: int, out: Path) -> str:
+    return str(sized_tokenizer(vocab_size, out / f"tokenizer-{vocab_size}")) if vocab_size else "bytes"
+
+
+def grid_configs(a, name: str, profile: dict, out: Path):
+    """--model: (row, profile, driver values) for each ZeRO stage x attention kernel, on the profile's settings."""
+    from zerotrain.launcher.config import RunConfig
+
     has_attention = "attention" in {f.name for f in fields(RunConfig)}  # a driver older than --attention has none
     backends = a.attention.split(",") if has_attention else ["(the driver's default)"]
-    rows = []
-    print(header(name, device, argv, a), flush=True)  # each row as it is measured: a run cut short keeps the rows done
+    tokenizer = tokenizer_for(a.vocab_size, out)
     for stage in (int(s) for s in a.stages.split(",")):
         prof = json.loads(json.dumps(profile))
         prof["zero_optimization"]["stage"] = stage
-        prof_path = out / f"{name}-zero{stage}.json"
-        prof_path.write_text(json.dumps(prof, indent=2))
         for backend in backends:
-            values = {"profile": str(prof_path), "data": str(mix), "model": a.model, "seq_len": a.seq_len,
-                      "tokenizer": tokenizer, "grad_accum": a.grad_accum, "max_steps": a.steps, "warmup_steps": WARMUP_STEPS, "out": str(out),
-                      "run_id": f"zero{stage}-{backend}", "resume": "never", "log_data_every_steps": 0}
+            values = {"model": a.model, "seq_len": a.seq_len, "tokenizer": tokenizer, "run_id": f"zero{stage}-{backend}"}
             if has_attention:
                 values["attention"] = backend
-            row = {"stage": stage, "attention": backend}
-            rows.append(row)
-            try:
-                plan = plan_run(config_from({**values, "dry_run": True}), a.nproc)
-            except UsageError as e:  # e.g. varlen with a torch that lacks it
-                row["result"] = f"refused: {e}"
-                print(row_line(row), flush=True)
-                continue
-            setup = planner.setup_from(plan.ds_config, plan.settings.values, world=a.nproc, nodes=1, device_bytes=props.total_memory,
-                                       args=plan.model_args, attention=plan.attention)
-            ac = bool(plan.settings.activation_checkpointing)
-            fit = planner.max_micro_batch(plan.model_args, replace(setup, device_bytes=FIT_FRACTION * props.total_memory),
-                                          stage, a.seq_len, ac)
-            micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit)
-            if micro == 0:
-                row["result"] = f"not run: the planner fits no row in {FIT_FRACTION:.0%} of this GPU"
-                print(row_line(row), flush=True)
-                continue
-            mem = planner.memory(plan.model_args, setup, stage, micro, a.seq_len, ac)
-            row.update(micro=micro, kernel=plan.attention, planned_tensors=(mem["total"] - mem["context"]
-                                                                            - mem["fragmentation"]) / 2**30,
-                       planned_total=mem["total"] / 2**30, peak_flops=plan.settings.peak_flops_per_device)
-            row.update(measure(values, micro, out, a.nproc))
-            print(row_line(row), flush=True)
-    return 0
+            yield {"stage": stage, "attention": backend}, prof, values
+
+
+def recipe_configs(a, name: str, profile: dict, out: Path):
+    """(row, profile, driver values) for each recipe: its profile, with this GPU's profile's peak FLOP/s and
+    hardware (so MFU and the fit are this GPU's), its shape and vocabulary, attention auto."""
+    from zerotrain.launcher.profiles import load_profile
+
+    for recipe in a.recipes:
+        shape = recipe_shape(recipe)
+        prof = json.loads(json.dumps(load_profile(shape["profile"])[1]))
+        for key in ("peak_flops_per_device", "hardware"):
+            if key in profile.get("zerotrain", {}):
+                prof.setdefault("zerotrain", {})[key] = profile["zerotrain"][key]
+        values = {**shape["values"], "tokenizer": tokenizer_for(shape["vocab_size"], out), "run_id": recipe}
+        yield ({"recipe": recipe, "stage": prof["zero_optimization"]["stage"], "attention": "auto",
+                "vocab": f"{shape['vocab_size']:,}" if shape["vocab_size"] else "bytes (320)"}, prof, values)
+
+
+def run_one(values: dict, device_bytes: float, out: Path, nproc: int) -> dict:
+    """Plan one configuration as the driver would, lower its micro-batch to what the planner fits in
+    FIT_FRACTION of this GPU, and measure it; a refusal or a configuration that cannot fit is a result."""
+    from zerotrain.launcher.components import planner
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.errors import UsageError
+    from zerotrain.launcher.run_plan import plan_run
+
+    try:
+        plan = plan_run(config_from({**values, "dry_run": True}), nproc)
+    except UsageError as e:  # e.g. varlen with a torch that lacks it
+        return {"result": f"refused: {e}"}
+    stage = plan.ds_config["zero_optimization"]["stage"]
+    setup = planner.setup_from(plan.ds_config, plan.settings.values, world=nproc, nodes=1, device_bytes=device_bytes,
+                               args=plan.model_args, attention=plan.attention)
+    ac = bool(plan.settings.activation_checkpointing)
+    seq_len = plan.cfg.seq_len
+    fit = planner.max_micro_batch(plan.model_args, replace(setup, device_bytes=FIT_FRACTION * device_bytes),
+                                  stage, seq_len, ac)
+    micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit)
+    if micro == 0:
+        return {"result": f"not run: the planner fits no row in {FIT_FRACTION:.0%} of this GPU"}
+    mem = planner.memory(plan.model_args, setup, stage, micro, seq_len, ac)
+    row = {"micro": micro, "kernel": plan.attention, "planned_tensors": (mem["total"] - mem["context"]
+                                                                         - mem["fragmentation"]) / 2**30,
+           "planned_total": mem["total"] / 2**30, "peak_flops": plan.settings.peak_flops_per_device}
+    return {**row, **measure(values, micro, out, nproc)}
 
 
 def measure(values: dict, micro: int, out: Path, nproc: int = 1) -> dict:
@@ -203,20 +314,24 @@ def measure(values: dict, micro: int, out: Path, nproc: int = 1) -> dict:
 def header(profile: str, device: str, argv: list[str], a) -> str:
     import torch
 
+    what = (f"the recipes' shapes ({', '.join(a.recipes)}), each on its own profile's settings, MFU against {profile}'s"
+            f" peak" if a.model is None else
+            f"profile {profile}; {a.model} at seq {a.seq_len}, vocabulary {a.vocab_size or 'bytes (320)'}")
+    columns = "| recipe | vocabulary | ZeRO |" if a.model is None else "| ZeRO |"
     return "\n".join([
         f"GPU benchmark, {time.strftime('%Y-%m-%d')}: {device}, torch {torch.__version__} (CUDA"
-        f" {torch.version.cuda}), profile {profile}; {a.model} at seq {a.seq_len}, vocabulary"
-        f" {a.vocab_size or 'bytes (320)'}, gradient accumulation {a.grad_accum}, bf16, {a.nproc} GPU(s); medians"
+        f" {torch.version.cuda}); {what}; gradient accumulation {a.grad_accum}, {a.nproc} GPU(s); medians"
         f" over steps {WARMUP_STEPS + 1}+; command: python benchmarks/gpu.py {' '.join(argv)}".rstrip(), "",
-        "| ZeRO | attention | micro | tokens/s | MFU | peak allocated | planner: tensors / total | loss (step) |",
-        "|---|---|---|---|---|---|---|---|"])
+        f"{columns} attention | micro | tokens/s | MFU | peak allocated | planner: tensors / total | loss (step) |",
+        "|" + "---|" * (columns.count("|") - 1 + 7)])
 
 
 def row_line(r: dict) -> str:
+    first = f"| {r['recipe']} | {r['vocab']} | {r['stage']} |" if "recipe" in r else f"| {r['stage']} |"
     if "tokens_per_s" not in r:
-        return f"| {r['stage']} | {r['attention']} | {r.get('micro', '')} | {r.get('result', '')} | | | | |"
+        return f"{first} {r['attention']} | {r.get('micro', '')} | {r.get('result', '')} | | | | |"
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (no peak in the profile)"
-    return (f"| {r['stage']} | {r['kernel']} | {r['micro']} | {r['tokens_per_s']:,.0f} | {mfu} |"
+    return (f"{first} {r['kernel']} | {r['micro']} | {r['tokens_per_s']:,.0f} | {mfu} |"
             f" {r['peak_gib']:.1f} GiB | {r['planned_tensors']:.1f} / {r['planned_total']:.1f} GiB |"
             f" {r['loss']:.3f} ({r['last_step']}) |")
 

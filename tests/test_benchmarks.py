@@ -81,13 +81,67 @@ def test_gpu_benchmark_arguments_are_checked_before_anything_runs():
     for args, says in ((["--nproc", "0"], "--nproc must be at least 1, got 0"),
                        (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
                        (["--steps", "5"], "--steps must be at least 11, got 5"),
-                       (["--vocab-size", "100"], "--vocab-size must be 0 (bytes) or at least 259, got 100"),
-                       (["--stages", "2,1"], "--stages '2,1': '1' is not one of 2, 3"),
-                       (["--attention", "flash"], "--attention 'flash': 'flash' is not one of sdpa, flex, varlen")):
+                       (["--model", "debug", "--vocab-size", "100"], "--vocab-size must be 0 (bytes) or at least 259, got 100"),
+                       (["--model", "debug", "--stages", "2,1"], "--stages '2,1': '1' is not one of 2, 3"),
+                       (["--model", "debug", "--attention", "flash"],
+                        "--attention 'flash': 'flash' is not one of sdpa, flex, varlen"),
+                       (["--model", "debug", "--recipes", "all"],
+                        "--recipes and --model: choose one (a recipe names its own model)"),
+                       (["--seq-len", "512"],
+                        "--seq-len is for --model runs; a recipe brings its own shape, stage and attention"),
+                       (["--recipes", "rtx6000ada-x2-1.3b,nope"], "--recipes rtx6000ada-x2-1.3b,nope: 'nope' is not"
+                        " a shipped recipe (a100x8-1.46b-edu-mix, a100x8-13b-offload, cpu-debug, h100pcie-x8-1000usd,"
+                        " h100pcie-x8-1000usd-optimal, rtx6000ada-x2-1.3b, rtx6000ada-x2-760m,"
+                        " rtx6000ada-x2-7b-offload)")):
         proc = gpu_bench(*args)
         assert proc.returncode == 2 and proc.stderr.strip() == f"benchmarks/gpu.py: {says}", (args, proc.stderr)
-    fine = gpu_bench("--vocab-size", "128256", "--nproc", "2", "--grad-accum", "4", "--model", "debug")
-    assert fine.returncode == 0 and fine.stdout.startswith("benchmarks/gpu.py: no CUDA device"), fine.stderr
+    for fine in (gpu_bench("--vocab-size", "128256", "--nproc", "2", "--grad-accum", "4", "--model", "debug"),
+                 gpu_bench(), gpu_bench("--recipes", "rtx6000ada-x2-760m", "--grad-accum", "2")):
+        assert fine.returncode == 0 and fine.stdout.startswith("benchmarks/gpu.py: no CUDA device"), fine.stderr
+        assert len(fine.stdout.splitlines()) == 1
+
+
+def test_make_bench_gpu_runs_every_gpu_recipes_shape_planned_as_the_driver_would(tmp_path, monkeypatch):
+    """By default the benchmark runs each shipped recipe on a GPU profile (not the CPU one, not those offloading
+    to the host): its model, seq len, vocabulary, micro-batch and its profile's stage, precision, checkpointing and
+    optimizer, with this GPU's peak FLOP/s. Planned here through the driver's own plan_run (dry run) and the
+    planner's fit for an 80 GB GPU; only the measurement (a CUDA run) is replaced."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu
+    from harness import demo_mix
+
+    from zerotrain.launcher.config import load_recipe
+    from zerotrain.launcher.profiles import load_profile
+
+    a = gpu.parse(["--out", str(tmp_path)])
+    assert a.recipes == ["a100x8-1.46b-edu-mix", "h100pcie-x8-1000usd-optimal", "h100pcie-x8-1000usd",
+                         "rtx6000ada-x2-1.3b", "rtx6000ada-x2-760m"]
+    measured = []
+    monkeypatch.setattr(gpu, "measure", lambda values, micro, out, nproc=1: measured.append((values, micro)) or {
+        "tokens_per_s": 1.0, "mfu": None, "peak_gib": 1.0, "loss": 3.0, "last_step": 50})
+    here, profile = load_profile("h100-80g-x8")
+    common = {"data": str(demo_mix()), "max_steps": 50, "warmup_steps": 10, "out": str(tmp_path), "resume": "never"}
+    rows = {}
+    for row, prof, values in gpu.recipe_configs(a, here, profile, tmp_path):
+        recipe = load_recipe(row["recipe"])
+        own = load_profile(recipe["profile"])[1]
+        assert prof["zero_optimization"] == own["zero_optimization"] and prof.get("bf16") == own.get("bf16")
+        assert prof["zerotrain"]["peak_flops_per_device"] == profile["zerotrain"]["peak_flops_per_device"]
+        assert {k: values[k] for k in ("seq_len", "micro_batch")} == {k: recipe[k] for k in ("seq_len", "micro_batch")}
+        (tmp_path / "p.json").write_text(__import__("json").dumps(prof))
+        row.update(gpu.run_one({**common, **values, "profile": str(tmp_path / "p.json")}, 80 * 2**30, tmp_path, 1))
+        rows[row["recipe"]] = row
+    assert rows["rtx6000ada-x2-1.3b"]["vocab"] == "128,256" and rows["rtx6000ada-x2-1.3b"]["micro"] == 4
+    assert rows["rtx6000ada-x2-1.3b"]["kernel"] == "varlen" and rows["rtx6000ada-x2-1.3b"]["stage"] == 3
+    assert rows["a100x8-1.46b-edu-mix"]["vocab"] == "bytes (320)" and rows["a100x8-1.46b-edu-mix"]["micro"] == 16
+    assert rows["h100pcie-x8-1000usd"]["result"].startswith("not run: the planner fits no row")  # 12.9B on one GPU
+    ran = {v["run_id"]: (v, micro) for v, micro in measured}
+    assert set(ran) == set(rows) - {"h100pcie-x8-1000usd"}
+    values, micro = ran["rtx6000ada-x2-760m"]
+    assert values["model"] == "ws-760m" and values["optimizer"] == "muon" and values["activation_checkpointing"]
+    from zerotrain.dataio.tokenizer import load_tokenizer
+
+    assert load_tokenizer(values["tokenizer"]).vocab_size == 128256 and micro == 8
 
 
 def test_gpu_benchmarks_sized_tokenizer_gives_the_model_that_vocabulary(tmp_path):
