@@ -440,7 +440,8 @@ def _loss_and_grads(hidden, weight, targets, mean: bool, chunk_tokens: int, want
         target = torch.where(keep, target, 0)  # any valid index for the ignored positions; masked below
         target_logit = logits.gather(1, target[:, None])[:, 0]  # (n,), before the logits are overwritten
         # logsumexp written out, in place of the logits: aten's logsumexp computes exactly this (max, exp of
-        # the difference, sum, log, + max), but into an (n, V) fp32 temporary of its own, read twice more
+        # the difference, sum, log, + max) but into an (n, V) fp32 temporary of its own, and the softmax then
+        # took the same two passes again; here they are made once and the softmax is their result / total
         top = logits.amax(dim=-1)  # (n,)
         exps = logits.sub_(top[:, None]).exp_()  # exp(logits - max), the softmax's numerator
         total = exps.sum(dim=-1)  # (n,)
@@ -454,7 +455,7 @@ def _loss_and_grads(hidden, weight, targets, mean: bool, chunk_tokens: int, want
         per_token = ((keep * scale if mean else keep) / total)[:, None]
         dlogits = exps.mul_(per_token) if h.dtype == exps.dtype else \
             torch.mul(exps, per_token, out=torch.empty(exps.shape, dtype=h.dtype, device=exps.device))
-        del logits, exps  # the fp32 chunk is free before the two products
+        del logits, exps  # in 16-bit the fp32 chunk is freed before the two products (in fp32 it is dlogits)
         if want_hidden:
             grad_hidden[start:start + chunk_tokens] = dlogits @ weight
         if want_weight:

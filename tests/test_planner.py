@@ -355,7 +355,7 @@ def test_a_bad_context_size_in_a_profile_is_refused(value, tmp_path):
 
 def test_the_loss_chunk_on_a_gpu_uses_the_memory_backward_needs_anyway():
     """A GPU's chunked loss takes as many tokens as fit in the memory one block's backward already needs (no
-    higher peak); a CPU keeps ~261 tokens at the Llama-3 vocabulary (its 1.33 GB peak); the run's plan hands
+    higher peak); a CPU keeps ~261 tokens at the Llama-3 vocabulary; the run's plan hands
     the chunk to the engine's model on a GPU, None (the model's own) on a CPU."""
     args = preset("ws-1.3b", vocab_size=128256)
     cpu = planner.activation_bytes(args, 16, 2048, 2, False, "varlen", "cpu")
