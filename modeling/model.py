@@ -20,6 +20,12 @@ Architecture choices, all of them:
   all three are the same math (tests/test_attention.py);
 - the loss never holds (B, T, V) logits: `LMHead` computes the output projection and the
   cross-entropy in chunks of tokens, and its gradients with them (`chunked_next_token_loss`);
+- optional Ulysses sequence parallelism (`SequenceShard`, set by the engine builder): N ranks share
+  every row, each embeds, projects and takes the loss of its own T/N positions; around the attention
+  kernel an all-to-all swaps the sequence split for a head split (`sequence_to_heads`, `heads_to_sequence`),
+  so the kernel sees whole rows of H/N heads. Every rank gets the full row's ``position_ids`` and labels:
+  document masks are derived from the whole row, and the loss of a shard is normalised by the labelled
+  tokens of the whole row group (the sum over the N ranks is the unsharded loss);
 - RMSNorm is computed in fp32; no biases anywhere; weights initialised in `init_weights` only.
 
 This file is the model: no optimizer, no data, no DeepSpeed (beyond gathering ZeRO-3 parameters in
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -246,6 +252,59 @@ def _varlen_keywords(fn) -> frozenset:
 ATTENTION_KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel, "varlen": varlen_kernel}
 
 
+class SequenceShard(NamedTuple):
+    """Ulysses sequence parallelism as the model sees it: `size` ranks share every row; this rank holds
+    positions [rank * T/size, (rank + 1) * T/size) of it. `exchange` is a differentiable all-to-all over
+    dimension 0 (whose length is `size`) within those ranks: slice i goes to rank i, and slice i of the
+    result came from rank i (DeepSpeed's: launcher/components/ds_compat.py sequence_all_to_all).
+    `gradient_factor` multiplies the gradient (not the value) of this rank's loss share: the engine's
+    gradient reduction divides the sum over all ranks by world/size in some DeepSpeed paths and by the
+    whole world in others (ds_compat.sequence_parallel_gradient_factor says which, for the built engine)."""
+
+    size: int
+    rank: int
+    exchange: Callable[[torch.Tensor], torch.Tensor]
+    gradient_factor: float = 1.0
+
+    def local(self, length: int) -> slice:
+        """This rank's positions of a row of `length` (a multiple of size: the planner refuses others)."""
+        if length % self.size:
+            raise ValueError(f"sequence parallelism over {self.size} ranks needs a row length divisible by"
+                             f" {self.size}, got {length}")
+        step = length // self.size
+        return slice(self.rank * step, (self.rank + 1) * step)
+
+
+def sequence_to_heads(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """(B, T/N, heads, hd) on each rank -> (B, T, heads/N, hd): rank g keeps heads [g*heads/N, (g+1)*heads/N)
+    of every position of the row (the all-to-all before the attention kernel)."""
+    B, local_len, heads, hd = x.shape
+    n = shard.size
+    x = x.reshape(B, local_len, n, heads // n, hd).permute(2, 0, 1, 3, 4)  # (N, B, T/N, heads/N, hd): group g -> rank g
+    x = shard.exchange(x.contiguous())  # (N, B, T/N, heads/N, hd): slice s is rank s's stretch of the row
+    return x.permute(1, 0, 2, 3, 4).reshape(B, n * local_len, heads // n, hd)
+
+
+def heads_to_sequence(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """(B, T, heads/N, hd) -> (B, T/N, heads, hd): the inverse of sequence_to_heads (after the kernel)."""
+    B, length, local_heads, hd = x.shape
+    n = shard.size
+    x = x.reshape(B, n, length // n, local_heads, hd).permute(1, 0, 2, 3, 4)  # (N, B, T/N, heads/N, hd): stretch s -> rank s
+    x = shard.exchange(x.contiguous())  # (N, B, T/N, heads/N, hd): slice g is head group g, from rank g
+    return x.permute(1, 2, 0, 3, 4).reshape(B, length // n, n * local_heads, hd)
+
+
+def check_sequence_parallel(args: ModelArgs, size: int) -> None:
+    """ValueError (one line) when `size` ranks cannot split this model's heads: query heads must divide
+    by size, and kv heads divide by it or it by them (then each kv head is repeated size/kv times)."""
+    if args.n_heads % size:
+        raise ValueError(f"sequence parallelism over {size} ranks needs attention heads divisible by {size};"
+                         f" the model has {args.n_heads}")
+    if args.n_kv_heads % size and size % args.n_kv_heads:
+        raise ValueError(f"sequence parallelism over {size} ranks needs kv heads divisible by {size} or dividing"
+                         f" it; the model has {args.n_kv_heads}")
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -261,14 +320,21 @@ class Attention(nn.Module):
         """q, k, v before the head split (benchmarks/projections.py swaps in one fused weight here)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x, cos, sin, docs: DocumentLayout):
-        B, T, _ = x.shape
+    def forward(self, x, cos, sin, docs: DocumentLayout, shard: SequenceShard | None = None):
+        B, T, _ = x.shape  # T: this rank's positions (the whole row without sequence parallelism)
         q, k, v = self.project(x)
         q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim))  # (B, T, H, hd)
         k = self.k_norm(k.view(B, T, self.n_kv_heads, self.head_dim))  # (B, T, KV, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ATTENTION_KERNELS[docs.backend](q, k, v, docs)  # (B, T, H, hd)
+        if shard is not None:
+            if self.n_kv_heads < shard.size:  # each rank needs a kv head of its own: repeat them (their
+                # gradients are summed back by repeat_interleave's backward); query head h still meets kv h // (H/KV)
+                k, v = (t.repeat_interleave(shard.size // self.n_kv_heads, dim=2) for t in (k, v))
+            q, k, v = (sequence_to_heads(t, shard) for t in (q, k, v))  # (B, N*T, heads/N, hd)
+        out = ATTENTION_KERNELS[docs.backend](q, k, v, docs)  # (B, T, H, hd) or, sharded, (B, N*T, H/N, hd)
+        if shard is not None:
+            out = heads_to_sequence(out, shard)  # (B, T, H, hd)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -291,8 +357,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, docs: DocumentLayout):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
+    def forward(self, x, cos, sin, docs: DocumentLayout, shard: SequenceShard | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, shard)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -305,17 +371,19 @@ class LMHead(nn.Linear):
     loss instead of the logits (`chunked_next_token_loss`). The loss is computed here, in this module's
     own forward, for ZeRO-3: DeepSpeed gathers a module's parameters only around that module's forward
     and backward, so the weight is gathered once for every chunk of the step (and gathered at all).
+    It takes `targets`, the labels already shifted (`next_token_targets`), and for "mean" optionally
+    `mean_over`, the labelled-token count to divide by (a sequence shard's: the whole row group's).
     """
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__(dim, vocab_size, bias=False)
         self.chunk_tokens: int | None = None  # None: loss_chunk_tokens(vocab) (LOSS_CHUNK_BYTES of fp32 logits)
 
-    def forward(self, x, labels=None, reduction: str = "mean"):
-        if labels is None:
+    def forward(self, x, targets=None, reduction: str = "mean", mean_over=None):
+        if targets is None:
             return super().forward(x)
         chunk = self.chunk_tokens or loss_chunk_tokens(self.out_features)
-        return chunked_next_token_loss(x, self.weight, labels, reduction, chunk)
+        return chunked_target_loss(x, self.weight, targets, reduction, chunk, mean_over)
 
 
 class Transformer(nn.Module):
@@ -329,6 +397,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.activation_checkpointing = False
+        self.sequence_parallel: SequenceShard | None = None  # set by the engine builder (N > 1 only)
         # One of ATTENTION_BACKENDS. "auto" is resolved at every forward from the activations' device and
         # dtype; a named backend is used as it is (the driver checks it with resolve_attention at start-up).
         self.attention = "auto"
@@ -341,20 +410,48 @@ class Transformer(nn.Module):
 
         labels follow the Hugging Face convention: same shape as input_ids, -100 where no loss;
         the shift by one happens here.
+
+        With sequence parallelism every rank of the group is given the same whole rows: it computes the
+        positions `shard.local(T)` only, returns logits (B, T/N, V) for them, or its share of the loss
+        (its positions' token losses over the whole row group's labelled count, so that the sum over
+        the group's ranks is the unsharded loss; "sum": its positions' sum).
         """
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, self.args.head_dim, self.args.rope_theta, x.dtype)
+        shard = self.sequence_parallel
+        local = shard.local(T) if shard is not None else slice(None)
+        x = self.embed_tokens(input_ids[:, local])
+        cos, sin = rotary_cos_sin(position_ids[:, local], self.args.head_dim, self.args.rope_theta, x.dtype)
         backend = resolve_attention("auto", x.device.type, x.dtype) if self.attention == "auto" else self.attention
-        docs = DocumentLayout.from_positions(position_ids, backend)
+        docs = DocumentLayout.from_positions(position_ids, backend)  # the whole row: the kernel sees whole rows
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, docs, shard, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, docs)
-        return self.lm_head(self.norm(x), labels, loss_reduction)
+                x = layer(x, cos, sin, docs, shard)
+        if labels is None:
+            return self.lm_head(self.norm(x))
+        targets = next_token_targets(labels)  # (B, T): shifted over the whole row (a shard's last target is
+        # the next shard's first label)
+        mean_over = (targets != IGNORE_INDEX).sum() if shard is not None and loss_reduction == "mean" else None
+        loss = self.lm_head(self.norm(x), targets[:, local], loss_reduction, mean_over)
+        if shard is not None and shard.gradient_factor != 1.0:
+            loss = _ScaleGradient.apply(loss, shard.gradient_factor)
+        return loss
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by `factor` in backward (SequenceShard.gradient_factor)."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def next_token_loss(logits, labels, reduction: str = "mean"):
@@ -388,15 +485,27 @@ def chunked_next_token_loss(hidden, weight, labels, reduction: str = "mean", chu
     matmuls: the technique of Liger's fused linear cross-entropy), so nothing of the chunk is kept for
     backward. Memory: one chunk's logits, plus d(hidden) (B*T, D) and an fp32 d(weight) (V, D).
     """
+    return chunked_target_loss(hidden, weight, next_token_targets(labels), reduction, chunk_tokens)
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, T): the token each position predicts, the next label of its row (the last position
+    of a row predicts nothing: IGNORE_INDEX)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def chunked_target_loss(hidden, weight, targets, reduction: str = "mean", chunk_tokens: int = 256, mean_over=None):
+    """`chunked_next_token_loss` for targets already shifted (B, T). "mean" divides the sum by `mean_over`
+    when given (a tensor: a sequence shard's whole row group's labelled count), else by the labelled
+    positions of `targets`."""
     check_reduction(reduction)
     B, T, D = hidden.shape
-    # the token each position predicts: the next label of its row; the last position of a row has none
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).reshape(B * T)
+    targets = targets.reshape(B * T)
     hidden = hidden.reshape(B * T, D)
     mean = reduction == "mean"
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedNextTokenLoss.apply(hidden, weight, targets, mean, chunk_tokens)
-    return _loss_and_grads(hidden, weight, targets, mean, chunk_tokens, False, False)[0]
+        return _ChunkedNextTokenLoss.apply(hidden, weight, targets, mean, chunk_tokens, mean_over)
+    return _loss_and_grads(hidden, weight, targets, mean, chunk_tokens, False, False, mean_over)[0]
 
 
 class _ChunkedNextTokenLoss(torch.autograd.Function):
@@ -406,10 +515,10 @@ class _ChunkedNextTokenLoss(torch.autograd.Function):
     (not as ctx attributes) so that saved-tensor hooks, and the planner's test through them, see them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, mean: bool, chunk_tokens: int):
+    def forward(ctx, hidden, weight, targets, mean: bool, chunk_tokens: int, mean_over=None):
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         loss, grad_hidden, grad_weight = _loss_and_grads(hidden, weight, targets, mean, chunk_tokens, want_hidden,
-                                                         want_weight)
+                                                         want_weight, mean_over)
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
         ctx.wanted, ctx.used = (want_hidden, want_weight), False
         return loss
@@ -421,15 +530,16 @@ class _ChunkedNextTokenLoss(torch.autograd.Function):
         ctx.used = True
         saved = iter(ctx.saved_tensors)
         grad_hidden, grad_weight = (next(saved).mul_(grad_loss) if wanted else None for wanted in ctx.wanted)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
-def _loss_and_grads(hidden, weight, targets, mean: bool, chunk_tokens: int, want_hidden: bool, want_weight: bool):
+def _loss_and_grads(hidden, weight, targets, mean: bool, chunk_tokens: int, want_hidden: bool, want_weight: bool,
+                    mean_over=None):
     """(loss, d loss/d hidden or None, d loss/d weight or None); hidden (N, D), targets (N,)."""
     N = hidden.shape[0]
     labelled = targets != IGNORE_INDEX  # (N,)
     # mean: 1/labelled tokens, a tensor (no host sync); with none, nan as F.cross_entropy's mean gives
-    scale = 1.0 / labelled.sum().float() if mean else None
+    scale = 1.0 / (labelled.sum() if mean_over is None else mean_over).float() if mean else None
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if want_hidden else None
     # fp32 accumulation over chunks (each chunk's product is rounded once, like the one full matmul)

@@ -27,7 +27,8 @@ OWNERS = {  # DeepSpeed's entry -> the one file that may call it
 BUILDERS = [  # every file that builds an engine, and builds it through build_engine
     "launcher/trainer.py", "tests/helpers/optim_harness.py", "tests/helpers/ckpt_harness.py",
     "tests/helpers/eval_harness.py", "tests/helpers/head_zero3_harness.py", "tests/helpers/universal_harness.py",
-    "tests/helpers/sft_loss_harness.py", "benchmarks/profile_step.py", "benchmarks/checkpoints.py"]
+    "tests/helpers/sft_loss_harness.py", "tests/helpers/sp_harness.py", "benchmarks/profile_step.py",
+    "benchmarks/checkpoints.py"]
 
 
 def trees(where: str, text: str):

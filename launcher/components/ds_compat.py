@@ -16,6 +16,7 @@ DeepSpeed is imported inside the functions: this module is imported by light com
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -66,6 +67,15 @@ PRIVATE_NAMES = (
                 "a notebook's finished ZeRO-3 run frees its model", False),
     PrivateName("deepspeed.runtime.zero.muon.muon_optimizer", "MuonWithAuxAdam",
                 "--optimizer muon: the built engine is checked to step with DeepSpeed's Muon", True),
+    PrivateName("deepspeed.sequence.layer", "_dim_zero_all_to_all",
+                "--sequence-parallel: the Ulysses all-to-all around attention", True,
+                source_has="_dim_zero_all_to_all_op(input.contiguous(), group.group_name)"),
+    PrivateName("deepspeed.sequence.layer", "register_all_to_all_group",
+                "--sequence-parallel: the Ulysses all-to-all around attention", True),
+    PrivateName("deepspeed.runtime.sequence_parallel.parallel_state_sp", "initialize_sequence_parallel",
+                "--sequence-parallel: ZeRO reduces and partitions over the sequence-data-parallel group", True),
+    PrivateName("deepspeed.runtime.sequence_parallel.parallel_state_sp", "_release_sequence_parallel_groups",
+                "--sequence-parallel: a second engine in one process with another sequence-parallel size", False),
     PrivateName("deepspeed", "", "each CPU launch removes its 66 MB /dev/shm buffer", False,
                 source_has='#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"', file="ops/csrc/cpu/comm/shm.cpp"),
 )
@@ -257,3 +267,67 @@ def muon_optimizer_class():
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     return MuonWithAuxAdam
+
+
+# -- Ulysses sequence parallelism -------------------------------------------------------------------
+
+def sequence_parallel_mpu(size: int):
+    """DeepSpeed's sequence-parallel unit for `size` ranks a row, its groups created once per process
+    (a later engine of another size releases them first): the module
+    deepspeed/runtime/sequence_parallel/parallel_state_sp.py (0.19.8), handed as `mpu` to zero.Init and
+    deepspeed.initialize. Its groups: ranks [i*size, (i+1)*size) share rows (sequence-parallel rank =
+    rank % size, data-parallel rank = rank // size); the sequence-data-parallel group is every rank.
+    DeepSpeed recognises it by its `initialize_sequence_parallel` attribute (utils/groups.py): the engine
+    then reduces gradients and partitions ZeRO state over the sequence-data-parallel group, divides the
+    reduced gradients by world/size (stage_1_and_2.py and stage3.py: `/ float(self.sequence_parallel_size)`),
+    and config.py takes the batch's world size as world/size.
+    """
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
+
+    if getattr(mpu, "_SEQUENCE_PARALLEL_GROUP", None) is not None:
+        if mpu.get_sequence_parallel_world_size() == size:
+            return mpu
+        mpu._release_sequence_parallel_groups()
+    mpu.initialize_sequence_parallel(size)
+    return mpu
+
+
+def sequence_all_to_all(group):
+    """tensor -> tensor: DeepSpeed's differentiable all-to-all over dimension 0 within `group` (dim 0's
+    length must be the group's size; its backward is the same exchange).
+
+    Matches deepspeed/sequence/layer.py (0.19.8): `_dim_zero_all_to_all(group, input)`, the exchange
+    UlyssesSPAttentionHF uses (a registered custom op, so torch.compile keeps its backward), which resolves
+    the group by name from a registry that `register_all_to_all_group` fills, outside any compiled region.
+    """
+    from deepspeed.sequence.layer import _dim_zero_all_to_all, register_all_to_all_group
+
+    register_all_to_all_group(group)
+    return functools.partial(_dim_zero_all_to_all, group)
+
+
+def sequence_parallel_gradient_factor(engine, size: int) -> float:
+    """What each rank's loss share's gradient must be multiplied by so that the gradient the optimizer
+    gets is the mean, over the data-parallel groups, of each row group's gradient (the sum over its `size`
+    ranks), for the engine DeepSpeed built.
+
+    DeepSpeed 0.19.8 sums the gradients over every rank (the sequence-data-parallel group) and divides by:
+    world/size in ZeRO-0 (engine.py _reduce_non_expert_gradients), ZeRO-1/2 (stage_1_and_2.py, both
+    allreduce_bucket and the reduce-scatter path: `/ float(self.sequence_parallel_size)`) and ZeRO-3's
+    contiguous all-reduce path (stage3.py __avg_scatter_contiguous_grads); but by the whole world in
+    ZeRO-3's reduce-scatter path (stage3.py __avg_scatter_grads -> coalesced_collectives.py
+    reduce_scatter_coalesced, `div_(world_sz)`, no sequence-parallel correction). ZeRO-3 takes the latter
+    for every bucket when zero_optimization.reduce_scatter is on (its default), the former only for buckets
+    within reduce_bucket_size when it is off: a mix no single factor corrects, so it is refused, as is
+    ZeRO-3's quantized-gradient all-to-all (not read). Measured on 2 CPU ranks: without the factor ZeRO-3's
+    gradients came out exactly 1/2 at size 2 (tests/test_sequence_parallel.py).
+    """
+    if engine.zero_optimization_stage() != 3:
+        return 1.0
+    if getattr(engine.optimizer, "all2all_process_group", None) is not None:
+        raise ValueError("sequence parallelism with ZeRO-3's quantized gradients (zero_quantized_gradients) is not"
+                         " supported: DeepSpeed's averaging on that path was not verified")
+    if not getattr(engine.optimizer, "reduce_scatter", True):
+        raise ValueError("sequence parallelism at ZeRO-3 needs zero_optimization.reduce_scatter on (its default):"
+                         " with it off DeepSpeed 0.19.8 averages some buckets over world/N ranks, others over all")
+    return float(size)

@@ -12,8 +12,11 @@ so an engine a test measures is built the way the run builds it for the same inp
 
 What is not here: the start-up lines about the engine (the Trainer says them), the data, resume.
 Settings the spec carries through untouched are DeepSpeed's own: optimizer and parameter offload
-(`zero_optimization.offload_optimizer` / `offload_param` in ds_config), a model-parallel unit (`mpu`,
-e.g. sequence parallelism's groups) handed to both `zero.Init` and `deepspeed.initialize`.
+(`zero_optimization.offload_optimizer` / `offload_param` in ds_config), a model-parallel unit (`mpu`)
+handed to both `zero.Init` and `deepspeed.initialize`. `sequence_parallel` N > 1 (Ulysses) makes that unit
+DeepSpeed's sequence-parallel one (ds_compat.sequence_parallel_mpu) and gives the model its shard
+(modeling/model.py SequenceShard, with DeepSpeed's all-to-all); ds_config's batch is then counted over
+world/N ranks.
 deepspeed is imported inside the functions (heavy, and its import logs a line).
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from zerotrain.launcher.components.schedule import make_scheduler
 from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
 from zerotrain.launcher.settings import COMM_TIMEOUT_S
 from zerotrain.modeling.hf import load_weights
-from zerotrain.modeling.model import ModelArgs, Transformer, held_numel
+from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, check_sequence_parallel, held_numel
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class EngineSpec:
     dist_backend: str | None = None  # the process group's, if this joins it (None: the accelerator's)
     comm_timeout_s: float | None = None  # the collectives' timeout, if this joins it (None: process_group's rule)
     mpu: Any = None  # DeepSpeed's model-parallel unit, for zero.Init and deepspeed.initialize
+    sequence_parallel: int = 1  # ranks sharing each row (Ulysses); > 1 sets mpu to DeepSpeed's sequence-parallel unit
 
     @property
     def zero_stage(self) -> int:
@@ -85,9 +89,21 @@ def spec_from_plan(plan) -> EngineSpec:
                       compile_backend=s.compile_backend, dist_backend=s.dist_backend, comm_timeout_s=s.comm_timeout_s)
 
 
-def build_model(spec: EngineSpec):
+def sequence_parallel(spec: EngineSpec) -> tuple[Any, SequenceShard | None]:
+    """(the mpu the engine is built with, the model's SequenceShard or None); the process group must exist."""
+    if spec.sequence_parallel <= 1:
+        return spec.mpu, None
+    if spec.mpu is not None:
+        raise ValueError("EngineSpec: sequence_parallel > 1 brings its own mpu; give one or the other")
+    check_sequence_parallel(spec.model_args, spec.sequence_parallel)
+    mpu = ds_compat.sequence_parallel_mpu(spec.sequence_parallel)
+    exchange = ds_compat.sequence_all_to_all(mpu.get_sequence_parallel_group())
+    return mpu, SequenceShard(spec.sequence_parallel, mpu.get_sequence_parallel_rank(), exchange)
+
+
+def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
     """The model, seeded, under zero.Init at ZeRO-3, with its pretrained weights if any (the process
-    group must exist: build_engine joins it)."""
+    group must exist: build_engine joins it); `mpu` and `shard` from `sequence_parallel(spec)`."""
     import deepspeed
 
     torch.manual_seed(spec.seed)
@@ -95,7 +111,7 @@ def build_model(spec: EngineSpec):
         # The dtype comes from the config's bf16/fp16 sections: do not pass dtype= here, DeepSpeed 0.19 turns
         # an explicit float32 into bfloat16 on CPU (an operator-precedence slip in Init._set_dtype), which made
         # fp32 runs 8x slower.
-        with deepspeed.zero.Init(config_dict_or_path=spec.ds_config, mpu=spec.mpu):
+        with deepspeed.zero.Init(config_dict_or_path=spec.ds_config, mpu=mpu if mpu is not None else spec.mpu):
             model = Transformer(spec.model_args)
     else:
         model = Transformer(spec.model_args)
@@ -107,6 +123,7 @@ def build_model(spec: EngineSpec):
         model.attention = spec.attention
     if spec.loss_chunk_tokens is not None:
         model.lm_head.chunk_tokens = spec.loss_chunk_tokens
+    model.sequence_parallel = shard
     return model
 
 
@@ -117,7 +134,8 @@ def build_engine(spec: EngineSpec) -> Built:
 
     init_process_group(spec.dist_backend, spec.comm_timeout_s or COMM_TIMEOUT_S)
     determinism.apply(torch, spec.deterministic)  # before cuBLAS starts
-    model = build_model(spec)
+    mpu, shard = sequence_parallel(spec)
+    model = build_model(spec, mpu, shard)
     held = held_numel(model)
     ds_config, optimizer, scheduler = spec.ds_config, None, spec.lr_scheduler
     if spec.run is not None:
@@ -126,7 +144,10 @@ def build_engine(spec: EngineSpec) -> Built:
     elif spec.optimizer is not None:
         optimizer = spec.optimizer(model.parameters())
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
-                                           config=ds_config, lr_scheduler=scheduler, mpu=spec.mpu)
+                                           config=ds_config, lr_scheduler=scheduler, mpu=mpu)
+    if shard is not None:  # known only now: which reduction DeepSpeed built
+        model.sequence_parallel = shard._replace(
+            gradient_factor=ds_compat.sequence_parallel_gradient_factor(engine, shard.size))
     if spec.run is not None:
         check_engine(spec.run, engine, model, ds_compat.muon_optimizer_class)
     if spec.compile:
