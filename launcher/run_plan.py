@@ -46,6 +46,7 @@ from zerotrain.launcher.profiles import precision as profile_precision  # attent
 from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel
+from zerotrain.modeling.sizes import check_sequence_parallel as check_model_sequence_parallel
 
 
 def single_process_env() -> None:
@@ -83,6 +84,17 @@ class RunPlan:
     budget: Budget | None = None  # --max-hours, --total-tokens, --budget-usd: the one the run counts against
     resume_line: str = ""  # whether a resume on this hardware is bit-identical, for the start-up line and dry run
     loss_chunk_tokens: int | None = None  # the chunked loss's chunk on this device (planner.run_loss_chunk)
+    sequence_parallel: int = 1  # ranks sharing each row (--sequence-parallel): ranks [g*N, (g+1)*N) are group g
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: each SP group of N ranks reads one loader's rows (world / N)."""
+        return self.world // self.sequence_parallel
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's loader: its SP group's (DeepSpeed's parallel_state_sp puts ranks g*N..g*N+N-1 in group g)."""
+        return self.rank // self.sequence_parallel
 
     @property
     def attention(self) -> str:
@@ -180,7 +192,9 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     cfg, profile_name, profile, settings = ident.cfg, ident.profile_name, ident.profile, ident.settings
     tokenizer, model_args, run_dir = ident.tokenizer, ident.model_args, ident.run_dir
     run_id = run_dir.name
-    ds_config = resolve_ds_config(profile, cfg, world, f"profile {profile_name}")
+    sp = check_sequence_parallel_plan(cfg, settings, model_args, world)
+    data_world = world // sp  # the batch, the data and the loader states count row groups, not ranks
+    ds_config = resolve_ds_config(profile, cfg, data_world, f"profile {profile_name}")
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
     cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len)
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
@@ -191,6 +205,9 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
                                     detect=detect_profile)
     settings = attention_kernel(cfg, settings, ds_config, node, model_args)
+    if sp > 1 and settings.attention == "varlen":
+        raise UsageError(f"--sequence-parallel {sp}: with the varlen attention kernel it is not verified (no CUDA"
+                         " here to prove it exact); use --attention sdpa or flex")
     check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, settings.values, world, attention=settings.attention)
@@ -206,6 +223,12 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     saved_run = saved["run"] if saved is not None else None
     if resume_from is not None:
         meta = checkpoint.read_meta(resume_from)
+        saved_sp = meta.get("sequence_parallel", 1)
+        if saved_sp != sp or (sp > 1 and meta["world_size"] != world):
+            raise UsageError(f"--sequence-parallel {sp}: checkpoint {resume_from} was saved by {meta['world_size']}"
+                             f" rank(s) at --sequence-parallel {saved_sp}; resuming with another sequence-parallel"
+                             f" layout is not supported yet (resume with --sequence-parallel {saved_sp} on"
+                             f" {meta['world_size']} ranks)")
         if meta["world_size"] != world:
             ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
         # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
@@ -232,7 +255,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         ds_config["train_batch_size"] * cfg.seq_len)  # --total-tokens as given, even when it sets the length
     # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
     budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, world)
-    data, eval_rows = _load_plan_data(cfg, data, tokenizer, world, loader_settings["workers"], saved_run)
+    data, eval_rows = _load_plan_data(cfg, data, tokenizer, data_world, loader_settings["workers"], saved_run)
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
     repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed),
                             settings.max_epochs, settings.sources["max_epochs"])
@@ -250,7 +273,29 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
                                                     bool(settings.activation_checkpointing), settings.attention,
-                                                    node.device))
+                                                    node.device),
+                   sequence_parallel=sp)
+
+
+def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: int) -> int:
+    """--sequence-parallel N checked against the launch and the model (UsageError, one line, before anything
+    is written): N ranks share a row, so N divides the world, the attention heads (and the kv heads, or they
+    it: modeling/model.py check_sequence_parallel) and --seq-len; N > 1 needs more than one rank."""
+    sp = settings.sequence_parallel
+    flag = f"--sequence-parallel {sp} ({settings.sources['sequence_parallel']})"
+    if sp == 1:
+        return sp
+    if world == 1:
+        raise UsageError(f"{flag}: sequence parallelism needs more than one rank; this launch has 1")
+    if world % sp:
+        raise UsageError(f"{flag}: must divide the world size {world} (N ranks share each row)")
+    if cfg.seq_len % sp:
+        raise UsageError(f"{flag}: must divide --seq-len {cfg.seq_len} (each rank holds seq_len / N positions)")
+    try:
+        check_model_sequence_parallel(model_args, sp)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    return sp
 
 
 def finished_again(plan: RunPlan) -> StopRun:

@@ -246,6 +246,12 @@ TABLE: tuple[Setting, ...] = (
                              " GPU resume is bit-identical only with it. Default: the profile's"
                              " zerotrain.deterministic, else off", flag=True, type="bool | None", kind=RUN,
             profile_key="zerotrain.deterministic", default=False, check=boolean),
+    Setting("sequence_parallel", "Ulysses sequence parallelism: N ranks share every row (each computes T/N of its"
+                                 " positions; an all-to-all around attention), data parallelism over world/N. N"
+                                 " must divide the world, the attention heads and --seq-len; kv heads must divide"
+                                 " by N or divide it. The same math: not part of the run id. Default: the"
+                                 " profile's zerotrain.sequence_parallel, else 1", flag=True, type="int | None",
+            kind=RUN, profile_key="zerotrain.sequence_parallel", default=1, check=positive_int),
     Setting("compile", "torch.compile the model (default off)", flag=True, type="bool | None",
             kind=IDENTITY_WHEN_SET, default=False, check=boolean),
     Setting("compile_backend", "torch.compile's backend (default: the accelerator's)",

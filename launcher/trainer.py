@@ -164,8 +164,9 @@ class Trainer:
         self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
         if plan.eval_rows:
-            self.evaluator = Evaluator(plan.eval_rows, self.rank, self.world,
-                                       plan.ds_config["train_micro_batch_size_per_gpu"])
+            self.evaluator = Evaluator(plan.eval_rows, plan.data_rank, plan.data_world,
+                                       plan.ds_config["train_micro_batch_size_per_gpu"], plan.sequence_parallel,
+                                       self.rank % plan.sequence_parallel)
 
     def _write_run_dir(self) -> None:
         plan = self.plan
@@ -222,7 +223,8 @@ class Trainer:
 
     def _build_data(self):
         plan, cfg = self.plan, self.cfg
-        return self.hooks.slow_training_data(Batches(plan.data, self.rank, self.world, cfg.seed, cfg.seq_len,
+        # sequence parallelism: the N ranks of a group read the same rows (each model keeps its stretch of them)
+        return self.hooks.slow_training_data(Batches(plan.data, plan.data_rank, plan.data_world, cfg.seed, cfg.seq_len,
                                                      plan.ds_config["train_micro_batch_size_per_gpu"],
                                                      plan.loader_settings, plan.loader_settings["packing"]), self.rank)
 
@@ -235,15 +237,15 @@ class Trainer:
         else:
             state = checkpointer.load(self.engine, tag_dir)["zerotrain"]
         self.step, self.tokens_seen, self.elapsed_before = state["step"], state["tokens_seen"], state["elapsed_s"]
-        states = state["loader_states"]
-        if len(states) != self.world:  # saved by another number of ranks: re-split what was left
-            plan = self.plan
-            states = reshard_loader_states(plan.data, states, self.world, self.cfg.seed, self.cfg.seq_len,
+        states = state["loader_states"]  # one per loader: per data-parallel rank
+        plan = self.plan
+        if len(states) != plan.data_world:  # saved by another number of ranks: re-split what was left
+            states = reshard_loader_states(plan.data, states, plan.data_world, self.cfg.seed, self.cfg.seq_len,
                                            plan.ds_config["train_micro_batch_size_per_gpu"],
                                            plan.loader_settings["packing"])
-            self.say(f"data: {len(state['loader_states'])} ranks' loader states re-split over {self.world}")
+            self.say(f"data: {len(state['loader_states'])} ranks' loader states re-split over {plan.data_world}")
         if load_loader:
-            self.loader.load_state_dict(states[self.rank])
+            self.loader.load_state_dict(states[plan.data_rank])
         guards = state.get("guards", {})
         for p in self.participants:
             if p.saved_as and guards.get(p.saved_as):
@@ -281,7 +283,10 @@ class Trainer:
         ahead = self.fetch() if not step.last else {}
         values = {k: v for p in self.participants for k, v in p.contribute(step).items()}
         step.agreed = self.agree({**ahead, **values, "loss_sum": loss_sum})
-        step.loss = step.agreed["loss_sum"] / (self.plan.ds_config["gradient_accumulation_steps"] * self.world)
+        # with sequence parallelism each rank's loss is its share of its row group's: the sum over the ranks
+        # counts every row group once
+        step.loss = step.agreed["loss_sum"] / (self.plan.ds_config["gradient_accumulation_steps"]
+                                               * self.plan.data_world)
         step.grad_norm = step.agreed["grad_norm"]
         self.step += 1
         self.clock.set_step(self.step)
@@ -343,7 +348,8 @@ class Trainer:
                           f" stop{where})")
         tokens_sha = hashlib.blake2b(b"".join(int(d).to_bytes(8, "little") for d in agreed["batch_digest"]),
                                      digest_size=8).hexdigest()
-        self.step_labelled = sum(int(n) for n in agreed["labelled"])
+        # each row group's N ranks hold the same rows: its labelled tokens are counted N times
+        self.step_labelled = sum(int(n) for n in agreed["labelled"]) // self.plan.sequence_parallel
         if self.step_labelled == 0:  # the same sum on every rank: all stop together, nothing trained
             raise DataError(f"step {self.step + 1}: the global batch holds no token with a label (nothing to train"
                             " on); the data has records or documents without trainable tokens")
@@ -368,7 +374,7 @@ class Trainer:
         # ranks) gives the mean over the global batch's labelled tokens.
         scale = None
         if self.plan.data.token_weighted:
-            scale = global_token_mean_scale(self.plan.ds_config["gradient_accumulation_steps"], self.world,
+            scale = global_token_mean_scale(self.plan.ds_config["gradient_accumulation_steps"], self.plan.data_world,
                                             self.step_labelled)
         loss_sum = self.torch.zeros((), dtype=self.torch.float64, device=self.engine.device)
         for batch in batches:
@@ -388,11 +394,13 @@ class Trainer:
     def _save(self) -> Path:
         states = [None] * self.world
         self.dist.all_gather_object(states, self.loader_state())
+        states = states[::self.plan.sequence_parallel]  # one per loader: a row group's ranks share theirs
         client_state = {"zerotrain": {"step": self.step, "tokens_seen": self.tokens_seen, "loader_states": states,
                                       "elapsed_s": self.elapsed(),
                                       "gpu_seconds": self.budget.gpu_seconds(self.elapsed()),
                                       "guards": self.guard_states()}}
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world,
+                "sequence_parallel": self.plan.sequence_parallel,
                 "run_id": self.plan.run_dir.name, "loader_workers": self.plan.loader_settings["workers"]}
         t0 = time.time()
         self.last_saved = self.checkpointer.save(self.engine, self.step, client_state, meta)

@@ -46,8 +46,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
-                                      choose_attention, count_params, flops_per_token, loss_chunk_tokens,
-                                      preset, varlen_available)  # sizes and which kernels run where, without torch
+                                      check_sequence_parallel, choose_attention, count_params, flops_per_token,
+                                      loss_chunk_tokens, preset, varlen_available)  # sizes and which kernels run where, without torch
 
 
 class RMSNorm(nn.Module):
@@ -292,17 +292,6 @@ def heads_to_sequence(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     x = x.reshape(B, n, length // n, local_heads, hd).permute(1, 0, 2, 3, 4)  # (N, B, T/N, heads/N, hd): stretch s -> rank s
     x = shard.exchange(x.contiguous())  # (N, B, T/N, heads/N, hd): slice g is head group g, from rank g
     return x.permute(1, 2, 0, 3, 4).reshape(B, length // n, n * local_heads, hd)
-
-
-def check_sequence_parallel(args: ModelArgs, size: int) -> None:
-    """ValueError (one line) when `size` ranks cannot split this model's heads: query heads must divide
-    by size, and kv heads divide by it or it by them (then each kv head is repeated size/kv times)."""
-    if args.n_heads % size:
-        raise ValueError(f"sequence parallelism over {size} ranks needs attention heads divisible by {size};"
-                         f" the model has {args.n_heads}")
-    if args.n_kv_heads % size and size % args.n_kv_heads:
-        raise ValueError(f"sequence parallelism over {size} ranks needs kv heads divisible by {size} or dividing"
-                         f" it; the model has {args.n_kv_heads}")
 
 
 class Attention(nn.Module):

@@ -341,3 +341,14 @@ DEFAULT_LR_LAWS = {"adamw": {"a": 0.102, "b": 0, "d": -0.294}}
 def default_lr(non_embedding_params: int) -> float:
     """The per-size default peak lr (DEFAULT_LR_LAWS) of a model with this many non-embedding parameters."""
     return rule_lr({"lr": DEFAULT_LR_LAWS}, non_embedding_params, "adamw")
+
+
+def check_sequence_parallel(args: ModelArgs, size: int) -> None:
+    """ValueError (one line) when `size` ranks cannot split this model's heads: query heads must divide
+    by size, and kv heads divide by it or it by them (then each kv head is repeated size/kv times)."""
+    if args.n_heads % size:
+        raise ValueError(f"sequence parallelism over {size} ranks needs attention heads divisible by {size};"
+                         f" the model has {args.n_heads}")
+    if args.n_kv_heads % size and size % args.n_kv_heads:
+        raise ValueError(f"sequence parallelism over {size} ranks needs kv heads divisible by {size} or dividing"
+                         f" it; the model has {args.n_kv_heads}")

@@ -116,7 +116,8 @@ def test_every_engine_is_built_by_build_engine():
 
 def test_the_runs_spec_carries_what_the_plan_decided():
     """spec_from_plan: the pretrained weights only on a fresh start; --deterministic, the attention kernel,
-    activation checkpointing (flag, else the profile's) and the process group's settings reach the builder."""
+    activation checkpointing (flag, else the profile's), --sequence-parallel and the process group's settings reach
+    the builder."""
     from types import SimpleNamespace
 
     from zerotrain.launcher.components.engine import spec_from_plan
@@ -128,11 +129,13 @@ def test_the_runs_spec_carries_what_the_plan_decided():
     zt = {"activation_checkpointing": True, "dist_backend": "gloo", "hang_timeout": 1200}  # the run's settings:
     plan = SimpleNamespace(cfg=cfg, settings=resolve(cfg, "p", {"zerotrain": zt}),
                            ds_config={"zero_optimization": {"stage": 3}}, model_args="args", init_from="hf-dir",
-                           resume_from=None, attention="sdpa", deterministic=True, loss_chunk_tokens=900)
+                           resume_from=None, attention="sdpa", deterministic=True, loss_chunk_tokens=900,
+                           sequence_parallel=2)
     spec = spec_from_plan(plan)
     assert (spec.seed, spec.run, spec.model_args, spec.zero_stage, spec.init_from) == (7, cfg, "args", 3, "hf-dir")
     assert (spec.deterministic, spec.attention, spec.activation_checkpointing) == (True, "sdpa", True)
     assert spec.loss_chunk_tokens == 900  # the planner's chunk for this device (None on a CPU)
+    assert spec.sequence_parallel == 2  # --sequence-parallel: the builder makes DeepSpeed's SP groups and the shard
     assert (spec.dist_backend, spec.comm_timeout_s) == ("gloo", 2400.0)  # twice the profile's hang timeout
     assert spec.optimizer is None and spec.lr_scheduler is None  # the registry's and the run's schedule
     resumed = spec_from_plan(SimpleNamespace(**{**vars(plan), "resume_from": "ckpt", "deterministic": False}))

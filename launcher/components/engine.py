@@ -85,7 +85,7 @@ def spec_from_plan(plan) -> EngineSpec:
                       deterministic=bool(plan.deterministic), run=cfg,
                       init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
                       activation_checkpointing=bool(s.activation_checkpointing), compile=bool(s.compile),
-                      loss_chunk_tokens=plan.loss_chunk_tokens,
+                      loss_chunk_tokens=plan.loss_chunk_tokens, sequence_parallel=plan.sequence_parallel,
                       compile_backend=s.compile_backend, dist_backend=s.dist_backend, comm_timeout_s=s.comm_timeout_s)
 
 

@@ -32,7 +32,10 @@ class Evaluator:
     """`evaluate(engine_or_model)` -> {"val_loss", "val_ppl", "val_loss_per_source", "val_tokens"}."""
 
     def __init__(self, batches_per_source: dict[str, dict[str, torch.Tensor]], rank: int, world: int,
-                 micro_batch: int):
+                 micro_batch: int, sequence_parallel: int = 1, sp_rank: int = 0):
+        """rank, world: the data-parallel ones. With sequence parallelism (N ranks share each row, the
+        model returning each rank's share of a pass's loss) the N ranks of a group evaluate the same rows:
+        their loss shares add up in the all-reduce, and only sp_rank 0 counts the tokens."""
         if not batches_per_source:
             raise ValueError("evaluator: no eval rows")
         if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
@@ -40,6 +43,7 @@ class Evaluator:
         if not 0 <= rank < world:
             raise ValueError(f"evaluator: rank {rank} outside a world of {world}")
         self.rank, self.world, self.micro_batch = rank, world, micro_batch
+        self.sequence_parallel, self.counts_tokens = sequence_parallel, sp_rank == 0
         self.names = list(batches_per_source)
         self.passes = []  # per source: (own micro-batches, padding passes)
         for name, rows in batches_per_source.items():
@@ -70,7 +74,7 @@ class Evaluator:
                 loss = model(**{k: v.to(device) for k, v in batch.items()})
                 if n_tokens:  # a pass with nothing to predict returns nan: it adds nothing
                     sums[s, 0] += loss.detach().double() * n_tokens
-                    sums[s, 1] += n_tokens
+                    sums[s, 1] += n_tokens if self.counts_tokens else 0
             for batch in padding:  # only so that this rank joins the others' parameter gathers
                 model(**{k: v.to(device) for k, v in batch.items()})
         return sums
@@ -93,7 +97,7 @@ class Evaluator:
         try:
             with torch.no_grad():
                 sums = self.local_sums(model, device)
-                if self.world > 1:
+                if self.world * self.sequence_parallel > 1:
                     dist.all_reduce(sums)  # one collective for every source's sums
         finally:
             model.train(was_training)
