@@ -92,6 +92,13 @@ class RunPlan:
         return self.world // self.sequence_parallel
 
     @property
+    def batch_shape(self) -> str:
+        """'micro x accum x row groups' for the start-up and dry-run lines (a row group: N ranks sharing rows)."""
+        ds = self.ds_config
+        return (f"{ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} x {self.data_world}"
+                + (f" (rows shared by {self.sequence_parallel} ranks)" if self.sequence_parallel > 1 else ""))
+
+    @property
     def data_rank(self) -> int:
         """This rank's loader: its SP group's (DeepSpeed's parallel_state_sp puts ranks g*N..g*N+N-1 in group g)."""
         return self.rank // self.sequence_parallel

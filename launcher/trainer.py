@@ -215,8 +215,7 @@ class Trainer:
         self.say(f"model {plan.model_label}: {n_params['total'] / 1e6:.2f}M params"
                  f" ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"
                  f" profile {plan.profile_name}, ZeRO-{ds_config['zero_optimization'].get('stage', 0)},"
-                 f" world {self.world}, batch {ds_config['train_micro_batch_size_per_gpu']} x"
-                 f" {ds_config['gradient_accumulation_steps']} x {self.world} x {cfg.seq_len} tokens")
+                 f" world {self.world}, batch {plan.batch_shape} x {cfg.seq_len} tokens")
         self.say(f"parameters held per rank after construction: {', '.join(f'{n:,}' for n in held)}"
                  f" of {n_params['total']:,}" + (", compiled with torch.compile" if cfg.compile else ""))
         return engine
@@ -613,8 +612,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     n = count_params(args)
     lines = [f"dry run: {plan.run_dir} (nothing built or written)",
              f"profile {plan.profile_name}, world {world}, ZeRO-{ds['zero_optimization'].get('stage', 0)},"
-             f" batch {ds['train_micro_batch_size_per_gpu']} x {ds['gradient_accumulation_steps']} x {world}"
-             f" x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
+             f" batch {plan.batch_shape} x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" vocab {args.vocab_size:,} (tokenizer {plan.tokenizer.name}: {plan.tokenizer.vocab_size:,}),"
              f" optimizer {cfg.optimizer or 'adamw'}",

@@ -152,3 +152,16 @@ def test_sp2_run_trains_what_one_rank_trains_on_the_same_global_batch(sp_runs):
         for name, want in [("all", b["val_loss"]), *b["val_loss_per_source"].items()]:
             got = a["val_loss"] if name == "all" else a["val_loss_per_source"][name]
             assert abs(got - want) <= 1e-6 * want, (a["step"], name, got, want)
+
+
+def test_dry_run_counts_row_groups_not_ranks(tmp_path, mix_path, capsys):
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.trainer import dry_run
+
+    argv = ["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", "--model", "debug", "--seq-len", "64",
+            "--micro-batch", "2", "--sequence-parallel", "2", "--max-steps", "5"]
+    dry_run(resolve_config(argv), world=2)
+    said = capsys.readouterr().out
+    assert "world 2, ZeRO-3, batch 2 x 1 x 1 (rows shared by 2 ranks) x 64 = 128 tokens per step" in said, said
+    assert "sequence-parallel 2 (flag)" in said
+    assert not (tmp_path / "r").exists()
