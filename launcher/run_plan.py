@@ -231,12 +231,14 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     if resume_from is not None:
         meta = checkpoint.read_meta(resume_from)
         saved_sp = meta.get("sequence_parallel", 1)
-        if saved_sp != sp or (sp > 1 and meta["world_size"] != world):
+        if (saved_sp > 1 or sp > 1) and meta["world_size"] != world:  # DeepSpeed's universal load with SP: unproven
             raise UsageError(f"--sequence-parallel {sp}: checkpoint {resume_from} was saved by {meta['world_size']}"
-                             f" rank(s) at --sequence-parallel {saved_sp}; resuming with another sequence-parallel"
-                             f" layout is not supported yet (resume with --sequence-parallel {saved_sp} on"
-                             f" {meta['world_size']} ranks)")
-        if meta["world_size"] != world:
+                             f" rank(s) at --sequence-parallel {saved_sp}; with sequence parallelism a resume keeps"
+                             f" the world size (resume on {meta['world_size']} ranks; N may change)")
+        if saved_sp != sp:  # the same ranks and ZeRO partitions, other row groups: the data re-splits, the batch stays
+            ds_config = keep_global_batch(ds_config, resume_from, meta["world_size"] // saved_sp, data_world,
+                                          run_dir / "ds_config.json", data)
+        elif meta["world_size"] != world:
             ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
         # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
         # warmup stays the one the run started with
@@ -438,8 +440,15 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
     converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
     epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
     """
-    check_reshard(data, meta["world_size"], world)
     universal.check_supported(ds_config, tag_dir)
+    return universal.ds_config_for_universal(keep_global_batch(ds_config, tag_dir, meta["world_size"], world, saved_ds,
+                                                                data))
+
+
+def keep_global_batch(ds_config: dict, tag_dir: Path, saved_world: int, world: int, saved_ds: Path, data) -> dict:
+    """The DeepSpeed dict whose gradient accumulation keeps the checkpoint's global batch on `world`
+    data-parallel ranks (row groups, with sequence parallelism), its data re-split from `saved_world`'s."""
+    check_reshard(data, saved_world, world)
     saved = json.loads(saved_ds.read_text()) if saved_ds.is_file() else None
     global_batch = saved["train_batch_size"] if saved else ds_config["train_batch_size"]
     micro = ds_config["train_micro_batch_size_per_gpu"]
@@ -449,9 +458,7 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
                          if global_batch % world == 0 else
                          f"checkpoint {tag_dir}: its global batch of {global_batch} rows is not divisible by {world}"
                          " ranks")
-    ds_config = {**ds_config, "gradient_accumulation_steps": global_batch // (micro * world),
-                 "train_batch_size": global_batch}
-    return universal.ds_config_for_universal(ds_config)
+    return {**ds_config, "gradient_accumulation_steps": global_batch // (micro * world), "train_batch_size": global_batch}
 
 
 EVAL_TOKENS_DEFAULT = 65536  # --eval-data without --eval-tokens: tokens per evaluation

@@ -23,6 +23,7 @@ import torch
 
 from conftest import BIN, REPO, free_port, launch, read_metrics
 from test_offload_runs import N, SAVE, kill_after_save, resumed_same
+from test_resume_exact import stop_at
 from zerotrain.modeling.model import ModelArgs, SequenceShard, check_sequence_parallel
 
 
@@ -128,6 +129,11 @@ def sp_runs(tmp_path_factory, mix_path):
     one = launch("python", ["--data", str(mix_path), "--out", str(tmp / "one"), "--run-id", "r", *SP_FLAGS])
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     out["one"] = read_metrics(tmp / "one" / "r")
+    # the SP=2 run as it was at its step-3 save, resumed on the same 2 ranks without sequence parallelism
+    stop_at(out["run"], SAVE, tmp / "dp" / "r")
+    dp = launch("deepspeed", [a if a != str(tmp / "sp") else str(tmp / "dp") for a in sp] + ["--sequence-parallel", "1"])
+    assert dp.returncode == 0, dp.stdout[-3000:] + dp.stderr[-3000:]
+    out["dp"], out["dp_stdout"] = tmp / "dp" / "r", dp.stdout
     return out
 
 
@@ -165,3 +171,39 @@ def test_dry_run_counts_row_groups_not_ranks(tmp_path, mix_path, capsys):
     assert "world 2, ZeRO-3, batch 2 x 1 x 1 (rows shared by 2 ranks) x 64 = 128 tokens per step" in said, said
     assert "sequence-parallel 2 (flag)" in said
     assert not (tmp_path / "r").exists()
+
+
+def test_sp2_checkpoint_resumes_without_sequence_parallelism_on_the_same_ranks(sp_runs):
+    """N may change on resume (same world): the ZeRO partitions are the same, the row groups go from 1 to 2, the
+    loader state re-splits (dataio/reshard.py: every document once, tests/test_data_reshard.py) and gradient
+    accumulation keeps the global batch."""
+    out = sp_runs["dp_stdout"]
+    assert f"resumed from {sp_runs['dp'] / 'checkpoints' / f'global_step{SAVE}'} at step {SAVE}" in out
+    assert "data: 1 ranks' loader states re-split over 2" in out
+    assert "batch 2 x 1 x 2 x 64 tokens" in out  # grad-accum 2 -> 1: the global batch of 4 rows kept
+    history = read_metrics(sp_runs["dp"])
+    assert [m["step"] for m in history] == list(range(1, N + 1))
+    assert [m["tokens_seen"] for m in history] == [m["tokens_seen"] for m in read_metrics(sp_runs["run"])]
+    assert [m["loss"] for m in history[:SAVE]] == [m["loss"] for m in read_metrics(sp_runs["run"])[:SAVE]]
+    assert all(m["loss"] < history[0]["loss"] for m in history[SAVE:])  # it goes on training from the checkpoint
+
+
+def test_an_sp_checkpoint_on_another_world_size_is_refused_before_anything_is_written(tmp_path, mix_path):
+    """DeepSpeed's universal checkpoint has not been proven with sequence-parallel groups: a resume with
+    sequence parallelism keeps the world size (N may change)."""
+    from test_bad_input import snapshot
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.errors import UsageError
+    from zerotrain.launcher.run_plan import plan_run
+
+    tag = tmp_path / "runs" / "r" / "checkpoints" / "global_step2"
+    tag.mkdir(parents=True)
+    (tag / "zerotrain.json").write_text(json.dumps({"step": 2, "tokens_seen": 1, "world_size": 2, "run_id": "r",
+                                                    "loader_workers": 0, "sequence_parallel": 2}))
+    before = snapshot(tmp_path / "runs")
+    argv = ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", "r", "--max-steps", "5"]
+    with pytest.raises(UsageError) as err:
+        plan_run(resolve_config(argv), world=1)
+    assert "saved by 2 rank(s) at --sequence-parallel 2; with sequence parallelism a resume keeps the world size" \
+        in str(err.value)
+    assert snapshot(tmp_path / "runs") == before
