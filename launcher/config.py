@@ -73,6 +73,9 @@ class RunConfig:
     rules_file: str | None = opt(None, "scaling rules YAML (default modeling/scaling_rules.yaml)", IDENTITY_WHEN_SET)
     init_from: str | None = opt(None, "a Hugging Face Llama directory (safetensors) to start from", IDENTITY_WHEN_SET)
     qk_norm: bool | None = opt(None, "RMSNorm on queries and keys (default off)", IDENTITY_WHEN_SET)
+    rope_theta: float | None = opt(None, "RoPE base (default: the model's, 10000, or the --init-from config's); with"
+                                         " --init-from, a new base for context extension. Part of the run id once"
+                                         " set: a resume with another value is refused", IDENTITY_WHEN_SET)
     # --- long runs (README "Long runs") ---
     save_every_hours: float | None = opt(None, "also save every H hours of wall clock (whichever comes first)", RUN)
     keep_last: int = opt(0, "keep the newest K complete checkpoints (0: all); never the --keep-best ones", RUN)

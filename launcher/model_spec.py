@@ -8,11 +8,13 @@
     --init-from HF_DIR                   a Hugging Face Llama directory: its config.json is the
                                          architecture, its safetensors the starting weights
 
-plus `--qk-norm` for the first three. Everything is checked here, before any process builds a
+plus `--qk-norm` for the first three, and `--rope-theta` for all four (with --init-from it replaces the
+checkpoint's base: continued pretraining at a longer context). Everything is checked here, before any process builds a
 model or writes a file; a problem is a UsageError naming the flag.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from zerotrain.launcher.errors import UsageError
@@ -45,6 +47,10 @@ def resolve(cfg, vocab_size: int) -> tuple:
     common = dict(vocab_size=vocab_size, max_seq_len=cfg.seq_len)
     if cfg.qk_norm is not None:
         common["qk_norm"] = cfg.qk_norm
+    if cfg.rope_theta is not None:
+        if isinstance(cfg.rope_theta, bool) or not isinstance(cfg.rope_theta, (int, float)) or not cfg.rope_theta > 1:
+            raise UsageError(f"--rope-theta: must be a number above 1, got {cfg.rope_theta!r}")
+        common["rope_theta"] = float(cfg.rope_theta)
 
     if cfg.init_from is not None:
         if cfg.qk_norm is not None:
@@ -59,6 +65,8 @@ def resolve(cfg, vocab_size: int) -> tuple:
             raise UsageError(msg if msg.startswith(where) else f"{where}: {msg}") from None
         if vocab_size > hf_cfg["vocab_size"]:
             raise UsageError(f"{where}: vocab_size {hf_cfg['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+        if "rope_theta" in common:  # the weights load by name: the base is free to change (context extension)
+            args = replace(args, rope_theta=common["rope_theta"])
         return args, "hf-" + _safe(cfg.init_from), cfg.init_from
     if cfg.depth is not None:
         try:

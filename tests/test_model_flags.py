@@ -109,3 +109,33 @@ def test_installed_command_finds_the_model_package(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "869,504" in proc.stdout
+
+
+def test_rope_theta_sets_the_base_for_every_way_of_picking_the_model(tmp_path):
+    import torch
+
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.model import Transformer
+
+    assert spec()[0].rope_theta == 10000.0
+    assert spec(rope_theta=500000.0)[0].rope_theta == 500000.0
+    assert spec(depth=4, aspect_ratio=32, head_dim=64, rope_theta=1e6)[0].rope_theta == 1e6
+    torch.manual_seed(0)
+    base = preset("debug", vocab_size=320)
+    hf.save(tmp_path, Transformer(base).state_dict(), base)  # a 2k-context base checkpoint, theta 10000
+    assert spec(init_from=str(tmp_path))[0].rope_theta == 10000.0  # the checkpoint's own
+    args, label, hf_dir = spec(init_from=str(tmp_path), rope_theta=1e6)  # context extension: a new base
+    assert args.rope_theta == 1e6 and hf_dir == str(tmp_path) and args.n_layers == base.n_layers
+    with pytest.raises(UsageError, match="--rope-theta: must be a number above 1, got 0.5"):
+        spec(rope_theta=0.5)
+
+
+def test_rope_theta_is_recorded_in_the_run_id_and_a_resume_with_another_is_drift():
+    base = ["--data", "mix.json", "--lr", "1e-3", "--warmup-steps", "2"]
+    plain, extended = resolve_config(base), resolve_config(base + ["--rope-theta", "500000"])
+    assert plain.identity_hash() != extended.identity_hash()
+    assert extended.identity()["rope_theta"] == 500000.0
+    saved = extended.to_dict()  # config.json's "run" of a run started with --rope-theta 500000
+    assert resolve_config(base + ["--rope-theta", "500000"]).drift(saved) == []
+    assert resolve_config(base + ["--rope-theta", "1000000"]).drift(saved) == ["rope_theta 500000.0 -> 1000000.0"]
+    assert resolve_config(base).drift(saved) == ["rope_theta 500000.0 -> None"]
