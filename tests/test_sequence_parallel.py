@@ -3,7 +3,7 @@ DeepSpeed's sequence-parallel mpu and all-to-all, ds_compat.py).
 
 The proof is a real 2-rank `deepspeed` launch at SP=2 (tests/helpers/sp_harness.py): packed rows whose
 documents start inside either half and span the seam, uneven label masks; ZeRO-2 and ZeRO-3, sdpa and flex,
-kv heads dividing N and fewer kv heads than N, loss "mean" and "sum". The sum of the ranks' loss shares and
+kv heads dividing N and fewer kv heads than N, loss "mean" and "sum", activation checkpointing once. The sum of the ranks' loss shares and
 every parameter's full gradient after DeepSpeed's reduction equal, within 1e-6 relative, one unsharded
 model's on the same whole batch.
 
@@ -42,6 +42,7 @@ def test_sp2_loss_and_every_gradient_equal_one_unsharded_rank(sp_results):
     cases = {(r["stage"], r["attention"], r["kv_heads"], r["reduction"]) for r in sp_results}
     assert {(3, "sdpa"), (3, "flex"), (2, "sdpa"), (2, "flex")} <= {c[:2] for c in cases}
     assert {1, 2} == {c[2] for c in cases} and {"mean", "sum"} == {c[3] for c in cases}
+    assert any(r["activation_checkpointing"] for r in sp_results)
     for res in sp_results:
         assert abs(res["loss"] - res["reference_loss"]) <= 1e-6 * abs(res["reference_loss"]), res
         worst = max(res["grad_rel_err"].items(), key=lambda kv: kv[1])

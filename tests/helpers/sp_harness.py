@@ -5,7 +5,7 @@ half of every row). The rows are packed with several documents whose boundaries 
 and across the middle, and labels are masked unevenly, so a wrong document mask, wrong RoPE positions on
 the second half, a missing target at the halves' seam or a local (not row-group) loss normalisation all
 show. For each case (ZeRO-2 and ZeRO-3, sdpa and flex, kv heads dividing N and fewer kv heads than N,
-loss "mean" and "sum") an engine is built through build_engine (EngineSpec.sequence_parallel=2: DeepSpeed's
+loss "mean" and "sum", one with activation checkpointing) an engine is built through build_engine (EngineSpec.sequence_parallel=2: DeepSpeed's
 sequence-parallel mpu, its all-to-all), one forward and backward is run, and compared with a plain
 unsharded model holding the same weights on the same whole batch (what one rank computes): the sum of
 the ranks' losses and every parameter's full gradient (`safe_get_full_grad`, after DeepSpeed's reduction
@@ -26,9 +26,11 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 B, T, SP, VOCAB = 2, 32, 2, 200
 DOCS = ([11, 13, 8], [20, 5, 7])  # document lengths per row: boundaries at 11 and 24 / 20 and 25 (the seam is 16)
-CASES = [  # (ZeRO stage, attention, kv heads, loss reduction); 4 query heads
-    (3, "sdpa", 2, "mean"), (3, "flex", 2, "mean"), (3, "sdpa", 1, "mean"), (3, "flex", 1, "mean"),
-    (2, "sdpa", 2, "mean"), (2, "flex", 1, "mean"), (3, "sdpa", 2, "sum"), (2, "sdpa", 1, "sum"),
+CASES = [  # (ZeRO stage, attention, kv heads, loss reduction, activation checkpointing); 4 query heads
+    (3, "sdpa", 2, "mean", False), (3, "flex", 2, "mean", False), (3, "sdpa", 1, "mean", False),
+    (3, "flex", 1, "mean", False), (2, "sdpa", 2, "mean", False), (2, "flex", 1, "mean", False),
+    (3, "sdpa", 2, "sum", False), (2, "sdpa", 1, "sum", False),
+    (3, "sdpa", 2, "mean", True),  # the recomputed blocks exchange again in backward
 ]
 
 
@@ -62,14 +64,14 @@ def main(out_dir: str) -> None:
     base = {k: v for k, v in profile.items() if k not in ("zerotrain", "optimizer")}
     ids, pos, labels = batch()
     results = []
-    for stage, attention, kv, reduction in CASES:
+    for stage, attention, kv, reduction, checkpointing in CASES:
         ds_config = {**base, "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
                      "train_batch_size": B * world // SP,  # DeepSpeed counts the batch over world/SP ranks
                      "zero_allow_untested_optimizer": True, "bf16": {"enabled": False},
                      "zero_optimization": {**base["zero_optimization"], "stage": stage}}
         args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=kv, vocab_size=VOCAB)
         engine = build_engine(EngineSpec(ds_config, args, seed=1, attention=attention, loss_chunk_tokens=8,
-                                         sequence_parallel=SP,
+                                         sequence_parallel=SP, activation_checkpointing=checkpointing,
                                          optimizer=lambda params: torch.optim.SGD(params, lr=0.1))).engine
         model = engine.module
         with deepspeed.zero.GatheredParameters(list(model.parameters())):  # as built: no step taken yet
@@ -89,8 +91,9 @@ def main(out_dir: str) -> None:
         rel = {n: float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
                for n, p in plain.named_parameters()}
         results.append({"stage": stage, "attention": attention, "kv_heads": kv, "reduction": reduction,
+                        "activation_checkpointing": checkpointing,
                         "shares": [float(s) for s in shares], "loss": float(sum(shares)),
-                        "reference_loss": float(reference), "grad_rel_err": rel,
+                        "reference_loss": float(reference.detach()), "grad_rel_err": rel,
                         "grad_max_abs": max(float(p.grad.abs().max()) for p in plain.parameters()),
                         "sp_rank": model.sequence_parallel.rank})
         engine.destroy()
