@@ -18,7 +18,7 @@ from zerotrain.launcher.commands.plan import plan_main
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import list_profiles, load_profile
-from zerotrain.modeling.model import ModelArgs, Transformer, count_params, preset
+from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, count_params, preset
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,21 +83,28 @@ def saved_activation_bytes(model, ids, position_ids=None) -> int:
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_activation_formula_is_what_autograd_keeps(dtype, name, checkpointing, attention):
+@pytest.mark.parametrize("sp", [1, 2])
+def test_activation_formula_is_what_autograd_keeps(dtype, name, checkpointing, attention, sp):
     """The docstring's formula against the tensors our block really saves, on packed rows (documents
     sharing rows, as the driver's loader makes them), with the chunked loss. flex keeps what a fused
-    kernel keeps (q, k, v, output, log-sum-exp): the formula varlen also gets, which needs a GPU."""
+    kernel keeps (q, k, v, output, log-sum-exp): the formula varlen also gets, which needs a GPU.
+    sp=2: one rank's share under sequence parallelism, its tensors shaped as on 2 ranks (a stand-in
+    exchange that keeps each tensor where it is: the same shapes, one process; the MQA model's one kv head is
+    repeated to 2)."""
     args = CONFIGS[name]
     torch.manual_seed(0)
     model = Transformer(args).to(dtype).train()
     model.activation_checkpointing = checkpointing
     model.attention = attention
+    if sp > 1:
+        model.sequence_parallel = SequenceShard(sp, 0, lambda t: t)
     B, T = 2, 96
     pos = torch.cat([torch.arange(40), torch.arange(56)]).expand(B, T)
     measured = saved_activation_bytes(model, torch.randint(0, args.vocab_size, (B, T)), pos)
     if attention == "sdpa":  # the boolean mask: alive through the forward (a checkpoint input), not a saved tensor
         measured += B * T * T
-    predicted = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, attention)["saved"]
+    predicted = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, attention,
+                                         sequence_parallel=sp)["saved"]
     assert predicted == pytest.approx(measured, rel=0.02)
 
 
@@ -368,3 +375,17 @@ def test_the_loss_chunk_on_a_gpu_uses_the_memory_backward_needs_anyway():
     ds = {**profile, "train_micro_batch_size_per_gpu": 16}
     assert planner.run_loss_chunk(args, ds, 2048, False, "varlen", "cuda") == gpu["loss_chunk"]
     assert planner.run_loss_chunk(args, ds, 2048, False, "varlen", "cpu") is None
+
+
+def test_sequence_parallelism_divides_the_activations_the_fit_check_counts():
+    """The run's resolved --sequence-parallel reaches the planner's setup: at 32k tokens with flex (no T x T mask)
+    each of 8 ranks holds about an eighth of the activations; model states are unchanged (ZeRO partitions over
+    every rank either way)."""
+    args = preset("xlarge")
+    _, prof = load_profile("h100-80g-x8")
+    knobs = {**prof["zerotrain"], "attention": "flex"}
+    one, eight = (planner.setup_from(prof, {**knobs, "sequence_parallel": n}) for n in (1, 8))
+    assert (one.sequence_parallel, eight.sequence_parallel) == (1, 8)
+    m1, m8 = (planner.memory(args, s, 3, 1, 32768, True) for s in (one, eight))
+    assert m8["model_states"] == m1["model_states"]
+    assert m1["activations"] / 9 < m8["activations"] < m1["activations"] / 6

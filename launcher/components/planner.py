@@ -171,7 +171,7 @@ def zero_buffers_bytes(stage, P: int, zero: dict, mixed: bool, cpu: bool) -> flo
 # ------------------------------------------------------------------------------------------------
 
 def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointing: bool,
-                     attention: str, device_type: str = "cpu") -> dict:
+                     attention: str, device_type: str = "cpu", sequence_parallel: int = 1) -> dict:
     """Bytes of activations per rank for one micro-batch: what autograd keeps, and the peak.
 
     Per token, per block (modeling/model.py `Block`), with a = 2 (bf16/fp16) or 4 (fp32) bytes,
@@ -199,6 +199,11 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     gradients in forward and keeps no logits. flex's BlockMask, 16·B·n·(n + 1) bytes for n = ceil(T/128)
     blocks (four (B, 1, n, n) int32 block indices and four (B, 1, n) counts, for the forward and the backward),
     built once per micro-batch and alive through both (`flex_block_mask_bytes`).
+    With sequence parallelism over N ranks (modeling/model.py SequenceShard) every per-token term counts this
+    rank's T/N positions, with three differences per position: the kernel's k and v after the exchange hold
+    max(KV, N) heads (fewer kv heads than N are repeated), the kernel's head-split output and o_proj's
+    sequence-split input are two tensors (+ a·d), and the sdpa masks span the whole row (a·T·N and T·N), as
+    do the input ids the embedding keeps (8·N: a slice of the whole row's).
     Saved (no checkpointing) = tokens × (n_layers × block + once) + a·V·d. With activation checkpointing
     each block keeps only its input: tokens × (n_layers × a·d + once) + a·V·d.
     Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c =
@@ -213,14 +218,17 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     a = act_bytes
     if attention not in ("sdpa", "flex", "varlen"):
         raise ValueError(f"activation_bytes: attention must be a kernel (sdpa, flex or varlen), got {attention!r}")
-    sdpa = attention == "sdpa"
+    sdpa, n = attention == "sdpa", sequence_parallel
     math = math_kernel(attention, device_type, KV < H)
     norms = 2 * (8 + a) * d
-    attn = a * d + 4 * H * (3 * h + T) if math else a * (2 * d + 2 * KV * h) + 4 * H + (a * T if sdpa else 0)
+    kernel_kv = KV if n == 1 else max(KV, n)
+    # the math kernel's per-token terms hold under SP too: H/N heads over the whole row = H heads per local token
+    attn = (a * d + 4 * H * (3 * h + T) if math
+            else a * (2 * d + 2 * kernel_kv * h) + 4 * H + (a * T * n if sdpa else 0)) + (a * d if n > 1 else 0)
     qk_norm = (8 * h + 4) * (H + KV) if args.qk_norm else 0  # fp32 input and normalised value, rsqrt, per head
     block = norms + attn + qk_norm + 4 * a * f + 8
-    once = 8 * d + 4 + a * d + 2 * a * h + 8 + (T if sdpa else 0)
-    tokens = micro * seq_len
+    once = 8 * d + 4 + a * d + 2 * a * h + 8 * n + (T * n if sdpa else 0)
+    tokens = micro * seq_len // n
     head_grad = a * V * d
     kept_per_block = a * d if checkpointing else block
     block_mask = flex_block_mask_bytes(micro, T) if attention == "flex" else 0
@@ -256,13 +264,13 @@ def loss_chunk(V: int, tokens: int, room: float, device_type: str, per_logit: in
 
 
 def run_loss_chunk(args, ds_config: dict, seq_len: int, checkpointing: bool, attention: str,
-                   device_type: str) -> int | None:
+                   device_type: str, sequence_parallel: int = 1) -> int | None:
     """The run's chunk (EngineSpec.loss_chunk_tokens): None on a CPU (the model's own default, the same size)."""
     if device_type == "cpu":
         return None
     mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
     return activation_bytes(args, ds_config["train_micro_batch_size_per_gpu"], seq_len, 2 if mixed else 4,
-                            checkpointing, attention, device_type)["loss_chunk"]
+                            checkpointing, attention, device_type, sequence_parallel)["loss_chunk"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,6 +289,7 @@ class Setup:
     optimizer_bytes: float = 8
     attention: str = "auto"  # as asked (--attention / zerotrain.attention); `kernel` is what runs
     context_bytes: float = CUDA_CONTEXT_BYTES  # per GPU process: the profile's hardware.context_gib, else 1 GiB
+    sequence_parallel: int = 1  # ranks sharing each row: each holds the activations of seq_len / N positions
 
     @property
     def world(self) -> int:
@@ -303,7 +312,7 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
                                 setup.optimizer_bytes)
     buffers = zero_buffers_bytes(stage, P, setup.zero, setup.mixed, setup.cpu)
     act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.kernel,
-                           setup.accelerator)["peak"]
+                           setup.accelerator, setup.sequence_parallel)["peak"]
     context = CPU_PROCESS_BYTES if setup.cpu else setup.context_bytes
     frag = FRAGMENTATION * (states + buffers + act)
     return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
@@ -376,7 +385,8 @@ def setup_from(ds_config: dict, knobs: dict, world: int | None = None, nodes: in
     setup = Setup(accel, per_node, nodes, float(device_bytes), mixed, dict(ds_config.get("zero_optimization", {})),
                   optimizer_state_bytes(optimizer, args) if args is not None else 8,
                   attention or knobs.get("attention") or "auto",
-                  float(hw.get("context_gib", CUDA_CONTEXT_BYTES / GiB)) * GiB)
+                  float(hw.get("context_gib", CUDA_CONTEXT_BYTES / GiB)) * GiB,
+                  int(knobs.get("sequence_parallel") or 1))
     try:
         setup.kernel
     except ValueError as e:
