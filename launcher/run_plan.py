@@ -33,7 +33,7 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.planner import fit_check, run_loss_chunk
+from zerotrain.launcher.components.planner import fit_check, offload_lines, run_loss_chunk
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
@@ -102,6 +102,7 @@ class RunPlan:
     def data_rank(self) -> int:
         """This rank's loader: its SP group's (DeepSpeed's parallel_state_sp puts ranks g*N..g*N+N-1 in group g)."""
         return self.rank // self.sequence_parallel
+    offload_lines: tuple[str, ...] = ()  # host memory and host-link traffic with offload (planner.offload_lines)
 
     @property
     def attention(self) -> str:
@@ -216,6 +217,10 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         raise UsageError(f"--sequence-parallel {sp}: with the varlen attention kernel it is not verified (no CUDA"
                          " here to prove it exact); use --attention sdpa or flex")
     check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
+    # host memory and traffic on the profile's hardware; a dry run refuses what its host cannot hold (a real
+    # run: fit_check, against the RAM available now)
+    host_lines = offload_lines(model_args, ds_config, settings.values, world, cfg.seq_len, settings.attention,
+                               refuse=cfg.dry_run and cfg.fit_check is not False)
     if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, settings.values, world, attention=settings.attention)
 
@@ -283,7 +288,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
                                                     bool(settings.activation_checkpointing), settings.attention,
                                                     node.device, sp),
-                   sequence_parallel=sp)
+                   sequence_parallel=sp, offload_lines=tuple(host_lines))
 
 
 def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: int) -> int:
@@ -328,10 +333,7 @@ def finished_again(plan: RunPlan) -> StopRun:
 def check_offload_here(ds_config: dict, model_args, world: int, dry_run: bool) -> None:
     """NVMe offload: its directory (a profile's too) takes files and has room for this node's share, and the
     async I/O op can be built (libaio); a dry run checks libaio and the directory, not the room."""
-    zero = ds_config.get("zero_optimization") or {}
-    paths = {(zero.get(k) or {}).get("nvme_path") for k in ("offload_optimizer", "offload_param")
-             if (zero.get(k) or {}).get("device") == "nvme"}
-    for path in sorted(paths):
+    for path in offload.nvme_paths(ds_config):
         check_nvme_dir(path, "--nvme-path")
         offload.check_libaio(ds_config, f"--nvme-path {path}")
         if not dry_run:
@@ -388,6 +390,7 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
               plan.resume_line,  # bit-identical or not, on this hardware with these settings
               describe_implementation(cfg, ds, plan.node.device),  # what steps, built or not
               *offload.describe(ds),  # what is offloaded where, and the DeepSpeed ops JIT-built for it
+              *plan.offload_lines,  # the host memory it takes and the traffic over the host link
               describe_settings(plan.settings),
               *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     return lines + describe_data(plan.data, plan.run_tokens)

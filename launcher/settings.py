@@ -125,6 +125,10 @@ def hardware_check(v):
     mem = v.get("device_memory_gib")
     if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
         return ".device_memory_gib must be a positive number"
+    for key, what in (("host_memory_gib", "a node's RAM, GiB"), ("host_link_gb_s", "each GPU's link to the host, GB/s")):
+        x = v.get(key)
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0):
+            return f".{key} ({what}) must be a positive number"
     ctx = v.get("context_gib")
     if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, (int, float)) or not 0 < ctx < 64):
         return ".context_gib (the CUDA context, cuBLAS and NCCL buffers per GPU process) must be in (0, 64) GiB"

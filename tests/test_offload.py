@@ -1,6 +1,7 @@
 """ZeRO-Offload settings, in-process: --offload / --nvme-path onto DeepSpeed's offload keys, a profile's own
 keys validated, the ops a dry run names, and NVMe refusals (no libaio, a full disk) before anything is written.
 The rest of the bad input is test_run_bad_input.py's."""
+import json
 import shutil
 
 import pytest
@@ -142,3 +143,99 @@ def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(tmp_path, mix_path, 
                     " building that op"]
     os.utime(stale, None)  # a build going on now
     assert offload.stale_build_locks(tmp_path) == [] and offload.describe_stale_locks(tmp_path) == []
+
+
+# ---- the planner's host memory and host-link traffic with offload (components/planner.py) -------------------
+
+def test_host_memory_counts_deepspeeds_offloaded_allocations_per_node():
+    """ZeRO-3 with the optimizer and parameters in host memory, bf16, Adam: per rank (4 + 8) fp32 master and
+    moments, (2 + 4) gradient buffers, 2 parameters, times P/N, times the ranks of a node; ZeRO-2 with
+    grad-accum > 1 adds the host-side accumulation buffer and the 16-bit staging copy."""
+    from zerotrain.launcher.components import planner
+    from zerotrain.launcher.profiles import load_profile
+    from zerotrain.modeling.sizes import count_params, preset
+
+    args = preset("ws-1.3b", vocab_size=128256)
+    P = count_params(args)["total"]
+    _, prof = load_profile("rtx6000ada-48g-x2-offload")
+    setup = planner.setup_from(prof, prof["zerotrain"])
+    host = planner.host_memory(args, setup, "zero3_offload", grad_accum=16)
+    part = P / 2
+    assert host["optimizer"] == pytest.approx(12 * part * 2)
+    assert host["gradients"] == pytest.approx(6 * part * 2)
+    assert host["parameters"] == pytest.approx(2 * part * 2)
+    assert host["state"] == pytest.approx(20 * P) and setup.host_bytes == 256 * 2**30
+    z2 = planner.host_memory(args, setup, "zero2_offload", grad_accum=16)
+    assert z2["gradients"] == pytest.approx((4 + 2) * part * 2)  # fp32 partition + the host accumulation buffer
+    assert z2["buffers"] == pytest.approx((2 * part + 2 * planner.largest_layer(args)) * 2)
+    assert planner.host_memory(args, setup, 3)["total"] == pytest.approx(host["total"])  # the profile's own row
+    # NVMe: the optimizer's state leaves host memory, but DeepSpeed's swap buffers (4 of the largest sub-group,
+    # 1e9 elements by default: a whole partition here), the gradient partition and up to max_in_cpu (1e9)
+    # parameters stay: at DeepSpeed's defaults this model needs more host memory on NVMe, not less
+    nvme = apply_offload(prof, "all", "/mnt/nvme", "--offload")
+    swapped = planner.host_memory(args, planner.setup_from(nvme, prof["zerotrain"]), 3)
+    assert swapped["optimizer"] == 0 and swapped["gradients"] == pytest.approx(2 * part * 2)
+    assert swapped["parameters"] == pytest.approx(2 * part * 2)
+    assert swapped["buffers"] == pytest.approx(2 * (4 * part * 4 + 5 * 1e8 * 2))  # defaults: 4 x sub-group, 5 x 1e8
+    assert planner.host_memory(args, planner.setup_from(apply_offload(prof, "none", None, "--offload"),
+                                                        prof["zerotrain"]), 3)["total"] == 0
+
+
+def test_offload_traffic_is_in_the_plans_time(capsys):
+    """The host link's seconds per step (hardware.host_link_gb_s) are added to the compute's: the plan's
+    tokens/s is the tokens of a step over (compute + traffic); the plan prints both lines."""
+    from zerotrain.launcher.cli import main as cli
+
+    cli(["plan", "--config", "recipes/rtx6000ada-x2-7b-offload.json", "--vocab-size", "256", "--json"])
+    p = json.loads(capsys.readouterr().out)
+    t, h = p["offload_traffic"], p["host_memory"]
+    assert t["host_link_gb_s"] == 25 and t["seconds_per_step"] > 0
+    P, accum = p["params_total"], p["grad_accum"]
+    assert t["gb_per_step_per_gpu"] == pytest.approx((2 * P / 2 * (accum + 1) + 2 * P / 2 * accum * 3) / 1e9,
+                                                     rel=1e-3)  # grads + params back; params x3 under AC
+    compute_s = p["tokens_per_step"] / (p["mfu"] * p["hardware"]["peak_flops_per_device"] * 2 / p["flops_per_token"])
+    assert p["tokens_per_s"] == pytest.approx(p["tokens_per_step"] / (compute_s + t["seconds_per_step"]), rel=1e-3)
+    assert h["offloaded"] == {"optimizer": "cpu", "parameters": "cpu"} and h["fits"] and h["host_memory_gib"] == 256
+    cli(["plan", "--config", "recipes/rtx6000ada-x2-7b-offload.json", "--vocab-size", "256"])
+    out = capsys.readouterr().out
+    assert "host memory (offload: optimizer -> cpu, parameters -> cpu): " in out and " of 256.00 GiB (" in out
+    assert "offload traffic: " in out and "at 25 GB/s (zerotrain.hardware.host_link_gb_s)" in out
+
+
+def test_what_the_host_cannot_hold_is_refused_in_one_line_before_anything_is_written(tmp_path, mix_path, capsys):
+    """A profile whose node has too little host memory for the offloaded state: `zerotrain plan` says so in its
+    verdict, and --dry-run exits 2 with one line naming the need and the host, nothing written."""
+    from test_bad_input import snapshot
+    from zerotrain.launcher.cli import main as cli
+
+    prof = json.loads(open("ds_configs/rtx6000ada-48g-x2-offload.json").read())
+    prof["zerotrain"]["hardware"]["host_memory_gib"] = 64  # the 7B model's state needs ~121 GiB
+    path = tmp_path / "small-host.json"
+    path.write_text(json.dumps(prof))
+    cli(["plan", "--config", "recipes/rtx6000ada-x2-7b-offload.json", "--profile", str(path), "--vocab-size", "256"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("does not fit on the host: the offloaded state needs 121.") and "has 64.00 GiB" in last
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    before = snapshot(runs)
+    with pytest.raises(SystemExit) as ended:
+        cli(["train", "--config", "recipes/rtx6000ada-x2-7b-offload.json", "--profile", str(path), "--tokenizer",
+             "bytes", "--data", str(mix_path), "--out", str(runs), "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(err) == 1, err
+    assert "does not fit on the host: the offloaded state needs 121." in err[0] and "a node" in err[0]
+    assert snapshot(runs) == before
+
+
+def test_would_fit_names_the_offload_flag(capsys):
+    """A 7B model on the plain dual-48 GB profile (ZeRO-3) fits no device row, even at micro-batch 1: the plan
+    suggests the ZeRO-3 offload row (no lower stage: the profile's is 3), named by the flag that runs it."""
+    from zerotrain.launcher.cli import main as cli
+
+    cli(["plan", "--config", "recipes/rtx6000ada-x2-7b-offload.json", "--profile", "rtx6000ada-48g-x2",
+         "--vocab-size", "256", "--json"])
+    p = json.loads(capsys.readouterr().out)
+    assert not p["fits"] and p["host_memory"]["offloaded"] == {}
+    changes = [w["change"] for w in p["would_fit"]]
+    assert changes == ["ZeRO-3 + --offload all"], changes
+    assert "would fit: ZeRO-3 + --offload all (" in p["verdict"]

@@ -129,6 +129,13 @@ def check_libaio(ds: dict, where: str, headers=None, root: Path | None = None) -
                          f" libaio is not installed ({INSTALL_LIBAIO}, or pre-build the op: DS_BUILD_AIO=1)")
 
 
+def nvme_paths(ds: dict) -> list[str]:
+    """The --nvme-path directories a DeepSpeed dict swaps to (none without NVMe offload)."""
+    zero = ds.get("zero_optimization") or {}
+    return sorted({(zero.get(k) or {}).get("nvme_path") for k in ("offload_optimizer", "offload_param")
+                   if (zero.get(k) or {}).get("device") == "nvme"})
+
+
 def nvme_bytes(params: int, ds: dict, ranks_here: int, world: int) -> int:
     """Bytes the NVMe directory takes on this node: for an offloaded optimizer the fp32 master weights and
     Adam's two moments (12 bytes per parameter), for offloaded parameters their 16-bit (fp32: 4-byte) copy,

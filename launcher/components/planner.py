@@ -35,8 +35,34 @@ Memory per rank = model states + ZeRO buffers + activations + context, plus a fr
 - fragmentation: 10% of everything but the context (PyTorch's caching allocator on a GPU, glibc's
   arenas on a CPU).
 
+Host memory with offload (`host_memory`, per node; DeepSpeed 0.19.8's allocations, read from its
+runtime/zero/stage_1_and_2.py, stage3.py and swap_tensor/): with P/N the rank's partition, a the model's
+dtype (2 in bf16/fp16, 4 in fp32), o the optimizer's state bytes (Adam 8):
+- optimizer in host memory: fp32 master partition and optimizer states (4 + o)·P/N; gradients: at ZeRO-3
+  the flat partition buffer in the model's dtype (the gradient accumulation dtype, DeepSpeed's default) and
+  the fp32 gradients the optimizer steps, (a + 4)·P/N; at ZeRO-1/2 the fp32 partition 4·P/N, plus a·P/N
+  accumulated per parameter on the host when grad-accum > 1; buffers at ZeRO-1/2: the 16-bit copy of the
+  partition a·P/N and a staging buffer of the largest parameter;
+- optimizer on NVMe: the gradient buffer a·P/N and `buffer_count` (4) swap buffers of the largest sub-group
+  (min(sub_group_size, P/N) fp32 elements);
+- parameters in host memory (ZeRO-3): their 16-bit partition a·P/N; on NVMe: min(max_in_cpu, P/N) of it
+  and `buffer_count` × `buffer_size` swap buffers (5 × 1e8 elements by default);
+- each rank's own resident memory before the model (0.6 GiB, measured here on CPU; a CUDA process maps
+  more: not measured).
+On a CPU node untouched pages cost nothing, so a swap buffer counts at most what is swapped (as buckets do
+above), and host and device are the same RAM: the fit check adds the ranks' memory to it. The host's
+size: the profile's `zerotrain.hardware.host_memory_gib` (`zerotrain plan`, `--dry-run`), the RAM
+available now (a real run), or on a CPU node the RAM available. Checked against the CPU runs' offloaded
+tensors in tests/test_offload_runs.py (within 20%).
+
 Time: tokens/s = MFU × peak FLOP/s × GPUs / FLOPs per token (model FLOPs: recomputation under
-activation checkpointing is not counted, so an AC profile's expected MFU is lower). The MFU default
+activation checkpointing is not counted, so an AC profile's expected MFU is lower). With offload, each step
+also moves state over each GPU's host link (`offload_traffic`), at the profile's
+`zerotrain.hardware.host_link_gb_s` (GB/s, its source in `host_link_note`): the optimizer's gradients to the
+host once per micro-batch and the updated 16-bit partition back once per step (a·P/N each), offloaded
+parameters to the device for every forward, recomputation and backward (a·P/N each); not overlapped with
+compute (an upper bound; DeepSpeed overlaps part of it), and neither CPU Adam's time nor NVMe's reads and
+writes are counted. The MFU default
 is the profile's `zerotrain.expected_mfu`; `zerotrain.mfu_threshold` (0.75 × expected) is pre-flight's.
 Compute-optimal (Chinchilla): C = 6·N·D with the plan's N and D, D_opt = 20·N_opt, so N_opt = √(C/120).
 """
@@ -61,7 +87,11 @@ OFFLOAD = ("zero2_offload", "zero3_offload")
 STAGE_LABELS = {"zero2_offload": "2 + optimizer offload", "zero3_offload": "3 + param/optimizer offload"}
 OPTIMIZER_STATE_BYTES = {None: 8, "adamw": 8, "adamw-decaying-wd": 8, "lion": 4, "ademamix": 12}
 DS_DEFAULTS = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7, "stage3_max_reuse_distance": 1e9,
-               "contiguous_gradients": True}
+               "contiguous_gradients": True, "sub_group_size": 1e9}
+# DeepSpeed 0.19.8's defaults for the swap sections (runtime/zero/offload_config.py)
+DS_OFFLOAD_DEFAULTS = {"offload_param": {"buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
+                       "offload_optimizer": {"buffer_count": 4}}
+HOST_PROCESS_BYTES = CPU_PROCESS_BYTES  # a rank's own resident memory before the model, measured on CPU
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,6 +320,8 @@ class Setup:
     attention: str = "auto"  # as asked (--attention / zerotrain.attention); `kernel` is what runs
     context_bytes: float = CUDA_CONTEXT_BYTES  # per GPU process: the profile's hardware.context_gib, else 1 GiB
     sequence_parallel: int = 1  # ranks sharing each row: each holds the activations of seq_len / N positions
+    host_bytes: float | None = None  # RAM of a node: hardware.host_memory_gib, or on a CPU node the RAM available
+    host_link_bytes_per_s: float | None = None  # each GPU's link to the host: hardware.host_link_gb_s
 
     @property
     def world(self) -> int:
@@ -317,6 +349,91 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
     frag = FRAGMENTATION * (states + buffers + act)
     return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
             "fragmentation": frag, "total": states + buffers + act + context + frag}
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Host memory and the host link, with offload (see the module docstring)
+# ------------------------------------------------------------------------------------------------
+
+def offload_devices(stage, zero: dict) -> dict[str, str]:
+    """{"optimizer"/"parameters": "cpu" or "nvme"} a planner row offloads: an offload row its variant (on the
+    device the profile's section names, else cpu), another row what its zero section says (ZeRO-3 with only
+    the optimizer offloaded is row 3)."""
+    sections = {"optimizer": "offload_optimizer", "parameters": "offload_param"}
+    said = {what: (zero.get(section) or {}).get("device", "none") for what, section in sections.items()}
+    if stage in OFFLOAD:
+        wanted = ("optimizer",) if stage == "zero2_offload" else ("optimizer", "parameters")
+        return {what: said[what] if said[what] != "none" else "cpu" for what in wanted}
+    return {what: device for what, device in said.items() if device != "none"}
+
+
+def host_memory(args, setup: Setup, stage, grad_accum: int = 1) -> dict:
+    """Bytes of host memory one node's offloaded state takes, by component (per rank x ranks per node), and
+    `total` with the ranks' own memory; all 0 when the row offloads nothing."""
+    devices = offload_devices(stage, setup.zero)
+    out = {"optimizer": 0.0, "gradients": 0.0, "parameters": 0.0, "buffers": 0.0}
+    if devices:
+        s = int(stage[4]) if stage in OFFLOAD else stage
+        P = count_params(args)["total"]
+        part = P / setup.world  # this rank's partition
+        a = 2 if setup.mixed else 4
+        section = {k: {**DS_OFFLOAD_DEFAULTS[k], **(setup.zero.get(k) or {})} for k in DS_OFFLOAD_DEFAULTS}
+
+        def resident(buffer_bytes: float, used_bytes: float) -> float:  # untouched pages cost nothing on a CPU
+            return min(buffer_bytes, used_bytes) if setup.cpu else buffer_bytes
+
+        optimizer = devices.get("optimizer")
+        if optimizer == "cpu":
+            out["optimizer"] = (4 + setup.optimizer_bytes) * part
+            if s == 3:
+                out["gradients"] = (a + 4) * part
+            else:
+                out["gradients"] = 4 * part + (a * part if grad_accum > 1 else 0)
+                out["buffers"] += a * part + a * largest_layer(args)
+        elif optimizer == "nvme":
+            sub_group = min(float(setup.zero.get("sub_group_size", DS_DEFAULTS["sub_group_size"])), part)
+            out["gradients"] = a * part
+            out["buffers"] += resident(section["offload_optimizer"]["buffer_count"] * sub_group * 4,
+                                       (4 + setup.optimizer_bytes) * part)
+        params = devices.get("parameters")
+        if params == "cpu":
+            out["parameters"] = a * part
+        elif params == "nvme":
+            out["parameters"] = a * min(float(section["offload_param"]["max_in_cpu"]), part)
+            swap = section["offload_param"]
+            out["buffers"] += resident(swap["buffer_count"] * float(swap["buffer_size"]) * a, a * part)
+        out = {k: v * setup.gpus_per_node for k, v in out.items()}
+    state = sum(out.values())
+    return {**out, "state": state, "processes": HOST_PROCESS_BYTES * setup.gpus_per_node if devices else 0.0,
+            "total": state + (HOST_PROCESS_BYTES * setup.gpus_per_node if devices else 0.0)}
+
+
+def offload_traffic(args, setup: Setup, stage, grad_accum: int, checkpointing: bool) -> dict:
+    """Bytes one GPU moves over its host link per optimizer step with offload, and the seconds that takes at
+    the profile's host link bandwidth (None when the profile names none; 0 bytes when nothing is offloaded)."""
+    devices = offload_devices(stage, setup.zero)
+    P = count_params(args)["total"]
+    part = P / setup.world
+    a = 2 if setup.mixed else 4
+    moved = 0.0
+    if "optimizer" in devices:  # gradients to the host every micro-batch, the updated partition back every step
+        moved += a * part * grad_accum + a * part
+    if "parameters" in devices:  # fetched for the forward, the recomputation under AC, and the backward
+        moved += a * part * grad_accum * (3 if checkpointing else 2)
+    rate = setup.host_link_bytes_per_s
+    seconds = 0.0 if not moved else moved / rate if rate else None
+    return {"bytes_per_gpu": moved, "seconds": seconds}
+
+
+def host_verdict(need: float, host: float | None, what: str) -> str | None:
+    """The one-line refusal when a node's host memory cannot hold the offloaded state (None: it can, or the
+    host's size is unknown)."""
+    if host is None or need <= host:
+        return None
+    return (f"does not fit on the host: the offloaded state needs {_size(need / GiB)} of host memory per node,"
+            f" {what} has {_size(host / GiB)}; offload less (--offload optimizer or none), more nodes, or"
+            " --nvme-path DIR")
 
 
 def max_micro_batch(args, setup: Setup, stage, seq_len: int, checkpointing: bool) -> int:
@@ -386,7 +503,10 @@ def setup_from(ds_config: dict, knobs: dict, world: int | None = None, nodes: in
                   optimizer_state_bytes(optimizer, args) if args is not None else 8,
                   attention or knobs.get("attention") or "auto",
                   float(hw.get("context_gib", CUDA_CONTEXT_BYTES / GiB)) * GiB,
-                  int(knobs.get("sequence_parallel") or 1))
+                  int(knobs.get("sequence_parallel") or 1),
+                  float(hw["host_memory_gib"]) * GiB if "host_memory_gib" in hw else
+                  available_ram() if accel == "cpu" else None,
+                  float(hw["host_link_gb_s"]) * 1e9 if "host_link_gb_s" in hw else None)
     try:
         setup.kernel
     except ValueError as e:
@@ -438,8 +558,14 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
     }
     plan["would_fit"] = [] if chosen["fits"] else alternatives(args, setup, int(stage[4]) if stage in OFFLOAD else stage,
                                                                micro, seq_len, checkpointing)
+    for name, s in zip(per_stage, (*STAGES, *OFFLOAD)):  # the offload rows' host memory per node, and the chosen's
+        if s in OFFLOAD or (s == stage and offload_devices(s, setup.zero)):
+            per_stage[name]["host_per_node_gib"] = _gib(host_need(args, setup, s, micro, seq_len, checkpointing,
+                                                                  accum)[1])
+    plan.update(offload_summary(args, setup, stage, micro, seq_len, checkpointing, accum))
     plan.update(budget(counts["total"], fpt, tokens_per_step, setup.world, peak_flops, mfu, total_tokens,
-                       max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length))
+                       max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length,
+                       plan["offload_traffic"]["seconds_per_step"] or 0.0))
     plan["verdict"] = verdict(plan)
     return plan
 
@@ -497,10 +623,14 @@ def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, check
 
 
 def budget(params: int, fpt: float, tokens_per_step: int, world: int, peak: float | None, mfu: float | None,
-           total_tokens, max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length=False) -> dict:
-    """Steps, tokens, hours and dollars; the binding limit is the one that allows the fewest tokens."""
+           total_tokens, max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length=False,
+           offload_s_per_step: float = 0.0) -> dict:
+    """Steps, tokens, hours and dollars; the binding limit is the one that allows the fewest tokens.
+    `offload_s_per_step`: the host link's seconds per step with offload, added to the compute's."""
     out = {"mfu": mfu, "tokens_per_s": None}
     tps = mfu * peak * world / fpt if peak and mfu else None
+    if tps is not None and offload_s_per_step:
+        tps = tokens_per_step / (tokens_per_step / tps + offload_s_per_step)
     limits = {}
     if total_tokens is not None:
         limits["total_tokens"] = total_tokens
@@ -532,9 +662,41 @@ def budget(params: int, fpt: float, tokens_per_step: int, world: int, peak: floa
     return out
 
 
+def host_need(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool,
+              grad_accum: int) -> tuple[dict, float]:
+    """(host_memory's components, the bytes a node's host memory must hold): the offloaded state and the ranks'
+    own memory; on a CPU node, where host and device are the same RAM, the ranks' device memory as well."""
+    host = host_memory(args, setup, stage, grad_accum)
+    need = host["total"]
+    if setup.cpu and offload_devices(stage, setup.zero):
+        need += setup.gpus_per_node * memory(args, setup, stage, micro, seq_len, checkpointing)["total"]
+    return host, need
+
+
+def offload_summary(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool,
+                    grad_accum: int) -> dict:
+    """The plan's `host_memory` (GiB per node by component, the node's need, the host's size, what is offloaded
+    where, whether it fits) and `offload_traffic` (GB per step per GPU, the link's GB/s, the seconds it adds)."""
+    host, need = host_need(args, setup, stage, micro, seq_len, checkpointing, grad_accum)
+    traffic = offload_traffic(args, setup, stage, grad_accum, checkpointing)
+    return {"host_memory": {**{f"{k}_gib": _gib(v) for k, v in host.items()}, "per_node_gib": _gib(need),
+                            "host_memory_gib": None if setup.host_bytes is None else _gib(setup.host_bytes),
+                            "offloaded": offload_devices(stage, setup.zero),
+                            "fits": setup.host_bytes is None or need <= setup.host_bytes},
+            "offload_traffic": {"gb_per_step_per_gpu": round(traffic["bytes_per_gpu"] / 1e9, 3),
+                                "host_link_gb_s": None if setup.host_link_bytes_per_s is None
+                                else setup.host_link_bytes_per_s / 1e9,
+                                "seconds_per_step": 0.0 if setup.cpu else traffic["seconds"]}}
+
+
 def verdict(plan: dict) -> str:
-    """One line: fits (with headroom) or not (by how much, and what would)."""
+    """One line: fits (with headroom) or not (by how much, and what would); an offloaded run that fits its
+    devices but not its host says that."""
     hw = plan["hardware"]
+    host = plan.get("host_memory") or {}
+    if plan["fits"] and not host.get("fits", True):
+        return host_verdict(host["per_node_gib"] * GiB, host["host_memory_gib"] * GiB,
+                            "a node (zerotrain.hardware.host_memory_gib)")
     unit = "rank" if hw["accelerator"] == "cpu" else "GPU"
     stage = STAGE_LABELS.get(plan["zero_stage"], plan["zero_stage"])
     where = f"ZeRO-{stage}{' + activation checkpointing' if plan['activation_checkpointing'] else ''}," \
@@ -567,12 +729,14 @@ def render(plan: dict) -> str:
         lines.append(f"| {label} | {r['model_states_gib']} | {r['buffers_gib']} | {r['activations_gib']} |"
                      f" {r['context_gib']} | {r['fragmentation_gib']} | {r['total_gib']} |"
                      f" {'yes' if r['fits'] else 'no'} | {r['max_micro_batch']} |")
-    lines.append("")
+    lines += [""] + render_offload(plan) + [""]
     if plan["hours"] is not None:
         usd = f", ${plan['usd']:,.0f}" if plan["usd"] is not None else ""
+        extra = (plan.get("offload_traffic") or {}).get("seconds_per_step")
+        traffic = f" with {extra:.3g} s per step of offload traffic" if extra else ""
         lines.append(f"time: {plan['steps']:,} steps = {plan['tokens']:,} tokens ({plan['binding']} binds) at MFU"
                      f" {plan['mfu']} of {hw['peak_flops_per_device']:.3g} FLOP/s per device ="
-                     f" {plan['tokens_per_s']:,.0f} tokens/s: {plan['hours']:,} h{usd}")
+                     f" {plan['tokens_per_s']:,.0f} tokens/s{traffic}: {plan['hours']:,} h{usd}")
     else:
         lines.append(f"time: {plan['steps']:,} steps = {plan['tokens']:,} tokens (no peak FLOP/s: give a --profile or"
                      " --peak-tflops for hours and dollars)")
@@ -582,6 +746,38 @@ def render(plan: dict) -> str:
                  f" {_count(co['tokens'])} tokens")
     lines.append(plan["verdict"])
     return "\n".join(lines)
+
+
+def render_offload(plan: dict, rows: bool = True) -> list[str]:
+    """The host-memory and host-link lines: with `rows` (`zerotrain plan`) each offload row's host memory per
+    node first; for an offloaded run its components and traffic (--dry-run and the start-up too)."""
+    h, t = plan["host_memory"], plan["offload_traffic"]
+    of = f" of {_size(h['host_memory_gib'])}" if h["host_memory_gib"] is not None else \
+        " (host size unknown: zerotrain.hardware.host_memory_gib)"
+    lines = []
+    if rows:
+        per_row = {STAGE_LABELS.get(name) or f"{name[4:]} + {' + '.join(h['offloaded'])} offload":
+                   r["host_per_node_gib"] for name, r in plan["memory"].items() if "host_per_node_gib" in r}
+        lines.append("host memory per node, offload rows: "
+                     + "; ".join(f"ZeRO-{k} {_size(v)}" for k, v in per_row.items()) + of)
+    if h["offloaded"]:
+        where = ", ".join(f"{what} -> {device}" for what, device in h["offloaded"].items())
+        lines.append(f"host memory (offload: {where}): {_size(h['per_node_gib'])} per node{of}"
+                     f" (optimizer {h['optimizer_gib']}, gradients {h['gradients_gib']}, parameters"
+                     f" {h['parameters_gib']}, buffers {h['buffers_gib']}, ranks' own {h['processes_gib']} GiB"
+                     + (", the ranks' device memory: the same RAM" if plan["hardware"]["accelerator"] == "cpu" else "")
+                     + ")" + ("" if h["fits"] else ": does not fit"))
+        if plan["hardware"]["accelerator"] == "cpu":
+            lines.append("offload traffic: none over a bus on a CPU node (host and device are the same RAM); the"
+                         " time below is the compute's")
+        else:
+            link = (f"at {t['host_link_gb_s']:g} GB/s (zerotrain.hardware.host_link_gb_s):"
+                    f" +{t['seconds_per_step']:.3g} s per step, not overlapped (an upper bound), in the time below"
+                    if t["host_link_gb_s"] is not None else
+                    "(no host link bandwidth in the profile: zerotrain.hardware.host_link_gb_s; not in the time)")
+            lines.append(f"offload traffic: {t['gb_per_step_per_gpu']:g} GB per step per GPU over its host link"
+                         f" {link}; CPU Adam's time and NVMe I/O not counted")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------
@@ -631,4 +827,39 @@ def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attenti
                 "headroom_gib": round(_gib(device_bytes) - _gib(m["total"]), 2),
                 "would_fit": alternatives(model_args, setup, stage, micro, cfg.seq_len, ac)}
         raise UsageError(f"{verdict(plan)} [{what}; `zerotrain plan` for the table; --no-fit-check to try anyway]")
+    host_check(model_args, replace(setup, host_bytes=available_ram()), stage_key(ds_config), micro, cfg.seq_len, ac,
+               ds_config.get("gradient_accumulation_steps", 1), "this node's RAM available now")
     return m
+
+
+def host_check(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool, grad_accum: int,
+               what: str) -> None:
+    """Refuse (UsageError, one line) an offloaded run whose state a node's host memory (setup.host_bytes; None:
+    unknown, not checked) cannot hold: the driver's fit check (the RAM available now) and --dry-run (the
+    profile's zerotrain.hardware.host_memory_gib)."""
+    if not offload_devices(stage, setup.zero):
+        return
+    need = host_need(args, setup, stage, micro, seq_len, checkpointing, grad_accum)[1]
+    problem = host_verdict(need, setup.host_bytes, what)
+    if problem:
+        raise UsageError(f"{problem} [`zerotrain plan` for the table; --no-fit-check to try anyway]")
+
+
+def offload_lines(args, ds_config: dict, knobs: dict, world: int, seq_len: int, attention: str | None,
+                  refuse: bool) -> list[str]:
+    """The start-up's and --dry-run's host-memory and traffic lines for an offloaded run, on the profile's
+    hardware (none without offload); `refuse` (a dry run): UsageError, one line, when the profile's host memory
+    (zerotrain.hardware.host_memory_gib) cannot hold it."""
+    hw = knobs.get("hardware") or {}
+    if not offload_devices(stage_key(ds_config), ds_config.get("zero_optimization") or {}):
+        return []
+    nodes = hw.get("nodes", 1)
+    setup = setup_from(ds_config, knobs, world=world, nodes=nodes if world % nodes == 0 else 1,
+                       device_bytes=float(hw.get("device_memory_gib", 1)) * GiB, attention=attention)
+    micro, accum = ds_config["train_micro_batch_size_per_gpu"], ds_config.get("gradient_accumulation_steps", 1)
+    ac = bool(knobs.get("activation_checkpointing"))
+    stage = stage_key(ds_config)
+    if refuse:
+        host_check(args, setup, stage, micro, seq_len, ac, accum, "a node (zerotrain.hardware.host_memory_gib)")
+    return render_offload({"hardware": {"accelerator": setup.accelerator},
+                           **offload_summary(args, setup, stage, micro, seq_len, ac, accum)}, rows=False)
