@@ -287,3 +287,29 @@ def test_zerotrain_preflight_bad_stage_is_exit_2(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "zerotrain: error: --stage v9: choose v1, v2 or v3 (or several, e.g. v1,v2)"]
+
+
+def test_nvme_throughput_is_measured_in_the_directory_and_leaves_nothing(tmp_path):
+    """v2's NVMe check (at --nvme-path): the bytes written are fsync'd and read back, both rates positive, the
+    probe file removed; a directory that cannot be written fails (the check's FAIL with the OS's message)."""
+    from zerotrain.launcher.commands.preflight.measure import disk_throughput
+    from zerotrain.launcher.components import offload
+    from zerotrain.launcher.profiles import apply_offload
+
+    m = disk_throughput(tmp_path, size=3 * 2**20 + 5, block=2**20)  # a last block shorter than the others
+    assert m["bytes"] == 3 * 2**20 + 5
+    assert m["write_bytes_per_s"] > 0 and m["read_bytes_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        disk_throughput(tmp_path / "missing", size=2**20)
+    ds = {"zero_optimization": {"stage": 3}}
+    assert offload.nvme_paths(apply_offload(ds, "all", str(tmp_path), "--offload")) == [str(tmp_path)]
+    assert offload.nvme_paths(apply_offload(ds, "all", None, "--offload")) == []
+    from types import SimpleNamespace
+
+    from zerotrain.launcher.commands.preflight.throughput import Throughput
+
+    ok, line, data = Throughput(SimpleNamespace(world=2)).c_nvme([str(tmp_path)])
+    assert ok is True and re.fullmatch(rf"{tmp_path}: write \d+\.\d\d GB/s, read \d+\.\d\d GB/s \(256 MiB per rank, 2"
+                                       r" rank\(s\) at once; fsync'd, read after dropping the page cache\)", line)
+    assert data["nvme"][str(tmp_path)]["bytes"] == 256 * 2**20 and list(tmp_path.iterdir()) == []

@@ -28,7 +28,8 @@ v2 throughput  a micro-batch sweep (--sweep, default micro/2, micro, 2x, 4x; gra
                does not fit or runs out of memory; the fastest that fits marked); the data loader
                alone (--loader-seconds), tokens/s per rank, against what the model consumes per rank
                (its step time minus the data wait; ratio >= DATA_RATIO_MIN); the fraction of step time
-               waiting on data (<= DATA_WAIT_MAX); both at the configured micro-batch.
+               waiting on data (<= DATA_WAIT_MAX); both at the configured micro-batch. With NVMe offload,
+               first the write and read throughput at --nvme-path (measure.disk_throughput), a line.
 v3 rehearsal   N steps of the full config (--steps, default `rehearsal_steps`), saves and evaluations
                at the run's cadence (at least one of each that the run has); golden steps recorded
                in RUN_DIR/preflight/golden.json; passes only if the median MFU against the profile's

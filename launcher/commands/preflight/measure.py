@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
+import time
 from pathlib import Path
 
 from zerotrain.launcher.components import ds_compat
@@ -15,6 +17,7 @@ from zerotrain.launcher.node import Node
 
 DATA_RATIO_MIN = 2.0  # the loader must produce at least twice what the model consumes (headroom for hiccups)
 DATA_WAIT_MAX = 0.10  # at most 10% of a step waiting on data
+NVME_PROBE_BYTES = 256 * 2**20  # per rank: large enough to pass a drive's write cache, small enough for seconds
 SIGTERM_GRACE_S = 30  # DeepSpeed's launcher kills the ranks 30 s after forwarding SIGTERM
 GiB = 2 ** 30
 
@@ -82,3 +85,38 @@ def slowed(loader, hooks: TestHooks):
 
 def rate(x: float) -> str:
     return f"{x / 1e6:,.2f}M" if x >= 1e6 else f"{x / 1e3:,.1f}k" if x >= 1e3 else f"{x:,.0f}"
+
+
+def disk_throughput(directory: Path, size: int = NVME_PROBE_BYTES, block: int = 4 * 2**20) -> dict:
+    """Write and read throughput of `directory` (v2's NVMe check, at --nvme-path): `size` incompressible bytes
+    written to a new file there in `block`-sized writes and fsync'd (the time includes the fsync), the file's
+    pages then dropped from the page cache (posix_fadvise DONTNEED: a file system that ignores it reads from
+    memory), read back; the file removed. {"bytes", "write_bytes_per_s", "read_bytes_per_s"}. Buffered I/O, not
+    DeepSpeed's O_DIRECT async I/O: a lower bound on what its swapping gets from the same drive."""
+    path = Path(directory) / f".zerotrain-nvme-probe-{os.getpid()}"
+    data = os.urandom(block)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            t0 = time.perf_counter()
+            written = 0
+            while written < size:
+                written += os.write(fd, data[:min(block, size - written)])
+            os.fsync(fd)
+            write_s = time.perf_counter() - t0
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            t0 = time.perf_counter()
+            read = 0
+            while chunk := os.read(fd, block):
+                read += len(chunk)
+            read_s = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return {"bytes": written, "write_bytes_per_s": written / max(write_s, 1e-9),
+            "read_bytes_per_s": read / max(read_s, 1e-9)}

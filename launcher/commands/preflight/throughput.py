@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 from zerotrain.dataio.loader import Batches
-from zerotrain.launcher.commands.preflight.measure import DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, peak_rss, rate, slowed
+from zerotrain.launcher.commands.preflight.measure import (DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, disk_throughput, peak_rss,
+                                                           rate, slowed)
+from zerotrain.launcher.components import offload
 from zerotrain.launcher.components.planner import device_memory_here, fit_check
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import resolve_ds_config
@@ -38,6 +40,10 @@ class Throughput:
         if not self.pf.passed("plan"):
             self.pf.skip(["micro-batch sweep", "data loader", "data wait"], "needs the plan")
             return self.pf.end_stage()
+        nvme = offload.nvme_paths(self.base.ds_config)
+        if nvme:  # every rank at once, as the run swaps
+            self.pf.check("nvme throughput", lambda: self.c_nvme(nvme),
+                          "--nvme-path cannot be written or read: see the message")
         sweep = self.pf.check("micro-batch sweep", self.c_sweep, "the configured --micro-batch does not fit: use the"
                                                                  " largest that fits (above), or see `zerotrain plan`")
         mine = next((c for c in sweep.get("candidates", []) if c["configured"] and "tokens_per_s_per_rank" in c), None)
@@ -60,6 +66,19 @@ class Throughput:
         ds = self.base.ds_config
         return True, (f"{self.base.model_label}, micro {ds['train_micro_batch_size_per_gpu']} x accum"
                       f" {ds['gradient_accumulation_steps']} x {self.pf.world} rank(s)"), {}
+
+    def c_nvme(self, paths: list[str]):
+        """Read and write throughput at each --nvme-path (measure.disk_throughput), this rank's, all ranks at
+        once: informational (no threshold), it fails only when the directory cannot be written or read."""
+        t0 = time.time()
+        said, data = [], {}
+        for path in paths:
+            m = disk_throughput(Path(path))
+            data[path] = m
+            said.append(f"{path}: write {m['write_bytes_per_s'] / 1e9:.2f} GB/s, read {m['read_bytes_per_s'] / 1e9:.2f}"
+                        f" GB/s ({m['bytes'] // 2**20} MiB per rank, {self.pf.world} rank(s) at once; fsync'd, read"
+                        " after dropping the page cache)")
+        return True, "; ".join(said), {"nvme": data, "seconds": time.time() - t0}
 
     def planner_says(self, cfg, ds_config) -> tuple[float | None, str | None]:
         """(the planner's bytes per rank, or its refusal) for a candidate; (None, None) with --no-fit-check
