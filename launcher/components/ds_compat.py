@@ -197,6 +197,50 @@ def zero_master_tensors(engine) -> tuple[object, list]:
     return inner, list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]
 
 
+# DeepSpeed 0.19.8's attributes that hold an offloaded run's host-side state (stage_1_and_2.py `__init__` and
+# `async_accumulate_grad_in_cpu_via_gpu`; stage3.py `_create_fp16_partitions_with_defragmentation`,
+# `_create_fp32_partitions`, `_setup_for_real_optimizer`): name -> what the planner calls it
+OFFLOADED_STATE = {"single_partition_of_fp32_groups": "optimizer", "fp32_partitioned_groups_flat": "optimizer",
+                   "grad_partitions_flat_buffer": "gradients", "accumulated_grads_in_cpu": "gradients",
+                   "param_groups_fp16_flat_cpu_memory": "parameters",
+                   "param_buffer_of_bit16_for_cpu_offload_groups": "buffers",
+                   "temp_grad_buffer_for_cpu_offload": "buffers"}
+
+
+def offloaded_state_bytes(engine) -> dict[str, int]:
+    """Bytes of the tensors an offloaded ZeRO optimizer keeps on the host, by the planner's components
+    (components/planner.py `host_memory`), each storage counted once: the fp32 master partitions and the inner
+    optimizer's state ("optimizer"), the fp32 gradients the optimizer steps (the master partitions' .grad) and
+    DeepSpeed's gradient buffers ("gradients"), the offloaded 16-bit parameter partitions ("parameters"), the
+    16-bit copy and staging buffers ("buffers"); attributes per OFFLOADED_STATE (DeepSpeed 0.19.8). Read after
+    the first optimizer step (Adam's moments exist only then)."""
+    import torch
+
+    wrapper = engine.optimizer
+    seen: set[int] = set()
+    out = {"optimizer": 0, "gradients": 0, "parameters": 0, "buffers": 0}
+
+    def add(what: str, obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                out[what] += storage.nbytes()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                add(what, v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                add(what, v)
+
+    for name, what in OFFLOADED_STATE.items():
+        add(what, getattr(wrapper, name, None))
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # the fp32 gradients
+        add("gradients", [t.grad for t in getattr(wrapper, name, None) or () if t.grad is not None])
+    add("optimizer", list(getattr(wrapper, "optimizer", wrapper).state.values()))
+    return out
+
+
 # -- the CPU shared-memory all-reduce ---------------------------------------------------------------
 
 SHM_BUFFER_NAME = "deepspeed_allreduce_buffer"  # shm.cpp's SHM_BUFFER_NAME (checked in PRIVATE_NAMES above)
