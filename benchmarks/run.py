@@ -21,7 +21,8 @@ scaling efficiency; zerotrain's own collectives and host syncs per step; data wa
 Start-up, shard verification, checkpoints and packing baselines: benchmarks/startup.py,
 benchmarks/checkpoints.py, benchmarks/packing_baselines.py; fused q/k/v and gate/up weights against our
 separate projections: benchmarks/projections.py; the chunked loss's memory against full logits:
-benchmarks/loss_memory.py; bf16 against fp32 through the driver: benchmarks/precision.py.
+benchmarks/loss_memory.py; bf16 against fp32 through the driver: benchmarks/precision.py; ZeRO-Offload's step
+time on this CPU: benchmarks/offload.py.
 
 Data benchmarks (dataio): the demo mix (built offline by launcher/commands/demo.py under runs/demo-data/)
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
@@ -324,6 +325,8 @@ BENCHMARKS = {
                     " 128,256-token vocabulary: full logits (before) vs the chunked loss"),
     "bf16_step": (_module("precision", "bench_bf16_step"), "1 rank: zerotrain ZeRO-2/3 in fp32 (the cpu profiles) vs"
                   " their bf16 copies; MFU against each dtype's measured matmul peak; the CPU's bf16 flags"),
+    "offload_step": (_module("offload", "bench_offload_step"), "1 rank: step time with --offload none / optimizer"
+                     " (ZeRO-2, ZeRO-3) / all (ZeRO-3) on this CPU, where no bus is crossed"),
     "stream_bytes": (bench_stream_bytes, "loader from the demo mix's files, bytes tokenizer"),
     "shards": (bench_shards, "loader from prepared shards"),
     "stream_bpe": (bench_stream_bpe, "loader from the mix files, BPE tokenized on the fly"),
