@@ -200,6 +200,24 @@ def test_offload_traffic_is_in_the_plans_time(capsys):
     out = capsys.readouterr().out
     assert "host memory (offload: optimizer -> cpu, parameters -> cpu): " in out and " of 256.00 GiB (" in out
     assert "offload traffic: " in out and "at 25 GB/s (zerotrain.hardware.host_link_gb_s)" in out
+    assert "with 66.3 s per step of offload traffic" in out  # the time line says what it includes
+
+
+def test_dry_run_prints_the_host_memory_and_traffic_lines(tmp_path, mix_path, capsys):
+    """--dry-run of an offload recipe on its profile's hardware: the same host-memory and traffic lines as
+    `zerotrain plan`, after the offload line; nothing is written."""
+    from zerotrain.launcher.cli import main as cli
+
+    with pytest.raises(SystemExit) as ended:
+        cli(["train", "--config", "recipes/rtx6000ada-x2-7b-offload.json", "--tokenizer", "bytes", "--data",
+             str(mix_path), "--out", str(tmp_path / "runs"), "--dry-run"])
+    assert ended.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("offload (ZeRO-Offload): "))
+    host = next(line for line in lines[at:] if line.startswith("host memory (offload: "))
+    assert "per node of 256.00 GiB (optimizer " in host and "ranks' own 1.2 GiB)" in host
+    assert any(line.startswith("offload traffic: ") and "+66.3 s per step" in line for line in lines[at:])
+    assert not (tmp_path / "runs").exists()
 
 
 def test_what_the_host_cannot_hold_is_refused_in_one_line_before_anything_is_written(tmp_path, mix_path, capsys):

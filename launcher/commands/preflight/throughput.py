@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from zerotrain.dataio.loader import Batches
-from zerotrain.launcher.commands.preflight.measure import (DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, disk_throughput, peak_rss,
-                                                           rate, slowed)
+from zerotrain.launcher.commands.preflight.measure import (DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, disk_throughput,
+                                                           peak_rss, rate, slowed)
 from zerotrain.launcher.components import offload
 from zerotrain.launcher.components.planner import device_memory_here, fit_check
 from zerotrain.launcher.errors import UsageError
