@@ -443,15 +443,19 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, 
     converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
     epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
     """
+    check_reshard(data, meta["world_size"], world)  # the data first: a streamed source is named before the stages
     universal.check_supported(ds_config, tag_dir)
     return universal.ds_config_for_universal(keep_global_batch(ds_config, tag_dir, meta["world_size"], world, saved_ds,
-                                                                data))
+                                                                data, checked=True))
 
 
-def keep_global_batch(ds_config: dict, tag_dir: Path, saved_world: int, world: int, saved_ds: Path, data) -> dict:
+def keep_global_batch(ds_config: dict, tag_dir: Path, saved_world: int, world: int, saved_ds: Path, data,
+                      checked: bool = False) -> dict:
     """The DeepSpeed dict whose gradient accumulation keeps the checkpoint's global batch on `world`
-    data-parallel ranks (row groups, with sequence parallelism), its data re-split from `saved_world`'s."""
-    check_reshard(data, saved_world, world)
+    data-parallel ranks (row groups, with sequence parallelism), its data re-split from `saved_world`'s
+    (`checked`: the caller has checked that re-split already)."""
+    if not checked:
+        check_reshard(data, saved_world, world)
     saved = json.loads(saved_ds.read_text()) if saved_ds.is_file() else None
     global_batch = saved["train_batch_size"] if saved else ds_config["train_batch_size"]
     micro = ds_config["train_micro_batch_size_per_gpu"]

@@ -19,7 +19,6 @@ Usage: deepspeed --num_gpus 2 tests/helpers/ckpt_harness.py check OUT_DIR
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import resource
@@ -174,7 +173,9 @@ def measure(out: Path, saves: int, model_preset: str) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    from harness_exit import exit_after  # leaves with os._exit once the body returns (why: harness_exit.py)
+
+    with exit_after():
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         argv = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
         mode, out_dir = argv[0], Path(argv[1])
@@ -183,5 +184,3 @@ if __name__ == "__main__":
             check(out_dir)
         else:
             measure(out_dir, int(argv[2]) if len(argv) > 2 else 5, argv[3] if len(argv) > 3 else "debug")
-    finally:
-        gc.freeze()  # the exit frees it all: no full collections in the interpreter's shutdown (launcher/train.py)

@@ -34,7 +34,6 @@ update runs eagerly, the same arithmetic without a 30-60 s compile on a CPU.
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import math
@@ -439,14 +438,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    from harness_exit import exit_after  # leaves with os._exit once the body returns (why: harness_exit.py)
+
+    with exit_after():
         main(sys.argv[1:])
-    finally:
-        gc.freeze()  # the exit frees it all: no full collections in the interpreter's shutdown (launcher/train.py)
-    # Everything is reported and results.json written. Leave before the interpreter tears down what this
-    # process built (seven engines, DeepSpeed's CPU Lion op among them): in a fresh-clone run rank 1 aborted
-    # there after its last result ("terminate called without an active exception", SIGABRT), which failed
-    # every test of the launch. The driver leaves an offloaded run the same way (launcher/commands/train.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -17,7 +17,6 @@ loss of the step after it. Each phase writes result-PHASE-VARIANT.json for the t
 """
 from __future__ import annotations
 
-import gc
 import argparse
 import json
 import shutil
@@ -237,7 +236,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
+    from harness_exit import exit_after  # leaves with os._exit once the body returns (why: harness_exit.py)
+
+    with exit_after():
         main()
-    finally:
-        gc.freeze()  # the exit frees it all: no full collections in the interpreter's shutdown (launcher/train.py)
