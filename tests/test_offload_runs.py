@@ -1,5 +1,5 @@
 """ZeRO-Offload under the real `deepspeed` launcher on 2 CPU ranks (gloo), one module-scoped sequence of
-launches serving every assertion (the debug model, 6 steps, a save every 3; 9 launches with NVMe). Each run is
+launches serving every assertion (the debug model, 6 steps, a save every 3; 10 launches with NVMe). Each run is
 killed with kill -9 after its step-3 save, with steps 4-5 logged: those logged steps are the uninterrupted
 history a resume must reproduce, so no separate reference run is needed. The kill is deterministic: ZEROTRAIN_TEST_HANG holds rank 0
 on entering the step-6 save, so the run cannot finish first.
@@ -9,8 +9,8 @@ on entering the step-6 save, so the run cannot finish first.
   (DeepSpeed can abort in its offload teardown: the run's code is decided before), and exports;
 - the killed `--offload optimizer` run, copied, resumed with `--offload none` (offload is not part of the run
   id): the same data order, losses within DeepSpeedCPUAdam's rounding of torch's AdamW;
-- the `--offload all` resume is SIGTERMed after a step under `zerotrain launch`: exit 6, checkpoint saved, and
-  resumed again to the end, still bit for bit; a copy of the killed run resumed by 1 rank (a world-size
+- the `--offload all` and `--offload optimizer` resumes are SIGTERMed after a step under `zerotrain launch`:
+  exit 6, checkpoint saved, and resumed again to the end, still bit for bit; a copy of the killed run resumed by 1 rank (a world-size
   change with offload in host memory: DeepSpeed's universal conversion) ends finished;
 - the killed runs went through tests/helpers/offload_memory_harness.py: the planner's host memory for the
   offload rows is checked against the offloaded state the ranks hold (within 20%);
@@ -143,12 +143,14 @@ def runs(tmp_path_factory, mix_path):
         r["before_kill"] = kill_after_save(args(name), r["run"], measured)
         if name == "optimizer":  # the killed run copied, to be resumed without offload too
             shutil.copytree(tmp / name, tmp / "plain")
-        if name == "all":  # resumed with SIGTERM after a step, then again to the end; and on 1 rank (a copy)
-            shutil.copytree(tmp / name, tmp / "one-rank")
+        if name in ("all", "optimizer"):  # resumed with SIGTERM after a step, then again to the end
+            if name == "all":  # and on 1 rank (a copy)
+                shutil.copytree(tmp / name, tmp / "one-rank")
             r["stdout"], r["sigterm"] = sigterm_after_a_step(args(name), r["run"])
             r["final_stdout"] = ok(launch("deepspeed", args(name))).stdout
-            out["one-rank"] = {"run": tmp / "one-rank" / "r",
-                               "proc": launch("deepspeed", args("one-rank"), nproc=1)}
+            if name == "all":
+                out["one-rank"] = {"run": tmp / "one-rank" / "r",
+                                   "proc": launch("deepspeed", args("one-rank"), nproc=1)}
         else:
             r["stdout"] = r["final_stdout"] = ok(launch("deepspeed", args(name))).stdout
         if name == "optimizer":  # the copy, with --offload none (the last --offload wins)
@@ -259,11 +261,12 @@ def test_export_of_an_nvme_offloaded_checkpoint_is_refused_in_one_line(runs, tmp
     assert not (tmp_path / "nvme").exists()
 
 
-def test_sigterm_with_offload_all_stops_saves_and_resumes_exactly(runs):
-    """The resumed --offload all run (ZeRO-3, parameters and optimizer in host memory), SIGTERMed after a step
-    under `zerotrain launch`: exit 6 with a checkpoint at the step it stopped at; resumed, its history is the
-    killed run's bit for bit (resumed_same, checked by the kill -9 test) and it ends finished."""
-    r = runs["all"]
+@pytest.mark.parametrize("name", ["all", "optimizer"])
+def test_sigterm_with_offload_stops_saves_and_resumes_exactly(runs, name):
+    """The resumed --offload all run (ZeRO-3, parameters and optimizer in host memory) and --offload optimizer
+    run (ZeRO-2), SIGTERMed after a step under `zerotrain launch`: exit 6 with a checkpoint at the step it
+    stopped at; resumed, its history is the killed run's bit for bit (resumed_same) and it ends finished."""
+    r = runs[name]
     stopped = r["sigterm"]["stopped"]
     assert r["sigterm"]["code"] == 6, r["stdout"][-3000:]  # stopped by a signal, checkpoint saved
     assert SAVE < stopped < N and "Traceback" not in r["stdout"]
