@@ -99,7 +99,9 @@ def sigterm_after_a_step(args: list[str], run) -> tuple[str, dict]:
     {"code", "stopped" step})."""
     log = run / "metrics.jsonl"
     before = len(log.read_text().splitlines())
-    proc = popen(zerotrain_launch_cmd(args))
+    # each micro-batch's data held 0.5 s (a sleep, the same rows): at ZeRO-2 a step takes tens of ms, and the run
+    # would reach --max-steps before the signal is agreed on (seen: stopped at step 6 of 6)
+    proc = popen(zerotrain_launch_cmd(args), {"ZEROTRAIN_TEST_SLOW_DATA": "0.5"})
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
         if any('"loss"' in line and '"event"' not in line for line in log.read_text().splitlines()[before:]):

@@ -205,6 +205,31 @@ def test_rank_watch_names_the_first_rank_to_end_and_kills_stopped_ranks(tmp_path
     assert watch.first_exit == RankExit(0, "exit 11", 11) and watch.killed_stopped == [1]
 
 
+FAKE_LAUNCH_FINISHED_FIRST = r'''
+import os, subprocess, sys, time
+# rank 1 finishes (exit 0) at once; rank 0 fails a moment later, as a rank lost after the final save
+ranks = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": str(r)})
+         for r, code in enumerate(["import time; time.sleep(2.5); raise SystemExit(7)",
+                                   "import time; time.sleep(0.8)"])]  # alive long enough to be seen as a rank
+while any(r.poll() is None for r in ranks):  # as DeepSpeed's launch.py: a poll a second
+    time.sleep(1)
+print([r.returncode for r in ranks], flush=True)
+'''
+
+
+def test_rank_watch_names_the_failing_rank_not_one_that_finished_before_it():
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCH_FINISHED_FIRST], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    watch = RankWatch(proc.pid, interval_s=0.1, discover_s=0.5)
+    watch.start()
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        watch.stop()
+    assert out.strip() == "[7, 0]"
+    assert watch.first_exit == RankExit(0, "exit 7", 7)
+
+
 # -- real ranks: the deepspeed launcher, 2 CPU ranks -------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,7 @@ def signal_name(signum: int) -> str:
 
 @dataclass(frozen=True)
 class RankExit:
-    """The first local rank process seen to end."""
+    """The first local rank process seen to end other than with exit 0."""
     rank: int
     how: str  # "exit 11", "killed by SIGKILL", or "ended" (reaped before we could read its status)
     code: int | None  # its exit code, None when killed by a signal or not read
@@ -215,10 +215,19 @@ class RankWatch(threading.Thread):
         self.root, self.interval_s, self.discover_s = root, interval_s, discover_s
         self._discovered_at = float("-inf")
         self.ranks: dict[int, int] = {}  # pid -> rank, every rank process seen
-        self.first_exit: RankExit | None = None
+        self._failed: RankExit | None = None  # the first rank seen to fail (a signal, a nonzero exit)
+        self._unread: RankExit | None = None  # the first rank gone before its status could be read
         self.killed_stopped: list[int] = []  # ranks we killed because they were stopped
         self._first_exit_at: float | None = None
+        # ranks seen to exit 0: a rank that finished while another failed after it (rank 0 lost after the final
+        # save, rank 1 already gone) is not the first exit the restart names
+        self._ended_ok: set[int] = set()
         self._done = threading.Event()
+
+    @property
+    def first_exit(self) -> RankExit | None:
+        """The first rank seen to fail, else the first whose status could not be read; None while none has."""
+        return self._failed or self._unread
 
     def stop(self) -> None:
         self._done.set()
@@ -232,7 +241,7 @@ class RankWatch(threading.Thread):
                 pass
 
     def poll(self) -> None:
-        if self.first_exit is None and time.monotonic() - self._discovered_at >= self.discover_s:
+        if self._first_exit_at is None and time.monotonic() - self._discovered_at >= self.discover_s:
             self._discovered_at = time.monotonic()
             for pid, rank in rank_processes(self.root).items():
                 self.ranks.setdefault(pid, rank)
@@ -240,9 +249,16 @@ class RankWatch(threading.Thread):
         for pid, rank in self.ranks.items():
             fields = stat_fields(pid)
             if fields is None or fields[0] in "ZX":
-                if self.first_exit is None:
-                    how, code = _how_it_ended(fields)
-                    self.first_exit, self._first_exit_at = RankExit(rank, how, code), time.monotonic()
+                how, code = _how_it_ended(fields)
+                if code == 0:  # it finished its part (seen before its launcher reaped it): not the job's cause
+                    self._ended_ok.add(pid)
+                elif pid not in self._ended_ok:
+                    if self._first_exit_at is None:
+                        self._first_exit_at = time.monotonic()
+                    if how == "ended":  # reaped before its status was read: named only if no known failure is
+                        self._unread = self._unread or RankExit(rank, how, code)
+                    elif self._failed is None:
+                        self._failed = RankExit(rank, how, code)
             else:
                 alive[pid] = (rank, fields[0])
         if self._first_exit_at is not None and time.monotonic() - self._first_exit_at >= STOPPED_GRACE_S:
