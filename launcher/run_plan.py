@@ -234,29 +234,9 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     saved = json.loads(saved.read_text()) if saved.is_file() else None
     saved_run = saved["run"] if saved is not None else None
     if resume_from is not None:
-        meta = checkpoint.read_meta(resume_from)
-        saved_sp = meta.get("sequence_parallel", 1)
-        if (saved_sp > 1 or sp > 1) and meta["world_size"] != world:  # DeepSpeed's universal load with SP: unproven
-            raise UsageError(f"--sequence-parallel {sp}: checkpoint {resume_from} was saved by {meta['world_size']}"
-                             f" rank(s) at --sequence-parallel {saved_sp}; with sequence parallelism a resume keeps"
-                             f" the world size (resume on {meta['world_size']} ranks; N may change)")
-        if saved_sp != sp:  # the same ranks and ZeRO partitions, other row groups: the data re-splits, the batch stays
-            ds_config = keep_global_batch(ds_config, resume_from, meta["world_size"] // saved_sp, data_world,
-                                          run_dir / "ds_config.json", data)
-        elif meta["world_size"] != world:
-            ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
-        # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
-        # warmup stays the one the run started with
-        cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, (meta["step"], meta["tokens_seen"]),
-                             saved_run if resume_from.parent in (ckpt_dir, mirror_ckpt) else None)
-        if meta.get("loader_workers", 0) != loader_settings["workers"]:
-            raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
-                             f" per rank, this profile has {loader_settings['workers']}; the document order depends"
-                             " on it (set zerotrain.dataloader.workers back)")
-        nvme_resume = offload.check_resume(ds_config, resume_from)
-        if meta["step"] > cfg.max_steps:
-            raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}"
-                             f" ({cfg.sources.get('max_steps', 'given')})")
+        cfg, ds_config, meta, nvme_resume = _resume_layout(cfg, ds_config, resume_from, world, sp, data_world, data,
+                                                           loader_settings, run_dir, (ckpt_dir, mirror_ckpt),
+                                                           saved_run)
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
         drift = cfg.drift(saved_run, saved.get("run_sources"))
         if drift:
@@ -289,6 +269,37 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                                                     bool(settings.activation_checkpointing), settings.attention,
                                                     node.device, sp),
                    sequence_parallel=sp, offload_lines=tuple(host_lines))
+
+
+def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: int, sp: int, data_world: int,
+                   data, loader_settings: dict, run_dir: Path, own_dirs: tuple, saved_run: dict | None):
+    """A resume against its checkpoint: the layout it may change (world size, --sequence-parallel), the run's
+    length counted from its tokens, the loader's workers, NVMe state. Returns (cfg, ds_config, meta, the NVMe
+    resume warning or None); UsageError (one line) for what cannot be resumed."""
+    meta = checkpoint.read_meta(resume_from)
+    saved_sp = meta.get("sequence_parallel", 1)
+    if (saved_sp > 1 or sp > 1) and meta["world_size"] != world:  # DeepSpeed's universal load with SP: unproven
+        raise UsageError(f"--sequence-parallel {sp}: checkpoint {resume_from} was saved by {meta['world_size']}"
+                         f" rank(s) at --sequence-parallel {saved_sp}; with sequence parallelism a resume keeps"
+                         f" the world size (resume on {meta['world_size']} ranks; N may change)")
+    if saved_sp != sp:  # the same ranks and ZeRO partitions, other row groups: the data re-splits, the batch stays
+        ds_config = keep_global_batch(ds_config, resume_from, meta["world_size"] // saved_sp, data_world,
+                                      run_dir / "ds_config.json", data)
+    elif meta["world_size"] != world:
+        ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
+    # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
+    # warmup stays the one the run started with
+    cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, (meta["step"], meta["tokens_seen"]),
+                         saved_run if resume_from.parent in own_dirs else None)
+    if meta.get("loader_workers", 0) != loader_settings["workers"]:
+        raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
+                         f" per rank, this profile has {loader_settings['workers']}; the document order depends"
+                         " on it (set zerotrain.dataloader.workers back)")
+    nvme_resume = offload.check_resume(ds_config, resume_from)
+    if meta["step"] > cfg.max_steps:
+        raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}"
+                         f" ({cfg.sources.get('max_steps', 'given')})")
+    return cfg, ds_config, meta, nvme_resume
 
 
 def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: int) -> int:
