@@ -213,9 +213,6 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
                                     detect=detect_profile)
     settings = attention_kernel(cfg, settings, ds_config, node, model_args)
-    if sp > 1 and settings.attention == "varlen":
-        raise UsageError(f"--sequence-parallel {sp}: with the varlen attention kernel it is not verified (no CUDA"
-                         " here to prove it exact); use --attention sdpa or flex")
     check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
     # host memory and traffic on the profile's hardware; a dry run refuses what its host cannot hold (a real
     # run: fit_check, against the RAM available now)

@@ -2,7 +2,8 @@
 DeepSpeed's sequence-parallel mpu and all-to-all, ds_compat.py).
 
 The proof is a real 2-rank `deepspeed` launch at SP=2 (tests/helpers/sp_harness.py): packed rows whose
-documents start inside either half and span the seam, uneven label masks; ZeRO-2 and ZeRO-3, sdpa and flex,
+documents start inside either half and span the seam, uneven label masks; ZeRO-2 and ZeRO-3, sdpa, flex and
+varlen (torch's varlen_attn over the plain-PyTorch flash reference, tests/helpers/reference_flash.py),
 kv heads dividing N and fewer kv heads than N, loss "mean" and "sum", activation checkpointing once. The sum of the ranks' loss shares and
 every parameter's full gradient after DeepSpeed's reduction equal, within 1e-6 relative, one unsharded
 model's on the same whole batch.
@@ -40,7 +41,7 @@ def sp_results(tmp_path_factory):
 
 def test_sp2_loss_and_every_gradient_equal_one_unsharded_rank(sp_results):
     cases = {(r["stage"], r["attention"], r["kv_heads"], r["reduction"]) for r in sp_results}
-    assert {(3, "sdpa"), (3, "flex"), (2, "sdpa"), (2, "flex")} <= {c[:2] for c in cases}
+    assert {(3, "sdpa"), (3, "flex"), (2, "sdpa"), (2, "flex"), (3, "varlen"), (2, "varlen")} <= {c[:2] for c in cases}
     assert {1, 2} == {c[2] for c in cases} and {"mean", "sum"} == {c[3] for c in cases}
     assert any(r["activation_checkpointing"] for r in sp_results)
     for res in sp_results:
@@ -50,6 +51,35 @@ def test_sp2_loss_and_every_gradient_equal_one_unsharded_rank(sp_results):
         assert res["grad_max_abs"] > 0
         # each rank computed a real share: neither half's loss is the whole, nor zero
         assert all(0 < s < res["loss"] for s in res["shares"]), res["shares"]
+
+
+def test_varlen_under_sp_is_given_whole_rows_of_half_the_heads_and_their_documents(sp_results):
+    """The varlen cases ran torch's varlen_attn with the plain-PyTorch flash reference as its CPU kernel
+    (tests/helpers/reference_flash.py; equal to one unsharded rank above): after the exchange each rank's kernel
+    call held both whole rows flattened (2 x 32 positions), 4 / 2 query heads and one kv head of its own, and
+    the whole rows' document boundaries, once per layer."""
+    varlen = [r for r in sp_results if r["attention"] == "varlen"]
+    assert len(varlen) == 2
+    whole_rows = [0, 11, 24, 32, 52, 57, 64]  # DOCS of sp_harness.py, end to end
+    for res in varlen:
+        assert len(res["kernel_calls"]) == 2  # 2 layers, one forward
+        for call in res["kernel_calls"]:
+            assert call["q"] == [64, 2, 16] and call["k"] == [64, 1, 16], call
+            assert call["cu"] == whole_rows and call["max_q"] == 20
+
+
+def test_a_cuda_node_plans_sequence_parallelism_with_the_varlen_kernel(mix_path, tmp_path, capsys):
+    """On an 8 x H100 profile (a dry run plans its hardware), auto resolves to varlen in bf16 and SP=2 keeps it:
+    the kernel is given whole rows after the exchange, as the varlen cases of the harness prove on a CPU."""
+    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.trainer import dry_run
+
+    cfg = config_from({"data": str(mix_path), "out": str(tmp_path / "runs"), "seq_len": 256, "model": "debug",
+                       "profile": "h100-80g-x8", "sequence_parallel": 2})
+    assert dry_run(cfg).exit_code == 0
+    out = capsys.readouterr().out
+    assert "attention: varlen (auto on cuda, bf16)" in out and "rows shared by 2 ranks" in out, out[-2000:]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_shard_holds_its_stretch_of_the_row():
@@ -84,7 +114,7 @@ def test_unsharded_model_is_unchanged_by_the_shard_path():
 
 BAD = {  # (flags, world, what the one line says); the debug model: 4 heads, 2 kv heads; --seq-len 256. kv heads
     # incompatible with N: test_heads_must_split_over_the_sequence_parallel_ranks (no preset has such heads); varlen
-    # with N > 1: refused after the kernel is chosen, which on a CPU already refuses varlen itself
+    # where SP cannot use it: on a CPU the kernel itself is refused (test_attention), with SP or without
     "on one rank": (["--sequence-parallel", "2"], 1, "needs more than one rank; this launch has 1"),
     "not dividing the world": (["--sequence-parallel", "3"], 4, "must divide the world size 4"),
     "not dividing seq-len": (["--sequence-parallel", "2", "--seq-len", "255"], 2, "must divide --seq-len 255"),
