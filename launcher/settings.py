@@ -125,7 +125,9 @@ def hardware_check(v):
     mem = v.get("device_memory_gib")
     if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or mem <= 0):
         return ".device_memory_gib must be a positive number"
-    for key, what in (("host_memory_gib", "a node's RAM, GiB"), ("host_link_gb_s", "each GPU's link to the host, GB/s")):
+    for key, what in (("host_memory_gib", "a node's RAM, GiB"), ("host_link_gb_s", "each GPU's link to the host, GB/s"),
+                      ("interconnect_gb_s", "GPU to GPU within a node, GB/s per direction"),
+                      ("internode_gb_s", "per GPU between nodes, GB/s per direction")):
         x = v.get(key)
         if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0):
             return f".{key} ({what}) must be a positive number"

@@ -389,3 +389,145 @@ def test_sequence_parallelism_divides_the_activations_the_fit_check_counts():
     m1, m8 = (planner.memory(args, s, 3, 1, 32768, True) for s in (one, eight))
     assert m8["model_states"] == m1["model_states"]
     assert m1["activations"] / 9 < m8["activations"] < m1["activations"] / 6
+
+
+# -- sequence parallelism: the all-to-all, the longest row, `zerotrain plan --sequence-parallel` --------------
+
+class RecordingExchange(torch.autograd.Function):
+    """A stand-in for the all-to-all that keeps each tensor where it is (one process, the shapes of N ranks)
+    and records the bytes handed to it, in forward and in backward (the gradient's exchange)."""
+    sizes: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        RecordingExchange.sizes.append(x.numel() * x.element_size())
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        RecordingExchange.sizes.append(grad.numel() * grad.element_size())
+        return grad
+
+
+@pytest.mark.parametrize("name,sp,checkpointing,dtype", [
+    ("debug (GQA)", 2, False, torch.float32), ("debug (GQA)", 2, True, torch.bfloat16),
+    ("debug (GQA)", 4, True, torch.float32), ("qk-norm MQA", 3, False, torch.bfloat16),
+    ("qk-norm MQA", 3, True, torch.float32)])
+def test_all_to_all_volume_is_what_our_exchange_moves(name, sp, checkpointing, dtype, monkeypatch):
+    """The planner's bytes per rank per layer against the tensors our SequenceShard hands its exchange in one
+    forward and backward of one rank's share (kv heads 2 at N = 2, repeated to 4 at N = 4, 1 to 3 at N = 3;
+    the recomputation under activation checkpointing exchanges again); a rank sends (N-1)/N of each."""
+    args = CONFIGS[name]
+    torch.manual_seed(0)
+    model = Transformer(args).to(dtype).train()
+    model.activation_checkpointing = checkpointing
+    model.attention = "sdpa"
+    monkeypatch.setattr(RecordingExchange, "sizes", [])
+    model.sequence_parallel = SequenceShard(sp, 0, RecordingExchange.apply)
+    B, T = 2, 96
+    pos = torch.cat([torch.arange(40), torch.arange(56)]).expand(B, T)
+    ids = torch.randint(0, args.vocab_size, (B, T))
+    model(ids, pos, labels=ids).backward()
+    handed = sum(RecordingExchange.sizes)
+    assert len(RecordingExchange.sizes) == args.n_layers * (12 if checkpointing else 8)
+    predicted = planner.all_to_all_bytes(args, B, T, dtype.itemsize, sp, checkpointing)
+    assert predicted["per_layer"] * args.n_layers == pytest.approx(handed * (sp - 1) / sp, rel=1e-12)
+    assert planner.all_to_all_bytes(args, B, T, dtype.itemsize, 1, checkpointing)["per_layer"] == 0
+
+
+def test_plan_131072_on_eight_h100_with_sequence_parallel_8(capsys):
+    """`zerotrain plan --seq-len 131072 --sequence-parallel 8` (medium: 16 heads; sdpa): activations of the
+    whole T x T mask do not fit; the plan says what would (flex with activation checkpointing), the all-to-all
+    per layer and per step over NVLink (the profile's 450 GB/s) is in the time, and the longest row that fits."""
+    argv = ["--profile", "h100-80g-x8", "--model", "medium", "--vocab-size", "128256", "--seq-len", "131072",
+            "--sequence-parallel", "8", "--attention", "sdpa", "--micro-batch", "1", "--grad-accum", "4"]
+    p = plan_json(capsys, *argv)
+    sp, a = p["sequence_parallel"], p["sequence_parallel"]["all_to_all"]
+    args = preset("medium", vocab_size=128256)
+    assert sp["size"] == 8 and sp["valid_sizes"] == [1, 2, 4, 8]
+    assert p["tokens_per_step"] == 1 * 4 * 1 * 131072  # 8 ranks share each row: one row group
+    sent = 131072 // 8 * (2 * 16 + 2 * 16) * 64 * 2 * 7 / 8  # q, k, v, output at 16 heads, bf16, 7/8 sent
+    assert a["gb_per_layer_forward"] == round(sent / 1e9, 4) and a["gb_per_layer"] == round(2 * sent / 1e9, 4)
+    assert a["link_gb_s"] == 450 and "within a node" in a["link"]
+    assert a["seconds_per_step"] == pytest.approx(2 * sent * 24 * 4 / 450e9)
+    compute = p["tokens_per_step"] / (0.4 * 989e12 * 8 / p["flops_per_token"])
+    assert p["tokens_per_s"] == pytest.approx(p["tokens_per_step"] / (compute + a["seconds_per_step"]), rel=1e-3)
+    assert not p["fits"] and p["verdict"].startswith("does not fit")
+    changes = [w["change"] for w in p["would_fit"]]
+    assert changes[0] == "--attention flex"  # no T x T mask per row: enough at micro-batch 1
+    assert 0 < sp["max_seq_len"] < sp["max_seq_len_with_ac"] < 131072  # sdpa's mask: not even with AC
+    plan_main(argv)
+    out = capsys.readouterr().out
+    assert "sequence parallel: 8 ranks per row (N may be 1, 2, 4, 8); all-to-all per GPU per layer:" in out
+    assert "at 450 GB/s within a node (zerotrain.hardware.interconnect_gb_s)" in out
+    assert f"longest row that fits at micro-batch 1 (ZeRO-3, sdpa, N = 8): {sp['max_seq_len']:,} positions" in out
+    assert "would fit: --attention flex (" in out
+    flex = plan_json(capsys, *argv[:-6], "--attention", "flex", "--micro-batch", "1", "--grad-accum", "4")
+    assert flex["fits"] and flex["sequence_parallel"]["max_seq_len"] >= 131072
+    eight = plan_json(capsys, *argv[:-6], "--attention", "flex", "--micro-batch", "8", "--grad-accum", "4")
+    assert not eight["fits"] and eight["would_fit"][0]["change"] == "activation checkpointing"
+    ac = plan_json(capsys, *argv[:-6], "--attention", "flex", "--activation-checkpointing", "--micro-batch", "8",
+                   "--grad-accum", "4")
+    assert ac["fits"] and ac["sequence_parallel"]["all_to_all"]["gb_per_layer"] == round(3 * 8 * sent / 1e9, 4)
+    auto = plan_json(capsys, *argv[:-6], "--micro-batch", "1", "--grad-accum", "4")  # varlen on an H100 in bf16
+    assert auto["attention"] == "varlen" and auto["fits"] and auto["sequence_parallel"]["max_seq_len"] >= 131072
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "xlarge", "--sequence-parallel", "8"],
+     "--sequence-parallel 8 (flag): sequence parallelism over 8 ranks needs attention heads divisible by 8;"
+     " the model has 15"),
+    (["--model", "medium", "--sequence-parallel", "3"], "--sequence-parallel 3 (flag): must divide the world size 8"),
+    (["--model", "medium", "--sequence-parallel", "16", "--gpus", "16"],
+     "--sequence-parallel 16 (flag): must divide --seq-len 131000"),
+    (["--model", "medium", "--sequence-parallel", "2", "--gpus", "1"],
+     "--sequence-parallel 2 (flag): sequence parallelism needs more than one rank"),
+])
+def test_plan_refuses_a_sequence_parallel_size_the_run_refuses(argv, message):
+    seq = "131000" if "16" in argv else "131072"
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan_main(["--profile", "h100-80g-x8", "--vocab-size", "128256", "--seq-len", seq, "--attention", "flex",
+                   *argv])
+
+
+def test_plan_refuses_a_bad_sequence_parallel_size_in_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "zerotrain", "plan", "--profile", "h100-80g-x8", "--model", "xlarge",
+                        "--seq-len", "131072", "--sequence-parallel", "8", "--vocab-size", "128256"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "zerotrain: error: --sequence-parallel 8 (flag): sequence parallelism over 8 ranks needs attention heads"
+        " divisible by 8; the model has 15"]
+
+
+def test_longest_row_search_is_monotone_and_the_fit_checks_answer(monkeypatch):
+    """max_seq_len is the fit check's own boundary (the row fits, N positions more do not), grows with the
+    device's memory and, with flex, with N; and the driver's fit check agrees at that boundary."""
+    args = preset("medium", vocab_size=128256)
+    _, prof = load_profile("h100-80g-x8")
+    knobs = {**prof["zerotrain"], "attention": "flex"}
+    rows = {}
+    for n in (1, 2, 4, 8):
+        setup = planner.setup_from(prof, {**knobs, "sequence_parallel": n})
+        for ac in (False, True):
+            longest = planner.max_seq_len(args, setup, 3, ac)
+            assert longest % n == 0 and longest > 0
+            assert planner.memory(args, setup, 3, 1, longest, ac)["total"] <= setup.device_bytes
+            assert planner.memory(args, setup, 3, 1, longest + n, ac)["total"] > setup.device_bytes
+            rows[n, ac] = longest
+        smaller = planner.setup_from(prof, {**knobs, "sequence_parallel": n}, device_bytes=40 * 2**30)
+        assert planner.max_seq_len(args, smaller, 3, False) < rows[n, False]
+    for ac in (False, True):
+        assert rows[1, ac] < rows[2, ac] < rows[4, ac] < rows[8, ac]
+        assert all(rows[n, False] < rows[n, True] for n in (1, 2, 4, 8))
+
+    # the driver's fit check on this CPU, 2 ranks at N = 2: the longest row passes, N positions more are refused
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(planner, "available_ram", lambda: 8 * 2**30)
+    run, model_args, ds, zt, world = fit_check_args(cfg(model="tiny", seq_len=256, micro_batch=1))
+    zt = {**zt, "sequence_parallel": 2}
+    setup = planner.setup_from(ds, zt, world=2, nodes=1, device_bytes=4 * 2**30, args=model_args)
+    longest = planner.max_seq_len(model_args, setup, planner.stage_key(ds), False)
+    planner.fit_check(cfg(model="tiny", seq_len=longest, micro_batch=1), model_args, ds, zt, world)
+    with pytest.raises(UsageError, match="does not fit"):
+        planner.fit_check(cfg(model="tiny", seq_len=longest + 2, micro_batch=1), model_args, ds, zt, world)

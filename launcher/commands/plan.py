@@ -14,6 +14,7 @@ from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
 from zerotrain.launcher.profiles import apply_offload, load_profile, offload_settings, resolve_batch
+from zerotrain.launcher.run_plan import check_sequence_parallel_plan
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -78,8 +79,10 @@ def plan_main(argv: list[str]) -> dict:
     per_node = ns.gpus or hw.get("devices_per_node", 1)
     setup = setup_from(profile, settings.values, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
                        getattr(cfg, "optimizer", None), args, attention=cfg.attention)
+    # --sequence-parallel N: refused as the run refuses it (one line), for the world planned
+    check_sequence_parallel_plan(cfg, settings, args, setup.world)
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
-                                    setup.world, f"profile {name}")
+                                    setup.world // setup.sequence_parallel, f"profile {name}")
     # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)
     cfg = size_in_tokens(resolve_hparams(cfg, name, profile), micro * accum * setup.world * cfg.seq_len)
     ac = bool(settings.activation_checkpointing)

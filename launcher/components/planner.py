@@ -62,7 +62,14 @@ also moves state over each GPU's host link (`offload_traffic`), at the profile's
 host once per micro-batch and the updated 16-bit partition back once per step (a·P/N each), offloaded
 parameters to the device for every forward, recomputation and backward (a·P/N each); not overlapped with
 compute (an upper bound; DeepSpeed overlaps part of it), and neither CPU Adam's time nor NVMe's reads and
-writes are counted. The MFU default
+writes are counted. With sequence parallelism over N ranks (Ulysses), each step also waits on the
+all-to-alls around attention (`all_to_all_bytes`): per layer and micro-batch, q, k, v (k and v at max(kv heads, N)
+heads) and the kernel's output in forward, their gradients in backward, the forward's again in the
+recomputation under activation checkpointing; each rank sends (N-1)/N of its (B, T/N, heads, head dim) tensors,
+at the per-direction rate of the slowest link its group spans: `zerotrain.hardware.interconnect_gb_s` within a
+node, `internode_gb_s` when a group crosses nodes (each with a `*_note` naming its source; spec figures, not
+measured), not overlapped with compute (an upper bound). `max_seq_len`: the longest row that fits, by the
+same memory. The MFU default
 is the profile's `zerotrain.expected_mfu`; `zerotrain.mfu_threshold` (0.75 × expected) is pre-flight's.
 Compute-optimal (Chinchilla): C = 6·N·D with the plan's N and D, D_opt = 20·N_opt, so N_opt = √(C/120).
 """
@@ -322,6 +329,8 @@ class Setup:
     sequence_parallel: int = 1  # ranks sharing each row: each holds the activations of seq_len / N positions
     host_bytes: float | None = None  # RAM of a node: hardware.host_memory_gib, or on a CPU node the RAM available
     host_link_bytes_per_s: float | None = None  # each GPU's link to the host: hardware.host_link_gb_s
+    interconnect_bytes_per_s: float | None = None  # GPU to GPU within a node, per direction: hardware.interconnect_gb_s
+    internode_bytes_per_s: float | None = None  # per GPU between nodes, per direction: hardware.internode_gb_s
 
     @property
     def world(self) -> int:
@@ -436,22 +445,99 @@ def host_verdict(need: float, host: float | None, what: str) -> str | None:
             " --nvme-path DIR")
 
 
+# ------------------------------------------------------------------------------------------------
+# Sequence parallelism: the all-to-all, and the longest row that fits (see the module docstring)
+# ------------------------------------------------------------------------------------------------
+
+def sequence_parallel_sizes(args, world: int, seq_len: int) -> list[int]:
+    """Every N the run accepts for this model, world and --seq-len (launcher/run_plan.py
+    check_sequence_parallel_plan's rules): N divides the world, the query heads and the row, and the kv
+    heads divide by N or N by them; N > 1 needs more than one rank."""
+    return [n for n in range(1, world + 1) if world % n == 0 and seq_len % n == 0 and args.n_heads % n == 0
+            and (args.n_kv_heads % n == 0 or n % args.n_kv_heads == 0)]
+
+
+def all_to_all_bytes(args, micro: int, seq_len: int, act_bytes: int, sequence_parallel: int,
+                     checkpointing: bool) -> dict:
+    """Bytes one rank sends per attention layer for one micro-batch under Ulysses over N ranks
+    (modeling/model.py Attention.forward, sequence_to_heads / heads_to_sequence).
+
+    Forward, four all-to-alls of this rank's (B, T/N, heads, h) tensors: q at H heads, k and v at max(KV, N)
+    heads (fewer kv heads than N are repeated before the exchange), the kernel's output at H heads. Backward
+    exchanges the same four gradients. Under activation checkpointing the forward's four run again in the
+    recomputation. Each rank keeps 1/N of every tensor and sends the other (N-1)/N."""
+    n = sequence_parallel
+    if n <= 1:
+        return {"forward": 0.0, "backward": 0.0, "recompute": 0.0, "per_layer": 0.0}
+    heads = 2 * args.n_heads + 2 * max(args.n_kv_heads, n)
+    tensors = micro * (seq_len // n) * heads * args.head_dim * act_bytes  # the four tensors this rank holds
+    sent = tensors * (n - 1) / n
+    recompute = sent if checkpointing else 0.0
+    return {"forward": sent, "backward": sent, "recompute": recompute, "per_layer": 2 * sent + recompute}
+
+
+def sequence_link(setup: Setup) -> tuple[float | None, str]:
+    """(bytes/s per direction of the slowest link a sequence-parallel group spans, its name). Groups are
+    ranks g*N .. g*N+N-1: within a node when N divides the GPUs per node, else across nodes."""
+    n = setup.sequence_parallel
+    if setup.nodes > 1 and setup.gpus_per_node % n:
+        return setup.internode_bytes_per_s, "between nodes (zerotrain.hardware.internode_gb_s)"
+    return setup.interconnect_bytes_per_s, "within a node (zerotrain.hardware.interconnect_gb_s)"
+
+
+def all_to_all_summary(args, setup: Setup, micro: int, seq_len: int, checkpointing: bool, grad_accum: int) -> dict:
+    """The plan's `all_to_all`: GB one GPU sends per layer and per step, the link and its GB/s, and the seconds
+    per step at that rate, not overlapped with compute (None without the profile's bandwidth; 0 at N = 1)."""
+    moved = all_to_all_bytes(args, micro, seq_len, 2 if setup.mixed else 4, setup.sequence_parallel, checkpointing)
+    per_step = moved["per_layer"] * args.n_layers * grad_accum
+    rate, link = sequence_link(setup)
+    seconds = 0.0 if not per_step else per_step / rate if rate else None
+    return {"gb_per_layer_forward": round(moved["forward"] / 1e9, 4),
+            "gb_per_layer": round(moved["per_layer"] / 1e9, 4), "gb_per_step_per_gpu": round(per_step / 1e9, 3),
+            "link": link, "link_gb_s": None if rate is None else rate / 1e9,
+            "seconds_per_layer": None if seconds is None else seconds / (args.n_layers * grad_accum) if seconds else 0.0,
+            "seconds_per_step": seconds}
+
+
+def max_seq_len(args, setup: Setup, stage, checkpointing: bool, micro: int = 1, limit: int = 1 << 24) -> int:
+    """The longest row (a multiple of the setup's N) whose memory at `micro` rows fits the device, by the same
+    `memory` the fit check uses (0: not even N positions; `limit`: no limit found below it). Memory grows with
+    the row, so the answer is searched (doubling, then bisection) in steps of N."""
+    n = setup.sequence_parallel
+    return n * largest(lambda k: memory(args, setup, stage, micro, k * n, checkpointing)["total"]
+                       <= setup.device_bytes, limit // n)
+
+
+def sequence_summary(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: bool,
+                     grad_accum: int) -> dict:
+    """The plan's `sequence_parallel`: N, the sizes this model, world and row accept, the all-to-all, and the
+    longest row that fits at micro-batch 1 for the chosen stage, with and without activation checkpointing."""
+    return {"size": setup.sequence_parallel, "valid_sizes": sequence_parallel_sizes(args, setup.world, seq_len),
+            "all_to_all": all_to_all_summary(args, setup, micro, seq_len, checkpointing, grad_accum),
+            "max_seq_len": max_seq_len(args, setup, stage, checkpointing),
+            "max_seq_len_with_ac": max_seq_len(args, setup, stage, True)}
+
+
 def max_micro_batch(args, setup: Setup, stage, seq_len: int, checkpointing: bool) -> int:
     """The largest micro-batch whose memory fits the device (0: not even one row; 2**30: no limit found).
 
     Memory grows with the micro-batch but not linearly: the chunked loss's transient is a fixed size
     up to one chunk, so the answer is searched (doubling, then bisection), not extrapolated from two rows.
     """
-    def fits(micro: int) -> bool:
-        return memory(args, setup, stage, micro, seq_len, checkpointing)["total"] <= setup.device_bytes
+    return largest(lambda micro: memory(args, setup, stage, micro, seq_len, checkpointing)["total"]
+                   <= setup.device_bytes, 1 << 30)
 
+
+def largest(fits, limit: int) -> int:
+    """The largest k in [1, limit] with fits(k), for a `fits` that holds up to some k and not beyond (0: not
+    even 1; `limit`: no end found below it): doubling, then bisection."""
     if not fits(1):
         return 0
     good, bad = 1, 2
     while fits(bad):
         good, bad = bad, bad * 2
-        if bad > 1 << 30:
-            return 1 << 30
+        if bad > limit:
+            return limit
     while bad - good > 1:  # fits(good) and not fits(bad)
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
@@ -506,7 +592,8 @@ def setup_from(ds_config: dict, knobs: dict, world: int | None = None, nodes: in
                   int(knobs.get("sequence_parallel") or 1),
                   float(hw["host_memory_gib"]) * GiB if "host_memory_gib" in hw else
                   available_ram() if accel == "cpu" else None,
-                  float(hw["host_link_gb_s"]) * 1e9 if "host_link_gb_s" in hw else None)
+                  float(hw["host_link_gb_s"]) * 1e9 if "host_link_gb_s" in hw else None,
+                  *(float(hw[key]) * 1e9 if key in hw else None for key in ("interconnect_gb_s", "internode_gb_s")))
     try:
         setup.kernel
     except ValueError as e:
@@ -541,7 +628,7 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
             **{f"{k}_gib": _gib(v) for k, v in m.items()}, "fits": m["total"] <= setup.device_bytes,
             "max_micro_batch": max_micro_batch(args, setup, s, seq_len, checkpointing)}
     chosen = per_stage[stage if stage in OFFLOAD else f"zero{stage}"]
-    tokens_per_step = micro * accum * setup.world * seq_len
+    tokens_per_step = micro * accum * (setup.world // setup.sequence_parallel) * seq_len  # N ranks share a row
     plan = {
         "model": {"layers": args.n_layers, "dim": args.dim, "heads": args.n_heads, "kv_heads": args.n_kv_heads,
                   "ffn_hidden": args.ffn_hidden, "vocab_size": args.vocab_size, "tie_embeddings": args.tie_embeddings},
@@ -563,9 +650,11 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
             per_stage[name]["host_per_node_gib"] = _gib(host_need(args, setup, s, micro, seq_len, checkpointing,
                                                                   accum)[1])
     plan.update(offload_summary(args, setup, stage, micro, seq_len, checkpointing, accum))
+    plan["sequence_parallel"] = sequence_summary(args, setup, stage, micro, seq_len, checkpointing, accum)
     plan.update(budget(counts["total"], fpt, tokens_per_step, setup.world, peak_flops, mfu, total_tokens,
                        max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length,
-                       plan["offload_traffic"]["seconds_per_step"] or 0.0))
+                       (plan["offload_traffic"]["seconds_per_step"] or 0.0)
+                       + (plan["sequence_parallel"]["all_to_all"]["seconds_per_step"] or 0.0)))
     plan["verdict"] = verdict(plan)
     return plan
 
@@ -584,6 +673,18 @@ def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, check
     ac_name = "activation checkpointing"
     if not checkpointing:
         add(ac_name, stage, micro, True)
+    # long rows: flex instead of sdpa's T x T mask per row, and more ranks per row (sequence parallelism)
+    sizes = [n for n in sequence_parallel_sizes(args, setup.world, seq_len) if n > setup.sequence_parallel]
+    kinds = [(f"--sequence-parallel {n}", replace(setup, sequence_parallel=n)) for n in sizes]
+    if setup.kernel == "sdpa":  # flex (and varlen) keep no mask; sdpa keeps one of T x T per row on every rank
+        flex = replace(setup, attention="flex")
+        kinds = [("--attention flex", flex)] + kinds + [
+            (f"--attention flex + --sequence-parallel {n}", replace(flex, sequence_parallel=n)) for n in sizes]
+    for change, st in kinds:
+        n = len(out)
+        add(change, stage, micro, checkpointing, st)
+        if len(out) == n and not checkpointing:
+            add(f"{change} + {ac_name}", stage, micro, True, st)
     for s in range(stage + 1, 4):
         add(f"ZeRO-{s}", s, micro, checkpointing)
         if not checkpointing:
@@ -624,13 +725,14 @@ def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, check
 
 def budget(params: int, fpt: float, tokens_per_step: int, world: int, peak: float | None, mfu: float | None,
            total_tokens, max_hours, budget_usd, gpu_hour_usd, max_steps, tokens_set_length=False,
-           offload_s_per_step: float = 0.0) -> dict:
+           comm_s_per_step: float = 0.0) -> dict:
     """Steps, tokens, hours and dollars; the binding limit is the one that allows the fewest tokens.
-    `offload_s_per_step`: the host link's seconds per step with offload, added to the compute's."""
+    `comm_s_per_step`: the seconds per step not overlapped with compute (the host link's with offload, the
+    sequence-parallel all-to-all's), added to the compute's."""
     out = {"mfu": mfu, "tokens_per_s": None}
     tps = mfu * peak * world / fpt if peak and mfu else None
-    if tps is not None and offload_s_per_step:
-        tps = tokens_per_step / (tokens_per_step / tps + offload_s_per_step)
+    if tps is not None and comm_s_per_step:
+        tps = tokens_per_step / (tokens_per_step / tps + comm_s_per_step)
     limits = {}
     if total_tokens is not None:
         limits["total_tokens"] = total_tokens
@@ -718,7 +820,7 @@ def render(plan: dict) -> str:
              f" non-embedding), {plan['flops_per_token']:.3e} training FLOPs/token at seq {plan['seq_len']}",
              f"hardware: {hw['world']} x {hw['accelerator']} ({hw['nodes']} node(s)), {hw['device_memory_gib']} GiB"
              f" each, {plan['precision']}, attention {plan['attention']}; batch {plan['micro_batch']} x"
-             f" {plan['grad_accum']} x {hw['world']} x"
+             f" {plan['grad_accum']} x {hw['world'] // plan['sequence_parallel']['size']} x"
              f" {plan['seq_len']} = {plan['tokens_per_step']:,} tokens/step", "",
              "| ZeRO | model states | buffers | activations | context | fragm. | total GiB | fits | max micro |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -729,11 +831,14 @@ def render(plan: dict) -> str:
         lines.append(f"| {label} | {r['model_states_gib']} | {r['buffers_gib']} | {r['activations_gib']} |"
                      f" {r['context_gib']} | {r['fragmentation_gib']} | {r['total_gib']} |"
                      f" {'yes' if r['fits'] else 'no'} | {r['max_micro_batch']} |")
-    lines += [""] + render_offload(plan) + [""]
+    lines += [""] + render_offload(plan) + render_sequence(plan) + [""]
     if plan["hours"] is not None:
         usd = f", ${plan['usd']:,.0f}" if plan["usd"] is not None else ""
-        extra = (plan.get("offload_traffic") or {}).get("seconds_per_step")
-        traffic = f" with {extra:.3g} s per step of offload traffic" if extra else ""
+        extra = {what: seconds for what, seconds in (
+            ("offload traffic", (plan.get("offload_traffic") or {}).get("seconds_per_step")),
+            ("all-to-all", (plan.get("sequence_parallel") or {}).get("all_to_all", {}).get("seconds_per_step")))
+            if seconds}
+        traffic = " with " + " and ".join(f"{v:.3g} s per step of {k}" for k, v in extra.items()) if extra else ""
         lines.append(f"time: {plan['steps']:,} steps = {plan['tokens']:,} tokens ({plan['binding']} binds) at MFU"
                      f" {plan['mfu']} of {hw['peak_flops_per_device']:.3g} FLOP/s per device ="
                      f" {plan['tokens_per_s']:,.0f} tokens/s{traffic}: {plan['hours']:,} h{usd}")
@@ -746,6 +851,31 @@ def render(plan: dict) -> str:
                  f" {_count(co['tokens'])} tokens")
     lines.append(plan["verdict"])
     return "\n".join(lines)
+
+
+def render_sequence(plan: dict) -> list[str]:
+    """The sequence-parallel lines: N, the all-to-all per layer and per step over the slowest link the group
+    spans, and the longest row that fits at micro-batch 1."""
+    sp = plan.get("sequence_parallel")
+    if not sp:
+        return []
+    a, n = sp["all_to_all"], sp["size"]
+    valid = ", ".join(map(str, sp["valid_sizes"]))
+    if n == 1:
+        lines = [f"sequence parallel: off (--sequence-parallel N; for this model, world and row N may be {valid})"]
+    else:
+        recompute = " and the recomputation" if plan["activation_checkpointing"] else ""
+        when = (f"at {a['link_gb_s']:g} GB/s {a['link']}: {a['seconds_per_layer'] * 1e3:.3g} ms per layer,"
+                f" {a['seconds_per_step']:.3g} s per step, not overlapped (an upper bound), in the time below"
+                if a["link_gb_s"] is not None else f"{a['link']}: no bandwidth in the profile, not in the time")
+        lines = [f"sequence parallel: {n} ranks per row (N may be {valid}); all-to-all per GPU per layer:"
+                 f" {a['gb_per_layer_forward']:g} GB forward (q, k, v, output; (N-1)/N of each), {a['gb_per_layer']:g}"
+                 f" GB with the backward{recompute}; {a['gb_per_step_per_gpu']:g} GB per step {when}"]
+    stage = STAGE_LABELS.get(plan["zero_stage"], plan["zero_stage"])
+    lines.append(f"longest row that fits at micro-batch 1 (ZeRO-{stage}, {plan['attention']}, N = {n}):"
+                 f" {sp['max_seq_len']:,} positions" + ("" if plan["activation_checkpointing"] else
+                                                        f", {sp['max_seq_len_with_ac']:,} with activation checkpointing"))
+    return lines
 
 
 def render_offload(plan: dict, rows: bool = True) -> list[str]:
