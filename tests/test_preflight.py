@@ -113,6 +113,34 @@ def test_healthy_run_passes_every_stage_on_two_ranks(healthy):
     assert all(p["tokens_per_s"] > 0 and p["peak_rss_gib"] > 0 and "step_s_spread" in p for p in golden["steps"])
 
 
+def test_v1_checks_and_measures_the_sequence_parallel_all_to_all(setup):
+    """--sequence-parallel 2 on 2 ranks (one launch): v1 checks N as the run does and times one layer's forward
+    all-to-all (DeepSpeed's exchange over its sequence-parallel group, gloo here) next to the planner's figure
+    for the profile's link (a copy of the cpu profile stating 10 GB/s); build, step, checkpoint read-back,
+    evaluation and resume then pass with every row shared by the 2 ranks."""
+    profile = json.loads(Path(setup["profile"]).read_text())
+    profile["zerotrain"]["hardware"]["interconnect_gb_s"] = 10
+    path = setup["root"] / "cpu-sp.json"
+    path.write_text(json.dumps(profile))
+    out = setup["root"] / "runs-sp"
+    proc = launch_preflight("deepspeed", ["--stage", "v1", *flags({**setup, "profile": str(path)}, out),
+                                          "--sequence-parallel", "2"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    v1 = report(out / "r", "v1")
+    assert status(v1) == dict.fromkeys(["backend", "collectives", "sequence parallel", "data", "build", "step",
+                                        "checkpoint write", "checkpoint read-back", "evaluation", "resume"], "PASS")
+    sp = next(c for c in v1["checks"] if c["name"] == "sequence parallel")
+    # the debug model (4 heads, 2 kv heads of 32), fp32, micro-batch 4 x 128: q, k, v, output of (4, 64, heads, 32)
+    # on each rank, half of each sent
+    sent = 4 * 64 * (4 + 2 + 2 + 4) * 32 * 4 // 2
+    assert sp["all_to_all_bytes"] == sent and sp["all_to_all_s"] > 0
+    assert sp["all_to_all_gb_s"] == pytest.approx(sent / sp["all_to_all_s"] / 1e9, rel=1e-2)
+    assert sp["planned_gb_s"] == 10 and sp["planned_s"] == pytest.approx(sent / 10e9, rel=1e-3)
+    assert re.search(r"  PASS  sequence parallel .*N = 2 divides the world \(2\), --seq-len 128, heads 4 and kv heads"
+                     r" 2; one layer's forward all-to-all .*: [\d.]+ ms, 0.197 MB sent per rank = [\d.e-]+ GB/s;"
+                     r" planner: 0.0197 ms at 10 GB/s within a node", proc.stdout), proc.stdout
+
+
 def test_real_run_files_untouched_and_scratch_checkpoints_removed(healthy):
     run_dir = healthy["run_dir"]
     assert tree_digest(run_dir) == healthy["before"]  # the real run's checkpoints and metrics, byte for byte

@@ -15,7 +15,9 @@ deleted after), built with the driver's own pieces (`plan_run`, `Trainer`) from 
 with only run-kind fields changed (steps, out, run id, resume; no mirror, no sinks, no budgets):
 nothing of the real run's checkpoints or metrics is touched. The driver's own output goes to RUN_DIR/preflight/<stage>.log.
 
-v1 stability   backend on every rank; all-reduce and all-gather values; the data (prepared shards:
+v1 stability   backend on every rank; all-reduce and all-gather values; with --sequence-parallel N > 1, N
+               checked as the run checks it and one layer's forward all-to-all (q, k, v, output at the run's
+               shapes) timed over the sequence-parallel group, GB/s next to the planner's figure; the data (prepared shards:
                every checksum, `zerotrain.dataio.shards.verify`; a mix: every local source read, the first
                record of a streamed one); the model and engine build; one training step; one
                checkpoint written and verified against its marker; read back into a fresh engine

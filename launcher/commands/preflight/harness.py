@@ -118,6 +118,7 @@ class Preflight:
                                                               f"profile {self.profile_name}")["train_batch_size"]
                                   * self.cfg.seq_len)
         self.settings = ident.settings  # the run's own: the process group gets the run's comm timeout
+        self.model_args = ident.model_args  # v1's sequence-parallel check splits its heads
         self.root = self.run_dir / "preflight"
         failed = False
         try:

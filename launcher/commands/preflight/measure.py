@@ -120,3 +120,27 @@ def disk_throughput(directory: Path, size: int = NVME_PROBE_BYTES, block: int = 
         path.unlink(missing_ok=True)
     return {"bytes": written, "write_bytes_per_s": written / max(write_s, 1e-9),
             "read_bytes_per_s": read / max(read_s, 1e-9)}
+
+
+def all_to_all_seconds(exchange, shapes: list[tuple[int, ...]], dtype, device: str, synchronize,
+                       rounds: int = 3) -> float:
+    """Seconds one layer's forward exchanges take through `exchange` (the run's all-to-all over the
+    sequence-parallel group): one tensor per shape in `shapes` ((N, B, T/N, heads/N, hd): q, k, v, the kernel's
+    output), the median of `rounds` after one untimed round (the group's first use sets up its connections).
+    Every rank of the group must call it with the same shapes; `synchronize()` waits for the device and
+    lines the group's ranks up (a barrier), so a round times the exchanges, not a late rank."""
+    import statistics
+
+    import torch
+
+    tensors = [torch.ones(shape, dtype=dtype, device=device) for shape in shapes]
+    times = []
+    for i in range(rounds + 1):
+        synchronize()
+        t0 = time.perf_counter()
+        for t in tensors:
+            exchange(t)
+        synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

@@ -1,6 +1,8 @@
 """Pre-flight v1, stability: the launch works end to end, once, on every rank.
 
-backend on every rank; all-reduce and all-gather values; the data (prepared shards: every checksum,
+backend on every rank; all-reduce and all-gather values; with --sequence-parallel N > 1, the run's checks of N
+(world, --seq-len, heads) and one layer's forward all-to-all timed over the sequence-parallel group, next to
+the planner's figure for the profile's link; the data (prepared shards: every checksum,
 `zerotrain.dataio.shards.verify`; a mix: every local source read, the first record of a streamed one);
 the model and engine build; one training step; one checkpoint written and verified against its
 marker; read back into a fresh engine and compared tensor by tensor (sha256 of every parameter and
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import socket
 import time
 from pathlib import Path
@@ -22,10 +25,13 @@ from zerotrain.dataio.loader import open_data
 from zerotrain.dataio.readers import load_text_source
 from zerotrain.dataio.streamed import open_streamed, record_text
 from zerotrain.dataio.tokenizer import load_tokenizer
-from zerotrain.launcher.commands.preflight.measure import master_tensors, state_digests
+from zerotrain.launcher.commands.preflight.measure import all_to_all_seconds, master_tensors, state_digests
+from zerotrain.launcher.components import ds_compat, planner
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.profiles import resolve_ds_config
+from zerotrain.launcher.run_plan import check_sequence_parallel_kernel, check_sequence_parallel_plan
 
 
 class Stability:
@@ -43,6 +49,10 @@ class Stability:
                                             " the hostfile, the network interface (NCCL_SOCKET_IFNAME), the driver"),
             ("collectives", "backend", self.c_collectives, "collectives give wrong values: check the NCCL/gloo"
                                                            " settings, the interconnect and the devices"),
+            *([("sequence parallel", "collectives", self.c_sequence_parallel,
+                "--sequence-parallel N must divide the world size, --seq-len and the attention heads (kv heads: divide"
+                " by N or divide it); a slow all-to-all: check the interconnect between the group's ranks")]
+              if self.pf.settings.sequence_parallel > 1 else []),
             ("data", "backend", self.c_data, "fix or re-prepare the data named above (`zerotrain verify DIR` for"
                                              " shards)"),
             ("build", "data", self.c_build, "the model or engine did not build: see the log; `zerotrain plan` for"
@@ -104,6 +114,46 @@ class Stability:
             f"all-reduce and all-gather correct; 16 MiB all-reduce {dt * 1e3:.0f} ms"
             + (f" ({bus / 1e9:.2f} GB/s bus bandwidth)" if bus else "")), \
             {"allreduce_16mib_s": round(dt, 4), "bus_gb_s": bus and round(bus / 1e9, 3)}
+
+    def c_sequence_parallel(self):
+        """--sequence-parallel N: the run's own checks (launcher/run_plan.py), then one layer's forward all-to-all
+        (q, k, v and the kernel's output at the run's shapes and dtype) timed over DeepSpeed's sequence-parallel
+        group, next to the planner's figure for the profile's link (planner.all_to_all_bytes, sequence_link)."""
+        pf, sp, cfg, args = self.pf, self.pf.settings.sequence_parallel, self.pf.cfg, self.pf.model_args
+        check_sequence_parallel_plan(cfg, pf.settings, args, pf.world)  # UsageError: this check's FAIL, one line
+        check_sequence_parallel_kernel(sp, pf.settings.attention)
+        torch, dist = pf.torch, pf.dist
+        ds = resolve_ds_config(pf.profile, cfg, pf.world // sp, f"profile {pf.profile_name}")
+        mixed = next((k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True), None)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed, torch.float32)
+        micro = ds["train_micro_batch_size_per_gpu"]
+        mpu = ds_compat.sequence_parallel_mpu(sp)  # the groups the engine builder uses (made once per process)
+        group = mpu.get_sequence_parallel_group()
+        exchange = ds_compat.sequence_all_to_all(group)
+        kv = max(args.n_kv_heads, sp)  # fewer kv heads than N are repeated before the exchange
+        shapes = [(sp, micro, cfg.seq_len // sp, heads // sp, args.head_dim) for heads in (args.n_heads, kv, kv,
+                                                                                           args.n_heads)]
+
+        def synchronize():
+            pf.accel.synchronize()
+            dist.barrier(group=group)
+
+        seconds = all_to_all_seconds(exchange, shapes, dtype, pf.accel.current_device_name(), synchronize)
+        sent = planner.all_to_all_bytes(args, micro, cfg.seq_len, dtype.itemsize, sp, False)["forward"]
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", pf.world))
+        nodes = max(1, pf.world // max(1, local))
+        setup = planner.setup_from(ds, {**pf.settings.values, "sequence_parallel": sp}, world=pf.world, nodes=nodes,
+                                   device_bytes=1.0)
+        rate, link = planner.sequence_link(setup)
+        planned = (f"planner: {sent / rate * 1e3:.3g} ms at {rate / 1e9:g} GB/s {link}" if rate else
+                   f"planner: no bandwidth in the profile for the link {link}")
+        detail = (f"N = {sp} divides the world ({pf.world}), --seq-len {cfg.seq_len}, heads {args.n_heads} and kv heads"
+                  f" {args.n_kv_heads}; one layer's forward all-to-all (q, k, v, output, {str(dtype)[6:]}, micro-batch"
+                  f" {micro}): {seconds * 1e3:.3g} ms, {sent / 1e6:.3g} MB sent per rank = {sent / seconds / 1e9:.3g}"
+                  f" GB/s; {planned}")
+        return True, detail, {"all_to_all_s": round(seconds, 6), "all_to_all_bytes": sent,
+                              "all_to_all_gb_s": round(sent / seconds / 1e9, 4),
+                              "planned_s": rate and sent / rate, "planned_gb_s": rate and rate / 1e9}
 
     def c_data(self):
         """The data read the way training reads it, on every rank (nodes may have their own disks)."""
@@ -195,9 +245,12 @@ class Stability:
         b = self.b
         evaluator, what = b.evaluator, "the run's eval rows"
         if evaluator is None:  # the run evaluates nothing: rows of the training mix
-            micro = b.plan.ds_config["train_micro_batch_size_per_gpu"]
-            rows = mix_rows(b.plan.data, self.pf.cfg.seq_len, self.pf.cfg.seq_len * micro * self.pf.world)
-            evaluator, what = Evaluator(rows, self.pf.rank, self.pf.world, micro), "rows of the training mix"
+            plan, micro = b.plan, b.plan.ds_config["train_micro_batch_size_per_gpu"]
+            rows = mix_rows(plan.data, self.pf.cfg.seq_len, self.pf.cfg.seq_len * micro * plan.data_world)
+            # by row group, as the Trainer builds its own: a sequence-parallel group's ranks share each row
+            evaluator = Evaluator(rows, plan.data_rank, plan.data_world, micro, plan.sequence_parallel,
+                                  self.pf.rank % plan.sequence_parallel)
+            what = "rows of the training mix"
         val = evaluator.evaluate(b.engine, device=b.engine.device)
         losses = self.pf.gather(val["val_loss"])
         ok = all(math.isfinite(v) for v in losses) and len(set(losses)) == 1
