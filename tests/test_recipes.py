@@ -40,6 +40,7 @@ EXPECTED = {
     "cpu-debug": dict(params=869_504, world=1, stage=3, micro=8, accum=1, seq_len=256),
     "a100x8-13b-offload": dict(params=12_612_817_920, world=8, stage=3, micro=4, accum=16, seq_len=2048),
     "rtx6000ada-x2-7b-offload": dict(params=6_453_727_232, world=2, stage=3, micro=2, accum=64, seq_len=2048),
+    "h100x8-xlarge-32k-extend": dict(params=1_416_931_200, world=8, stage=3, micro=4, accum=1, seq_len=32768),
 }
 
 
@@ -75,9 +76,38 @@ def edu_mix_shards(root: Path) -> Path:
     return prepare(str(src / "mix.json"), ByteTokenizer(), root / "shards", log=lambda *a, **k: None)
 
 
+def xlarge_2k_base(root: Path) -> Path:
+    """The 2k base of h100x8-xlarge-32k-extend as `zerotrain export --dtype bfloat16` leaves it: config.json of the
+    `xlarge` preset (bytes tokenizer, rope base 10,000) and a model.safetensors whose header names every tensor at
+    its shape, its 2.8 GB of data a sparse file of zeros that takes no disk: a dry run and the plan read config.json
+    and the headers (modeling/hf.py check_weights), never the weights."""
+    import math
+    import struct
+
+    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.sizes import preset
+
+    args = preset("xlarge", vocab_size=ByteTokenizer().vocab_size, max_seq_len=2048)
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape in hf.expected_shapes(args).items():
+        size = 2 * math.prod(shape)
+        header[hf.hf_name(name)] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    root.mkdir(parents=True)
+    with open(root / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(8 + len(blob) + offset)
+    (root / "config.json").write_text(json.dumps(hf.hf_config(args, dtype="bfloat16")))
+    return root
+
+
 STAND_INS = {
     "data/llama-3-tokenizer": llama3_sized_tokenizer,
     "data/web-edu-pdf-med-bytes": edu_mix_shards,
+    "data/xlarge-2k-base": xlarge_2k_base,
 }
 
 
@@ -274,3 +304,38 @@ def test_recipe_with_unknown_key_is_refused_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"zerotrain: error: recipe {bad}: unknown key 'save_every_step'"]
     assert not (tmp_path / "o").exists()
+
+
+def test_context_extension_recipe_is_the_planners(stand_ins, monkeypatch, capsys):
+    """h100x8-xlarge-32k-extend: `zerotrain plan` of the recipe fits with flex and activation checkpointing and
+    gives the figures its description quotes; the planner accepts only N = 1 for xlarge's 15 heads on 8 GPUs
+    (the recipe's choice) and refuses any other N in one line, as the run would; without activation
+    checkpointing 32k does not fit. The base's rope and shape come from --init-from, the new base from the recipe."""
+    from zerotrain.launcher import model_spec
+    from zerotrain.launcher.commands.plan import plan_main
+    from zerotrain.launcher.config import config_from, load_recipe
+    from zerotrain.launcher.errors import UsageError
+
+    monkeypatch.chdir(REPO)
+    base = str(stand_ins["data/xlarge-2k-base"])
+    argv = ["--config", "recipes/h100x8-xlarge-32k-extend.json", "--init-from", base, "--data", "(planned)"]
+    plan_main([*argv, "--json"])
+    p = json.loads(capsys.readouterr().out)
+    sp = p["sequence_parallel"]
+    assert p["fits"] and p["attention"] == "flex" and p["activation_checkpointing"] and p["zero_stage"] == 3
+    assert p["params_total"] == 1_416_931_200 and p["tokens_per_step"] == 2**20 and p["steps"] == 1908
+    assert sp["size"] == 1 and sp["valid_sizes"] == [1] and sp["max_seq_len"] >= 32768
+    description = load_recipe("recipes/h100x8-xlarge-32k-extend.json")["description"]
+    for quoted in (f"needs {p['memory_per_gpu_gib']:.1f} GiB per GPU", f"largest micro-batch {p['max_micro_batch']}",
+                   f"micro-batch 1 is {sp['max_seq_len']:,} positions", f"{p['hours']:.1f} h at the profile's MFU"):
+        assert quoted in description, quoted
+    plan_main([*argv, "--json", "--no-activation-checkpointing", "--micro-batch", "1"])
+    without = json.loads(capsys.readouterr().out)
+    assert not without["fits"] and f"one 32k row needs {without['memory_per_gpu_gib']:.0f} GiB" in description
+    for n in (2, 8):
+        with pytest.raises(UsageError, match=rf"^--sequence-parallel {n} \(flag\): sequence parallelism over {n} ranks"
+                                             rf" needs attention heads divisible by {n}; the model has 15$"):
+            plan_main([*argv, "--sequence-parallel", str(n)])
+    values = {**load_recipe("recipes/h100x8-xlarge-32k-extend.json"), "init_from": base}
+    args, _, init_from = model_spec.resolve(config_from(values), 258)
+    assert (args.rope_theta, args.n_heads, args.dim, init_from) == (500000.0, 15, 1920, base)
