@@ -31,7 +31,7 @@ from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import resolve_ds_config
-from zerotrain.launcher.run_plan import check_sequence_parallel_kernel, check_sequence_parallel_plan
+from zerotrain.launcher.run_plan import check_sequence_parallel_plan
 
 
 class Stability:
@@ -121,7 +121,6 @@ class Stability:
         group, next to the planner's figure for the profile's link (planner.all_to_all_bytes, sequence_link)."""
         pf, sp, cfg, args = self.pf, self.pf.settings.sequence_parallel, self.pf.cfg, self.pf.model_args
         check_sequence_parallel_plan(cfg, pf.settings, args, pf.world)  # UsageError: this check's FAIL, one line
-        check_sequence_parallel_kernel(sp, pf.settings.attention)
         torch, dist = pf.torch, pf.dist
         ds = resolve_ds_config(pf.profile, cfg, pf.world // sp, f"profile {pf.profile_name}")
         mixed = next((k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True), None)
