@@ -111,6 +111,14 @@ def spread(xs) -> str:
     return f"p25-p75 {quantile(xs, 0.25) * 1e3:,.0f}-{quantile(xs, 0.75) * 1e3:,.0f} ms"
 
 
+def step_row(benchmark: str, setting: str, xs: list[float], tokens: int, extra: str = "") -> dict:
+    """A table row for one program's step times (seconds): median ms per step with its spread, tokens/s at
+    `tokens` per step, then `extra`."""
+    m = median(xs)
+    return {"benchmark": benchmark, "setting": setting, "target": "",
+            "result": f"{m * 1e3:,.0f} ms/step ({spread(xs)}, n={len(xs)}), {tokens / m:,.0f} tokens/s{extra}"}
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from harness import TINY, alternate, median, spread, step_times
+from harness import TINY, alternate, median, step_row, step_times
 from steps import CHUNKS, CORES, SHAPES, profiles, ready, say, shape_args, start
 
 ROWS = ((2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "all"))  # (ZeRO stage, --offload)
@@ -60,11 +60,8 @@ def bench_offload_step() -> list[dict]:
         setting = (f"{label}: {count_params(args)['total'] / 1e6:.2f}M params, seq {seq} x micro {micro}, 1 rank x"
                    f" {CORES} threads, fp32; CPU: host = device RAM, no bus crossed")
         for key in ROWS:
-            xs, m = step_times(results[name[key]]), step[key]
-            vs = "" if key[1] == "none" else f", {m / step[key[0], 'none']:.2f}x the step without offload"
-            rows.append({"benchmark": f"offload: {name[key]}", "setting": setting,
-                         "result": f"{m * 1e3:,.0f} ms/step ({spread(xs)}, n={len(xs)}), {tokens / m:,.0f}"
-                                   f" tokens/s{vs}", "target": ""})
+            vs = "" if key[1] == "none" else f", {step[key] / step[key[0], 'none']:.2f}x the step without offload"
+            rows.append(step_row(f"offload: {name[key]}", setting, step_times(results[name[key]]), tokens, vs))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows

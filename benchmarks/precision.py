@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from harness import alternate, matmul_peak, median, spread, step_times
+from harness import alternate, matmul_peak, median, step_row, step_times
 from steps import CHUNKS, CORES, SHAPES, profiles, ready, say, shape_args, start
 
 
@@ -70,12 +70,10 @@ def bench_bf16_step() -> list[dict]:
             setting = (f"{label}: {count_params(args)['total'] / 1e6:.2f}M params, seq {seq} x micro {micro}, 1 rank x"
                        f" {CORES} threads; CPU bf16 flags: {flags}")
             for name, dtype, stage, _ in programs:
-                xs, m = step_times(results[name]), step[name]
+                m = step[name]
                 vs = "" if dtype == "fp32" else f", {step[f'zerotrain ZeRO-{stage} fp32'] / m:.2f}x fp32's speed"
-                rows.append({"benchmark": f"bf16 vs fp32: {name}", "setting": setting,
-                             "result": f"{m * 1e3:,.0f} ms/step ({spread(xs)}, n={len(xs)}), {tokens / m:,.0f}"
-                                       f" tokens/s{vs}; MFU {flops * tokens / m / peak[dtype]:.1%} of the {dtype}"
-                                       " peak", "target": ""})
+                rows.append(step_row(f"bf16 vs fp32: {name}", setting, step_times(results[name]), tokens,
+                                     f"{vs}; MFU {flops * tokens / m / peak[dtype]:.1%} of the {dtype} peak"))
             rows.append({"benchmark": f"matmul peaks ({label})", "setting": f"{CORES} threads, best 2048^3 GEMM",
                          "result": f"fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s"
                                    f" ({peak['bf16'] / peak['fp32']:.2f}x)", "target": ""})

@@ -22,7 +22,8 @@ Start-up, shard verification, checkpoints and packing baselines: benchmarks/star
 benchmarks/checkpoints.py, benchmarks/packing_baselines.py; fused q/k/v and gate/up weights against our
 separate projections: benchmarks/projections.py; the chunked loss's memory against full logits:
 benchmarks/loss_memory.py; bf16 against fp32 through the driver: benchmarks/precision.py; ZeRO-Offload's step
-time on this CPU: benchmarks/offload.py.
+time on this CPU: benchmarks/offload.py; sequence parallelism against data parallelism at the same tokens per step:
+benchmarks/sequence_parallel.py.
 
 Data benchmarks (dataio): the demo mix (built offline by launcher/commands/demo.py under runs/demo-data/)
 read (1) from its source files with the bytes tokenizer, (2) from prepared shards, (3) with a
@@ -327,6 +328,8 @@ BENCHMARKS = {
                   " their bf16 copies; MFU against each dtype's measured matmul peak; the CPU's bf16 flags"),
     "offload_step": (_module("offload", "bench_offload_step"), "1 rank: step time with --offload none / optimizer"
                      " (ZeRO-2, ZeRO-3) / all (ZeRO-3) on this CPU, where no bus is crossed"),
+    "sequence_parallel": (_module("sequence_parallel", "bench_sequence_parallel"), "2 ranks: --sequence-parallel 2"
+                          " vs data parallelism at the same tokens per step (1,024-token rows) on this CPU"),
     "stream_bytes": (bench_stream_bytes, "loader from the demo mix's files, bytes tokenizer"),
     "shards": (bench_shards, "loader from prepared shards"),
     "stream_bpe": (bench_stream_bpe, "loader from the mix files, BPE tokenized on the fly"),

@@ -4,6 +4,7 @@ what it needs. Started as `python`, under `deepspeed --num_gpus N` or under `tor
     step_worker.py zt --profile P [--compile] zerotrain's real driver: zerotrain.launcher.trainer.plan_run +
                                              Trainer(plan).train(), unmodified; a metrics sink
                                              (the interface --log sinks use) paces it
+                   [--sequence-parallel N]   each row shared by N ranks (benchmarks/sequence_parallel.py)
     step_worker.py plain [--fused] ...       our zerotrain.modeling.model.Transformer, torch.optim.AdamW
                                              (as written by a user, or fused=True), clip_grad_norm_;
                    [--attention K]           with attention kernel K (default: auto, sdpa on a CPU)
@@ -246,6 +247,8 @@ def run_zt(a, setup: dict) -> None:
            "run_id": a.name, "resume": "never", "log_data_every_steps": 0}
     if a.compile:
         cfg["compile"] = True
+    if a.sequence_parallel > 1:
+        cfg["sequence_parallel"] = a.sequence_parallel
     if a.shape == "debug":
         cfg["model"] = "debug"
     else:
@@ -364,6 +367,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--attention", default="auto", help="plain: the model's attention kernel")
     p.add_argument("--one-document", action="store_true", help="plain: every row one document (no mask)")
     p.add_argument("--compile", action="store_true", help="zt: --compile (torch.compile through DeepSpeed)")
+    p.add_argument("--sequence-parallel", type=int, default=1, help="zt: --sequence-parallel N (rows shared by N ranks)")
     a = p.parse_args([x for x in argv if not x.startswith("--local_rank")])  # the deepspeed launcher adds it
     a.name = os.environ["ZT_BENCH_NAME"]
     t0 = time.time()

@@ -2,8 +2,8 @@
 entries at BENCH_TINY sizes. Nothing here asserts a timing: `make bench` measures, tests only check
 that each entry runs and prints its rows.
 
-Not run here: two_ranks, startup, bf16_step, offload_step, planner_rss and local_source_memory (real 2-rank launches and a
-generated source, minutes of work; `make bench` runs them) and the loader entries (dataio's own tests
+Not run here: two_ranks, startup, bf16_step, offload_step, sequence_parallel, planner_rss and local_source_memory
+(real 2-rank launches and a generated source, minutes of work; `make bench` runs them) and the loader entries (dataio's own tests
 cover the loader; they share `loader_rows` with packing_baselines' path through zerotrain.dataio.commands.bench).
 """
 import os
@@ -36,8 +36,8 @@ def test_unknown_name_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     assert r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "benchmarks/run.py: unknown benchmark 'trainstep'; known: train_step, two_ranks, startup, shard_verify,"
-        " checkpoint, packing_baselines, fused_projections, loss_memory, bf16_step, offload_step, stream_bytes,"
-        " shards, stream_bpe, prepare_verify, packing, local_source_memory, planner_rss"]
+        " checkpoint, packing_baselines, fused_projections, loss_memory, bf16_step, offload_step, sequence_parallel,"
+        " stream_bytes, shards, stream_bpe, prepare_verify, packing, local_source_memory, planner_rss"]
 
 
 def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):

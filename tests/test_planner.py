@@ -531,3 +531,25 @@ def test_longest_row_search_is_monotone_and_the_fit_checks_answer(monkeypatch):
     planner.fit_check(cfg(model="tiny", seq_len=longest, micro_batch=1), model_args, ds, zt, world)
     with pytest.raises(UsageError, match="does not fit"):
         planner.fit_check(cfg(model="tiny", seq_len=longest + 2, micro_batch=1), model_args, ds, zt, world)
+
+
+@pytest.mark.parametrize("name", list_profiles())
+def test_gpu_profiles_name_their_links_and_where_the_figure_comes_from(name):
+    hw = load_profile(name)[1]["zerotrain"]["hardware"]
+    if hw.get("accelerator") == "cpu":  # no link to plan: pre-flight v1 measures the all-to-all
+        assert "interconnect_gb_s" not in hw
+        return
+    keys = ["interconnect"] + (["internode"] if hw.get("nodes", 1) > 1 else [])
+    for key in keys:
+        assert hw[f"{key}_gb_s"] > 0 and "not measured" in hw[f"{key}_note"], key
+
+
+@pytest.mark.parametrize("key,value", [("interconnect_gb_s", 0), ("internode_gb_s", "50"), ("interconnect_gb_s", True)])
+def test_a_bad_link_bandwidth_in_a_profile_is_refused(key, value, tmp_path):
+    prof = load_profile("h100-80g-2x8-multinode")[1]
+    prof["zerotrain"]["hardware"][key] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    with pytest.raises(UsageError, match=rf"zerotrain.hardware.{key} \(.*GB/s per direction\) must be a positive"
+                                         " number"):
+        load_profile(str(path))
