@@ -33,7 +33,7 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.planner import fit_check, offload_lines, run_loss_chunk
+from zerotrain.launcher.components.planner import check_sequence_parallel, fit_check, offload_lines, run_loss_chunk
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
@@ -46,7 +46,6 @@ from zerotrain.launcher.profiles import precision as profile_precision  # attent
 from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel
-from zerotrain.modeling.sizes import check_sequence_parallel as check_model_sequence_parallel
 
 
 def single_process_env() -> None:
@@ -301,22 +300,10 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
 
 def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: int) -> int:
     """--sequence-parallel N checked against the launch and the model (UsageError, one line, before anything
-    is written): N ranks share a row, so N divides the world, the attention heads (and the kv heads, or they
-    it: modeling/model.py check_sequence_parallel) and --seq-len; N > 1 needs more than one rank."""
+    is written): planner.check_sequence_parallel, which `zerotrain plan` runs too."""
     sp = settings.sequence_parallel
-    flag = f"--sequence-parallel {sp} ({settings.sources['sequence_parallel']})"
-    if sp == 1:
-        return sp
-    if world == 1:
-        raise UsageError(f"{flag}: sequence parallelism needs more than one rank; this launch has 1")
-    if world % sp:
-        raise UsageError(f"{flag}: must divide the world size {world} (N ranks share each row)")
-    if cfg.seq_len % sp:
-        raise UsageError(f"{flag}: must divide --seq-len {cfg.seq_len} (each rank holds seq_len / N positions)")
-    try:
-        check_model_sequence_parallel(model_args, sp)
-    except ValueError as e:
-        raise UsageError(f"{flag}: {e}") from None
+    check_sequence_parallel(sp, f"--sequence-parallel {sp} ({settings.sources['sequence_parallel']})", cfg.seq_len,
+                            model_args, world)
     return sp
 
 

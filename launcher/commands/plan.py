@@ -9,12 +9,12 @@ from pathlib import Path
 from zerotrain.cli_args import Parser
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components.planner import STAGES, GiB, make_plan, render, setup_from, stage_key
+from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_parallel, make_plan, render, setup_from,
+                                                   stage_key)
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
 from zerotrain.launcher.profiles import apply_offload, load_profile, offload_settings, resolve_batch
-from zerotrain.launcher.run_plan import check_sequence_parallel_plan
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -80,7 +80,8 @@ def plan_main(argv: list[str]) -> dict:
     setup = setup_from(profile, settings.values, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
                        getattr(cfg, "optimizer", None), args, attention=cfg.attention)
     # --sequence-parallel N: refused as the run refuses it (one line), for the world planned
-    check_sequence_parallel_plan(cfg, settings, args, setup.world)
+    check_sequence_parallel(settings.sequence_parallel, f"--sequence-parallel {settings.sequence_parallel}"
+                            f" ({settings.sources['sequence_parallel']})", cfg.seq_len, args, setup.world)
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world // setup.sequence_parallel, f"profile {name}")
     # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)

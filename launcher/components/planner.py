@@ -83,6 +83,7 @@ from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
 from zerotrain.modeling.sizes import (choose_attention, count_params, flops_per_token, loss_chunk_tokens,
                                       math_kernel)
+from zerotrain.modeling.sizes import check_sequence_parallel as check_model_sequence_parallel
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1.0 * GiB  # CUDA context + cuBLAS workspace + NCCL buffers per GPU process
@@ -449,12 +450,35 @@ def host_verdict(need: float, host: float | None, what: str) -> str | None:
 # Sequence parallelism: the all-to-all, and the longest row that fits (see the module docstring)
 # ------------------------------------------------------------------------------------------------
 
+def check_sequence_parallel(sp: int, flag: str, seq_len: int, args, world: int) -> None:
+    """UsageError (one line naming `flag`, before anything is written) when N = sp ranks cannot share each row:
+    N divides the world, --seq-len and the attention heads (the kv heads divide by N or N by them:
+    modeling/sizes.py check_sequence_parallel); N > 1 needs more than one rank. The run's check
+    (launcher/run_plan.py) and `zerotrain plan`'s."""
+    if sp == 1:
+        return
+    if world == 1:
+        raise UsageError(f"{flag}: sequence parallelism needs more than one rank; this launch has 1")
+    if world % sp:
+        raise UsageError(f"{flag}: must divide the world size {world} (N ranks share each row)")
+    if seq_len % sp:
+        raise UsageError(f"{flag}: must divide --seq-len {seq_len} (each rank holds seq_len / N positions)")
+    try:
+        check_model_sequence_parallel(args, sp)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
 def sequence_parallel_sizes(args, world: int, seq_len: int) -> list[int]:
-    """Every N the run accepts for this model, world and --seq-len (launcher/run_plan.py
-    check_sequence_parallel_plan's rules): N divides the world, the query heads and the row, and the kv
-    heads divide by N or N by them; N > 1 needs more than one rank."""
-    return [n for n in range(1, world + 1) if world % n == 0 and seq_len % n == 0 and args.n_heads % n == 0
-            and (args.n_kv_heads % n == 0 or n % args.n_kv_heads == 0)]
+    """Every N the run accepts for this model, world and --seq-len (check_sequence_parallel)."""
+    def accepted(n: int) -> bool:
+        try:
+            check_sequence_parallel(n, "", seq_len, args, world)
+            return True
+        except UsageError:
+            return False
+
+    return [n for n in range(1, world + 1) if accepted(n)]
 
 
 def all_to_all_bytes(args, micro: int, seq_len: int, act_bytes: int, sequence_parallel: int,
