@@ -9,7 +9,8 @@ for the others), micro-batch, and its profile's ZeRO stage, precision, activatio
 with attention `auto` as the recipe runs it. Only the hardware is this GPU's: the peak FLOP/s and the memory
 come from the profile this GPU matches (`--profile`, default auto), so the MFU is against this GPU. Recipes
 whose profile offloads to host memory or NVMe are left out of `all` (their speed is the host's; name them to
-run them). Not the recipe's: its data (the demo's offline mix), its length (`--steps`) and its gradient
+run them); a recipe that starts from `--init-from` (context extension) is not run: its model is that
+directory's, which is not here. Not the recipe's: its data (the demo's offline mix), its length (`--steps`) and its gradient
 accumulation (`--grad-accum`, default 1: tokens/s per micro-batch, not the recipe's 2^19-token steps).
 
 With `--model` the older grid instead: that preset (xlarge, 1.4B, for the 2026-11-25 rows) at `--seq-len`
@@ -109,10 +110,12 @@ def gpu_recipes() -> list[str]:
 
     names = []
     for path in sorted(RECIPE_DIR.glob("*.json")):
-        profile = load_profile(load_recipe(str(path))["profile"])[1]
+        recipe = load_recipe(str(path))
+        profile = load_profile(recipe["profile"])[1]
         zero = profile.get("zero_optimization", {})
         on_host = any(zero.get(k, {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
-        if profile.get("zerotrain", {}).get("hardware", {}).get("accelerator") != "cpu" and not on_host:
+        if profile.get("zerotrain", {}).get("hardware", {}).get("accelerator") != "cpu" and not on_host \
+                and "init_from" not in recipe:
             names.append(path.stem)
     return names
 
@@ -128,6 +131,11 @@ def recipe_names(spec: str) -> list[str]:
     unknown = [n for n in names if n not in shipped]
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not a shipped recipe ({', '.join(shipped)})")
+    from zerotrain.launcher.config import load_recipe
+
+    initialised = [n for n in names if "init_from" in load_recipe(n)]
+    if initialised:
+        raise ValueError(f"{initialised[0]!r} starts from --init-from: its model is that directory's, not run here")
     return names
 
 

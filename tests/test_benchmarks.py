@@ -91,8 +91,11 @@ def test_gpu_benchmark_arguments_are_checked_before_anything_runs():
                         "--seq-len is for --model runs; a recipe brings its own shape, stage and attention"),
                        (["--recipes", "rtx6000ada-x2-1.3b,nope"], "--recipes rtx6000ada-x2-1.3b,nope: 'nope' is not"
                         " a shipped recipe (a100x8-1.46b-edu-mix, a100x8-13b-offload, cpu-debug, h100pcie-x8-1000usd,"
-                        " h100pcie-x8-1000usd-optimal, rtx6000ada-x2-1.3b, rtx6000ada-x2-760m,"
-                        " rtx6000ada-x2-7b-offload)")):
+                        " h100pcie-x8-1000usd-optimal, h100x8-xlarge-32k-extend, rtx6000ada-x2-1.3b,"
+                        " rtx6000ada-x2-760m, rtx6000ada-x2-7b-offload)"),
+                       (["--recipes", "h100x8-xlarge-32k-extend"], "--recipes h100x8-xlarge-32k-extend:"
+                        " 'h100x8-xlarge-32k-extend' starts from --init-from: its model is that directory's, not"
+                        " run here")):
         proc = gpu_bench(*args)
         assert proc.returncode == 2 and proc.stderr.strip() == f"benchmarks/gpu.py: {says}", (args, proc.stderr)
     for fine in (gpu_bench("--vocab-size", "128256", "--nproc", "2", "--grad-accum", "4", "--model", "debug"),
