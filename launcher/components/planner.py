@@ -515,12 +515,13 @@ def all_to_all_summary(args, setup: Setup, micro: int, seq_len: int, checkpointi
     moved = all_to_all_bytes(args, micro, seq_len, 2 if setup.mixed else 4, setup.sequence_parallel, checkpointing)
     per_step = moved["per_layer"] * args.n_layers * grad_accum
     rate, link = sequence_link(setup)
-    seconds = 0.0 if not per_step else per_step / rate if rate else None
+    def seconds(moved_bytes: float) -> float | None:
+        return 0.0 if not moved_bytes else moved_bytes / rate if rate else None
+
     return {"gb_per_layer_forward": round(moved["forward"] / 1e9, 4),
             "gb_per_layer": round(moved["per_layer"] / 1e9, 4), "gb_per_step_per_gpu": round(per_step / 1e9, 3),
             "link": link, "link_gb_s": None if rate is None else rate / 1e9,
-            "seconds_per_layer": None if seconds is None else seconds / (args.n_layers * grad_accum) if seconds else 0.0,
-            "seconds_per_step": seconds}
+            "seconds_per_layer": seconds(moved["per_layer"]), "seconds_per_step": seconds(per_step)}
 
 
 def max_seq_len(args, setup: Setup, stage, checkpointing: bool, micro: int = 1, limit: int = 1 << 24) -> int:
@@ -892,7 +893,8 @@ def render_sequence(plan: dict) -> list[str]:
         when = (f"at {a['link_gb_s']:g} GB/s {a['link']}: {a['seconds_per_layer'] * 1e3:.3g} ms per layer,"
                 f" {a['seconds_per_step']:.3g} s per step, not overlapped (an upper bound), in the time below"
                 if a["link_gb_s"] is not None else f"{a['link']}: no bandwidth in the profile, not in the time")
-        lines = [f"sequence parallel: {n} ranks per row (N may be {valid}); all-to-all per GPU per layer:"
+        unit = "rank" if plan["hardware"]["accelerator"] == "cpu" else "GPU"
+        lines = [f"sequence parallel: {n} ranks per row (N may be {valid}); all-to-all per {unit} per layer:"
                  f" {a['gb_per_layer_forward']:g} GB forward (q, k, v, output; (N-1)/N of each), {a['gb_per_layer']:g}"
                  f" GB with the backward{recompute}; {a['gb_per_step_per_gpu']:g} GB per step {when}"]
     stage = STAGE_LABELS.get(plan["zero_stage"], plan["zero_stage"])
