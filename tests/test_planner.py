@@ -481,7 +481,8 @@ def test_plan_131072_on_eight_h100_with_sequence_parallel_8(capsys):
     (["--model", "medium", "--sequence-parallel", "16", "--gpus", "16"],
      "--sequence-parallel 16 (flag): must divide --seq-len 131000"),
     (["--model", "medium", "--sequence-parallel", "2", "--gpus", "1"],
-     "--sequence-parallel 2 (flag): sequence parallelism needs more than one rank"),
+     "--sequence-parallel 2 (flag): sequence parallelism needs more than one rank; profile h100-80g-x8 plans 1"
+     " (give --gpus N, or a GPU --profile)"),
 ])
 def test_plan_refuses_a_sequence_parallel_size_the_run_refuses(argv, message):
     seq = "131000" if "16" in argv else "131072"

@@ -81,7 +81,8 @@ def plan_main(argv: list[str]) -> dict:
                        getattr(cfg, "optimizer", None), args, attention=cfg.attention)
     # --sequence-parallel N: refused as the run refuses it (one line), for the world planned
     check_sequence_parallel(settings.sequence_parallel, f"--sequence-parallel {settings.sequence_parallel}"
-                            f" ({settings.sources['sequence_parallel']})", cfg.seq_len, args, setup.world)
+                            f" ({settings.sources['sequence_parallel']})", cfg.seq_len, args, setup.world,
+                            f"profile {name} plans 1 (give --gpus N, or a GPU --profile)")
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world // setup.sequence_parallel, f"profile {name}")
     # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)

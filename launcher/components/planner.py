@@ -450,15 +450,17 @@ def host_verdict(need: float, host: float | None, what: str) -> str | None:
 # Sequence parallelism: the all-to-all, and the longest row that fits (see the module docstring)
 # ------------------------------------------------------------------------------------------------
 
-def check_sequence_parallel(sp: int, flag: str, seq_len: int, args, world: int) -> None:
+def check_sequence_parallel(sp: int, flag: str, seq_len: int, args, world: int, one_rank: str = "this launch has 1"
+                            ) -> None:
     """UsageError (one line naming `flag`, before anything is written) when N = sp ranks cannot share each row:
     N divides the world, --seq-len and the attention heads (the kv heads divide by N or N by them:
     modeling/sizes.py check_sequence_parallel); N > 1 needs more than one rank. The run's check
-    (launcher/run_plan.py) and `zerotrain plan`'s."""
+    (launcher/run_plan.py) and `zerotrain plan`'s; `one_rank` ends the line for a world of 1 (plan: how to
+    plan more ranks)."""
     if sp == 1:
         return
     if world == 1:
-        raise UsageError(f"{flag}: sequence parallelism needs more than one rank; this launch has 1")
+        raise UsageError(f"{flag}: sequence parallelism needs more than one rank; {one_rank}")
     if world % sp:
         raise UsageError(f"{flag}: must divide the world size {world} (N ranks share each row)")
     if seq_len % sp:
