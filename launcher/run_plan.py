@@ -45,7 +45,7 @@ from zerotrain.launcher.profiles import check_devices, describe_precision, detec
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel
+from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel, mlp_tiles
 
 
 def single_process_env() -> None:
@@ -382,6 +382,7 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
                               cfg.decay_fraction).describe(cfg.lr))
     lines += [f"attention: {plan.attention} ({plan.attention_why})",
               describe_precision(ds),
+              *describe_tiled_mlp(plan),
               plan.resume_line,  # bit-identical or not, on this hardware with these settings
               describe_implementation(cfg, ds, plan.node.device),  # what steps, built or not
               *offload.describe(ds),  # what is offloaded where, and the DeepSpeed ops JIT-built for it
@@ -389,6 +390,16 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
               describe_settings(plan.settings),
               *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     return lines + describe_data(plan.data, plan.run_tokens)
+
+
+def describe_tiled_mlp(plan: RunPlan) -> list[str]:
+    """--tiled-mlp: how many tiles each MLP runs (sizes.mlp_tiles, the rule the model applies to its rows)."""
+    if not plan.settings.tiled_mlp:
+        return []
+    positions = plan.cfg.seq_len // plan.sequence_parallel
+    tiles = mlp_tiles(positions, plan.model_args.dim)
+    return [f"tiled MLP: {tiles} tile(s) of up to {-(-positions // tiles)} of this rank's {positions} positions"
+            f" (DeepSpeed's TiledMLP: ceil({positions} / dim {plan.model_args.dim}); recomputed in backward)"]
 
 
 def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:

@@ -258,6 +258,13 @@ TABLE: tuple[Setting, ...] = (
                                  " by N or divide it. The same math: not part of the run id. Default: the"
                                  " profile's zerotrain.sequence_parallel, else 1", flag=True, type="int | None",
             kind=RUN, profile_key="zerotrain.sequence_parallel", default=1, check=positive_int),
+    Setting("tiled_mlp", "compute every MLP over tiles of positions and recompute it in backward (DeepSpeed's"
+                         " TiledMLP, ceil(positions per rank / dim) tiles), so its ffn-wide activations are never"
+                         " held for a whole row: for long rows, with --sequence-parallel or without. The same math"
+                         " to rounding (the weights' gradients are summed tile by tile): part of the run id once"
+                         " given. Default: the profile's zerotrain.tiled_mlp, else off", flag=True,
+            type="bool | None", kind=IDENTITY_WHEN_SET, profile_key="zerotrain.tiled_mlp", default=False,
+            check=boolean),
     Setting("compile", "torch.compile the model (default off)", flag=True, type="bool | None",
             kind=IDENTITY_WHEN_SET, default=False, check=boolean),
     Setting("compile_backend", "torch.compile's backend (default: the accelerator's)",

@@ -204,7 +204,8 @@ class Trainer:
 
     def _build_engine(self, accel):
         plan, cfg = self.plan, self.cfg
-        built = build_engine(spec_from_plan(plan))  # components/engine.py: the one builder (tests use it too)
+        # components/engine.py: the one builder (tests use it too); each all-to-all is a phase of its own
+        built = build_engine(spec_from_plan(plan, exchange_phase=lambda: self.clock.phase("all_to_all")))
         engine, ds_config, args = built.engine, built.ds_config, plan.model_args
         if plan.init_from is not None and plan.resume_from is None:
             self.say(f"initialised from {plan.init_from}")

@@ -26,6 +26,8 @@ Architecture choices, all of them:
   so the kernel sees whole rows of H/N heads. Every rank gets the full row's ``position_ids`` and labels:
   document masks are derived from the whole row, and the loss of a shard is normalised by the labelled
   tokens of the whole row group (the sum over the N ranks is the unsharded loss);
+- optional tiled MLP (`MLP.tiled`, set by the engine builder): each MLP computed over tiles of positions
+  (`mlp_tiles`) and recomputed in backward, the same math (to rounding in the weight gradients);
 - RMSNorm is computed in fp32; no biases anywhere; weights initialised in `init_weights` only.
 
 This file is the model: no optimizer, no data, no DeepSpeed (beyond gathering ZeRO-3 parameters in
@@ -47,7 +49,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
                                       check_sequence_parallel, choose_attention, count_params, flops_per_token,
-                                      loss_chunk_tokens, preset, varlen_available)  # sizes and which kernels run where, without torch
+                                      loss_chunk_tokens, mlp_tiles, preset,
+                                      varlen_available)  # sizes and which kernels run where, without torch
 
 
 class RMSNorm(nn.Module):
@@ -333,8 +336,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(args.dim, args.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        # --tiled-mlp: (this module, x, tiles) -> `compute` over `tiles` stretches of the positions, recomputed
+        # in backward, so the (positions x ffn_hidden) intermediates are never held for the whole row (set by
+        # the engine builder: DeepSpeed's TiledMLP, launcher/components/ds_compat.py tiled_mlp)
+        self.tiled: Callable | None = None
 
-    def forward(self, x):
+    def forward(self, x):  # x: (B, T, dim), T this rank's positions
+        if self.tiled is not None:
+            return self.tiled(self, x, mlp_tiles(x.shape[-2], x.shape[-1]))
+        return self.compute(x)
+
+    def compute(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -144,6 +144,15 @@ def loss_chunk_tokens(vocab_size: int) -> int:
     return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
 
 
+def mlp_tiles(positions: int, dim: int) -> int:
+    """Tiles a tiled MLP (--tiled-mlp) splits a rank's `positions` positions into: DeepSpeed's own rule
+    (deepspeed/runtime/sequence_parallel/ulysses_sp.py, TiledMLP's docstring: ceil(seqlen / hidden_size)), so a
+    tile's (tile x ffn_hidden) intermediates are about as large as the MLP's (positions x dim) input. Every
+    rank of a run computes the same number: rows are always --seq-len long (a ZeRO-3 rank that ran another
+    number of tiles would gather its MLP weights another number of times and hang the others)."""
+    return max(1, math.ceil(positions / dim))
+
+
 def varlen_available() -> bool:
     """torch.nn.attention.varlen exists (torch >= 2.9); found without importing it (the import takes ~1 s)."""
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None

@@ -111,7 +111,9 @@ def test_every_engine_is_built_by_build_engine():
         assert calls, f"{rel} builds no engine through build_engine"
     trainer = ast.parse((REPO / "launcher" / "trainer.py").read_text())
     run_build = [n for n in ast.walk(trainer) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "build_engine"]
-    assert [ast.unparse(n) for n in run_build] == ["build_engine(spec_from_plan(plan))"]  # the run: from its plan
+    # the run: from its plan (and the clock its all-to-all phase is measured by)
+    assert [ast.unparse(n) for n in run_build] == \
+        ["build_engine(spec_from_plan(plan, exchange_phase=lambda: self.clock.phase('all_to_all')))"]
 
 
 def test_the_runs_spec_carries_what_the_plan_decided():
@@ -126,7 +128,8 @@ def test_the_runs_spec_carries_what_the_plan_decided():
     cfg = config_from({"data": "mix.json", "seed": 7})
     from zerotrain.launcher.settings import resolve
 
-    zt = {"activation_checkpointing": True, "dist_backend": "gloo", "hang_timeout": 1200}  # the run's settings:
+    zt = {"activation_checkpointing": True, "dist_backend": "gloo", "hang_timeout": 1200,  # the run's settings:
+          "tiled_mlp": True}
     plan = SimpleNamespace(cfg=cfg, settings=resolve(cfg, "p", {"zerotrain": zt}),
                            ds_config={"zero_optimization": {"stage": 3}}, model_args="args", init_from="hf-dir",
                            resume_from=None, attention="sdpa", deterministic=True, loss_chunk_tokens=900,
@@ -136,6 +139,7 @@ def test_the_runs_spec_carries_what_the_plan_decided():
     assert (spec.deterministic, spec.attention, spec.activation_checkpointing) == (True, "sdpa", True)
     assert spec.loss_chunk_tokens == 900  # the planner's chunk for this device (None on a CPU)
     assert spec.sequence_parallel == 2  # --sequence-parallel: the builder makes DeepSpeed's SP groups and the shard
+    assert spec.tiled_mlp is True and spec.exchange_phase is None  # --tiled-mlp (here the profile's); no clock given
     assert (spec.dist_backend, spec.comm_timeout_s) == ("gloo", 2400.0)  # twice the profile's hang timeout
     assert spec.optimizer is None and spec.lr_scheduler is None  # the registry's and the run's schedule
     resumed = spec_from_plan(SimpleNamespace(**{**vars(plan), "resume_from": "ckpt", "deterministic": False}))

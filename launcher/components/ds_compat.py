@@ -76,6 +76,17 @@ PRIVATE_NAMES = (
                 "--sequence-parallel: ZeRO reduces and partitions over the sequence-data-parallel group", True),
     PrivateName("deepspeed.runtime.sequence_parallel.parallel_state_sp", "_release_sequence_parallel_groups",
                 "--sequence-parallel: a second engine in one process with another sequence-parallel size", False),
+    PrivateName("deepspeed.runtime.sequence_parallel.ulysses_sp", "TiledMLP",
+                "--tiled-mlp: each MLP computed over tiles of positions", True,
+                source_has="param.ds_grad_is_ready = False"),
+    PrivateName("deepspeed.runtime.zero.stage3",
+                "DeepSpeedZeroOptimizer_Stage3.reduce_independent_p_g_buckets_and_remove_grads",
+                "--tiled-mlp at ZeRO-3: a weight's gradient is reduced once, summed over its tiles", True,
+                source_has='getattr(param, "ds_grad_is_ready", True)'),
+    PrivateName("deepspeed.runtime.zero.stage_1_and_2",
+                "DeepSpeedZeroOptimizer.reduce_independent_p_g_buckets_and_remove_grads",
+                "--tiled-mlp at ZeRO-1/2: a weight's gradient is reduced once, summed over its tiles", True,
+                source_has='getattr(param, "ds_grad_is_ready", True)'),
     PrivateName("deepspeed", "", "each CPU launch removes its 66 MB /dev/shm buffer", False,
                 source_has='#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"', file="ops/csrc/cpu/comm/shm.cpp"),
 )
@@ -348,6 +359,29 @@ def sequence_all_to_all(group):
 
     register_all_to_all_group(group)
     return functools.partial(_dim_zero_all_to_all, group)
+
+
+def tiled_mlp(mlp, x, tiles: int):
+    """--tiled-mlp: `mlp.compute(x)` over `tiles` stretches of x's positions with DeepSpeed's TiledMLP
+    (modeling/model.py MLP calls it with sizes.mlp_tiles).
+
+    Matches deepspeed/runtime/sequence_parallel/ulysses_sp.py (0.19.8) `TiledMLP.apply(fn, self, x, shards,
+    compute_params)`: forward runs `fn(self, tile)` on `torch.chunk(x, shards, dim=-2)` under no_grad and keeps
+    only x; backward recomputes each tile with grad and back-propagates it, with `ds_grad_is_ready` False on
+    every compute_param until the last tile, so that ZeRO's gradient hooks (stage_1_and_2.py and stage3.py
+    `reduce_independent_p_g_buckets_and_remove_grads`) reduce each weight's gradient once, summed over the
+    tiles. At ZeRO-3 the weights are gathered by their own modules' forward hooks, in both passes (the
+    sub-modules are called, not their weights read). Measured on a CPU: the output and the input's gradient are
+    bit-identical to the untiled MLP's, the weights' gradients equal to rounding (summed tile by tile;
+    tests/test_tiled_mlp.py).
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    return TiledMLP.apply(_mlp_compute, mlp, x, tiles, list(mlp.parameters()))
+
+
+def _mlp_compute(mlp, x):
+    return mlp.compute(x)
 
 
 def sequence_parallel_gradient_factor(engine, size: int) -> float:

@@ -16,11 +16,12 @@ Settings the spec carries through untouched are DeepSpeed's own: optimizer and p
 handed to both `zero.Init` and `deepspeed.initialize`. `sequence_parallel` N > 1 (Ulysses) makes that unit
 DeepSpeed's sequence-parallel one (ds_compat.sequence_parallel_mpu) and gives the model its shard
 (modeling/model.py SequenceShard, with DeepSpeed's all-to-all); ds_config's batch is then counted over
-world/N ranks.
+world/N ranks. `tiled_mlp` gives every MLP DeepSpeed's TiledMLP (ds_compat.tiled_mlp).
 deepspeed is imported inside the functions (heavy, and its import logs a line).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -60,6 +61,9 @@ class EngineSpec:
     comm_timeout_s: float | None = None  # the collectives' timeout, if this joins it (None: process_group's rule)
     mpu: Any = None  # DeepSpeed's model-parallel unit, for zero.Init and deepspeed.initialize
     sequence_parallel: int = 1  # ranks sharing each row (Ulysses); > 1 sets mpu to DeepSpeed's sequence-parallel unit
+    tiled_mlp: bool = False  # every MLP over tiles of positions (DeepSpeed's TiledMLP, ds_compat.tiled_mlp)
+    exchange_phase: Callable | None = None  # () -> a context manager around each all-to-all, forward and
+    # backward: the trainer's PhaseClock phase "all_to_all" (not with compile: the exchange stays DeepSpeed's op)
 
     @property
     def zero_stage(self) -> int:
@@ -77,15 +81,17 @@ class Built:
         return self.engine.module
 
 
-def spec_from_plan(plan) -> EngineSpec:
+def spec_from_plan(plan, exchange_phase: Callable | None = None) -> EngineSpec:
     """The run's engine: `plan` is a RunPlan (launcher/run_plan.py, the layer above: read, not imported).
-    The pretrained weights are loaded only on a fresh start (a resume loads its checkpoint instead)."""
+    The pretrained weights are loaded only on a fresh start (a resume loads its checkpoint instead).
+    `exchange_phase`: EngineSpec's (the trainer's clock)."""
     cfg, s = plan.cfg, plan.settings  # the resolved settings (launcher/settings.py)
     return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.seed,
                       deterministic=bool(plan.deterministic), run=cfg,
                       init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
                       activation_checkpointing=bool(s.activation_checkpointing), compile=bool(s.compile),
                       loss_chunk_tokens=plan.loss_chunk_tokens, sequence_parallel=plan.sequence_parallel,
+                      tiled_mlp=bool(s.tiled_mlp), exchange_phase=exchange_phase,
                       compile_backend=s.compile_backend, dist_backend=s.dist_backend, comm_timeout_s=s.comm_timeout_s)
 
 
@@ -98,7 +104,29 @@ def sequence_parallel(spec: EngineSpec) -> tuple[Any, SequenceShard | None]:
     check_sequence_parallel(spec.model_args, spec.sequence_parallel)
     mpu = ds_compat.sequence_parallel_mpu(spec.sequence_parallel)
     exchange = ds_compat.sequence_all_to_all(mpu.get_sequence_parallel_group())
+    if spec.exchange_phase is not None and not spec.compile:
+        exchange = functools.partial(_MeasuredExchange.apply, around=spec.exchange_phase, exchange=exchange)
     return mpu, SequenceShard(spec.sequence_parallel, mpu.get_sequence_parallel_rank(), exchange)
+
+
+class _MeasuredExchange(torch.autograd.Function):
+    """`exchange(x)` inside `around()` (the health check's and the watchdog's phase "all_to_all"), in forward
+    and in backward. A dimension-0 all-to-all is its own adjoint (DeepSpeed's backward of it is the same op on
+    the gradient: deepspeed/sequence/layer.py _dim_zero_all_to_all_backward), so backward calls `exchange` on
+    the gradient. Both run without grad (an autograd.Function's passes do), so nothing is recorded twice. The
+    phase is the host's wall time in the call: the exchange itself on a CPU (gloo returns when it is done);
+    on a GPU the time to queue it (not measured)."""
+
+    @staticmethod
+    def forward(ctx, x, exchange, around):
+        ctx.exchange, ctx.around = exchange, around
+        with around():
+            return exchange(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with ctx.around():
+            return ctx.exchange(grad), None, None
 
 
 def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
@@ -124,6 +152,8 @@ def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
     if spec.loss_chunk_tokens is not None:
         model.lm_head.chunk_tokens = spec.loss_chunk_tokens
     model.sequence_parallel = shard
+    for layer in model.layers:
+        layer.mlp.tiled = ds_compat.tiled_mlp if spec.tiled_mlp else None
     return model
 
 

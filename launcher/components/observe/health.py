@@ -6,7 +6,8 @@ A policy object fed numbers (no torch, no process group; rank 0 owns one, tests 
     closed = health.add_step(step, wall_s, phases, rank_seconds)   # every step: None, or (Window, verdicts)
 
 - `wall_s, phases` is the step's `PhaseClock.take_window()` (components/observe/phases.py): seconds per phase,
-  measured where the trainer spends them (data, compute, agree, eval, save, mirror, log; "start" after
+  measured where the trainer spends them (data, compute, all_to_all inside compute with --sequence-parallel,
+  agree, eval, save, mirror, log; "start" after
   the first step is the time between the measured phases, shown as "other").
 - `rank_seconds` is every rank's (step work, data wait) of its previous step, carried on the step's one
   collective (Trainer.agree): step work is the rank's wall time outside the collectives where ranks
@@ -47,6 +48,7 @@ from zerotrain.launcher.settings import HEALTH_DEFAULTS as DEFAULTS
 
 # What a phase is called in a verdict, and what to do when it holds the largest share of a slow run's time.
 LABELS = {"data": "data wait", "compute": "compute (forward/backward/optimizer)",
+          "all_to_all": "sequence-parallel all-to-all (waiting for the row's other ranks included)",
           "agree": "agreement (the step's collective: waiting for the other ranks)", "eval": "evaluation",
           "save": "saving", "mirror": "checkpoint completion / mirror waits", "log": "logging",
           "start": "other (between the measured phases)", "end": "finishing"}
@@ -55,6 +57,9 @@ REMEDIES = {
             " (zerotrain prepare) on a fast local disk",
     "compute": "the step itself is slow: expected_mfu may be too high for this model size (small models keep"
                " the device idle), or activation checkpointing recomputes the forward; try a larger micro batch",
+    "all_to_all": "the exchange around attention is slow: a straggler in the row group (see the per-rank verdict),"
+                  " a slow link between the ranks sharing a row (keep them on one node), or rows too short for"
+                  " the exchange to pay: lower --sequence-parallel",
     "agree": "ranks wait for each other at the step's collective: a straggler (see the per-rank verdict) or a"
              " slow interconnect",
     "eval": "evaluating too often or on too much: raise --eval-every-steps or lower --eval-tokens",
@@ -65,7 +70,8 @@ REMEDIES = {
     "start": "time outside the measured phases: a profiler, a debugger or a slow callback",
     "end": "finishing",
 }
-WAITS = ("agree", "eval", "save", "mirror")  # phases where ranks wait for each other: not a rank's step work
+WAITS = ("agree", "all_to_all", "eval", "save", "mirror")  # phases where ranks wait for each other: not a rank's
+# step work (the all-to-all's own transfer time too: it cannot be told apart from the wait on a CPU)
 
 
 def label(phase: str) -> str:

@@ -1,6 +1,8 @@
 """Where this rank is, and where its wall time went: one clock the trainer moves, two readers.
 
-The trainer wraps each part of a step in `clock.phase(name)`; nothing else is measured twice.
+The trainer wraps each part of a step in `clock.phase(name)`; nothing else is measured twice. The one phase
+entered below the trainer is "all_to_all": the engine builder wraps each sequence-parallel exchange in the
+phase the trainer hands it (components/engine.py EngineSpec.exchange_phase), inside "compute".
 - The watchdog thread (components/observe/watchdog.py) reads `clock.now_state()` (step, phase, seconds in it)
   to decide that this rank has stopped making progress, and writes it as the rank's heartbeat.
 - The health check (components/observe/health.py) takes `clock.take_window()` once per logging window: the
@@ -22,6 +24,7 @@ PHASES = {
     "start": "starting (building the engine, resuming)",
     "data": "data wait (the loader)",
     "compute": "forward/backward/optimizer",
+    "all_to_all": "the sequence-parallel all-to-all around attention (inside compute, forward and backward)",
     "agree": "the step's agreement collective",
     "eval": "evaluation",
     "save": "saving a checkpoint",
