@@ -26,7 +26,7 @@ from conftest import REPO, TRAIN_PY, free_port, read_metrics
 
 BIN = Path(sys.executable).parent
 STEPS = 3
-FLAGS = ["--model", "debug", "--seq-len", "512", "--micro-batch", "1", "--lr", "3e-3", "--warmup-steps", "1",
+FLAGS = ["--model", "debug", "--seq-len", "512", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "1",
          "--max-steps", str(STEPS), "--save-every-steps", str(STEPS), "--eval-tokens", "2000",
          "--eval-every-steps", str(STEPS), "--log-data-every-steps", "0", "--sequence-parallel", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
