@@ -274,15 +274,17 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
     resume warning or None); UsageError (one line) for what cannot be resumed."""
     meta = checkpoint.read_meta(resume_from)
     saved_sp = meta.get("sequence_parallel", 1)
-    if (saved_sp > 1 or sp > 1) and meta["world_size"] != world:  # DeepSpeed's universal load with SP: unproven
+    saved_data_world = meta["world_size"] // saved_sp  # the row groups that saved the loader states
+    if meta["world_size"] != world and saved_sp != sp:  # universal load AND new row groups at once: untested
         raise UsageError(f"--sequence-parallel {sp}: checkpoint {resume_from} was saved by {meta['world_size']}"
-                         f" rank(s) at --sequence-parallel {saved_sp}; with sequence parallelism a resume keeps"
-                         f" the world size (resume on {meta['world_size']} ranks; N may change)")
-    if saved_sp != sp:  # the same ranks and ZeRO partitions, other row groups: the data re-splits, the batch stays
-        ds_config = keep_global_batch(ds_config, resume_from, meta["world_size"] // saved_sp, data_world,
+                         f" rank(s) at --sequence-parallel {saved_sp}; a resume may change the world size or N,"
+                         f" not both (resume at --sequence-parallel {saved_sp}, or on {meta['world_size']} ranks)")
+    if meta["world_size"] != world:  # ZeRO state re-partitioned over all ranks, the data over the row groups
+        ds_config = resume_on_new_world(ds_config, resume_from, saved_data_world, data_world, data,
+                                        run_dir / "ds_config.json")
+    elif saved_sp != sp:  # the same ranks and ZeRO partitions, other row groups: the data re-splits, the batch stays
+        ds_config = keep_global_batch(ds_config, resume_from, saved_data_world, data_world,
                                       run_dir / "ds_config.json", data)
-    elif meta["world_size"] != world:
-        ds_config = resume_on_new_world(ds_config, resume_from, meta, world, data, run_dir / "ds_config.json")
     # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
     # warmup stays the one the run started with
     cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, (meta["step"], meta["tokens_seen"]),
@@ -442,17 +444,20 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
     return data, eval_rows
 
 
-def resume_on_new_world(ds_config: dict, tag_dir: Path, meta: dict, world: int, data, saved_ds: Path) -> dict:
+def resume_on_new_world(ds_config: dict, tag_dir: Path, saved_data_world: int, data_world: int, data,
+                        saved_ds: Path) -> dict:
     """The DeepSpeed dict for resuming a checkpoint saved by another number of ranks.
 
     Model and optimizer go through DeepSpeed's universal checkpoint (launcher/components/checkpoints/universal.py,
-    converted on rank 0 at start-up); the data re-splits what the old ranks had left of the
-    epoch (dataio/reshard.py). The global batch stays what it was: grad-accum absorbs the change.
+    converted on rank 0 at start-up; with sequence parallelism ZeRO partitions over every rank, so the
+    conversion is the same); the data re-splits what the old row groups had left of the epoch
+    (dataio/reshard.py), from the checkpoint's `saved_data_world` row groups to `data_world` (without sequence
+    parallelism, the world sizes). The global batch stays what it was: grad-accum absorbs the change.
     """
-    check_reshard(data, meta["world_size"], world)  # the data first: a streamed source is named before the stages
+    check_reshard(data, saved_data_world, data_world)  # the data first: a streamed source is named before the stages
     universal.check_supported(ds_config, tag_dir)
-    return universal.ds_config_for_universal(keep_global_batch(ds_config, tag_dir, meta["world_size"], world, saved_ds,
-                                                                data, checked=True))
+    return universal.ds_config_for_universal(keep_global_batch(ds_config, tag_dir, saved_data_world, data_world,
+                                                                saved_ds, data, checked=True))
 
 
 def keep_global_batch(ds_config: dict, tag_dir: Path, saved_world: int, world: int, saved_ds: Path, data,
