@@ -80,8 +80,9 @@ def test_sp2_loss_and_every_gradient_equal_one_unsharded_rank(sp_results):
 
 def test_sp2_with_two_row_groups_equals_one_rank_on_the_global_batch(sp_dp_results):
     """4 ranks at SP=2: each row group's rows differ (and their labelled counts), and DeepSpeed sums the gradients
-    over all 4 ranks, dividing by 4 at ZeRO-3's reduce-scatter and by 2 at ZeRO-2: a wrong gradient factor would
-    be off by 2 here, where one row group cannot show it."""
+    over all 4 ranks, dividing by 4 at ZeRO-3's reduce-scatter and by 2 at ZeRO-2. With one row group world = N,
+    so a gradient factor that confuses the two passes there; here it is off by 2 (checked once by hand: a factor
+    of world instead of N at ZeRO-3 gave gradients off by exactly 2, relative error 1.0, on this launch only)."""
     assert {r["stage"] for r in sp_dp_results} == {2, 3} and {r["world"] for r in sp_dp_results} == {4}
     assert {"mean", "sum"} == {r["reduction"] for r in sp_dp_results}
     for res in sp_dp_results:
