@@ -225,14 +225,13 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     ckpt_dir = run_dir / "checkpoints"
     mirror_ckpt = Path(cfg.mirror) / run_id / "checkpoints" if cfg.mirror else None
     resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
-    meta, nvme_resume = None, None
+    meta = None
     saved = run_dir / "config.json"
     saved = json.loads(saved.read_text()) if saved.is_file() else None
     saved_run = saved["run"] if saved is not None else None
     if resume_from is not None:
-        cfg, ds_config, meta, nvme_resume = _resume_layout(cfg, ds_config, resume_from, world, sp, data_world, data,
-                                                           loader_settings, run_dir, (ckpt_dir, mirror_ckpt),
-                                                           saved_run)
+        cfg, ds_config, meta = _resume_layout(cfg, ds_config, resume_from, world, sp, data_world, data,
+                                              loader_settings, run_dir, (ckpt_dir, mirror_ckpt), saved_run)
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
         drift = cfg.drift(saved_run, saved.get("run_sources"))
         if drift:
@@ -257,8 +256,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats,
-                                                          *([nvme_resume] if nvme_resume else [])),
+                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats),
                    golden=golden, node=node, budget=budget,
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
@@ -270,8 +268,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
 def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: int, sp: int, data_world: int,
                    data, loader_settings: dict, run_dir: Path, own_dirs: tuple, saved_run: dict | None):
     """A resume against its checkpoint: the layout it may change (world size, --sequence-parallel), the run's
-    length counted from its tokens, the loader's workers, NVMe state. Returns (cfg, ds_config, meta, the NVMe
-    resume warning or None); UsageError (one line) for what cannot be resumed."""
+    length counted from its tokens, the loader's workers, NVMe state. Returns (cfg, ds_config, meta); UsageError
+    (one line) for what cannot be resumed."""
     meta = checkpoint.read_meta(resume_from)
     saved_sp = meta.get("sequence_parallel", 1)
     saved_data_world = meta["world_size"] // saved_sp  # the row groups that saved the loader states
@@ -293,11 +291,11 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
         raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
                          f" per rank, this profile has {loader_settings['workers']}; the document order depends"
                          " on it (set zerotrain.dataloader.workers back)")
-    nvme_resume = offload.check_resume(ds_config, resume_from)
+    offload.check_resume(ds_config, resume_from)
     if meta["step"] > cfg.max_steps:
         raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}"
                          f" ({cfg.sources.get('max_steps', 'given')})")
-    return cfg, ds_config, meta, nvme_resume
+    return cfg, ds_config, meta
 
 
 def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: int) -> int:

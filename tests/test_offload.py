@@ -112,7 +112,7 @@ def test_a_resume_cannot_move_an_nvme_optimizer_to_memory_or_back(tmp_path):
     with pytest.raises(UsageError, match="saved from memory, and DeepSpeed loads an optimizer on NVMe only"):
         offload.check_resume(on_nvme, tag)
     (tag / "offloaded_tensors").mkdir()
-    assert "Adam's step count restarts" in offload.check_resume(on_nvme, tag)  # allowed, said to be inexact
+    assert offload.check_resume(on_nvme, tag) is None  # allowed: checkpointer.load restores what DeepSpeed skips
     with pytest.raises(UsageError, match=r"saved from NVMe \(offloaded_tensors/\), which DeepSpeed loads only"):
         offload.check_resume(in_memory, tag)
 

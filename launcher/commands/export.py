@@ -53,6 +53,7 @@ from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.hub import TOKENIZER_FILES
 from zerotrain.dataio.loader import load_data, open_data
 from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.errors import EXIT_EXPORT_CHECK, UsageError, ZerotrainError, fail
 from zerotrain.modeling import hf
@@ -104,17 +105,21 @@ def find_checkpoint(source: Path, best: bool = False) -> tuple[Path, Path]:
 
 def consolidated_state_dict(tag_dir: Path) -> dict:
     """fp32 weights from every rank's ZeRO partitions, by DeepSpeed's zero_to_fp32 (its chatter and progress
-    bars muted: an error of ours stays one line; one of DeepSpeed's is raised)."""
+    bars muted: an error of ours stays one line; one of DeepSpeed's is raised). A checkpoint saved with the
+    optimizer swapped to NVMe keeps its fp32 partitions in TAG/offloaded_tensors/, which zero_to_fp32 does not
+    read: those are read from there (ds_compat.swapped_fp32_state_dict), the rest is zero_to_fp32's."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     if not any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
         raise UsageError(f"export {tag_dir}: no ZeRO partition files (*zero_pp_rank_*_optim_states.pt); export reads"
                          " checkpoints of ZeRO stage 1, 2 or 3 profiles")
-    if (tag_dir / "offloaded_tensors").is_dir():  # see docs/offload.md
-        raise UsageError(f"export {tag_dir}: its optimizer state, the fp32 weights among it, was swapped to NVMe"
-                         " (offloaded_tensors/), which DeepSpeed 0.19.8's zero_to_fp32 cannot read (it finds 0 elements"
-                         " in the partition files); export a checkpoint of a run without --nvme-path")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        if (tag_dir / "offloaded_tensors").is_dir():
+            try:
+                return ds_compat.swapped_fp32_state_dict(tag_dir)
+            except ValueError as e:
+                raise UsageError(f"export {tag_dir}: its fp32 weights were swapped to NVMe (offloaded_tensors/): {e}")\
+                    from None
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
 
 

@@ -157,11 +157,11 @@ def check_nvme_space(path: str, need: int, where: str) -> None:
                          f" {need / 2**30:.2f} GiB on this node")
 
 
-def check_resume(ds: dict, tag_dir: Path) -> str | None:
+def check_resume(ds: dict, tag_dir: Path) -> None:
     """An optimizer swapped to NVMe is saved under TAG/offloaded_tensors/, and DeepSpeed 0.19 loads it from there
-    only, and only then (engine.load_checkpoint skips the ZeRO optimizer state with the optimizer on NVMe): a
-    resume cannot move the optimizer between NVMe and memory. Refused in one line before anything is built. A
-    resume on NVMe again returns the warning that it will not be exact."""
+    only, and only then (engine.load_checkpoint skips the ZeRO optimizer state with the optimizer on NVMe, and
+    checkpointer.load restores what it skips from that state): a resume cannot move the optimizer between NVMe and
+    memory. Refused in one line before anything is built."""
     saved = (tag_dir / "offloaded_tensors").is_dir()
     here = ((ds.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device") == "nvme"
     if saved and not here:
@@ -171,8 +171,3 @@ def check_resume(ds: dict, tag_dir: Path) -> str | None:
     if here and not saved:
         raise UsageError(f"checkpoint {tag_dir}: its optimizer state was saved from memory, and DeepSpeed loads an"
                          " optimizer on NVMe only from a checkpoint saved with it there: resume without --nvme-path")
-    if saved and here:  # the warning for the start-up lines
-        return (f"resuming {tag_dir.name} with the optimizer on NVMe: DeepSpeed 0.19.8 copies the swapped tensors back"
-                " but not the optimizer's own state (Adam's step count restarts), so the losses after the resume"
-                " differ from an uninterrupted run's (docs/offload.md)")
-    return None

@@ -532,8 +532,11 @@ class Checkpointer:
 
 
 def load(engine, tag_dir: Path) -> dict:
-    """Load a complete checkpoint into the engine; returns the client_state."""
+    """Load a complete checkpoint into the engine; returns the client_state. With the optimizer swapped to NVMe
+    DeepSpeed's load skips the optimizer's own state (Adam's step count and moments, the learning rates): restored
+    from the checkpoint's ZeRO file (ds_compat.restore_swapped_optimizer_state)."""
     path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag_dir}")
+    ds_compat.restore_swapped_optimizer_state(engine, tag_dir)
     return client_state
