@@ -271,6 +271,30 @@ def test_export_of_an_nvme_offloaded_checkpoint_is_the_weights_the_run_trained(r
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
+def test_export_of_an_nvme_checkpoint_without_its_swap_file_is_refused_in_one_line(runs, tmp_path, capsys):
+    """A swapped fp32 partition whose file is gone: exit 2, one line naming the file, nothing written. (A
+    checkpoint's marker lists every file under it, offloaded_tensors/ included, so `verify` refuses such a
+    checkpoint first; here the marker is one written before files were recorded, which verify accepts.)"""
+    from zerotrain.launcher.cli import main as cli
+
+    run = tmp_path / "r"
+    shutil.copytree(nvme_run(runs)["run"], run)
+    tag = run / "checkpoints" / f"global_step{SAVE}"
+    marker = json.loads((tag / "zerotrain.json").read_text())
+    marker.pop("files")
+    (tag / "zerotrain.json").write_text(json.dumps(marker))
+    swapped = sorted((tag / "offloaded_tensors" / "rank01").glob("*_*.tensor.swp"))
+    swapped = [f for f in swapped if "-" not in f.name]  # the fp32 partition's file, not its moments'
+    assert len(swapped) == 1
+    swapped[0].unlink()
+    with pytest.raises(SystemExit) as ended:
+        cli(["export", str(tag), "--to", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(err) == 1 and "Traceback" not in err[0]
+    assert f"rank 1's fp32 partition 0" in err[0] and f"{swapped[0]} is missing or shorter" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("name", ["all", "optimizer", "nvme"])
 def test_sigterm_with_offload_stops_saves_and_resumes_exactly(runs, name):
     """The resumed --offload all run (ZeRO-3, parameters and optimizer in host memory), --offload optimizer run
