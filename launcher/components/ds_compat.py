@@ -96,6 +96,8 @@ PRIVATE_NAMES = (
                 True, source_has="self._prepare_sub_group(sub_group_id, timer_names)"),
     PrivateName("deepspeed.runtime.swap_tensor.optimizer_utils", "OptimizerSwapper._get_state_tensors", NVME_RESUME,
                 True, source_has="value.ds_id = state_name + '-' + parameter.ds_id"),
+    PrivateName("deepspeed.runtime.swap_tensor.optimizer_utils", "OptimizerSwapper.purge_state", NVME_RESUME, True,
+                source_has="swap_info.has_state_tensors = False"),
     PrivateName("deepspeed.runtime.swap_tensor.optimizer_utils", "SwapTensorContext.__init__", NVME_EXPORT, True,
                 source_has="f'{OptimizerSwapper.parameter_id(tensor)}.tensor.swp'"),
     PrivateName("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint", NVME_EXPORT, True),
@@ -287,7 +289,9 @@ def restore_swapped_optimizer_state(engine, tag_dir: Path) -> bool:
     tensors the swapper leaves in memory (`release_memory`): each becomes a tensor of the partition's length
     (`fp16_partitioned_groups_flat_numel`), which the swapper can register, and `reset_swap_buffers()` once
     more swaps every sub-group in (the moments read from the copied files into those tensors) and out again,
-    leaving the state as a run that never stopped has it between steps.
+    leaving the state as a run that never stopped has it between steps. Before that the swapper forgets the
+    state tensors it had registered (`optimizer_swapper.purge_state()`, as `_rigid_load_state_dict` does after its
+    own load): in a live engine (a rollback, --on-spike rollback) it holds those load_state_dict replaced.
     """
     import torch
 
@@ -311,6 +315,7 @@ def restore_swapped_optimizer_state(engine, tag_dir: Path) -> bool:
         for key, value in state.items():
             if torch.is_tensor(value) and value.dim() == 1 and value.numel() == 0 < numel:  # released by the swapper
                 state[key] = torch.zeros(numel, dtype=value.dtype)  # its values: read from the file below
+    wrapper.optimizer_swapper.purge_state()  # a live engine's (a rollback's) swapper holds the replaced tensors
     wrapper.reset_swap_buffers()
     return True
 
