@@ -292,6 +292,10 @@ def test_dry_run_counts_row_groups_not_ranks(tmp_path, mix_path, capsys):
     said = capsys.readouterr().out
     assert "world 2, ZeRO-3, batch 2 x 1 x 1 (rows shared by 2 ranks) x 64 = 128 tokens per step" in said, said
     assert "sequence-parallel 2 (flag)" in said
+    # a token budget counts the rows once too: 640 tokens are 5 steps of 128 (counted per rank: 3 of 256)
+    dry_run(resolve_config([*argv[:-2], "--total-tokens", "640"]), world=2)
+    said = capsys.readouterr().out
+    assert "run length: --total-tokens 640 -> 5 steps of 128 tokens per step = 640 tokens" in said, said
     assert not (tmp_path / "r").exists()
 
 
