@@ -261,7 +261,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
                                                     bool(settings.activation_checkpointing), settings.attention,
-                                                    node.device, sp),
+                                                    node.device, sp, bool(settings.tiled_mlp)),
                    sequence_parallel=sp, offload_lines=tuple(host_lines))
 
 

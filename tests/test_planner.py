@@ -109,6 +109,33 @@ def test_activation_formula_is_what_autograd_keeps(dtype, name, checkpointing, a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sp", [1, 2])
+def test_the_tiled_mlp_formula_is_what_autograd_keeps(dtype, sp):
+    """--tiled-mlp: DeepSpeed's TiledMLP (ds_compat.tiled_mlp, as the engine builder sets it) keeps only the
+    MLP's input, so the planner drops the SwiGLU's 4·a·ffn_hidden per position and layer from what is saved;
+    against the tensors our block really saves, and the drop is the whole SwiGLU term."""
+    from zerotrain.launcher.components import ds_compat
+
+    args = CONFIGS["debug (GQA)"]
+    torch.manual_seed(0)
+    model = Transformer(args).to(dtype).train()
+    model.attention = "flex"
+    for layer in model.layers:
+        layer.mlp.tiled = ds_compat.tiled_mlp
+    if sp > 1:
+        model.sequence_parallel = SequenceShard(sp, 0, lambda t: t)
+    B, T = 2, 96
+    pos = torch.cat([torch.arange(40), torch.arange(56)]).expand(B, T)
+    measured = saved_activation_bytes(model, torch.randint(0, args.vocab_size, (B, T)), pos)
+    tiled, untiled = (planner.activation_bytes(args, B, T, dtype.itemsize, False, "flex", sequence_parallel=sp,
+                                               tiled_mlp=t) for t in (True, False))
+    assert tiled["saved"] == pytest.approx(measured, rel=0.02)
+    tokens = B * T // sp
+    assert untiled["saved"] - tiled["saved"] == args.n_layers * tokens * 4 * dtype.itemsize * args.ffn_hidden
+    assert tiled["transient"] > 0 and tiled["peak"] < untiled["peak"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["debug (GQA)", "qk-norm MQA"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_math_kernel_formula_is_what_autograd_keeps(dtype, name, checkpointing):

@@ -82,7 +82,7 @@ from dataclasses import dataclass, replace
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
 from zerotrain.modeling.sizes import (choose_attention, count_params, flops_per_token, loss_chunk_tokens,
-                                      math_kernel)
+                                      math_kernel, mlp_tiles)
 from zerotrain.modeling.sizes import check_sequence_parallel as check_model_sequence_parallel
 
 GiB = 2**30
@@ -209,7 +209,8 @@ def zero_buffers_bytes(stage, P: int, zero: dict, mixed: bool, cpu: bool) -> flo
 # ------------------------------------------------------------------------------------------------
 
 def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointing: bool,
-                     attention: str, device_type: str = "cpu", sequence_parallel: int = 1) -> dict:
+                     attention: str, device_type: str = "cpu", sequence_parallel: int = 1,
+                     tiled_mlp: bool = False) -> dict:
     """Bytes of activations per rank for one micro-batch: what autograd keeps, and the peak.
 
     Per token, per block (modeling/model.py `Block`), with a = 2 (bf16/fp16) or 4 (fp32) bytes,
@@ -242,6 +243,11 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     max(KV, N) heads (fewer kv heads than N are repeated), the kernel's head-split output and o_proj's
     sequence-split input are two tensors (+ a·d), and the sdpa masks span the whole row (a·T·N and T·N), as
     do the input ids the embedding keeps (8·N: a slice of the whole row's).
+    With --tiled-mlp (DeepSpeed's TiledMLP: the MLP's forward under no_grad, tile by tile, keeping only its
+    input, which is the norm's output counted above) the SwiGLU's 4·a·f per position is not kept; its backward
+    recomputes one tile at a time: a zeroed input gradient a·d per position and one tile's intermediates with
+    their gradients, about 8·a·f per position of the tile (ceil(B·T/N / tiles) positions, sizes.mlp_tiles), on
+    top of the block's other gradients (an estimate: the autograd test checks what is saved, not the backward).
     Saved (no checkpointing) = tokens × (n_layers × block + once) + a·V·d. With activation checkpointing
     each block keeps only its input: tokens × (n_layers × a·d + once) + a·V·d.
     Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c =
@@ -264,7 +270,8 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     attn = (a * d + 4 * H * (3 * h + T) if math
             else a * (2 * d + 2 * kernel_kv * h) + 4 * H + (a * T * n if sdpa else 0)) + (a * d if n > 1 else 0)
     qk_norm = (8 * h + 4) * (H + KV) if args.qk_norm else 0  # fp32 input and normalised value, rsqrt, per head
-    block = norms + attn + qk_norm + 4 * a * f + 8
+    swiglu = 4 * a * f
+    block = norms + attn + qk_norm + (0 if tiled_mlp else swiglu) + 8
     once = 8 * d + 4 + a * d + 2 * a * h + 8 * n + (T * n if sdpa else 0)
     tokens = micro * seq_len // n
     head_grad = a * V * d
@@ -273,6 +280,8 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     saved = tokens * (args.n_layers * kept_per_block + once) + head_grad + block_mask
     kernel_workspace = 4 * H * T if math else 4 * H if attention == "flex" and device_type != "cpu" else 0
     backward = tokens * ((2 if checkpointing else 1) * block + kernel_workspace)
+    if tiled_mlp:  # the zeroed input gradient and one tile's recomputed intermediates and their gradients
+        backward += tokens * a * d + 2 * swiglu * -(-tokens // mlp_tiles(T // n, d))
     head_accumulator = (4 + a) * V * d if a < 4 else 0
     per_logit = 4 + (a if a < 4 else 0)
     chunk = loss_chunk(V, tokens, backward - head_accumulator, device_type, per_logit)
@@ -302,13 +311,13 @@ def loss_chunk(V: int, tokens: int, room: float, device_type: str, per_logit: in
 
 
 def run_loss_chunk(args, ds_config: dict, seq_len: int, checkpointing: bool, attention: str,
-                   device_type: str, sequence_parallel: int = 1) -> int | None:
+                   device_type: str, sequence_parallel: int = 1, tiled_mlp: bool = False) -> int | None:
     """The run's chunk (EngineSpec.loss_chunk_tokens): None on a CPU (the model's own default, the same size)."""
     if device_type == "cpu":
         return None
     mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
     return activation_bytes(args, ds_config["train_micro_batch_size_per_gpu"], seq_len, 2 if mixed else 4,
-                            checkpointing, attention, device_type, sequence_parallel)["loss_chunk"]
+                            checkpointing, attention, device_type, sequence_parallel, tiled_mlp)["loss_chunk"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,6 +341,7 @@ class Setup:
     host_link_bytes_per_s: float | None = None  # each GPU's link to the host: hardware.host_link_gb_s
     interconnect_bytes_per_s: float | None = None  # GPU to GPU within a node, per direction: hardware.interconnect_gb_s
     internode_bytes_per_s: float | None = None  # per GPU between nodes, per direction: hardware.internode_gb_s
+    tiled_mlp: bool = False  # --tiled-mlp: the MLP's intermediates not kept (activation_bytes)
 
     @property
     def world(self) -> int:
@@ -354,7 +364,7 @@ def memory(args, setup: Setup, stage, micro: int, seq_len: int, checkpointing: b
                                 setup.optimizer_bytes)
     buffers = zero_buffers_bytes(stage, P, setup.zero, setup.mixed, setup.cpu)
     act = activation_bytes(args, micro, seq_len, 2 if setup.mixed else 4, checkpointing, setup.kernel,
-                           setup.accelerator, setup.sequence_parallel)["peak"]
+                           setup.accelerator, setup.sequence_parallel, setup.tiled_mlp)["peak"]
     context = CPU_PROCESS_BYTES if setup.cpu else setup.context_bytes
     frag = FRAGMENTATION * (states + buffers + act)
     return {"model_states": states, "buffers": buffers, "activations": act, "context": context,
@@ -620,7 +630,8 @@ def setup_from(ds_config: dict, knobs: dict, world: int | None = None, nodes: in
                   float(hw["host_memory_gib"]) * GiB if "host_memory_gib" in hw else
                   available_ram() if accel == "cpu" else None,
                   float(hw["host_link_gb_s"]) * 1e9 if "host_link_gb_s" in hw else None,
-                  *(float(hw[key]) * 1e9 if key in hw else None for key in ("interconnect_gb_s", "internode_gb_s")))
+                  *(float(hw[key]) * 1e9 if key in hw else None for key in ("interconnect_gb_s", "internode_gb_s")),
+                  bool(knobs.get("tiled_mlp")))
     try:
         setup.kernel
     except ValueError as e:
