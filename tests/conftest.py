@@ -74,19 +74,42 @@ def pytest_sessionstart(session):
         if built.returncode != 0:
             pytest.exit("conftest: DeepSpeed's deepspeed_shm_comm op did not build, so no CPU launch can run:\n"
                         + built.stdout[-2000:] + built.stderr[-2000:], returncode=3)
-    prebuild_in_background(offload)
 
 
 BACKGROUND_OPS = {"cpu_adam": "CPUAdamBuilder", "cpu_lion": "CPULionBuilder", "async_io": "AsyncIOBuilder"}
+PREBUILD_MIN_TESTS = 100  # a session this large runs long enough to gain from building the ops beside it
+_prebuild: list[subprocess.Popen] = []
 
 
-def prebuild_in_background(offload) -> None:
+def pytest_collection_finish(session):
+    if (os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not session.config.option.collectonly
+            and len(session.items) >= PREBUILD_MIN_TESTS):
+        from zerotrain.launcher.components import offload
+        _prebuild.append(prebuild_in_background(offload))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A background build still running is waited for: whatever ends this session's processes after it (a CI
+    step, a sandbox) would otherwise kill it mid-build and leave torch's lock, on which the next session's first
+    load of that op waits without end (the conftest removes only locks older than any build takes)."""
+    for proc in _prebuild:
+        if proc.poll() is None:
+            print("\nconftest: waiting for the background op build to finish", file=sys.stderr)
+            try:
+                proc.wait(timeout=1800)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def prebuild_in_background(offload) -> subprocess.Popen:
     """The other JIT-built ops the suite loads (CPU Adam for the offload runs, CPU Lion for the optimizer tests,
     async I/O for NVMe: ~45 s, ~110 s and ~3 min on 2 cores) are built by one niced process started now, while
     the in-process tests run: a sequential suite leaves about one of two cores idle (user + sys time 1.1 x the
     wall time, fresh-clone run of 2026-11-26). A test that needs an op before it is done waits on torch's build
-    lock, as it would on its own build. The process has a session of its own and is not waited for: a killed
-    pytest never kills it mid-build (which would leave the lock every later load waits on)."""
+    lock, as it would on its own build. The process has a session of its own, so a killed pytest never kills
+    it mid-build (which would leave the lock every later load waits on); the session's end waits for it
+    (pytest_sessionfinish). Only for a session of PREBUILD_MIN_TESTS tests or more: a short one
+    would mostly wait for builds it does not use."""
     # every op, built or not: one found in the cache may still be rebuilt on load (torch hashes the sources'
     # paths, and another virtual environment's DeepSpeed has other paths); a built one loads in seconds
     code = "from deepspeed.ops import op_builder as b\n" + "".join(
@@ -94,11 +117,12 @@ def prebuild_in_background(offload) -> None:
         for builder in BACKGROUND_OPS.values())
     log = Path(tempfile.gettempdir()) / f"zerotrain-prebuild-{os.getuid()}.log"
     with log.open("w") as out:
-        subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", code], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     missing = [op for op in BACKGROUND_OPS if not offload.is_built(op)]
     if missing:
         print(f"conftest: building {', '.join(missing)} in the background (log: {log})", file=sys.stderr)
+    return proc
 
 
 TRAIN_MODULE = "zerotrain.launcher.train"
