@@ -190,6 +190,20 @@ print([r.returncode for r in ranks], flush=True)
 '''
 
 
+def watched(script: str, *args: str, **watch_kwargs) -> tuple[str, RankWatch]:
+    """Run a fake launcher (`script`, as DeepSpeed's launch.py: ranks as children with RANK set) under a RankWatch
+    until it ends: its output and the watch."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    watch = RankWatch(proc.pid, **watch_kwargs)
+    watch.start()
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        watch.stop()
+    return out.strip(), watch
+
+
 def test_rank_watch_names_the_first_rank_to_end_and_kills_stopped_ranks(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCH_PY], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -218,16 +232,58 @@ print([r.returncode for r in ranks], flush=True)
 
 
 def test_rank_watch_names_the_failing_rank_not_one_that_finished_before_it():
-    proc = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCH_FINISHED_FIRST], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    watch = RankWatch(proc.pid, interval_s=0.1, discover_s=0.5)
-    watch.start()
-    try:
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        watch.stop()
-    assert out.strip() == "[7, 0]"
+    out, watch = watched(FAKE_LAUNCH_FINISHED_FIRST, interval_s=0.1, discover_s=0.5)
+    assert out == "[7, 0]"
     assert watch.first_exit == RankExit(0, "exit 7", 7)
+
+
+FAKE_LAUNCH_REAPS_AT_ONCE = r'''
+import os, signal, subprocess, sys, time
+# rank 0 is SIGKILLed and reaped at once (before the watch can read its status), rank 1 then fails because of it,
+# as a rank lost after the final save and its peer's broken collective (a fresh-clone run of 2026-11-27); rank 2
+# finished before both and left its code 0 (errors.report_rank_end)
+ends = sys.argv[1]
+code = "import os, sys, time; time.sleep(0.8); open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write('0')"
+ranks = [subprocess.Popen([sys.executable, "-c", c, ends], env={**os.environ, "RANK": str(r)})
+         for r, c in enumerate(["import time; time.sleep(30)", "import time; time.sleep(30)", code])]
+ranks[2].wait()
+time.sleep(1.5)  # the watch has seen all three and rank 2 gone
+ranks[0].send_signal(signal.SIGKILL)
+ranks[0].wait()  # reaped at once: its status is never read
+time.sleep(1.0)
+ranks[1].kill()  # then the rank that fails because of it (its status is read: it stays a zombie a while)
+time.sleep(1.0)
+ranks[1].wait()
+print([r.returncode for r in ranks], flush=True)
+'''
+
+
+def test_rank_watch_names_a_rank_reaped_before_it_was_read_when_it_left_no_code(tmp_path):
+    """With each rank's own exit code left where the watch can read it (`zerotrain launch` sets ZEROTRAIN_RANK_ENDS),
+    a rank reaped before its status was read is a failure unless it left code 0: the first to fail is named,
+    not the rank that failed because of it, and not the one that finished before both."""
+    out, watch = watched(FAKE_LAUNCH_REAPS_AT_ONCE, str(tmp_path), interval_s=0.1, discover_s=0.3, ends=tmp_path)
+    assert out == "[-9, -9, 0]"
+    assert watch.first_exit == RankExit(0, "ended without leaving its exit code (killed or crashed)", None)
+
+
+FAKE_LAUNCH_KILL_AND_ERROR = r'''
+import os, subprocess, sys, time
+# rank 1 SIGKILLs rank 0 and exits 1 at once: both are zombies at the watch's next poll (as a rank killed after
+# the final save and its peer's barrier failing, seen together in a fresh-clone run of 2026-11-27)
+r0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env={**os.environ, "RANK": "0"})
+r1 = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time; time.sleep(1.5); "
+                       "os.kill(int(sys.argv[1]), signal.SIGKILL); os._exit(1)", str(r0.pid)],
+                      env={**os.environ, "RANK": "1"})
+time.sleep(3)  # as DeepSpeed's launch.py, which polls each second: both stay zombies a while
+print([r0.wait(), r1.wait()], flush=True)
+'''
+
+
+def test_rank_watch_names_the_killed_rank_when_its_peer_fails_in_the_same_interval():
+    out, watch = watched(FAKE_LAUNCH_KILL_AND_ERROR, interval_s=0.2, discover_s=0.3)
+    assert out == "[-9, 1]"
+    assert watch.first_exit == RankExit(0, "killed by SIGKILL", None)
 
 
 # -- real ranks: the deepspeed launcher, 2 CPU ranks -------------------------------------------------------

@@ -13,7 +13,7 @@ import sys
 
 from zerotrain.launcher.components.launching.launcher_watch import watch_launcher
 from zerotrain.launcher.config import resolve_config
-from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail
+from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail, report_rank_end
 from zerotrain.launcher.trainer import QuietExit, report_exit, run
 
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank0:
             report_exit(EXIT_USAGE)
         sys.exit(EXIT_USAGE)
+    report_rank_end(code)
     if result.extra.get("offload"):
         # ZeRO-Offload: DeepSpeed 0.19 can abort (SIGABRT) while the interpreter tears down its CPU Adam and
         # swap buffers (measured: ZeRO-3 parameter + optimizer offload, 2 runs of 2, after engine.destroy()).

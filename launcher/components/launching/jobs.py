@@ -26,6 +26,7 @@ from pathlib import Path
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
 from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
+from zerotrain.launcher.errors import RANK_ENDS
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
 # launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
@@ -83,11 +84,14 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zerotrain-exit-") as tmp:
         exit_file = Path(tmp) / "exit_code"
+        ends = Path(tmp) / "rank_ends"  # each local rank's own exit code (errors.report_rank_end), for the watch
+        ends.mkdir()
         pipe = subprocess.PIPE if relay is not None else None
         # the ranks watch us (launcher_watch.py): a kill -9 of this process ends the job within seconds
-        proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file), LAUNCHER: launcher_token()},
+        proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file), RANK_ENDS: str(ends),
+                                          LAUNCHER: launcher_token()},
                                 start_new_session=True, stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
-        watch = RankWatch(proc.pid) if restarting else None
+        watch = RankWatch(proc.pid, ends=ends) if restarting else None
 
         def forward(signum, frame):
             signalled.append(signum)

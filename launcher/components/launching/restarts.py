@@ -208,11 +208,14 @@ def _how_it_ended(fields: list[str] | None) -> tuple[str, int | None]:
 class RankWatch(threading.Thread):
     """Follows the rank processes under `root` (local launches) until stopped; see the module docstring."""
 
-    def __init__(self, root: int, interval_s: float = 0.2, discover_s: float = 2.0):
+    def __init__(self, root: int, interval_s: float = 0.2, discover_s: float = 2.0, ends: Path | None = None):
         super().__init__(name="zerotrain-rank-watch", daemon=True)
         # every `interval_s` the known ranks' /proc/PID/stat (a few reads); every `discover_s` the whole of
         # /proc for ranks not seen yet (a read per process of the node)
         self.root, self.interval_s, self.discover_s = root, interval_s, discover_s
+        # where each rank leaves its exit code as it leaves (errors.report_rank_end): for a rank its launcher
+        # reaped before its status was read, that code; none there, it was killed or crashed (a failure)
+        self.ends = ends
         self._discovered_at = float("-inf")
         self.ranks: dict[int, int] = {}  # pid -> rank, every rank process seen
         self._failed: RankExit | None = None  # the first rank seen to fail (a signal, a nonzero exit)
@@ -228,6 +231,14 @@ class RankWatch(threading.Thread):
     def first_exit(self) -> RankExit | None:
         """The first rank seen to fail, else the first whose status could not be read; None while none has."""
         return self._failed or self._unread
+
+    def _left(self, rank: int) -> tuple[str, int | None]:
+        """How a rank reaped before its status was read ended, from the code it left (report_rank_end)."""
+        try:
+            code = int((self.ends / str(rank)).read_text())
+        except (OSError, ValueError):
+            return "ended without leaving its exit code (killed or crashed)", None
+        return f"exit {code}", code
 
     def stop(self) -> None:
         self._done.set()
@@ -245,11 +256,13 @@ class RankWatch(threading.Thread):
             self._discovered_at = time.monotonic()
             for pid, rank in rank_processes(self.root).items():
                 self.ranks.setdefault(pid, rank)
-        alive = {}
+        alive, failed_now = {}, []
         for pid, rank in self.ranks.items():
             fields = stat_fields(pid)
             if fields is None or fields[0] in "ZX":
                 how, code = _how_it_ended(fields)
+                if how == "ended" and self.ends is not None:
+                    how, code = self._left(rank)
                 if code == 0:  # it finished its part (seen before its launcher reaped it): not the job's cause
                     self._ended_ok.add(pid)
                 elif pid not in self._ended_ok:
@@ -258,9 +271,12 @@ class RankWatch(threading.Thread):
                     if how == "ended":  # reaped before its status was read: named only if no known failure is
                         self._unread = self._unread or RankExit(rank, how, code)
                     elif self._failed is None:
-                        self._failed = RankExit(rank, how, code)
+                        failed_now.append(RankExit(rank, how, code))
             else:
                 alive[pid] = (rank, fields[0])
+        if failed_now:  # ranks that failed within one interval: one killed is the cause of another's error exit
+            # (a rank SIGKILLed, its peer's collective failing at once: seen together in a fresh-clone run)
+            self._failed = min(failed_now, key=lambda e: (not e.how.startswith(("killed by", "ended without")), e.rank))
         if self._first_exit_at is not None and time.monotonic() - self._first_exit_at >= STOPPED_GRACE_S:
             for pid, (rank, state) in alive.items():
                 if state in "Tt" and rank not in self.killed_stopped:  # stopped, or stopped by a tracer
