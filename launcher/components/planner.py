@@ -280,8 +280,7 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     saved = tokens * (args.n_layers * kept_per_block + once) + head_grad + block_mask
     kernel_workspace = 4 * H * T if math else 4 * H if attention == "flex" and device_type != "cpu" else 0
     backward = tokens * ((2 if checkpointing else 1) * block + kernel_workspace)
-    if tiled_mlp:  # the zeroed input gradient and one tile's recomputed intermediates and their gradients
-        backward += tokens * a * d + 2 * swiglu * -(-tokens // mlp_tiles(T // n, d))
+    backward += tiled_mlp_backward_bytes(tokens, a, d, swiglu, T // n) if tiled_mlp else 0
     head_accumulator = (4 + a) * V * d if a < 4 else 0
     per_logit = 4 + (a if a < 4 else 0)
     chunk = loss_chunk(V, tokens, backward - head_accumulator, device_type, per_logit)
@@ -289,6 +288,12 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     transient = max(at_loss, backward)
     return {"saved": saved, "transient": transient, "peak": saved + transient, "block_per_token": block,
             "loss_chunk": chunk}
+
+
+def tiled_mlp_backward_bytes(tokens: int, a: int, d: int, swiglu: int, positions: int) -> int:
+    """What TiledMLP's backward adds (--tiled-mlp): the zeroed input gradient of every position, and one tile's
+    recomputed intermediates with their gradients (`positions`: a rank's per row, which sets the tiles)."""
+    return tokens * a * d + 2 * swiglu * -(-tokens // mlp_tiles(positions, d))
 
 
 def flex_block_mask_bytes(micro: int, seq_len: int) -> int:
