@@ -31,7 +31,7 @@ from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching import launcher_watch
 from zerotrain.launcher.components.launching.restarts import (
     JobEnd, RankExit, RankWatch, Restarts, rank_processes, stat_fields, take_restart_flags, with_resume_auto)
-from zerotrain.launcher.errors import END_KINDS, UsageError, final_exit_codes, kind_of_exit
+from zerotrain.launcher.errors import END_KINDS, RANK_ENDS, UsageError, final_exit_codes, kind_of_exit
 
 N, K = 16, 4  # steps of every run; the checkpoint a test waits for before it strikes
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
@@ -461,6 +461,31 @@ def test_the_launcher_watch_fires_once_the_launcher_is_gone_or_a_zombie():
     thread.join(timeout=5)
     assert exits == [END_KINDS["hard-signal"].exit_code]
     child.wait()
+
+
+def test_a_rank_failing_after_its_launcher_died_leaves_as_the_watch_does(tmp_path, capsys):
+    """The CI race: rank 1's watch saw the launcher gone first and left; rank 0 was then SIGTERMed by launch.py
+    in its start-up, or its collective lost its peer before its own watch looked. So the first rank of the host
+    to see the launcher gone says the one line, whichever it is, and the driver's failure path asks too:
+    launcher gone -> leave as the watch does, not with a gloo traceback; launcher alive -> nothing."""
+    child = subprocess.Popen(["sleep", "60"])
+    env = {"ZEROTRAIN_LAUNCHER": launcher_watch.launcher_token(child.pid), RANK_ENDS: str(tmp_path)}
+    exits = []
+    launcher_watch.leave_if_launcher_gone(0, env, exit_fn=exits.append)
+    launcher_watch.leave_if_launcher_gone(0, {}, exit_fn=exits.append)  # not started by zerotrain launch
+    assert exits == [] and capsys.readouterr().err == ""
+    child.kill()
+    child.wait()
+    gone = f"the launcher of this job (pid {child.pid}) is gone"
+    launcher_watch.leave_if_launcher_gone(1, env, exit_fn=exits.append)  # rank 1 first: it says it
+    assert exits == [END_KINDS["hard-signal"].exit_code] and gone in capsys.readouterr().err
+    launcher_watch.leave_if_launcher_gone(0, env, exit_fn=exits.append)  # then rank 0: said already
+    assert exits == [END_KINDS["hard-signal"].exit_code] * 2 and capsys.readouterr().err == ""
+    no_dir = {"ZEROTRAIN_LAUNCHER": env["ZEROTRAIN_LAUNCHER"]}  # no rank-ends directory: rank 0 says it
+    launcher_watch.leave_if_launcher_gone(1, no_dir, exit_fn=exits.append)
+    assert capsys.readouterr().err == ""
+    launcher_watch.leave_if_launcher_gone(0, no_dir, exit_fn=exits.append)
+    assert gone in capsys.readouterr().err and len(exits) == 4
 
 
 def test_a_sigkilled_launcher_takes_its_job_with_it(tmp_path, launched, mix_path):

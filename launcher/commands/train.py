@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from zerotrain.launcher.components.launching.launcher_watch import watch_launcher
+from zerotrain.launcher.components.launching.launcher_watch import leave_if_launcher_gone, watch_launcher
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail, report_rank_end
 from zerotrain.launcher.trainer import QuietExit, report_exit, run
@@ -19,8 +19,9 @@ from zerotrain.launcher.trainer import QuietExit, report_exit, run
 
 def main(argv: list[str] | None = None) -> None:
     code = 0
-    rank0 = os.environ.get("RANK", "0") == "0"
-    watch_launcher(int(os.environ.get("RANK", "0")))  # started by `zerotrain launch`: end with it
+    rank = int(os.environ.get("RANK", "0"))
+    rank0 = rank == 0
+    watch_launcher(rank)  # started by `zerotrain launch`: end with it
     try:
         result = run(resolve_config(argv))
         code = result.exit_code
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         if rank0:
             report_exit(EXIT_USAGE)
         sys.exit(EXIT_USAGE)
+    except Exception:
+        leave_if_launcher_gone(rank)  # the job is ending with its launcher: no traceback for the lost peer
+        raise
     report_rank_end(code)
     if result.extra.get("offload"):
         # ZeRO-Offload: DeepSpeed 0.19 can abort (SIGABRT) while the interpreter tears down its CPU Adam and
