@@ -128,7 +128,6 @@ class Trainer:
         if self.budget.active:
             self.say(self.budget.describe())
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
-        ds_compat.unlink_shm_buffer(self.rank)
         self.universal_dir = None
         if plan.resume_from is not None and plan.resume_meta["world_size"] != self.world:
             self.universal_dir = universal.convert_on_rank0(

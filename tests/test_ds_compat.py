@@ -79,22 +79,24 @@ def test_the_driver_refuses_before_writing_anything(tmp_path, mix_path, monkeypa
 
 SHM = r"""
 import os
+import deepspeed
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.process_group import init_process_group
-init_process_group({})  # DeepSpeed's init_distributed, as every rank of ours joins
+deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's own: it makes the buffer
 path = ds_compat.shm_buffer_path(0)
 made = path.exists()
 found = (ds_compat.allreduce_buffer_files(os.environ["MASTER_PORT"]) == [path]
          and path in ds_compat.allreduce_buffer_files() and ds_compat.allreduce_buffer_files(1) == [])
-ds_compat.unlink_shm_buffer(0)
+init_process_group()  # every rank of ours joins here: its own buffer's name goes
 print("SHM", made, found, path.exists())
 """
 
 
-def test_shm_buffer_name_is_the_one_deepspeed_creates(tmp_path):
+def test_shm_buffer_name_is_the_one_deepspeed_creates_and_joining_removes_it(tmp_path):
     """DeepSpeed's CPU all-reduce buffer, made by the real init_distributed (LOCAL_SIZE: all ranks local),
     is found under the name ds_compat computes, listed by allreduce_buffer_files (for its port, for every port,
-    not for another port), and removed."""
+    not for another port), and removed by init_process_group, which every process of ours joins through (a
+    2-rank launch that leaves none: tests/test_universal.py)."""
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
     r = subprocess.run([sys.executable, "-c", SHM], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)

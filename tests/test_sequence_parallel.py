@@ -365,3 +365,32 @@ def test_an_sp_checkpoint_on_another_world_size_and_n_is_refused_before_anything
     assert "saved by 2 rank(s) at --sequence-parallel 2; a resume may change the world size or N, not both" \
         in str(err.value)
     assert snapshot(tmp_path / "runs") == before
+
+
+def test_sp2_spike_rolls_back_both_ranks_and_a_token_budget_counts_rows_once(tmp_path, mix_path):
+    """--sequence-parallel 2, one launch: a spike planted in rank 1's loss for steps 27-29 (rank 1 holds the second
+    half of every row, so only the agreed loss can carry it to rank 0) rolls both ranks back to the step-24 save
+    together, and --total-tokens stops the run with its budget end (exit 5) at the step whose rows, each counted
+    once (128 tokens a step: one row group), reach the budget; the stop's checkpoint is saved there."""
+    out = tmp_path / "runs"
+    run = out / "r"
+    tokens_per_step = 2 * 64  # micro-batch 2 x 64 tokens, one row group (2 ranks share each row)
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", "--model", "debug", "--seq-len", "64",
+            "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2", "--log-data-every-steps", "0",
+            "--max-steps", "60", "--save-every-steps", "8", "--on-spike", "rollback",
+            "--total-tokens", str(32 * tokens_per_step), "--sequence-parallel", "2"]
+    proc = launch("deepspeed", args, env_extra={"ZEROTRAIN_TEST_SPIKE": "1:27-29:20"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 5, text[-3000:]
+    assert "Traceback" not in proc.stderr and "budget reached" in text
+    rollbacks = json.loads((run / "rollbacks.json").read_text())
+    assert len(rollbacks) == 1 and rollbacks[0]["rolled_back_to"].endswith("global_step24"), rollbacks
+    assert rollbacks[0]["skipped_steps"] == [25, 29], rollbacks
+    history = read_metrics(run)
+    assert [m["step"] for m in history] == list(range(1, 33))
+    assert history[-1]["tokens_seen"] == 32 * tokens_per_step
+    assert max(m["loss"] for m in history) < 20  # the spiking records superseded after the rollback
+    assert (run / "checkpoints" / "global_step32" / "zerotrain.json").is_file()
+    from zerotrain.launcher.components import manifest
+
+    assert manifest.read_manifest(run)["segments"][-1]["end_reason"] == "budget"

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.profiles import precision
 
 # op name (the extension's name) -> (what it is for, measured build seconds on this 2-core machine)
 OPS = {"cpu_adam": ("DeepSpeedCPUAdam, the offloaded optimizer's step", 45),
@@ -145,7 +146,7 @@ def nvme_bytes(params: int, ds: dict, ranks_here: int, world: int) -> int:
     if (zero.get("offload_optimizer") or {}).get("device") == "nvme":
         per_param += 12
     if (zero.get("offload_param") or {}).get("device") == "nvme":
-        per_param += 2 if any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
+        per_param += 4 if precision(ds) == "fp32" else 2
     return per_param * params * ranks_here // max(world, 1)
 
 

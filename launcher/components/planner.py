@@ -81,6 +81,7 @@ from dataclasses import dataclass, replace
 
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
+from zerotrain.launcher.profiles import precision
 from zerotrain.modeling.sizes import (choose_attention, count_params, flops_per_token, loss_chunk_tokens,
                                       math_kernel, mlp_tiles)
 from zerotrain.modeling.sizes import check_sequence_parallel as check_model_sequence_parallel
@@ -320,7 +321,7 @@ def run_loss_chunk(args, ds_config: dict, seq_len: int, checkpointing: bool, att
     """The run's chunk (EngineSpec.loss_chunk_tokens): None on a CPU (the model's own default, the same size)."""
     if device_type == "cpu":
         return None
-    mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
+    mixed = precision(ds_config) != "fp32"
     return activation_bytes(args, ds_config["train_micro_batch_size_per_gpu"], seq_len, 2 if mixed else 4,
                             checkpointing, attention, device_type, sequence_parallel, tiled_mlp)["loss_chunk"]
 
@@ -626,7 +627,7 @@ def setup_from(ds_config: dict, knobs: dict, world: int | None = None, nodes: in
     if device_bytes is None:
         raise UsageError("the profile does not say how much memory a GPU has (zerotrain.hardware.device_memory_gib);"
                          " give --gpu-mem GiB")
-    mixed = any(isinstance(ds_config.get(k), dict) and ds_config[k].get("enabled") is True for k in ("bf16", "fp16"))
+    mixed = precision(ds_config) != "fp32"
     setup = Setup(accel, per_node, nodes, float(device_bytes), mixed, dict(ds_config.get("zero_optimization", {})),
                   optimizer_state_bytes(optimizer, args) if args is not None else 8,
                   attention or knobs.get("attention") or "auto",

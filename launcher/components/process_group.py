@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.settings import COMM_TIMEOUT_S
 
 
@@ -34,7 +35,15 @@ def init_process_group(dist_backend: str | None = None, comm_timeout_s: float = 
                                    timeout=timedelta(seconds=comm_timeout_s))
     if accel.device_name() != "cpu":
         accel.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    elif "OMP_NUM_THREADS" not in os.environ:
+        return dist, accel
+    # DeepSpeed's CPU all-reduce maps one ~66 MB /dev/shm file per rank and never removes it: every process
+    # that joins here (the driver, pre-flight, a harness, a notebook, a benchmark) drops its own file's name
+    # once every rank has mapped every file (each rank maps them all inside init_distributed, so a barrier
+    # is enough). The mappings stay valid; a killed rank leaves nothing behind.
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    ds_compat.unlink_shm_buffer(dist.get_rank())
+    if "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     return dist, accel
