@@ -45,12 +45,13 @@ def assets(tmp_path_factory, mix_path):
 @pytest.fixture(scope="module")
 def runs(assets, tmp_path_factory):
     """The same fine-tuning from the same Llama directory, 2 ranks each: ZeRO-3 plain, and ZeRO-2 with
-    --compile and --activation-checkpointing (none of which may change the math)."""
+    --compile, --activation-checkpointing and --tiled-mlp (none of which may change the math; the tiled MLP's
+    own autograd function, recomputing each tile in backward, under dynamo and checkpointing)."""
     tmp = tmp_path_factory.mktemp("runs")
     done = {}
     # aot_eager: dynamo capture and AOT autograd without inductor's C++ build (minutes on 2 cores);
     # profiles name their backend in zerotrain.compile_backend (default: the accelerator's, inductor).
-    for stage, extra in ((3, []), (2, ["--compile", "--activation-checkpointing"])):
+    for stage, extra in ((3, []), (2, ["--compile", "--activation-checkpointing", "--tiled-mlp"])):
         args = ["--profile", profile(tmp, stage, compile_backend="aot_eager"), "--data", str(assets["mix"]),
                 "--tokenizer", str(assets["tokenizer"]), "--init-from", str(assets["llama"]), "--out", str(tmp),
                 "--run-id", f"z{stage}", *COMMON, *extra]
@@ -73,6 +74,8 @@ def test_zero3_construction_holds_half_the_parameters_per_rank(runs):
         assert abs(n - total / 2) <= 0.01 * total, (held, total)
     held2, total2 = held_per_rank(runs[2][1])
     assert held2 == [total2, total2]  # without zero.Init every rank builds everything
+    assert "tiled MLP: 2 tile(s) of up to 64 of this rank's 128 positions" in runs[2][1]  # (ceil(128 / dim 64))
+    assert "tiled MLP" not in runs[3][1]
 
 
 def test_init_from_hf_then_zero2_and_zero3_exports_agree(runs, assets, tmp_path):
