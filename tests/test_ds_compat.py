@@ -79,16 +79,19 @@ def test_the_driver_refuses_before_writing_anything(tmp_path, mix_path, monkeypa
 
 SHM = r"""
 import os
-import deepspeed
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.process_group import init_process_group
-deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's own: it makes the buffer
-path = ds_compat.shm_buffer_path(0)
-made = path.exists()
-found = (ds_compat.allreduce_buffer_files(os.environ["MASTER_PORT"]) == [path]
-         and path in ds_compat.allreduce_buffer_files() and ds_compat.allreduce_buffer_files(1) == [])
-init_process_group()  # every rank of ours joins here: its own buffer's name goes
-print("SHM", made, found, path.exists())
+path, real, seen = ds_compat.shm_buffer_path(0), ds_compat.unlink_shm_buffer, []
+
+def unlink_after_looking(rank):  # what DeepSpeed's init_distributed made, seen just before joining removes it
+    seen.append(path.exists() and rank == 0)
+    seen.append(ds_compat.allreduce_buffer_files(os.environ["MASTER_PORT"]) == [path]
+                and path in ds_compat.allreduce_buffer_files() and ds_compat.allreduce_buffer_files(1) == [])
+    real(rank)
+
+ds_compat.unlink_shm_buffer = unlink_after_looking
+init_process_group()  # DeepSpeed's init_distributed, as every rank of ours joins; then its buffer's name goes
+print("SHM", *seen, path.exists())
 """
 
 
