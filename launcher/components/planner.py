@@ -518,13 +518,16 @@ def all_to_all_bytes(args, micro: int, seq_len: int, act_bytes: int, sequence_pa
     return {"forward": sent, "backward": sent, "recompute": recompute, "per_layer": 2 * sent + recompute}
 
 
-def sequence_link(setup: Setup) -> tuple[float | None, str]:
-    """(bytes/s per direction of the slowest link a sequence-parallel group spans, its name). Groups are
-    ranks g*N .. g*N+N-1: within a node when N divides the GPUs per node, else across nodes."""
+def sequence_link(setup: Setup) -> tuple[float | None, str, str]:
+    """(bytes/s per direction of the slowest link a sequence-parallel group spans, its name, the profile key
+    that states it). Groups are ranks g*N .. g*N+N-1: within a node when N divides the GPUs per node, else
+    across nodes."""
     n = setup.sequence_parallel
     if setup.nodes > 1 and setup.gpus_per_node % n:
-        return setup.internode_bytes_per_s, "between nodes (zerotrain.hardware.internode_gb_s)"
-    return setup.interconnect_bytes_per_s, "within a node (zerotrain.hardware.interconnect_gb_s)"
+        rate, where, key = setup.internode_bytes_per_s, "between nodes", "zerotrain.hardware.internode_gb_s"
+    else:
+        rate, where, key = setup.interconnect_bytes_per_s, "within a node", "zerotrain.hardware.interconnect_gb_s"
+    return rate, f"{where} ({key})", key
 
 
 def all_to_all_summary(args, setup: Setup, micro: int, seq_len: int, checkpointing: bool, grad_accum: int) -> dict:
@@ -532,7 +535,7 @@ def all_to_all_summary(args, setup: Setup, micro: int, seq_len: int, checkpointi
     per step at that rate, not overlapped with compute (None without the profile's bandwidth; 0 at N = 1)."""
     moved = all_to_all_bytes(args, micro, seq_len, 2 if setup.mixed else 4, setup.sequence_parallel, checkpointing)
     per_step = moved["per_layer"] * args.n_layers * grad_accum
-    rate, link = sequence_link(setup)
+    rate, link, _ = sequence_link(setup)
     def seconds(moved_bytes: float) -> float | None:
         return 0.0 if not moved_bytes else moved_bytes / rate if rate else None
 

@@ -142,7 +142,7 @@ class Stability:
         nodes = max(1, pf.world // max(1, local))
         setup = planner.setup_from(ds, {**pf.settings.values, "sequence_parallel": sp}, world=pf.world, nodes=nodes,
                                    device_bytes=1.0)
-        rate, link = planner.sequence_link(setup)
+        rate, link, key = planner.sequence_link(setup)
         measured = sent / seconds
         planned = (f"planner: {sent / rate * 1e3:.3g} ms at {rate / 1e9:g} GB/s {link}" if rate else
                    f"planner: no bandwidth in the profile for the link {link}")
@@ -152,7 +152,6 @@ class Stability:
         # healthy link measures under its peak here.
         slower = rate / measured if rate and measured < rate / 2 else None
         if slower:
-            key = link[link.index("(") + 1:-1]
             planned += (f"; measured at {slower:.3g}x below the profile's link, so the plan's all-to-all time is"
                         f" optimistic: set {key} to {measured / 1e9:.3g}, or find the slow link")
         detail = (f"N = {sp} divides the world ({pf.world}), --seq-len {cfg.seq_len}, heads {args.n_heads} and kv heads"

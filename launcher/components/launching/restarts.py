@@ -274,9 +274,10 @@ class RankWatch(threading.Thread):
                         failed_now.append(RankExit(rank, how, code))
             else:
                 alive[pid] = (rank, fields[0])
-        if failed_now:  # ranks that failed within one interval: one killed is the cause of another's error exit
-            # (a rank SIGKILLed, its peer's collective failing at once: seen together in a fresh-clone run)
-            self._failed = min(failed_now, key=lambda e: (not e.how.startswith(("killed by", "ended without")), e.rank))
+        if failed_now:  # ranks that failed within one interval: one killed (no exit code: a signal, or gone without
+            # leaving its code) is the cause of another's error exit (a rank SIGKILLed, its peer's collective
+            # failing at once: seen together in a fresh-clone run)
+            self._failed = min(failed_now, key=lambda e: (e.code is not None, e.rank))
         if self._first_exit_at is not None and time.monotonic() - self._first_exit_at >= STOPPED_GRACE_S:
             for pid, (rank, state) in alive.items():
                 if state in "Tt" and rank not in self.killed_stopped:  # stopped, or stopped by a tracer
