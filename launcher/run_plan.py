@@ -355,7 +355,7 @@ def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: 
         kernel = choose_attention(name, device, precision, installed, model_args.n_kv_heads < model_args.n_heads)
     except ValueError as e:
         raise UsageError(f"{words} {name}: {e}") from None
-    if kernel == "flex" and device == "cpu" and cfg.compile:
+    if kernel == "flex" and device == "cpu" and settings.compile:
         # torch 2.13 compiles flex_attention for a CPU without a backward (inductor's CPU lowering fails on
         # the eager operator model.py calls there, and the public function refuses gradients on a CPU)
         raise UsageError(f"{words} flex with --compile: torch cannot compile flex attention with a backward on a"

@@ -265,8 +265,11 @@ TABLE: tuple[Setting, ...] = (
                          " given. Default: the profile's zerotrain.tiled_mlp, else off", flag=True,
             type="bool | None", kind=IDENTITY_WHEN_SET, profile_key="zerotrain.tiled_mlp", default=False,
             check=boolean),
-    Setting("compile", "torch.compile the model (default off)", flag=True, type="bool | None",
-            kind=IDENTITY_WHEN_SET, default=False, check=boolean),
+    Setting("compile", "torch.compile every transformer block in place (regional: one graph per block shape,"
+                       " fusing norms, RoPE, SwiGLU and residual adds; parameter names unchanged). Default: the"
+                       " profile's zerotrain.compile (on in the GPU profiles), else off", flag=True,
+            type="bool | None", kind=IDENTITY_WHEN_SET, profile_key="zerotrain.compile", default=False,
+            check=boolean),
     Setting("compile_backend", "torch.compile's backend (default: the accelerator's)",
             profile_key="zerotrain.compile_backend", check=text),
     # where ZeRO's state lives (launcher/profiles.py apply_offload; launcher/components/offload.py)

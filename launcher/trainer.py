@@ -217,7 +217,7 @@ class Trainer:
                  f" profile {plan.profile_name}, ZeRO-{ds_config['zero_optimization'].get('stage', 0)},"
                  f" world {self.world}, batch {plan.batch_shape} x {cfg.seq_len} tokens")
         self.say(f"parameters held per rank after construction: {', '.join(f'{n:,}' for n in held)}"
-                 f" of {n_params['total']:,}" + (", compiled with torch.compile" if cfg.compile else ""))
+                 f" of {n_params['total']:,}" + (", compiled with torch.compile" if self.plan.settings.compile else ""))
         return engine
 
     def _build_data(self):
@@ -375,9 +375,14 @@ class Trainer:
         if self.plan.data.token_weighted:
             scale = global_token_mean_scale(self.plan.ds_config["gradient_accumulation_steps"], self.plan.data_world,
                                             self.step_labelled)
-        loss_sum = self.torch.zeros((), dtype=self.torch.float64, device=self.engine.device)
+        device = self.engine.device
+        loss_sum = self.torch.zeros((), dtype=self.torch.float64, device=device)
         for batch in batches:
-            batch = {k: batch[k].to(self.engine.device) for k in MODEL_KEYS}
+            # the documents' layout is read from the host's position_ids before the copy, and the copy does not
+            # wait (the loader pins the batch on an accelerator): nothing in the forward waits for the host
+            documents = self.engine.module.document_layout(batch["position_ids"], device)
+            batch = {k: batch[k].to(device, non_blocking=True) for k in MODEL_KEYS}
+            batch["documents"] = documents
             loss = self.engine(**batch) if scale is None else self.engine(**batch, loss_reduction="sum") * scale
             self.engine.backward(loss)
             self.engine.step()
@@ -503,7 +508,7 @@ class Trainer:
                 print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)
         else:
             self.say(f"{stop.message}; saved checkpoint {self.last_saved}" if stop.save else stop.message)
-        if self.cfg.compile:
+        if self.plan.settings.compile:
             from torch._dynamo.utils import counters
 
             self.say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")

@@ -38,6 +38,8 @@ and `params` use them), and are importable from here too; the Hugging Face conve
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from typing import Callable, NamedTuple
 
@@ -128,11 +130,16 @@ def document_block_mask(position_ids: torch.Tensor) -> BlockMask:
                              _compile=position_ids.is_cuda)
 
 
+def document_bounds(position_ids: torch.Tensor) -> torch.Tensor:
+    """(n_docs + 1,) int32: where each document starts over the flattened (B*T) batch, and its end."""
+    starts = document_starts(position_ids).flatten().nonzero().flatten()
+    return torch.cat([starts, starts.new_tensor([position_ids.numel()])]).to(torch.int32)
+
+
 def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Document boundaries over the flattened (B*T) batch as (cu_seqlens int32, longest document)."""
-    starts = document_starts(position_ids).flatten().nonzero().flatten()
-    bounds = torch.cat([starts, starts.new_tensor([position_ids.numel()])])
-    return bounds.to(torch.int32), int((bounds[1:] - bounds[:-1]).max())
+    bounds = document_bounds(position_ids)
+    return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
 class DocumentLayout(NamedTuple):
@@ -140,7 +147,8 @@ class DocumentLayout(NamedTuple):
 
     backend "sdpa": `mask` (B, 1, T, T) when documents share a row, None when every row holds one
     document (then is_causal, no mask at all). "flex": `block_mask`. "varlen": `cu_seqlens`
-    (n_docs + 1,) int32 over the flattened batch and `max_seqlen`.
+    (n_docs + 1,) int32 over the flattened batch and `max_seqlen`, the row length (a bound on the longest
+    document: see from_positions).
     """
 
     backend: str
@@ -150,18 +158,37 @@ class DocumentLayout(NamedTuple):
     max_seqlen: int = 0
 
     @staticmethod
-    def from_positions(position_ids: torch.Tensor, backend: str) -> "DocumentLayout":
-        """The one place document boundaries become masks or cu_seqlens (from position_ids alone)."""
+    def from_positions(position_ids: torch.Tensor, backend: str, device: torch.device | None = None) -> "DocumentLayout":
+        """The one place document boundaries become masks or cu_seqlens (from position_ids alone).
+
+        `device`: where the kernel runs, when position_ids are still on the host (the trainer's batch before
+        its copy): the boundaries are then read on the host and only the result is copied (asynchronously
+        from pinned memory), so the forward has no host sync. Without it, on position_ids' own device.
+        """
+        device = position_ids.device if device is None else torch.device(device)
         if backend == "varlen":
-            return DocumentLayout(backend, None, None, *cu_seqlens(position_ids))
+            # max_seqlen: the row length, a bound on the longest document. The flash kernel only sizes its grid
+            # by it (blocks past a document's end exit at once); the same value for every batch keeps a compiled
+            # block from specialising on it, and reading the longest document would be a host sync on a device.
+            return DocumentLayout(backend, None, None, _to_device(document_bounds(position_ids), device),
+                                  position_ids.shape[-1])
         if backend == "flex":
-            return DocumentLayout(backend, block_mask=document_block_mask(position_ids))
+            return DocumentLayout(backend, block_mask=document_block_mask(position_ids.to(device)))
         if backend != "sdpa":
             raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
-        # One host sync per forward (not per layer): a row of one document needs no mask, and without
-        # one SDPA may take its flash kernel and never builds the O(T^2) mask.
+        # A row of one document needs no mask, and without one SDPA may take its flash kernel and never builds
+        # the O(T^2) mask. Read on the host when position_ids are there; else one host sync per forward.
         shared = bool(document_starts(position_ids)[:, 1:].any())
-        return DocumentLayout(backend, mask=document_mask(position_ids) if shared else None)
+        return DocumentLayout(backend, mask=document_mask(position_ids.to(device)) if shared else None)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the copy (pinned first, where the device is an accelerator)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type != "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def sdpa_kernel(q, k, v, docs: DocumentLayout):
@@ -245,10 +272,10 @@ def varlen_kernel(q, k, v, docs: DocumentLayout):
     return out.view(B, T, *out.shape[1:])  # out: (B*T, H, hd)
 
 
+@functools.cache
 def _varlen_keywords(fn) -> frozenset:
-    """The keywords this torch's varlen_attn takes: its signature changed between 2.9, 2.11 and 2.13."""
-    import inspect
-
+    """The keywords this torch's varlen_attn takes: its signature changed between 2.9, 2.11 and 2.13 (read once
+    per process, not at every call)."""
     return frozenset(inspect.signature(fn).parameters)
 
 
@@ -404,7 +431,19 @@ class Transformer(nn.Module):
         self.attention = "auto"
         init_weights(self)
 
-    def forward(self, input_ids, position_ids=None, labels=None, loss_reduction: str = "mean"):
+    def backend_for(self, device_type: str) -> str:
+        """The attention kernel this model runs on `device_type` for its parameters' dtype (the activations')."""
+        if self.attention != "auto":
+            return self.attention
+        return resolve_attention("auto", device_type, self.embed_tokens.weight.dtype)
+
+    def document_layout(self, position_ids: torch.Tensor, device) -> DocumentLayout:
+        """The batch's DocumentLayout for this model's kernel on `device`, from position_ids still on the host:
+        the trainer calls it before the batch's copy, so the forward reads no boundary from the device."""
+        return DocumentLayout.from_positions(position_ids, self.backend_for(torch.device(device).type), device)
+
+    def forward(self, input_ids, position_ids=None, labels=None, loss_reduction: str = "mean",
+                documents: DocumentLayout | None = None):
         """input_ids (B, T). Returns logits (B, T, V), or the next-token loss when labels given:
         its mean over labelled positions, or with loss_reduction="sum" their sum (`next_token_loss`
         defines it; `LMHead` computes it in chunks, never holding the logits).
@@ -416,6 +455,9 @@ class Transformer(nn.Module):
         positions `shard.local(T)` only, returns logits (B, T/N, V) for them, or its share of the loss
         (its positions' token losses over the whole row group's labelled count, so that the sum over
         the group's ranks is the unsharded loss; "sum": its positions' sum).
+
+        `documents`: the batch's layout made by `document_layout` on the host (whole rows); without it, derived
+        here from position_ids (one host sync on an accelerator for sdpa and varlen).
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -424,8 +466,10 @@ class Transformer(nn.Module):
         local = shard.local(T) if shard is not None else slice(None)
         x = self.embed_tokens(input_ids[:, local])
         cos, sin = rotary_cos_sin(position_ids[:, local], self.args.head_dim, self.args.rope_theta, x.dtype)
-        backend = resolve_attention("auto", x.device.type, x.dtype) if self.attention == "auto" else self.attention
-        docs = DocumentLayout.from_positions(position_ids, backend)  # the whole row: the kernel sees whole rows
+        docs = documents
+        if docs is None:  # the whole row: the kernel sees whole rows
+            backend = resolve_attention("auto", x.device.type, x.dtype) if self.attention == "auto" else self.attention
+            docs = DocumentLayout.from_positions(position_ids, backend)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, docs, shard, use_reentrant=False)

@@ -189,7 +189,7 @@ def test_varlen_inputs_and_results_match_a_per_document_reference(shape, referen
         # GQA: kv heads as they are where the kernel takes fewer (torch >= 2.13), repeated where not (2.11 on an H100)
         assert call["k"] == (B * T, kv_heads, args.head_dim)
         assert call["cu"].dtype == torch.int32 and torch.equal(call["cu"], expected_cu)
-        assert torch.equal(call["cu_k"], expected_cu) and call["max_q"] == call["max_k"] == longest
+        assert torch.equal(call["cu_k"], expected_cu) and call["max_q"] == call["max_k"] == T  # the row bounds every document
         assert call["causal"] and call["window"] == (-1, 0) and call["dropout"] == 0.0
     assert torch.allclose(varlen_out, sdpa_out, atol=1e-5, rtol=0), (varlen_out - sdpa_out).abs().max()
     for name, g in sdpa_grads.items():

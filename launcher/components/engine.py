@@ -55,7 +55,7 @@ class EngineSpec:
     attention: str | None = None  # the attention kernel (None: the model's default)
     activation_checkpointing: bool | None = None  # None: the model's default (off)
     loss_chunk_tokens: int | None = None  # the chunked loss's tokens per chunk (None: the model's, sized for a CPU)
-    compile: bool = False  # torch.compile the engine's module in place (parameter names do not change)
+    compile: bool = False  # torch.compile every block in place (compile_blocks; parameter names do not change)
     compile_backend: str | None = None  # None: the accelerator's
     dist_backend: str | None = None  # the process group's, if this joins it (None: the accelerator's)
     comm_timeout_s: float | None = None  # the collectives' timeout, if this joins it (None: process_group's rule)
@@ -181,5 +181,17 @@ def build_engine(spec: EngineSpec) -> Built:
     if spec.run is not None:
         check_engine(spec.run, engine, model, ds_compat.muon_optimizer_class)
     if spec.compile:
-        engine.compile(backend=spec.compile_backend or get_accelerator().get_compile_backend())
+        compile_blocks(model, spec.compile_backend or get_accelerator().get_compile_backend())
     return Built(engine, ds_config, held)
+
+
+def compile_blocks(model, backend: str) -> None:
+    """Regional compilation (torchtitan's per-block form): each transformer block compiled in place, so its
+    norms, RoPE, SwiGLU and residual adds fuse; every block has the same code and shapes, so dynamo compiles one
+    graph and reuses it for the others (a whole-model compile traces every layer). Parameter names do not
+    change (nn.Module.compile keeps the module), so checkpoints and exports are the eager run's. The embedding,
+    the final norm and the chunked loss stay eager (the loss is its own autograd function, sized by chunks).
+    The document layout arrives computed on the host (Transformer.document_layout) with a fixed max_seqlen, so
+    the blocks meet no host sync and no new constant from one step to the next."""
+    for layer in model.layers:
+        layer.compile(backend=backend)
