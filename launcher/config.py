@@ -124,6 +124,9 @@ class RunConfig:
                                         " offsets every start; sha256 once per node, remembered by file identity) or"
                                         " full (every byte hashed by every rank, every start)", RUN,
                                   ("quick", "full"))
+    torch_profile: str | None = opt(None, "START:COUNT: torch.profiler over COUNT steps from step START; rank 0"
+                                          " writes RUN/torch_profile/summary.txt (the kernels that took the"
+                                          " device's time, the host syncs) and trace.json", RUN)
     # The declared settings' flags (lr and the schedule, activation checkpointing, attention, compile, the hang
     # timeout, ...): one entry each in launcher/settings.py TABLE, generated here.
     for _s in settings.FLAGS:
@@ -195,6 +198,11 @@ class RunConfig:
             raise UsageError(f"--mirror {self.mirror}: exists and is not a directory")
         if self.nvme_path is not None:
             check_nvme_dir(self.nvme_path, "--nvme-path")
+        if self.torch_profile is not None:
+            try:
+                torch_profile_window(self.torch_profile)
+            except ValueError as e:
+                raise UsageError(f"--torch-profile: {e}") from None
         # normalised, so `adamw` keeps the default's id
         self.optimizer, self.optimizer_args = check_optimizer(self.optimizer, self.optimizer_args)
         if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
@@ -393,3 +401,15 @@ def parse_sinks(spec: str | None) -> list[str]:
         if package and importlib.util.find_spec(package) is None:
             raise UsageError(f"--log {name}: the {package} package is not installed (pip install {package})")
     return ["jsonl"] + [n for n in dict.fromkeys(names) if n != "jsonl"]
+
+
+def torch_profile_window(text: str) -> tuple[int, int]:
+    """'START:COUNT' -> (START, COUNT), both positive; ValueError (one line) otherwise."""
+    start, _, count = str(text).partition(":")
+    try:
+        window = int(start), int(count)
+    except ValueError:
+        raise ValueError(f"must be START:COUNT (two positive integers, e.g. 12:3), got {text!r}") from None
+    if min(window) <= 0:
+        raise ValueError(f"must be START:COUNT (two positive integers, e.g. 12:3), got {text!r}")
+    return window

@@ -251,6 +251,35 @@ def accumulate_in_fp32(ds: dict) -> dict:
     return ds
 
 
+def one_device_stage(ds: dict, world: int, device: str, start_stage: int | None = None) -> tuple[dict, str]:
+    """(the dict, what was decided in words, or ""): ZeRO-3 on ONE accelerator runs as ZeRO-2.
+
+    With a world of 1 ZeRO-3 partitions nothing, yet gathers and releases every parameter around every
+    module's forward and backward: on one H100 (benchmarks/RESULTS.md, 2026-11-25) xlarge ran at 15.6-19.8%
+    MFU at ZeRO-3 against 24.9-26.5% at ZeRO-2 with the same kernels. ZeRO-2 keeps the same fp32 master
+    weights, Adam state and fp32 gradient accumulation, and DeepSpeed's ZeRO-1/2 checkpoint layout. Stages
+    0 and 1 are not taken: DeepSpeed 0.19 refuses bf16 with fp32 accumulation at stage 0 and swaps in
+    BF16_Optimizer (another checkpoint layout, no universal conversion here) at stage 1.
+    Not on a CPU (the CPU profiles are what the suite runs), not with offload (its parameters need ZeRO-3).
+    `start_stage`: the stage a resumed run's checkpoint was saved with; a checkpoint cannot move between ZeRO-2
+    and ZeRO-3 (checkpoints/universal.py), so a run started on one device keeps ZeRO-2 on more.
+    """
+    zero = ds.get("zero_optimization") or {}
+    offloaded = any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+    if zero.get("stage") != 3 or offloaded or device == "cpu":
+        return ds, ""
+    if world == 1:
+        why = ("ZeRO-2 instead of the profile's ZeRO-3: one device partitions nothing, and ZeRO-3 would gather every"
+               " parameter around every forward and backward (set zero_optimization.stage 2 in the profile to"
+               " resume this run on more devices)")
+    elif start_stage == 2:
+        why = ("ZeRO-2 instead of the profile's ZeRO-3: the run started on one device at ZeRO-2, and a checkpoint"
+               " cannot move between ZeRO-2 and ZeRO-3")
+    else:
+        return ds, ""
+    return {**ds, "zero_optimization": {**zero, "stage": 2}}, why
+
+
 def describe_precision(ds: dict) -> str:
     """One line for start-up and --dry-run: what is 16-bit and what stays fp32."""
     kind = precision(ds)

@@ -41,7 +41,8 @@ from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describ
                                         run_tokens, size_in_tokens, token_budget)
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.optimizers import describe_implementation
-from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile, resolve_ds_config
+from zerotrain.launcher.profiles import (check_devices, describe_precision, detect_profile, load_profile,
+                                        one_device_stage, resolve_ds_config)
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
@@ -102,6 +103,7 @@ class RunPlan:
         """This rank's loader: its SP group's (DeepSpeed's parallel_state_sp puts ranks g*N..g*N+N-1 in group g)."""
         return self.rank // self.sequence_parallel
     offload_lines: tuple[str, ...] = ()  # host memory and host-link traffic with offload (planner.offload_lines)
+    stage_line: str = ""  # the ZeRO stage, where it is not the profile's (profiles.one_device_stage)
 
     @property
     def attention(self) -> str:
@@ -212,6 +214,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
                                     detect=detect_profile)
     settings = attention_kernel(cfg, settings, ds_config, node, model_args)
+    ds_config, stage_line = one_device_stage(ds_config, world, node.device, _started_stage(run_dir))
+    settings = compile_at_stage(settings, ds_config)
     check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
     # host memory and traffic on the profile's hardware; a dry run refuses what its host cannot hold (a real
     # run: fit_check, against the RAM available now)
@@ -250,8 +254,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                             settings.max_epochs, settings.sources["max_epochs"])
     # the schedule's values and sources are final now (sized in tokens, a resumed run's warmup kept): resolved
     # again with them, the attention kernel as chosen for this machine
-    settings = resolve_settings(cfg, profile_name, profile).replace("attention", settings.attention,
-                                                                     settings.sources["attention"])
+    settings = compile_at_stage(resolve_settings(cfg, profile_name, profile), ds_config).replace(
+        "attention", settings.attention, settings.sources["attention"])
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=ident.profile_why,
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
@@ -262,7 +266,30 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
                                                     bool(settings.activation_checkpointing), settings.attention,
                                                     node.device, sp, bool(settings.tiled_mlp)),
-                   sequence_parallel=sp, offload_lines=tuple(host_lines))
+                   sequence_parallel=sp, offload_lines=tuple(host_lines), stage_line=stage_line)
+
+
+def compile_at_stage(settings: Settings, ds_config: dict) -> Settings:
+    """A profile's zerotrain.compile does not compile at ZeRO-3: DeepSpeed's parameter hooks around every
+    submodule break each block's graph between its linears (so little fuses) and recompile once per module past
+    dynamo's limit (counted on the CPU: 16 graphs for the 4-layer debug model). --compile given still compiles
+    (the same math: tests/test_gpu_speed.py)."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if settings.compile and stage == 3 and settings.sources["compile"] not in GIVEN:
+        return settings.replace("compile", False, "rule: not at ZeRO-3 (its parameter hooks break every block's"
+                                                  " graph); --compile compiles anyway")
+    return settings
+
+
+def _started_stage(run_dir: Path) -> int | None:
+    """The ZeRO stage the run's first launch chose (its saved ds_config.json), or None for a new run."""
+    saved = run_dir / "ds_config.json"
+    if not saved.is_file():
+        return None
+    try:
+        return (json.loads(saved.read_text()).get("zero_optimization") or {}).get("stage")
+    except (OSError, ValueError):
+        return None
 
 
 def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: int, sp: int, data_world: int,
@@ -382,6 +409,7 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
                               cfg.decay_fraction).describe(cfg.lr))
     lines += [f"attention: {plan.attention} ({plan.attention_why})",
               describe_precision(ds),
+              *([f"zero: {plan.stage_line}"] if plan.stage_line else []),
               *describe_tiled_mlp(plan),
               plan.resume_line,  # bit-identical or not, on this hardware with these settings
               describe_implementation(cfg, ds, plan.node.device),  # what steps, built or not

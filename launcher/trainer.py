@@ -270,11 +270,13 @@ class Trainer:
     def step_once(self, pending: Agreed) -> StepState:
         """Train the batches every rank agreed on, fetch the next step's, and gather: this step's loss,
         the next step's data and every participant's fields ride on the step's one collective."""
-        t0 = time.time()  # step_s: from here, plus the fetch of this step's batches (data_wait)
+        t0 = time.time()  # step_s: from here to the end of the step's collective, host work included
         lr = self.engine.get_lr()[0]
         batches, tokens_sha = self.accept(pending)
         loss_sum = self.train_step(batches)
         now = time.time()
+        # step_time: until the collective below, the compute and this step's data wait (what the budget's
+        # projection of the next step reads in contribute); then the whole step
         step = StepState(self.step + 1, tokens_sha, lr, step_time=now - t0 + self.data_wait, trained_at=now,
                          last=self.step + 1 >= self.cfg.max_steps)
         # The next step's batches are taken now, so that their agreement rides on this step's one
@@ -287,6 +289,10 @@ class Trainer:
         step.loss = step.agreed["loss_sum"] / (self.plan.ds_config["gradient_accumulation_steps"]
                                                * self.plan.data_world)
         step.grad_norm = step.agreed["grad_norm"]
+        # The whole step: its compute, the next step's batches (fetched here, so a slow loader shows), the
+        # participants' fields and the collective with its one host sync. tokens/s and MFU count this, not the
+        # device's share alone (evaluations and saves are their own phases, after it).
+        step.step_time = time.time() - t0
         self.step += 1
         self.clock.set_step(self.step)
         self.tokens_seen += self.tokens_per_step
@@ -458,11 +464,15 @@ class Trainer:
         """Each step: train, gather once, then the participants observe it, the record is written, and
         they act on it (participants/base.py); the first StopRun ends the run, REWOUND goes on."""
         pending = None  # every rank's fields for the fetched batches, from the last collective
+        first = self.plan.settings.compile  # the first step compiles the blocks: say how long that took
         try:
             while self.step < self.cfg.max_steps:
                 if pending is None:  # the first step (or a rollback from the last): fetch and agree alone
                     pending = self.agree(self.fetch())
                 step = self.step_once(pending)
+                if first:
+                    first = False
+                    self.say(f"torch.compile: the first step took {step.step_time:.1f} s, compiling included")
                 pending = step.agreed if self.fetched is not None else None
                 outcome = self.call("observe", step)
                 if outcome is None:

@@ -173,13 +173,13 @@ class DocumentLayout(NamedTuple):
             return DocumentLayout(backend, None, None, _to_device(document_bounds(position_ids), device),
                                   position_ids.shape[-1])
         if backend == "flex":
-            return DocumentLayout(backend, block_mask=document_block_mask(position_ids.to(device)))
+            return DocumentLayout(backend, block_mask=document_block_mask(_to_device(position_ids, device)))
         if backend != "sdpa":
             raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
         # A row of one document needs no mask, and without one SDPA may take its flash kernel and never builds
         # the O(T^2) mask. Read on the host when position_ids are there; else one host sync per forward.
         shared = bool(document_starts(position_ids)[:, 1:].any())
-        return DocumentLayout(backend, mask=document_mask(position_ids.to(device)) if shared else None)
+        return DocumentLayout(backend, mask=document_mask(_to_device(position_ids, device)) if shared else None)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -115,3 +115,38 @@ def test_two_ranks_over_nccl_resume_bit_for_bit(tmp_path, mix_path):
     stopped_and_resumed("deepspeed", args, tmp_path, N, K)
     a, b = read_metrics(tmp_path / "a" / "r"), read_metrics(tmp_path / "b" / "r")
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "sdpa"])
+def test_a_compiled_step_of_ours_never_waits_for_the_device(kernel):
+    """The trainer's path for one micro-batch (the layout made on the host from the batch's position_ids, the pinned
+    batch copied without waiting, the forward through compiled blocks and the chunked loss, the backward) under
+    torch.cuda.set_sync_debug_mode("error"): any host sync of ours raises. DeepSpeed's optimizer step is not ours
+    and is left out. A first step compiles outside the check (inductor's autotuning may wait)."""
+    from zerotrain.launcher.components.engine import compile_blocks
+    from zerotrain.modeling.model import preset
+
+    torch.manual_seed(0)
+    model = Transformer(preset("debug", vocab_size=512)).cuda().to(torch.bfloat16)
+    model.attention = kernel
+    compile_blocks(model, "inductor")
+    B, T = 4, 256
+    ids = torch.randint(0, 512, (B, T))
+    rows = [torch.cat([torch.arange(100), torch.arange(T - 100)]), torch.arange(T)] * 2
+    batch = {"input_ids": ids, "position_ids": torch.stack(rows), "labels": ids.clone()}
+    batch = {k: v.pin_memory() for k, v in batch.items()}  # as the loader hands it over on a GPU
+
+    def step():
+        documents = model.document_layout(batch["position_ids"], "cuda")
+        on_device = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
+        model(**on_device, documents=documents).backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

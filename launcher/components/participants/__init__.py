@@ -2,7 +2,7 @@
 step's one gather), one module each. ORDER is the order they are called at each hook (the first StopRun
 wins): before the step's record (observe), health's window, finite, spikes, evaluation and best, early
 stop's update; after it (logged), golden, health's verdicts, the save, then the stops by precedence:
-signal, budget, early stop. Adding a monitor is a new module here and its place in ORDER; the Trainer
+signal, budget, early stop. --torch-profile's window opens and closes first, so a stop never skips it. Adding a monitor is a new module here and its place in ORDER; the Trainer
 does not change.
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ from zerotrain.launcher.components.participants.golden import GoldenWatch
 from zerotrain.launcher.components.participants.health import HealthWatch
 from zerotrain.launcher.components.participants.signals import Signals
 from zerotrain.launcher.components.participants.spikes import Spikes
+from zerotrain.launcher.components.participants.torch_profile import TorchProfile
 
-ORDER: tuple[type[Participant], ...] = (GoldenWatch, HealthWatch, Finite, Spikes, Evaluation, Checkpointing, Signals,
-                                        BudgetStop, EarlyStop)
+ORDER: tuple[type[Participant], ...] = (TorchProfile, GoldenWatch, HealthWatch, Finite, Spikes, Evaluation,
+                                        Checkpointing, Signals, BudgetStop, EarlyStop)
 
 
 def build(run: Run) -> list[Participant]:

@@ -140,7 +140,8 @@ class StepState:
     step: int                  # the step being trained; after the gather, the step just completed
     tokens_sha: str            # every rank's batch digests of this step, hashed
     lr: float
-    step_time: float           # seconds of this step's work and its data wait
+    step_time: float           # seconds of the whole step (its compute, fetch-ahead, collective); in contribute:
+    #                            the compute and its data wait, the collective still to come
     trained_at: float          # time.time() when this step's work ended (before the next step's fetch)
     last: bool                 # the run's last step (--max-steps)
     agreed: Agreed = field(default_factory=Agreed)

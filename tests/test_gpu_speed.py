@@ -1,0 +1,152 @@
+"""The GPU step's defaults (issue: fast on the GPU), what of them the CPU can check.
+
+- regional compilation (engine.compile_blocks: --compile, and zerotrain.compile in every CUDA profile) trains what
+  the eager model trains: loss and every gradient, at ZeRO-2 with activation checkpointing and the tiled MLP and at
+  ZeRO-3, inductor on the CPU in fp32 (tests/helpers/compile_harness.py);
+- the documents' layout is made on the host from the batch's position_ids (Transformer.document_layout), equal to
+  what the model derives itself, with a fixed max_seqlen for varlen (no host sync, one graph for every step);
+- one device does not pay for ZeRO-3 (profiles.one_device_stage) and a profile's compile skips ZeRO-3
+  (run_plan.compile_at_stage);
+- the CUDA profiles turn off DeepSpeed's synchronising throughput timer and bf16 overflow check.
+What only a GPU shows (no host sync in a compiled step, the speed) is in tests/test_gpu_cuda.py and
+benchmarks/gpu_peers.py.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from zerotrain.launcher.profiles import list_profiles, load_profile, one_device_stage
+from zerotrain.launcher.run_plan import compile_at_stage
+from zerotrain.launcher.settings import Settings
+from zerotrain.modeling.model import DocumentLayout, Transformer, document_bounds, preset
+
+
+@pytest.fixture(scope="module")
+def compiled_and_eager(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile")
+    r = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "compile_harness.py"), str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads((out / "result.json").read_text())
+
+
+def test_compiled_blocks_train_what_the_eager_blocks_train(compiled_and_eager):
+    """Inductor fuses each block's norms, RoPE, SwiGLU and residual adds; fp32 rounding may move by the fused
+    reductions' order only: the loss within 1e-6, every gradient element within 1e-6 (measured: 2e-8 of
+    gradients up to 5.5e-2). And the compiled engine did compile (a no-op compile would pass the rest)."""
+    assert [(c["stage"], c["checkpointing"], c["tiled"]) for c in compiled_and_eager] == [(2, True, True),
+                                                                                          (3, False, False)]
+    for case in compiled_and_eager:
+        eager, compiled = case["eager"], case["compiled"]
+        assert eager["graphs"] == 0 and compiled["graphs"] > 0, case["stage"]
+        assert abs(eager["loss"] - compiled["loss"]) <= 1e-6, (case["stage"], eager["loss"], compiled["loss"])
+        assert eager["grads"].keys() == compiled["grads"].keys() and len(eager["grads"]) > 10
+        for name, grad in eager["grads"].items():
+            assert max(map(abs, grad)) > 0, name
+            worst = max(abs(a - b) for a, b in zip(grad, compiled["grads"][name]))
+            assert worst <= 1e-6, (case["stage"], name, worst)
+
+
+def packed_positions():
+    return torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1],
+                         [5, 6, 0, 1, 2, 3, 4, 5, 6, 7]])  # row 2 starts mid-document
+
+
+def test_the_host_layout_is_the_models_own_and_varlen_gets_the_row_length():
+    model = Transformer(preset("debug", vocab_size=300))
+    pos = packed_positions()
+    model.attention = "varlen"
+    layout = model.document_layout(pos, "cpu")
+    assert layout.backend == "varlen" and layout.max_seqlen == pos.shape[1]  # a bound on every document
+    assert torch.equal(layout.cu_seqlens, document_bounds(pos))
+    assert layout.cu_seqlens.tolist() == [0, 3, 8, 10, 12, 20] and layout.cu_seqlens.dtype == torch.int32
+    model.attention = "sdpa"
+    shared = model.document_layout(pos, "cpu")
+    assert torch.equal(shared.mask, DocumentLayout.from_positions(pos, "sdpa").mask)
+    one_doc = torch.arange(10).expand(2, 10)
+    assert model.document_layout(one_doc, "cpu").mask is None  # one document a row: is_causal, no mask
+
+
+def test_a_forward_given_the_host_layout_equals_one_that_derives_it():
+    torch.manual_seed(0)
+    model = Transformer(preset("debug", vocab_size=300))
+    ids, pos = torch.randint(0, 300, (2, 10)), packed_positions()
+    for kernel in ("sdpa", "flex"):
+        model.attention = kernel
+        own = model(ids, pos, labels=ids)
+        given = model(ids, pos, labels=ids, documents=model.document_layout(pos, "cpu"))
+        assert torch.equal(own, given), kernel
+    # a wrong layout would be seen: the same rows read as one document each
+    model.attention = "sdpa"
+    assert not torch.equal(model(ids, pos, labels=ids),
+                           model(ids, pos, labels=ids, documents=DocumentLayout("sdpa", mask=None)))
+
+
+def test_one_device_runs_the_profiles_zero3_as_zero2():
+    _, profile = load_profile("h100-80g-x8")
+    ds = {k: v for k, v in profile.items() if k != "zerotrain"}
+    assert ds["zero_optimization"]["stage"] == 3
+    one, why = one_device_stage(ds, 1, "cuda")
+    assert one["zero_optimization"]["stage"] == 2 and "one device partitions nothing" in why
+    assert {k: v for k, v in one["zero_optimization"].items() if k != "stage"} == \
+        {k: v for k, v in ds["zero_optimization"].items() if k != "stage"}
+    assert one_device_stage(ds, 8, "cuda") == (ds, "")  # several devices: the profile's
+    assert one_device_stage(ds, 1, "cpu") == (ds, "")  # the CPU profiles' stages are what the suite runs
+    started, why = one_device_stage(ds, 8, "cuda", start_stage=2)  # a run started on one device, resumed on 8
+    assert started["zero_optimization"]["stage"] == 2 and "cannot move between ZeRO-2 and ZeRO-3" in why
+    offloaded = {**ds, "zero_optimization": {**ds["zero_optimization"], "offload_param": {"device": "cpu"}}}
+    assert one_device_stage(offloaded, 1, "cuda") == (offloaded, "")  # offloaded parameters need ZeRO-3
+
+
+def test_a_profiles_compile_skips_zero3_but_a_given_one_does_not():
+    def settings(source):
+        return Settings({"compile": True}, {"compile": source})
+
+    zero3, zero2 = {"zero_optimization": {"stage": 3}}, {"zero_optimization": {"stage": 2}}
+    off = compile_at_stage(settings("profile h100-80g-x8: zerotrain.compile"), zero3)
+    assert off.compile is False and off.sources["compile"].startswith("rule: not at ZeRO-3")
+    assert compile_at_stage(settings("profile h100-80g-x8: zerotrain.compile"), zero2).compile is True
+    assert compile_at_stage(settings("flag"), zero3).compile is True
+
+
+@pytest.mark.parametrize("name", [n for n in list_profiles() if load_profile(n)[1]["zerotrain"].get("hardware", {})
+                                  .get("accelerator") == "cuda"])
+def test_cuda_profiles_compile_and_leave_deepspeeds_syncing_checks_off(name):
+    """DeepSpeed's throughput timer synchronises the device at every forward and step when enabled (its default),
+    and bf16's check_grad_overflow reads every gradient's amax/amin back each step; our own guards read the loss and
+    the gradient norm from the step's one collective instead (participants/finite.py)."""
+    _, profile = load_profile(name)
+    assert profile["zerotrain"]["compile"] is True
+    assert profile["timers"] == {"throughput": {"enabled": False}}
+    assert profile["bf16"] == {"enabled": True, "check_grad_overflow": False}
+
+
+def test_a_run_with_a_profiles_compile_says_its_compile_time_and_writes_its_torch_profile(tmp_path, mix_path):
+    """The cpu profile at ZeRO-2 with zerotrain.compile set (aot_eager: the same graphs, no code generation, so the
+    suite does not wait for inductor): the run compiles because the profile says so (its source recorded), says how
+    long its first step took, and --torch-profile 2:2 writes rank 0's summary and trace."""
+    profile = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    profile["zero_optimization"]["stage"] = 2
+    profile["zerotrain"].update(compile=True, compile_backend="aot_eager")
+    path = tmp_path / "cpu-compiled.json"
+    path.write_text(json.dumps(profile))
+    from conftest import launch
+
+    run = launch("python", ["--profile", str(path), "--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r",
+                            "--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "1",
+                            "--max-steps", "4", "--warmup-steps", "1", "--torch-profile", "2:2"])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "compiled with torch.compile" in run.stdout
+    assert "torch.compile: the first step took" in run.stdout
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert config["run_sources"]["compile"].endswith("zerotrain.compile"), config["run_sources"]["compile"]
+    summary = (tmp_path / "r" / "torch_profile" / "summary.txt").read_text()
+    assert summary.startswith("steps 2-3\n") and "by self CPU time" in summary and "host syncs:" in summary
+    assert "aten::" in summary  # the step's operators were seen
+    assert json.loads((tmp_path / "r" / "torch_profile" / "trace.json").read_text())["traceEvents"]
