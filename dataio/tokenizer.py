@@ -175,6 +175,16 @@ def load_tokenizer(spec: str):
     return HFTokenizer(directory, name=name, origin=origin)
 
 
+def same_vocabulary(a, b) -> bool:
+    """The two tokenizers map every token to the same id (the same file, or the same vocabulary and added
+    tokens in two files); the byte tokenizer is only itself."""
+    if a.sha256 == b.sha256:
+        return True
+    if ByteTokenizer.name in (a.name, b.name):
+        return False
+    return a._tok.get_vocab(with_added_tokens=True) == b._tok.get_vocab(with_added_tokens=True)
+
+
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.cli_args import Parser
-from zerotrain.launcher import settings
+from zerotrain.launcher import model_spec, settings
 from zerotrain.launcher.errors import UsageError, exit_status_help, read_json_object
 from zerotrain.launcher.hparams import check_schedule, hashed_warmup, is_resolved, resolve_hparams
 from zerotrain.launcher.optimizers import check_optimizer
@@ -49,7 +49,8 @@ class RunConfig:
     model: str | None = opt(None, "a named preset (zerotrain.modeling.model.PRESETS); default debug when no other way to"
                                   " pick the model is given (--depth, --scaling-rule, --init-from)")
     data: str | None = opt(None, "a mix JSON file (docs/data.md) or a prepared shard directory")
-    tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json")
+    tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json, or a hub name"
+                                  " ORG/NAME[@REVISION] (default: --init-from's, else bytes)")
     seq_len: int = opt(256, "tokens per packed row")
     micro_batch: int | None = opt(None, "rows per rank per forward (default: the profile's)")
     grad_accum: int | None = opt(None, "micro-batches per optimizer step (default: the profile's, or derived"
@@ -71,7 +72,11 @@ class RunConfig:
     scaling_rule: str | None = opt(None, "a rule in --rules-file, with --heads", IDENTITY_WHEN_SET)
     heads: int | None = opt(None, "with --scaling-rule", IDENTITY_WHEN_SET)
     rules_file: str | None = opt(None, "scaling rules YAML (default modeling/scaling_rules.yaml)", IDENTITY_WHEN_SET)
-    init_from: str | None = opt(None, "a Hugging Face Llama directory (safetensors) to start from", IDENTITY_WHEN_SET)
+    init_from: str | None = opt(None, "a Hugging Face Llama directory (safetensors) to start from; without"
+                                      " --tokenizer, its tokenizer.json is the run's (none: the byte tokenizer, when"
+                                      " the model's vocabulary is its)", IDENTITY_WHEN_SET)
+    swap_tokenizer: bool | None = opt(None, "with --init-from and a --tokenizer whose vocabulary is not the model's:"
+                                            " train on it anyway (refused without this flag)", RUN)
     qk_norm: bool | None = opt(None, "RMSNorm on queries and keys (default off)", IDENTITY_WHEN_SET)
     rope_theta: float | None = opt(None, "RoPE base (default: the model's, 10000, or the --init-from config's); with"
                                          " --init-from, a new base for context extension. Part of the run id once"
@@ -203,14 +208,38 @@ class RunConfig:
                 torch_profile_window(self.torch_profile)
             except ValueError as e:
                 raise UsageError(f"--torch-profile: {e}") from None
+        self._resolve_tokenizer()
         # normalised, so `adamw` keeps the default's id
         self.optimizer, self.optimizer_args = check_optimizer(self.optimizer, self.optimizer_args)
         if "wandb" in parse_sinks(self.log) and self.run_id and any(c in WANDB_RESERVED for c in self.run_id):
             raise UsageError(f"--run-id {self.run_id!r}: --log wandb uses it as the W&B run id, which cannot"
                              f" contain any of {WANDB_RESERVED}")
 
+    def _resolve_tokenizer(self) -> None:
+        """With --init-from, the model's own tokenizer unless --tokenizer is given (launcher/model_spec.py)."""
+        if self.swap_tokenizer is not None and not isinstance(self.swap_tokenizer, bool):
+            raise UsageError(f"--swap-tokenizer: must be true or false, got {self.swap_tokenizer!r}")
+        given = self._tokenizer_given()
+        if self.swap_tokenizer and (self.init_from is None or given is None):
+            raise UsageError("--swap-tokenizer: only with --init-from DIR and --tokenizer T (the tokenizer replacing"
+                             " the model's)")
+        if self.init_from is None:
+            return
+        self.tokenizer, _ = model_spec.init_from_tokenizer(self.init_from, given, bool(self.swap_tokenizer))
+        if given is None and self.sources is not None:
+            self.sources["tokenizer"] = settings.INIT_FROM
+
+    def _tokenizer_given(self) -> str | None:
+        """--tokenizer as given (flag, recipe, keyword), or None when it was left to its default."""
+        if self.sources is not None:
+            return self.tokenizer if self.sources.get("tokenizer") in settings.GIVEN else None
+        return self.tokenizer if self.tokenizer != "bytes" else None
+
     def warnings(self) -> list[str]:
         out = []
+        if self.swap_tokenizer and self.init_from is not None:
+            _, swapped = model_spec.init_from_tokenizer(self.init_from, self._tokenizer_given(), True)
+            out += [swapped] if swapped else []
         if self.warmup_steps is not None and self.warmup_steps >= self.max_steps:
             out.append(f"--warmup-steps {self.warmup_steps} >= --max-steps {self.max_steps}: the learning rate never"
                        " reaches its peak and never decays")

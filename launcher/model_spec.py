@@ -11,12 +11,20 @@
 plus `--qk-norm` for the first three, and `--rope-theta` for all four (with --init-from it replaces the
 checkpoint's base: continued pretraining at a longer context). Everything is checked here, before any process builds a
 model or writes a file; a problem is a UsageError naming the flag.
+
+With --init-from the model's tokenizer comes with it (`init_from_tokenizer`, the one resolution the command line,
+recipes, `zerotrain plan`, pre-flight and the notebook's `finetune(model=HF_DIR)` share): without --tokenizer, the
+directory's tokenizer.json (recorded with the source "init-from"); a directory without one trains with the byte
+tokenizer only when its vocabulary is the byte tokenizer's. A --tokenizer whose vocabulary differs from the
+directory's is refused, unless --swap-tokenizer says the swap is meant (then a warning).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
+from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.tokenizer import ByteTokenizer, load_tokenizer, same_vocabulary
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import hf, sizes
 from zerotrain.modeling.sizes import count_params, preset
@@ -92,6 +100,54 @@ def resolve(cfg, vocab_size: int) -> tuple:
     except (KeyError, ValueError) as e:
         raise UsageError(f"--model {name}: {e.args[0]}") from None
     return args, name, None
+
+
+
+
+def init_from_tokenizer(init_from: str, given: str | None, swap: bool) -> tuple[str, str | None]:
+    """(the tokenizer a run from `--init-from init_from` trains with, the warning to print or None), with
+    `given` the --tokenizer given (None: not given) and `swap` --swap-tokenizer. UsageError (one line): a
+    directory without a tokenizer and no --tokenizer, unless its vocabulary is the byte tokenizer's; a
+    --tokenizer whose vocabulary is not the directory's without --swap-tokenizer. A directory that is not a
+    Hugging Face one is left to `resolve`, which names what is wrong with it."""
+    where = f"--init-from {init_from}"
+    try:
+        hf_cfg = hf.read_config(init_from)
+    except ValueError:
+        return given or ByteTokenizer.name, None
+    if not (Path(init_from) / "tokenizer.json").is_file():
+        if given is not None:
+            return given, None
+        if _byte_vocabulary(hf_cfg):
+            return ByteTokenizer.name, None
+        slow = " (only a slow tokenizer's files: save it with a fast tokenizer.json)" \
+            if (Path(init_from) / "tokenizer_config.json").is_file() else ""
+        raise UsageError(f"{where}: no tokenizer.json in the directory{slow}, and its vocabulary"
+                         f" ({hf_cfg.get('vocab_size')}) is not the byte tokenizer's; give --tokenizer (the one the model"
+                         " was trained with)")
+    if given is None:
+        return init_from, None
+    try:
+        ours, theirs = load_tokenizer(init_from), load_tokenizer(given)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    if same_vocabulary(ours, theirs):
+        return given, None
+    change = (f"--tokenizer {given} (vocabulary {theirs.vocab_size:,}) is not the tokenizer of {where} (vocabulary"
+              f" {ours.vocab_size:,}, {ours.name})")
+    if not swap:
+        raise UsageError(f"{change}: the model would see other ids for the same text; leave --tokenizer out to use"
+                         " the model's, or add --swap-tokenizer to train it on another one")
+    return given, f"{change}: --swap-tokenizer: the model is trained on another tokenizer than the one it learned"
+
+
+def _byte_vocabulary(hf_cfg: dict) -> bool:
+    """The directory's vocabulary is zerotrain's byte tokenizer's: its size (padded as ours pads it) and its EOS
+    (an export of a byte-tokenizer run writes both)."""
+    vocab = hf_cfg.get("vocab_size")
+    padded = sizes.ModelArgs(vocab_size=ByteTokenizer.vocab_size).vocab_size
+    return (isinstance(vocab, int) and ByteTokenizer.vocab_size <= vocab <= padded
+            and hf_cfg.get("eos_token_id") == ByteTokenizer.eos_id)
 
 
 def _safe(path: str) -> str:

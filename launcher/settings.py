@@ -10,7 +10,8 @@ derived from RunConfig by `table()`: every flag and every profile key has exactl
 
     resolve(cfg, profile_name, profile, node) -> Settings
         once per run, in run_plan.identify(): each value and where it came from, one of
-        "flag", "recipe", "given" (the Python API), "profile NAME: KEY", "rule: ...", "default".
+        "flag", "recipe", "given" (the Python API), "profile NAME: KEY", "rule: ...", "default", "init-from"
+        (the tokenizer of the --init-from directory).
         config.json's "run_sources" holds them all; the start-up lines and --dry-run print them.
     section(profile)          the raw "zerotrain" section: this module is the only reader of it
     check_section(zt, where)  the profile's section against the table (load_profile calls it)
@@ -42,7 +43,8 @@ from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 
 IDENTITY, IDENTITY_WHEN_SET, RUN = "identity", "identity-when-set", "run"
 GIVEN = ("flag", "recipe", "given")  # the sources of a value the run was handed
-SOURCE_WORDS = (*GIVEN, "default", "profile ", "rule: ")  # every source starts with one of these
+INIT_FROM = "init-from"  # taken from the --init-from directory (the tokenizer: launcher/model_spec.py)
+SOURCE_WORDS = (*GIVEN, "default", "profile ", "rule: ", INIT_FROM)  # every source starts with one of these
 
 COMM_TIMEOUT_S = 1800.0  # torch's own default for gloo; DeepSpeed's init_distributed would give 10 minutes
 HEALTH_DEFAULTS = {"window_s": 60.0, "windows": 3, "straggler_ratio": 1.2, "repeat_s": 1800.0}
@@ -404,7 +406,7 @@ class Settings:
 
 def hparams_source(source: str) -> str:
     """launcher/hparams.py's words for a source, in the table's: a derived value is a "rule: "."""
-    if source in (*GIVEN, "default") or source.startswith("profile ") or source.startswith("rule"):
+    if source in (*GIVEN, "default", INIT_FROM) or source.startswith("profile ") or source.startswith("rule"):
         return source if not source.startswith("rule ") else "rule: " + source
     return "rule: " + source
 

@@ -81,13 +81,9 @@ def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
     other = write_mix(tmp_path / "data2", weights=(0.5, 0.5))
     out = tmp_path / "runs"
 
-    # 1. a Hugging Face directory without tokenizer.json: tokenizer= is required, then given
-    with pytest.raises(UsageError) as e:
-        finetune(model=llama, data=data, out=out, **TRAIN)
-    assert str(e.value) == f"model {llama}: no tokenizer.json in the directory; give tokenizer= ('bytes' or a" \
-                           " tokenizer.json / directory)"
-    assert not out.exists()
-    first = finetune(model=llama, tokenizer="bytes", data=data.parent / "prose.jsonl", out=out, **TRAIN)
+    # 1. a Hugging Face directory without tokenizer.json whose vocabulary is the byte tokenizer's: bytes, taken
+    # from --init-from as on the command line (tests/test_init_from_tokenizer.py: the refusal of any other)
+    first = finetune(model=llama, data=data.parent / "prose.jsonl", out=out, **TRAIN)
     rss = [rss_mb()]
     # 2. the run directory: its newest checkpoint, exported once, is the starting point
     second = finetune(model=first.run_dir, data=other, out=out, seed=7, **TRAIN)
@@ -108,6 +104,7 @@ def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
     assert first.checkpoint == first.run_dir / "checkpoints" / "global_step2"
     saved = json.loads((first.run_dir / "config.json").read_text())
     assert saved["run"]["init_from"] == str(llama) and saved["tokenizer"] == "bytes"
+    assert saved["run_sources"]["tokenizer"] == "init-from"
     wrapped = json.loads(Path(saved["run"]["data"]).read_text())  # a bare .jsonl became a one-source mix
     assert wrapped == {"sources": [{"name": "prose", "path": str(data.parent / "prose.jsonl"), "weight": 1.0}]}
     base = out / ".base-models" / f"{first.run_dir.name}-global_step2"

@@ -9,10 +9,10 @@
 
 Keyword arguments are the driver's flags (launcher/config.py RunConfig: same names with
 underscores, same defaults except `profile="auto"`, same validation and error lines), plus:
-- `model=`: a Hugging Face Llama directory (`--init-from`; its tokenizer.json is the tokenizer
-  unless `tokenizer=` is given, and without one `tokenizer=` is required), a zerotrain run
-  directory (its best checkpoint, else its newest complete one, exported once to
-  OUT/.base-models/RUN-TAG and used as `--init-from`; the run's tokenizer), or a preset name.
+- `model=`: a Hugging Face Llama directory (`--init-from`, with its tokenizer as on the command line:
+  its tokenizer.json unless `tokenizer=` is given; launcher/model_spec.py), a zerotrain run
+  directory (its best checkpoint, else its newest complete one, exported once with the run's tokenizer
+  to OUT/.base-models/RUN-TAG and used as `--init-from`), or a preset name.
 - `data=`: a mix JSON file or a prepared shard directory as for the driver; a single data file
   (.jsonl, .parquet, .txt, .arrow) is wrapped into a one-source mix (OUT/.mixes/): documents, or
   for a .jsonl of {"prompt", "response"} / {"messages"} records supervised fine-tuning data.
@@ -55,6 +55,7 @@ from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import END_KINDS, EXIT_USAGE, UsageError, ZerotrainError, kind_of_exit
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.run_plan import plan_run
+from zerotrain.launcher.settings import INIT_FROM
 from zerotrain.launcher.trainer import run
 from zerotrain.modeling import hf
 from zerotrain.modeling.model import Transformer
@@ -144,23 +145,17 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
 # -- model= and data= --------------------------------------------------------------------------
 
 def model_values(model: str | Path, values: dict, out: Path) -> dict:
-    """The flags `model=` stands for: {"model": preset} or {"init_from": HF dir[, "tokenizer": ...]}."""
+    """The flags `model=` stands for: {"model": preset} or {"init_from": HF dir}."""
     where = f"model {model}"
     path = Path(model).expanduser()
     given = [k for k in ("init_from", "depth", "scaling_rule", "model") if values.get(k) is not None]
     if given:
         raise UsageError(f"model= and {given[0]}=: give one way to pick the model")
-    if path.is_dir():
+    if path.is_dir():  # its tokenizer, as --init-from's (launcher/model_spec.py init_from_tokenizer)
         if (path / "checkpoints").is_dir() or _run_config(path) is not None:
-            hf_dir, tokenizer = base_from_run(path, out)
-            return {"init_from": str(hf_dir), **({} if values.get("tokenizer") else {"tokenizer": tokenizer})}
+            return {"init_from": str(base_from_run(path, out))}
         if (path / "config.json").is_file():  # model_spec checks it is a Llama directory with safetensors
-            if values.get("tokenizer"):
-                return {"init_from": str(path)}
-            if not (path / "tokenizer.json").is_file():
-                raise UsageError(f"{where}: no tokenizer.json in the directory; give tokenizer= ('bytes' or a"
-                                 " tokenizer.json / directory)")
-            return {"init_from": str(path), "tokenizer": str(path)}
+            return {"init_from": str(path)}
         raise UsageError(f"{where}: neither a Hugging Face Llama directory (no config.json) nor a zerotrain run"
                          " directory (no checkpoints/)")
     if path.exists():
@@ -190,10 +185,10 @@ def best_or_newest(run_dir: Path) -> tuple[Path, str]:
     return tag, "newest" + (f"; best.json names {best['tag']}, which is not complete" if best else "")
 
 
-def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
-    """A run's chosen checkpoint as a Hugging Face directory under OUT/.base-models (exported once),
-    and the tokenizer to train with. The directory must outlive this call: every resume of the
-    fine-tune re-reads --init-from, and its path is part of the fine-tune's run id."""
+def base_from_run(run_dir: Path, out: Path) -> Path:
+    """A run's chosen checkpoint as a Hugging Face directory under OUT/.base-models (exported once, with the
+    run's tokenizer). The directory must outlive this call: every resume of the fine-tune re-reads
+    --init-from, and its path is part of the fine-tune's run id."""
     saved = _run_config(run_dir)
     if saved is None:
         raise UsageError(f"model {run_dir}: a run directory without a readable config.json")
@@ -205,8 +200,7 @@ def base_from_run(run_dir: Path, out: Path) -> tuple[Path, str]:
         with quiet_stderr():  # read back by our own loader (hf.load_weights), not transformers: no check
             export_command.export(tag, hf_dir, check=False)
     print(f"model {run_dir}: checkpoint {tag.name} ({why}) as {hf_dir}")
-    tokenizer = str(hf_dir) if (hf_dir / "tokenizer.json").is_file() else saved.get("tokenizer", "bytes")
-    return hf_dir, tokenizer
+    return hf_dir
 
 
 def data_spec(data: str | Path, out: Path) -> tuple[str, str | None]:
@@ -271,7 +265,8 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise UsageError(f"gpus={gpus!r}: must be a positive integer")
     plan = plan_run(cfg, world=gpus, rank=0)  # every check the ranks will make, before anything starts
-    recipe = {k: v for k, v in cfg.to_dict().items() if v is not None}
+    # a value taken from --init-from is left for the ranks to take again, with its source
+    recipe = {k: v for k, v in cfg.to_dict().items() if v is not None and (cfg.sources or {}).get(k) != INIT_FROM}
     recipe["run_id"] = plan.run_dir.name  # fixed, so the ranks' run directory is the one planned here
     if cfg.profile == "auto":
         recipe["profile"] = plan.profile_name  # the ranks do not detect again
