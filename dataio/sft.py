@@ -79,8 +79,15 @@ def is_sft(spec) -> bool:
 # Rendering a record: (text, response spans in bytes)
 # --------------------------------------------------------------------------------------------
 
+# PLAIN_CHAT as a Jinja chat template, as transformers' apply_chat_template runs it: what `zerotrain export` writes
+# (chat_template.jinja) for a run that rendered chats with plain_chat, so that the export renders them the same
+PLAIN_CHAT_TEMPLATE = ("{% for message in messages %}{{ '" + IM_START + "' + message['role'] + '\\n' + message['content']"
+                       " + '" + IM_END + "' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '" + IM_START
+                       + "assistant\\n' }}{% endif %}")
+
+
 def plain_chat(messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """PLAIN_CHAT: the template used when the tokenizer has none (ChatML, as text)."""
+    """PLAIN_CHAT: the template used when the tokenizer has none (ChatML, as text; PLAIN_CHAT_TEMPLATE in Jinja)."""
     text = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 

@@ -109,11 +109,15 @@ def test_a_tokenizer_only_in_the_hf_cache_trains_offline_and_exports(hub, tmp_pa
                       r" (\S+) \(within the float32 tolerance 0.0001\)", proc.stdout)
     assert check, proc.stdout[-2000:]
     assert float(check.group(4)) < 1e-4 and check.group(4) in (hf_dir / "README.md").read_text()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        assert (hf_dir / name).read_bytes() == (root / "hf" / "hub" / "models--org--name" / "snapshots" / COMMIT
-                                                / name).read_bytes(), name
+    snapshot = root / "hf" / "hub" / "models--org--name" / "snapshots" / COMMIT
+    for name in ("tokenizer.json", "special_tokens_map.json", "chat_template.jinja"):
+        assert (hf_dir / name).read_bytes() == (snapshot / name).read_bytes(), name
+    given = json.loads((snapshot / "tokenizer_config.json").read_text())  # with the trained context as its length
+    assert json.loads((hf_dir / "tokenizer_config.json").read_text()) == {**given, "model_max_length": 64}
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    assert tokenizer.chat_template == CHAT
+    assert tokenizer.chat_template == CHAT and tokenizer.model_max_length == 64
+    card = (hf_dir / "README.md").read_text()  # the tokenizer as given, pinned; no path
+    assert f"- tokenizer: `org/name` from the Hugging Face Hub (`org/name@{COMMIT}`; vocabulary 300," in card
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id == model.config.eos_token_id
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id is not None
 

@@ -115,3 +115,59 @@ def test_a_directory_without_a_tokenizer_needs_one_unless_its_vocabulary_is_byte
     assert cfg.tokenizer == "bytes" and cfg.sources["tokenizer"] == "init-from"
     assert not (tmp_path / "runs").exists()
 
+
+def run_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """The ids the run feeds for a chat (dataio/sft.py: its renderer and its encoding, mask dropped); with the
+    generation prompt, the prompt the run's rendering puts before an assistant turn."""
+    from zerotrain.dataio.mix import SourceSpec
+    from zerotrain.dataio.sft import ChatRenderer, encode, render_record, split_masked
+
+    renderer = ChatRenderer(tokenizer)
+    if add_generation_prompt:
+        return list(tokenizer.encode(renderer.render([messages], [True])[0]))
+    spec = SourceSpec(name="chat", weight=1.0, path="chat.jsonl", format="chat")
+    rendered = render_record(spec, {"messages": messages}, renderer, pytest.fail)
+    return split_masked(encode(tokenizer, [rendered])[0])[0].tolist()
+
+
+@pytest.mark.parametrize("export", ["export-a", "export-b"])
+def test_the_export_renders_chats_as_the_run_did(tuned, export):
+    """Run A's tokenizer had no chat template: it rendered plain ChatML, and its export carries that as
+    chat_template.jinja; run B's tokenizer (export A's) brought that template, and its export keeps it."""
+    from transformers import AutoTokenizer
+
+    from zerotrain.dataio.sft import PLAIN_CHAT_TEMPLATE
+    from zerotrain.dataio.tokenizer import load_tokenizer
+
+    out = tuned["root"] / export
+    assert (out / "chat_template.jinja").read_text() == PLAIN_CHAT_TEMPLATE
+    run = load_tokenizer(str(tuned["tok"] if export == "export-a" else tuned["root"] / "export-a"))
+    theirs = AutoTokenizer.from_pretrained(out)
+    for record in chats(3):
+        messages = record["messages"]
+        assert theirs.apply_chat_template(messages, tokenize=True)["input_ids"] == run_tokens(run, messages)
+        prompt = theirs.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True)["input_ids"]
+        assert prompt == run_tokens(run, messages[:-1], add_generation_prompt=True)
+        assert run_tokens(run, messages)[:len(prompt)] == prompt  # the generation prompt is what training saw
+    # 4. the trained context, not "unbounded"; the model's positions as before
+    assert theirs.model_max_length == SEQ_LEN
+    trained = json.loads((tuned["a" if export == "export-a" else "b"][0] / "config.json").read_text())["model"]
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == trained["max_seq_len"]
+    # 5. the card: the format, and the tokenizer by its content, never by a path
+    card = (out / "README.md").read_text()
+    assert "- data format: chat records rendered with zerotrain's plain ChatML template" in card \
+        if export == "export-a" else "- data format: chat records rendered with the tokenizer's own chat template" in card
+    assert f"vocabulary {run.vocab_size:,}, tokenizer.json sha256 {run.sha256[:16]}" in card
+    assert str(tuned["root"]) not in card and "tok/tokenizer.json" not in card and "tokenizer.json`" not in card
+
+
+def test_the_card_names_a_hub_tokenizer_as_given():
+    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.launcher.commands.export import tokenizer_words
+
+    class Hub:  # what load_tokenizer returns for a hub name: pinned name, its origin (dataio/hub.py)
+        name, origin, vocab_size, sha256 = "org/tok@0123456789abcdef", "the Hugging Face cache", 500, "ab" * 32
+
+    words = tokenizer_words({"run": {"tokenizer": "org/tok"}}, Hub())
+    assert words.startswith("`org/tok` from the Hugging Face Hub (`org/tok@0123456789abcdef`; vocabulary 500,")
+    assert "byte tokenizer" in tokenizer_words({}, ByteTokenizer())

@@ -6,9 +6,12 @@ Writes a Hugging Face directory shaped as `save_pretrained` and the Hub leave on
 for a QK-norm model): safetensors shards of at most --max-shard-size (default 5GB, as save_pretrained;
 `model.safetensors`, or `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`),
 `config.json` and `generation_config.json` (bos/eos/pad from the tokenizer) written by transformers' own
-config classes (zerotrain.modeling.hf.save), the tokenizer's files when it is a Hugging Face one (the
-chat template included; a hub tokenizer is resolved again by the name the run recorded, pinned to its
-commit), and a README.md model card.
+config classes (zerotrain.modeling.hf.save), the tokenizer's files when it is a Hugging Face one (a hub
+tokenizer is resolved again by the name the run recorded, pinned to its commit; `model_max_length` set to the
+trained --seq-len), the chat template the run rendered its chat records with (the tokenizer's own, kept; else
+zerotrain's plain ChatML as chat_template.jinja, so `apply_chat_template` on the export renders a record as the run
+did), and a README.md model card naming the tokenizer (a hub name as given, else by vocabulary size and hash) and
+the data's format.
 
 RUN_DIR means its newest complete checkpoint that verifies; with --best the one
 checkpoints/best.json names (the lowest validation loss: the one users ship). The weights are the fp32 master weights, put
@@ -52,6 +55,7 @@ from zerotrain.dataio.errors import DataError, first_line
 from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.hub import TOKENIZER_FILES
 from zerotrain.dataio.loader import load_data, open_data
+from zerotrain.dataio.sft import PLAIN_CHAT_TEMPLATE
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint
@@ -138,9 +142,12 @@ def live_model(state: dict, args: ModelArgs, where: str):
     return model.eval()
 
 
-def copy_tokenizer(tokenizer, out: Path) -> list[str]:
+def copy_tokenizer(tokenizer, out: Path, seq_len: int | None = None, chat_template: str | None = None) -> list[str]:
     """Copy a Hugging Face tokenizer's files (those AutoTokenizer reads, the chat template included)
-    next to the weights; [] for the byte tokenizer."""
+    next to the weights; [] for the byte tokenizer. `seq_len`: the trained context, written as the tokenizer's
+    model_max_length (so a trainer's default max length does not exceed it); `chat_template`: the template the run
+    rendered its chats with when the tokenizer brought none, written as chat_template.jinja (where transformers 5
+    saves one, and reads it)."""
     if tokenizer.name == "bytes":
         return []
     copied = [f for f in TOKENIZER_FILES if (tokenizer.directory / f).is_file()]
@@ -155,7 +162,47 @@ def copy_tokenizer(tokenizer, out: Path) -> list[str]:
         (out / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **special}, indent=2) + "\n")
         copied.append("tokenizer_config.json")
+    if seq_len is not None:
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": seq_len}, indent=2) + "\n")
+    if chat_template is not None and tokenizer.chat_template is None:
+        (out / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+        copied.append("chat_template.jinja")
     return copied
+
+
+def chat_format(run: dict, tokenizer) -> tuple[str | None, str | None]:
+    """(the template the run rendered its chat records with when its tokenizer has none, else None; the words
+    the model card says the run's data was in)."""
+    formats = {s.get("format", "text") for s in run.get("sources", [])}
+    words = []
+    template = None
+    if "chat" in formats:
+        if tokenizer.chat_template is not None:
+            words.append("chat records rendered with the tokenizer's own chat template (kept here)")
+        else:
+            template = PLAIN_CHAT_TEMPLATE
+            words.append("chat records rendered with zerotrain's plain ChatML template (`<|im_start|>ROLE\\nCONTENT"
+                         "<|im_end|>\\n` as text" + ("" if tokenizer.name == "bytes" else
+                                                       ", written here as chat_template.jinja") + ")")
+    if "sft" in formats:
+        words.append("prompt/response records (prompt, separator, response)")
+    if "text" in formats:
+        words.append("text documents")
+    return template, "; ".join(words) or None
+
+
+def tokenizer_words(run: dict, tokenizer) -> str:
+    """The model card's name for the tokenizer: the hub name as the run was given it, else its content (never a
+    path, which means nothing where the card is read)."""
+    if tokenizer.name == "bytes":
+        return ("zerotrain's byte tokenizer (ids 0-255 are UTF-8 bytes, 256 BOS, 257 EOS; not a Hugging Face one, so"
+                " no tokenizer files here)")
+    content = f"vocabulary {tokenizer.vocab_size:,}, tokenizer.json sha256 {tokenizer.sha256[:16]}"
+    if tokenizer.origin is not None:  # a hub name: the run records it pinned to its commit
+        given = run.get("run", {}).get("tokenizer") or tokenizer.name
+        return f"`{given}` from the Hugging Face Hub (`{tokenizer.name}`; {content}); its files are here"
+    return f"a Hugging Face tokenizer, its files here ({content})"
 
 
 # -- the check -----------------------------------------------------------------------------------
@@ -236,11 +283,11 @@ def model_card(run: dict, meta: dict, tag_dir: Path, args: ModelArgs, dtype: str
         f"A {arch} ({n['total']:,} parameters, {dtype}) exported by zerotrain {__version__} from checkpoint"
         f" `{tag_dir.name}` (step {meta.get('step')}, {meta.get('tokens_seen', 0):,} tokens seen) of run"
         f" `{run.get('run_id', '')}`.", "",
-        f"- tokenizer: `{tokenizer.name}`" + ("" if tokenizer.name != "bytes" else
-                                             " (zerotrain's byte tokenizer: ids 0-255 are UTF-8 bytes, 256 BOS,"
-                                             " 257 EOS; not a Hugging Face one, so no tokenizer files here)"),
+        f"- tokenizer: {tokenizer_words(run, tokenizer)}",
+        *([f"- data format: {fmt}"] if (fmt := chat_format(run, tokenizer)[1]) else []),
         f"- layers {args.n_layers}, hidden {args.dim}, heads {args.n_heads} (kv {args.n_kv_heads}), vocabulary"
-        f" {args.vocab_size:,}, context {args.max_seq_len:,}", "",
+        f" {args.vocab_size:,}, context {args.max_seq_len:,}"
+        + (f" (trained on rows of {seq_len:,} tokens)" if (seq_len := run.get("run", {}).get("seq_len")) else ""), "",
         "## Export check", "", checked, ""])
 
 
@@ -273,7 +320,8 @@ def export(source: Path, out: Path, dtype: str = "float32", best: bool = False, 
     try:
         weight_files = hf.save(tmp, state, args, tokenizer.bos_id, tokenizer.eos_id, dtype=getattr(torch, dtype),
                                pad_id=tokenizer.pad_id, max_shard_size=max_shard_size)
-        tokenizer_files = copy_tokenizer(tokenizer, tmp)
+        tokenizer_files = copy_tokenizer(tokenizer, tmp, run.get("run", {}).get("seq_len"),
+                                         chat_format(run, tokenizer)[0])
         if check:
             result = check_export(tmp, state, args, check_batch(run, tokenizer, args), dtype, f"export {tag_dir}")
         (tmp / "README.md").write_text(model_card(run, checkpoint.read_meta(tag_dir), tag_dir, args, dtype,
