@@ -14,7 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
-from zerotrain.cli_args import Parser
+from zerotrain.cli_args import Parser, exact_integer
 from zerotrain.dataio.errors import DataError, UsageError
 from zerotrain.dataio.mix import parse_mix
 from zerotrain.dataio.pieces import default_piece_len
@@ -35,9 +35,10 @@ def _run(fn, argv):
 def _positive(name):
     def parse(text):
         try:
-            v = int(float(text)) if "e" in text.lower() else int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+            v = exact_integer(text)  # 1e6 too; 2.5 and 1e400 refused (zerotrain/cli_args.py)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}"
+                                             + ("" if str(e).startswith("not a number") else f" ({e})")) from None
         if v <= 0:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
         return v
@@ -191,6 +192,8 @@ def tokenizer_main(argv):
 
     def go(_):
         out = Path(a.out)
+        if out.exists() and not out.is_dir():
+            raise DataError(f"--out {out}: is a file, not a directory (tokenizer train writes a directory)")
         if out.exists() and any(out.iterdir()):
             raise DataError(f"--out {out}: exists and is not empty")
         mix = parse_mix(a.data)
