@@ -105,7 +105,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.errors import DataError, DataNotHere
 
 # A source's `format` and, for sft/chat sources, what to do with a record longer than seq_len
 # (zerotrain.dataio.sft renders and cuts them)
@@ -331,7 +331,7 @@ def _parse_path(value, mix_path: Path, at: str) -> tuple[str, ...]:
         p = Path(os.path.abspath(p if p.is_absolute() else mix_path.parent / p))
         if not has_glob(e):
             if not p.exists():
-                raise DataError(f"{at}: data file {p} does not exist")
+                raise DataNotHere(f"{at}: data file {p} does not exist")
             if p.is_file() and file_format(p.name) is None:
                 raise DataError(f"{at}: unsupported file type {''.join(p.suffixes[-2:]) or p.name!r}"
                                 f" (use {', '.join(BUILDERS)}; json lines may be compressed: {', '.join(COMPRESSED)})")

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.errors import DataError, DataNotHere, first_line
 from zerotrain.dataio.mix import BUILDERS, COMPRESSED, SourceSpec, file_format, has_glob
 from zerotrain.dataio.sft import ChatRenderer, is_sft, render_record
 
@@ -107,10 +107,10 @@ def _expand(spec: SourceSpec, entry: str) -> list[str]:
         try:  # datasets' own globbing (fsspec; `**` for any depth; hidden files skipped)
             return resolve_pattern(entry, base_path="", allowed_extensions=DATA_EXTENSIONS)
         except FileNotFoundError:
-            raise DataError(f"{spec.where()}: path {entry} matches no data file") from None
+            raise DataNotHere(f"{spec.where()}: path {entry} matches no data file") from None
     p = Path(entry)
     if not p.exists():
-        raise DataError(f"{spec.where()}: data file {p} does not exist")
+        raise DataNotHere(f"{spec.where()}: data file {p} does not exist")
     if p.is_file() or _saved_dataset(p):
         return [entry]
     # A directory of data files: the files load_dataset(DIR) takes for the split (datasets' naming
