@@ -13,7 +13,7 @@ from conftest import launch, read_metrics
 from test_bad_input import snapshot
 from test_data_reshard import DOC, WORDS, run_worlds
 from zerotrain.dataio import tokenfile
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.errors import DataError, UsageError
 from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data
 from zerotrain.dataio.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -244,3 +244,17 @@ def test_a_bin_given_as_data_says_how_to_name_it(tmp_path):
     with pytest.raises(DataError, match=r'a flat token file is read through a mix that names its dtype and eos_id.*'
                                         r'"path": "val.bin", "format": "tokens"'):
         open_data(str(tmp_path / "val.bin"), ByteTokenizer())
+
+
+def test_prepare_and_tokenizer_training_refuse_a_token_file(tmp_path):
+    """Token ids already: `zerotrain prepare` is not needed, and there is no text to train a tokenizer on."""
+    from zerotrain.dataio.commands import tokenizer_main
+    from zerotrain.dataio.shards import prepare
+
+    nanogpt_bin(tmp_path / "train.bin", random_docs(3, 10))
+    with pytest.raises(DataError, match="format tokens is token ids already: train from the mix itself"):
+        prepare(token_mix(tmp_path), ByteTokenizer(), tmp_path / "shards")
+    assert not (tmp_path / "shards").exists()
+    with pytest.raises(UsageError, match="format tokens is token ids already; a tokenizer is trained on text"):
+        tokenizer_main(["train", "--data", token_mix(tmp_path), "--vocab-size", "300", "--out", str(tmp_path / "t")])
+    assert not (tmp_path / "t").exists()
