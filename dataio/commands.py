@@ -19,7 +19,7 @@ from zerotrain.dataio.errors import DataError, UsageError
 from zerotrain.dataio.mix import parse_mix
 from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.readers import find_files, load_text_source
-from zerotrain.dataio.sft import ChatRenderer, labelled_tokens
+from zerotrain.dataio.sft import ChatRenderer, is_sft, labelled_tokens
 from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
 from zerotrain.dataio.streamed import open_streamed, record_text
 from zerotrain.dataio.tokenizer import TRAINING_RECORD, HFTokenizer, load_tokenizer, train_bpe
@@ -197,6 +197,9 @@ def tokenizer_main(argv):
         if out.exists() and any(out.iterdir()):
             raise DataError(f"--out {out}: exists and is not empty")
         mix = parse_mix(a.data)
+        for spec in mix.sources:
+            if spec.format == "tokens":
+                raise DataError(f"{spec.where()}: format tokens is token ids already; a tokenizer is trained on text")
 
         def texts():
             for spec in mix.sources:
@@ -248,7 +251,7 @@ def describe_data(data, run_tokens: int) -> list[str]:
             lines.append(f"  {spec.name:<14} weight {spec.weight:6.1%}  {'' if exact else '~'}{size:,} tokens"
                          f"  ~{epochs:.2f} epochs over the run  ({where})")
             if store is not None:
-                lines.append(" " * 17 + (_records_line(data, spec, store) if spec.format != "text" else
+                lines.append(" " * 17 + (_records_line(data, spec, store) if is_sft(spec) else
                                          _documents_line(data, store)))
             if spec.on_exhausted == "stop" and epochs > 1:
                 lines.append(f"  WARNING: source {spec.name!r} runs out after ~{1 / epochs:.0%} of the run"
