@@ -83,6 +83,7 @@ def parse(argv):
     p.add_argument("--programs", default=",".join(PROGRAMS), help="which, comma-separated, in this order")
     p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "gpu_peers"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the suite's check)")
+    p.add_argument("--commit", help="the commit measured, for the header (default: git's, where the checkout has .git)")
     a = p.parse_args(argv)
     for key, value in (SMOKE if a.smoke else DEFAULTS).items():
         if getattr(a, key) is None:
@@ -406,12 +407,18 @@ def header(bench: Bench, device: str, argv: list[str]) -> list[str]:
     import torch
 
     a = bench.a
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    commit = a.commit
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=REPO).stdout.strip()
+        except OSError:  # no git where it runs
+            commit = None
     precision = ("fp32 throughout (the CPU)" if a.smoke else
                  "bf16 parameters, fp32 master weights and AdamW states (fused AdamW), clipping 1.0")
     return [
         f"GPU peers, {time.strftime('%Y-%m-%d')}: {device}, torch {torch.__version__}, commit"
-        f" {commit.stdout.strip() or 'n/a'}; model {a.model} ({bench.model_args.n_layers} layers, dim"
+        f" {commit or 'n/a'}; model {a.model} ({bench.model_args.n_layers} layers, dim"
         f" {bench.model_args.dim}, vocabulary {bench.model_args.vocab_size}) at seq {a.seq_len}; micro-batch"
         f" {bench.micro} ({bench.micro_source}); {a.steps} steps a run, medians over steps {a.discard + 1}+;"
         f" peak {bench.peak:.3g} FLOP/s ({bench.peak_source}); command: python benchmarks/gpu_peers.py"

@@ -12,13 +12,22 @@ pip_install() { python3 -m pip install -q --no-index --no-deps --no-compile --no
 pip_install .whl/*.whl
 pip_install --no-build-isolation .  # zerotrain from this tree (its setup.cfg maps launcher/ -> zerotrain.launcher)
 rm -rf build zerotrain.egg-info
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# nothing outside the machine can be reached: the hub libraries are told so rather than left to time out
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi -L
+# from /tmp, not the checkout: under python -m its zerotrain/ folder would shadow the installed one (gpu.py driver_command)
 (cd /tmp && python3 - <<'PY'
 import importlib.metadata as md, sys
 import torch
+import datasets, deepspeed, pydantic  # noqa: F401  (carried: an import that fails here fails every driver row)
+names = ("transformers", "accelerate", "deepspeed", "datasets", "pydantic", "pyarrow", "fsspec", "huggingface_hub")
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-      + ", ".join(f"{n} {md.version(n)}" for n in ("transformers", "deepspeed", "datasets", "pydantic", "liger_kernel")))
+      + ", ".join(f"{n} {md.version(n)}" for n in names))
+try:
+    import liger_kernel.transformers  # noqa: F401
+    print(f"liger_kernel {md.version('liger_kernel')}: imports")
+except Exception as e:  # Dl's row will say why
+    print(f"liger_kernel does not import: {type(e).__name__}: {e}")
 PY
-python3 -m zerotrain train --help >/dev/null && echo "zerotrain train: starts")  # not from the checkout: see gpu_peers.py
+python3 -m zerotrain train --help >/dev/null && echo "zerotrain train: starts")
 exec python3 benchmarks/gpu_peers.py --out "${OUT:-runs/gpu_peers}" "$@"
