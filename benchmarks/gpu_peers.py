@@ -32,7 +32,8 @@ final checkpoint is neither timed nor written out); their `--torch-profile` summ
 it has it) and C's in-process one (launcher/components/observe/torch_profile.py) go to profiles.txt.
 
 `--budget-s`: a run whose expected time (this program's last run, else the mean run so far) would end past the
-budget is not started: its row says so. Out (`--out`, default $OUT, else runs/gpu_peers): gpu_peers.md (the
+budget is not started: its row says so. Out (`--out`, default $OUT, else runs/gpu_peers; rewritten after every
+row): gpu_peers.md (the
 table), gpu_peers.json (every row), profiles.txt, runs.log (the end of every run's output). `--smoke`: the
 debug model at seq 128 on the CPU with the `cpu` profile (A: its copy as of 72584b6), a few steps, C and D
 uncompiled: what the suite runs (tests/test_benchmarks.py). Without CUDA and without --smoke: one line, exit 0.
@@ -259,7 +260,8 @@ class Bench:
         sizings = ["same"] + (["largest"] if self.a.largest else [])
         return [(layout, sizing, accum) for sizing in sizings for accum in self.a.grad_accum for layout in layouts]
 
-    def run_all(self) -> None:
+    def run_all(self, save=lambda: None) -> None:
+        """Every run in order; `save()` after each row (a call cut short keeps the rows done)."""
         for layout, sizing, accum in self.groups():
             for r, program in interleaved(self.a.programs, self.a.rounds):
                 row = {"program": program, "round": r, "docs": layout, "sizing": sizing, "accum": accum}
@@ -267,6 +269,7 @@ class Bench:
                 if row.get("status") is not None:  # None: a row said once per group (E, Dl without liger)
                     self.rows.append(row)
                     print(row_line(row), flush=True)
+                    save()
 
     def not_runnable(self, program: str, first_round: bool) -> dict | None:
         reason = None
@@ -476,7 +479,7 @@ def main(argv: list[str]) -> int:
             bench.set_peak(name)
         head = header(bench, name, argv)
         print("\n".join(head), flush=True)
-        bench.run_all()
+        bench.run_all(save=lambda: write_out(bench, Path(a.out), head))
         print("\n" + write_out(bench, Path(a.out), head), flush=True)
     finally:
         import shutil
