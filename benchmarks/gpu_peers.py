@@ -33,10 +33,10 @@ it has it) and C's in-process one (launcher/components/observe/torch_profile.py)
 
 `--budget-s`: a run whose expected time (this program's last run, else the mean run so far) would end past the
 budget is not started: its row says so. Out (`--out`, default $OUT, else runs/gpu_peers; rewritten after every
-row): gpu_peers.md (the
-table), gpu_peers.json (every row), profiles.txt, runs.log (the end of every run's output). `--smoke`: the
-debug model at seq 128 on the CPU with the `cpu` profile (A: its copy as of 72584b6), a few steps, C and D
-uncompiled: what the suite runs (tests/test_benchmarks.py). Without CUDA and without --smoke: one line, exit 0.
+row): gpu_peers.md (the table), gpu_peers.json (every row), profiles.txt, runs.log (the end of every run's
+output). `--smoke`: the debug model at seq 128 on the CPU with the `cpu` profile (A: its copy as of 72584b6), a
+few steps, C and D uncompiled: what the suite runs (tests/test_benchmarks.py). Without CUDA and without --smoke:
+one line, exit 0.
 """
 from __future__ import annotations
 
