@@ -54,7 +54,7 @@ class TorchProfile(Participant):
             return
         out = self.run.plan.run_dir / "torch_profile"
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.txt").write_text(f"steps {self.start}-{self.start + self.count - 1}\n" + summarize(profiler))
+        (out / "summary.txt").write_text(f"steps {self.start}-{self.start + self.count - 1}\n" + summarize(profiler, steps=self.count))
         profiler.export_chrome_trace(str(out / "trace.json"))
         self.run.say(f"torch.profiler: {out / 'summary.txt'}")
 
