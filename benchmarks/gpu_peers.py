@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu  # noqa: E402  (benchmarks/gpu.py: plan_micro, staged_profile, driver_command, step_records)
 
-PROGRAMS = ("A", "B", "C", "D", "Dl", "E")
+PROGRAMS = ("A", "B", "Bz", "C", "D", "Dl", "E")  # Bz: B with --b-zero (runs only when given)
 OLD_PROFILES = {"gpu": REPO / "benchmarks/profiles/h100-80g-x8-2026-11-26.json",
                 "cpu": REPO / "benchmarks/profiles/cpu-2026-11-26.json"}  # A: `git show 72584b6:ds_configs/...`
 SHIPPED = {"gpu": "h100-80g-x8", "cpu": "cpu"}  # B
@@ -84,6 +84,8 @@ def parse(argv):
     p.add_argument("--programs", default=",".join(PROGRAMS), help="which, comma-separated, in this order")
     p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "runs" / "gpu_peers"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the suite's check)")
+    p.add_argument("--b-zero", type=json.loads, default=None,
+                   help="program Bz: B with these zero_optimization keys over the shipped profile's (a JSON object)")
     p.add_argument("--commit", help="the commit measured, for the header (default: git's, where the checkout has .git)")
     a = p.parse_args(argv)
     for key, value in (SMOKE if a.smoke else DEFAULTS).items():
@@ -277,6 +279,8 @@ class Bench:
             found = [m for m in ("litgpt", "torchtitan") if find_spec(m)]
             reason = (f"not run: {found[0]} is importable, but no runner is written for it" if found
                       else "not run: not installed (litgpt, torchtitan)")
+        elif program == "Bz" and not self.a.b_zero:
+            return {"status": None}  # nothing to vary
         elif program == "Dl" and self.device != "cuda":
             reason = "not run: liger-kernel's kernels are Triton (CUDA only)"
         elif program == "Dl" and find_spec("liger_kernel") is None:
@@ -303,7 +307,7 @@ class Bench:
         run_id = f"{program}-{layout}-{sizing}-accum{accum}-r{round_}"
         timeout = max(left, 30.0) + 30.0
         t = time.time()
-        if program in ("A", "B"):
+        if program in ("A", "B", "Bz"):
             values, micro = self.driver_values(program, layout, accum, run_id)
             if sizing == "largest":
                 fit = gpu.plan_micro({k: v for k, v in values.items() if k not in ("compile", "torch_profile")},
@@ -335,6 +339,14 @@ class Bench:
             path = self.work / "A.profile.json"
             path.write_text(json.dumps(gpu.staged_profile(self.old_profile, 2)))
             values.update(profile=str(path), attention="sdpa" if self.a.smoke else "varlen", compile=False)
+        elif program == "Bz":
+            from zerotrain.launcher.profiles import load_profile
+
+            shipped = load_profile(self.shipped)[1]
+            path = self.work / "Bz.profile.json"
+            path.write_text(json.dumps({**shipped, "zero_optimization": {**shipped["zero_optimization"],
+                                                                         **self.a.b_zero}}))
+            values["profile"] = str(path)
         else:
             values["profile"] = self.shipped
         if self.has_torch_profile:
@@ -347,7 +359,7 @@ class Bench:
         tail = [ln for ln in text.splitlines() if ln.strip()][-40:]
         self.logs.append(f"==== {run_id}: {out.get('status')}\n" + "\n".join(tail))
         program = run_id.split("-")[0]
-        if program in ("A", "B", "C"):
+        if program in ("A", "B", "Bz", "C"):
             self.profiles.append(f"==== {run_id}\n" + (out.get("profile") or "no profile written\n"))
 
     def figures(self, out: dict, micro: int, accum: int, wall_s: float) -> dict:
@@ -428,7 +440,8 @@ def header(bench: Bench, device: str, argv: list[str]) -> list[str]:
         f" {' '.join(argv)}".rstrip(), "",
         "A: our driver as shipped on 2026-11-26 (profile as of 72584b6, ZeRO-2, --no-compile, varlen); B: our driver"
         f" on ds_configs/{bench.shipped}.json now; C: plain torch loop on our Transformer (varlen, layout from the"
-        " host, per-block torch.compile); D: HF LlamaForCausalLM (sdpa, per-layer torch.compile); Dl: D with"
+        " host, per-block torch.compile)" + (f"; Bz: B with zero_optimization {json.dumps(a.b_zero)}" if a.b_zero
+                                              else "") + "; D: HF LlamaForCausalLM (sdpa, per-layer torch.compile); Dl: D with"
         f" liger-kernel. C and D: {precision}. Step time: A/B the wall clock between consecutive metrics.jsonl step"
         " records (elapsed_s), C/D CUDA events at each step start (host work between steps included in both)."
         " MFU (ours): sizes.flops_per_token (matmuls + full T x T attention); MFU (6N): the matmuls only."
