@@ -254,32 +254,39 @@ def accumulate_in_fp32(ds: dict) -> dict:
 
 
 def one_device_stage(ds: dict, world: int, device: str, start_stage: int | None = None) -> tuple[dict, str]:
-    """(the dict, what was decided in words, or ""): ZeRO-3 on ONE accelerator runs as ZeRO-2.
+    """(the dict, what was decided in words, or ""): ZeRO on ONE accelerator, as measured there.
 
     With a world of 1 ZeRO-3 partitions nothing, yet gathers and releases every parameter around every
     module's forward and backward: on one H100 (benchmarks/RESULTS.md, 2026-11-25) xlarge ran at 15.6-19.8%
-    MFU at ZeRO-3 against 24.9-26.5% at ZeRO-2 with the same kernels. ZeRO-2 keeps the same fp32 master
-    weights, Adam state and fp32 gradient accumulation, and DeepSpeed's ZeRO-1/2 checkpoint layout. Stages
-    0 and 1 are not taken: DeepSpeed 0.19 refuses bf16 with fp32 accumulation at stage 0 and swaps in
-    BF16_Optimizer (another checkpoint layout, no universal conversion here) at stage 1.
+    MFU at ZeRO-3 against 24.9-26.5% at ZeRO-2 with the same kernels. So ZeRO-3 runs as ZeRO-2 there: the same
+    fp32 master weights, Adam state and fp32 gradient accumulation, DeepSpeed's ZeRO-1/2 checkpoint layout.
+    And with nothing to reduce, overlap_comm (a side stream and its waits) and contiguous_gradients (every
+    gradient copied into a bucket) are turned off: on one H200 (2026-11-27, `benchmarks/gpu_peers.py --programs
+    B,Bz --b-zero '{"overlap_comm": false, "contiguous_gradients": false}'`, interleaved twice) 52,095-52,178
+    against 51,120-51,200 tokens/s and 49.3 against 51.2 GiB. At world 8 the profile's values stand (not
+    measured here). Stages 0 and 1 are not taken: DeepSpeed 0.19 refuses bf16 with fp32 accumulation at stage 0
+    and swaps in BF16_Optimizer (another checkpoint layout, no universal conversion here) at stage 1.
     Not on a CPU (the CPU profiles are what the suite runs), not with offload (its parameters need ZeRO-3).
     `start_stage`: the stage a resumed run's checkpoint was saved with; a checkpoint cannot move between ZeRO-2
     and ZeRO-3 (checkpoints/universal.py), so a run started on one device keeps ZeRO-2 on more.
     """
     zero = ds.get("zero_optimization") or {}
     offloaded = any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
-    if zero.get("stage") != 3 or offloaded or device == "cpu":
+    if zero.get("stage") not in (2, 3) or offloaded or device == "cpu":
         return ds, ""
     if world == 1:
-        why = ("ZeRO-2 instead of the profile's ZeRO-3: one device partitions nothing, and ZeRO-3 would gather every"
-               " parameter around every forward and backward (set zero_optimization.stage 2 in the profile to"
-               " resume this run on more devices)")
-    elif start_stage == 2:
-        why = ("ZeRO-2 instead of the profile's ZeRO-3: the run started on one device at ZeRO-2, and a checkpoint"
-               " cannot move between ZeRO-2 and ZeRO-3")
-    else:
-        return ds, ""
-    return {**ds, "zero_optimization": {**zero, "stage": 2}}, why
+        one = {"stage": 2, "overlap_comm": False, "contiguous_gradients": False}
+        if all(zero.get(k) == v for k, v in one.items()):
+            return ds, ""
+        why = ("ZeRO-2 without overlap_comm and contiguous_gradients on one device (nothing to partition or reduce:"
+               f" measured faster than the profile's ZeRO-{zero['stage']} settings on one GPU; set"
+               " zero_optimization.stage 2 in the profile to resume this run on more devices)")
+        return {**ds, "zero_optimization": {**zero, **one}}, why
+    if start_stage == 2 and zero["stage"] == 3:
+        return {**ds, "zero_optimization": {**zero, "stage": 2}}, (
+            "ZeRO-2 instead of the profile's ZeRO-3: the run started on one device at ZeRO-2, and a checkpoint"
+            " cannot move between ZeRO-2 and ZeRO-3")
+    return ds, ""
 
 
 def describe_precision(ds: dict) -> str:

@@ -88,18 +88,25 @@ def test_a_forward_given_the_host_layout_equals_one_that_derives_it():
                            model(ids, pos, labels=ids, documents=DocumentLayout("sdpa", mask=None)))
 
 
-def test_one_device_runs_the_profiles_zero3_as_zero2():
+def test_one_device_runs_the_profiles_zero3_as_zero2_without_overlap_or_buckets():
     _, profile = load_profile("h100-80g-x8")
     ds = {k: v for k, v in profile.items() if k != "zerotrain"}
-    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["overlap_comm"] is True
     one, why = one_device_stage(ds, 1, "cuda")
-    assert one["zero_optimization"]["stage"] == 2 and "one device partitions nothing" in why
-    assert {k: v for k, v in one["zero_optimization"].items() if k != "stage"} == \
-        {k: v for k, v in ds["zero_optimization"].items() if k != "stage"}
+    zero = one["zero_optimization"]
+    assert (zero["stage"], zero["overlap_comm"], zero["contiguous_gradients"]) == (2, False, False)
+    assert "ZeRO-2 without overlap_comm and contiguous_gradients on one device" in why and "ZeRO-3" in why
+    assert {k: v for k, v in zero.items() if k not in ("stage", "overlap_comm", "contiguous_gradients")} == \
+        {k: v for k, v in ds["zero_optimization"].items() if k not in ("stage", "overlap_comm", "contiguous_gradients")}
+    assert one_device_stage(one, 1, "cuda") == (one, "")  # nothing left to change: nothing said
+    _, zero2 = load_profile("a100-80g-x8")  # a ZeRO-2 profile gets the same one-device settings
+    assert one_device_stage({k: v for k, v in zero2.items() if k != "zerotrain"}, 1, "cuda")[0][
+        "zero_optimization"]["overlap_comm"] is False
     assert one_device_stage(ds, 8, "cuda") == (ds, "")  # several devices: the profile's
     assert one_device_stage(ds, 1, "cpu") == (ds, "")  # the CPU profiles' stages are what the suite runs
     started, why = one_device_stage(ds, 8, "cuda", start_stage=2)  # a run started on one device, resumed on 8
     assert started["zero_optimization"]["stage"] == 2 and "cannot move between ZeRO-2 and ZeRO-3" in why
+    assert started["zero_optimization"]["overlap_comm"] is True  # on 8 devices the profile's overlap stands
     offloaded = {**ds, "zero_optimization": {**ds["zero_optimization"], "offload_param": {"device": "cpu"}}}
     assert one_device_stage(offloaded, 1, "cuda") == (offloaded, "")  # offloaded parameters need ZeRO-3
 
