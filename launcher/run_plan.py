@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +187,13 @@ def identify(cfg: RunConfig) -> RunIdentity:
 
 def run_id_of(cfg: RunConfig, model_label: str, profile_name: str) -> str:
     """The run id: --run-id, else the model, the profile and the hash of the config's identity fields."""
-    return cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
+    return cfg.run_id or f"{model_label}-{profile_slug(profile_name)}-{cfg.identity_hash()}"
+
+
+def profile_slug(profile_name: str) -> str:
+    """A profile name as a run id holds it: `auto:NVIDIA GeForce RTX 4090` -> `auto-nvidia-geforce-rtx-4090` (no
+    colon or space in a directory name); a shipped profile's name is already one."""
+    return re.sub(r"[^a-z0-9._-]+", "-", profile_name.lower()).strip("-") if ":" in profile_name else profile_name
 
 
 def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
@@ -407,7 +414,8 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
     if schedule:
         lines.append(Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
                               cfg.decay_fraction).describe(cfg.lr))
-    lines += [f"attention: {plan.attention} ({plan.attention_why})",
+    lines += [*([f"profile auto: {plan.profile_why}"] if plan.profile_why else []),  # what --profile auto saw and took
+              f"attention: {plan.attention} ({plan.attention_why})",
               describe_precision(ds),
               *([f"zero: {plan.stage_line}"] if plan.stage_line else []),
               *describe_tiled_mlp(plan),

@@ -14,7 +14,7 @@ from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_p
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
-from zerotrain.launcher.profiles import apply_offload, load_profile, offload_settings, resolve_batch
+from zerotrain.launcher.profiles import apply_offload, detect_profile, load_profile, offload_settings, resolve_batch
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -57,10 +57,12 @@ def plan_main(argv: list[str]) -> dict:
                     sources={k: "flag" if k in flags else "recipe" for k in values})
     cfg.validate()  # the driver's own checks and messages
 
+    auto = None  # --profile auto: the profile this machine detects (or builds: profiles.detect_profile)
     if values.get("profile") is None and ns.gpus is not None:
         name, profile = "generic GPU", json.loads(json.dumps(GENERIC_GPU_PROFILE))
     else:
-        name, profile = load_profile(cfg.profile)
+        spec, auto = detect_profile() if cfg.profile == "auto" else (cfg.profile, None)
+        name, profile = load_profile(spec)
     settings = resolve_settings(cfg, name, profile)  # the profile's knobs under the flags given (settings.py)
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
@@ -95,7 +97,10 @@ def plan_main(argv: list[str]) -> dict:
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from
     plan["warnings"] = list(repeats(cfg, tokenizer, plan["tokens"], settings)) if data_here else []
-    print(json.dumps(plan, indent=2) if ns.json else f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
+    if auto:
+        plan["profile_auto"] = auto
+    print(json.dumps(plan, indent=2) if ns.json else (f"profile auto: {auto}\n" if auto else "")
+          + f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
           + render(plan) + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
 

@@ -978,14 +978,10 @@ def device_memory_here(accelerator: str, local_world: int) -> tuple[float, str, 
     return ram / local_world, "cpu", f"{ram / GiB:.1f} GiB RAM available / {local_world} local rank(s)"
 
 
-def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attention: str | None = None) -> dict:
-    """Refuse (UsageError, the planner's one-line verdict) a resolved run that cannot fit on this device.
-
-    Called by launcher/run_plan.py plan_run before anything is built or written; skipped with
-    --no-fit-check. `attention`: the kernel the driver resolved for this node (None: the profile's, else
-    auto); `knobs`: the run's resolved settings (hardware, activation_checkpointing). Returns the chosen
-    stage's memory by component (bytes).
-    """
+def planned_here(cfg, model_args, ds_config: dict, knobs: dict, world: int,
+                 attention: str | None = None) -> tuple[dict, "Setup", str]:
+    """(the run's planned memory per rank by component, the Setup, what the device is in words) on this node's
+    device: what fit_check refuses on, and what an out-of-memory end names as the planned peak."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     hw = knobs.get("hardware") or {}
     device_bytes, accel, what = device_memory_here(hw.get("accelerator", "cuda"), local_world)
@@ -994,10 +990,24 @@ def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attenti
     setup = setup_from(ds_config, {**knobs, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
                        device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args,
                        attention=attention)
+    ac = bool(knobs.get("activation_checkpointing"))
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    return memory(model_args, setup, stage_key(ds_config), micro, cfg.seq_len, ac), setup, what
+
+
+def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attention: str | None = None) -> dict:
+    """Refuse (UsageError, the planner's one-line verdict) a resolved run that cannot fit on this device.
+
+    Called by launcher/run_plan.py plan_run before anything is built or written; skipped with
+    --no-fit-check. `attention`: the kernel the driver resolved for this node (None: the profile's, else
+    auto); `knobs`: the run's resolved settings (hardware, activation_checkpointing). Returns the chosen
+    stage's memory by component (bytes).
+    """
+    m, setup, what = planned_here(cfg, model_args, ds_config, knobs, world, attention)
+    device_bytes, accel = setup.device_bytes, setup.accelerator
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     ac = bool(knobs.get("activation_checkpointing"))  # resolved once (launcher/settings.py): flag | profile | off
     micro = ds_config["train_micro_batch_size_per_gpu"]
-    m = memory(model_args, setup, stage_key(ds_config), micro, cfg.seq_len, ac)
     if m["total"] > device_bytes:
         plan = {"hardware": {"world": setup.world, "device_memory_gib": _gib(device_bytes), "accelerator": accel},
                 "zero_stage": stage, "activation_checkpointing": ac, "micro_batch": micro, "seq_len": cfg.seq_len,
