@@ -191,8 +191,7 @@ def detect_profile(node: Node | None = None) -> tuple[str, str]:
     return AUTO_PREFIX + node.name, (
         f"no shipped profile for {node.name} ({mem_gib:.0f} GiB, {kind}): built one for {count} GPU(s),"
         f" {AUTO_PREFIX}{node.name}: ZeRO-2, {precision(built)}, fused AdamW, activation checkpointing, regional"
-        f" compile, micro-batch 1 x {built['gradient_accumulation_steps']} (`zerotrain plan --profile auto` for the"
-        f" largest that fits), " + (f"peak {peak / 1e12:g} TFLOP/s ({profile_value(built, 'peak_flops_note')})"
+        f" compile, {AUTO_ROWS} rows per step in the largest micro-batch that fits its memory, " + (f"peak {peak / 1e12:g} TFLOP/s ({profile_value(built, 'peak_flops_note')})"
                                     if peak else "peak FLOP/s unknown: no MFU"))
 
 
@@ -201,6 +200,7 @@ def detect_profile(node: Node | None = None) -> tuple[str, str]:
 # ZeRO-3 would gather every parameter around every module for little memory saved on 1-2 GPUs).
 AUTO_PREFIX = "auto:"
 AUTO_BASE = "rtx6000ada-48g-x2"
+AUTO_ROWS = 8  # rows per device per step of a built profile: micro-batch x grad accum (planner.size_auto_micro_batch)
 # Dense (no sparsity) 16-bit tensor-core peak per GPU, FP32 accumulate, from the vendor's datasheets:
 # NVIDIA Ada Lovelace architecture whitepaper v1.03 appendix (RTX 4090: 165.2 TFLOP/s FP16/BF16, FP32 accumulate);
 # L4 datasheet (BF16 242 TFLOP/s with sparsity: 121 dense); A10 datasheet (BF16 125 dense / 250 sparse);
@@ -227,7 +227,7 @@ def peak_flops_of(name: str) -> tuple[float | None, str]:
 def build_profile(node: Node) -> dict:
     """The profile --profile auto builds for a single-node GPU no shipped profile matches: AUTO_BASE's settings,
     ZeRO-2, bf16 if the GPU has it else fp16 with dynamic loss scaling, this node's device count and memory, the
-    peak FLOP/s of PEAK_FLOPS (none: no MFU), micro-batch 1."""
+    peak FLOP/s of PEAK_FLOPS (none: no MFU), the micro-batch left to the planner (AUTO_ROWS rows per step)."""
     base = json.loads((PROFILE_DIR / f"{AUTO_BASE}.json").read_text())
     ours = dict(base["zerotrain"])
     for key in ("peak_flops_per_device", "peak_flops_note", "expected_mfu", "mfu_threshold", "mfu_note"):
@@ -243,7 +243,8 @@ def build_profile(node: Node) -> dict:
     fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
             "hysteresis": 2, "min_loss_scale": 1}  # DeepSpeed's dynamic loss scaling (0: dynamic)
     profile = {**base, "zerotrain": ours, "zero_optimization": {**zero, "stage": 2},
-               "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8, "train_batch_size": "auto",
+               # the micro-batch that fits this GPU's memory is the planner's (size_auto_micro_batch): it needs the model
+               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
                "bf16": {"enabled": True, "check_grad_overflow": False} if node.cuda_bf16 else {"enabled": False},
                "fp16": {"enabled": False} if node.cuda_bf16 else fp16}
     validate_profile(profile, f"profile {AUTO_PREFIX}{node.name}")

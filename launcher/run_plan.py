@@ -34,7 +34,8 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.planner import check_sequence_parallel, fit_check, offload_lines, run_loss_chunk
+from zerotrain.launcher.components.planner import (check_sequence_parallel, fit_check, offload_lines, run_loss_chunk,
+                                                   size_auto_micro_batch)
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
@@ -210,6 +211,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     run_id = run_dir.name
     sp = check_sequence_parallel_plan(cfg, settings, model_args, world)
     data_world = world // sp  # the batch, the data and the loader states count row groups, not ranks
+    # a profile --profile auto built: the micro-batch that fits its GPU (the planner's, as in --dry-run and plan)
+    profile = size_auto_micro_batch(profile, cfg, model_args, settings.values, world)
     ds_config = resolve_ds_config(profile, cfg, data_world, f"profile {profile_name}")
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
     cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len)

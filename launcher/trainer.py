@@ -622,14 +622,16 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
 def out_of_memory(trainer: Trainer, error: BaseException) -> RunResult:
     """A rank out of memory (components/oom.py) ends the run as "oom": its exit code (never restarted) and one line.
     In a world of 1 the end is recorded as any other (`_finish`); with more ranks the others wait in the step's
-    collective for this one, so this rank records what it can (its exit code for `zerotrain launch`, manifest.json's
-    end when it is rank 0), says the line and leaves at once: its launcher then ends the others."""
+    collective for this one, so this rank records the end itself (manifest.json, its exit code for `zerotrain launch`),
+    says the line and leaves at once: its launcher then ends the others."""
     plan = trainer.plan
     stop = StopRun("oom", oom.out_of_memory_message(plan, trainer.step, error, plan.node.device))
     if plan.world == 1:
         return trainer._finish(stop)
-    if trainer.is_main:
-        manifest.record_end(plan.run_dir, stop, trainer.step)
+    try:  # whichever rank it is, as the hang watchdog does: rank 0 may be the one waiting
+        manifest.record_end(plan.run_dir, stop, trainer.step, rank0_only=False)
+    except OSError:
+        pass  # the exit code still says it
     report_exit(stop.exit_code)  # written before any other rank can fail on this one's absence
     report_rank_end(stop.exit_code)
     print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)

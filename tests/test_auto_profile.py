@@ -40,7 +40,8 @@ def test_a_gpu_without_a_shipped_profile_gets_one_built_and_said_in_one_line(on)
     assert name == "auto:NVIDIA GeForce RTX 4090"
     assert why.startswith("no shipped profile for NVIDIA GeForce RTX 4090 (24 GiB, bf16): built one for 1 GPU(s),"
                           " auto:NVIDIA GeForce RTX 4090: ZeRO-2, bf16, fused AdamW")
-    assert "peak 165.2 TFLOP/s" in why and "\n" not in why
+    assert "8 rows per step in the largest micro-batch that fits its memory, peak 165.2 TFLOP/s" in why
+    assert "\n" not in why
     built_name, profile = load_profile(name)  # what the ranks, the notebook's launch and a resume load
     assert built_name == name and profile == build_profile(RTX4090)
     assert profile["zero_optimization"]["stage"] == 2 and precision(profile) == "bf16"
@@ -95,21 +96,38 @@ def test_dry_run_on_a_4090_plans_for_its_memory_and_names_the_run_by_it(on, mix_
     assert result.extra["world"] == 1 and result.extra["ds_config"]["zero_optimization"]["stage"] == 2
     assert result.extra["ds_config"]["bf16"]["enabled"] is True
     assert "\nprofile auto: no shipped profile for NVIDIA GeForce RTX 4090 (24 GiB, bf16): built one" in text
-    assert "profile auto:NVIDIA GeForce RTX 4090, world 1, ZeRO-2" in text
+    assert "profile auto:NVIDIA GeForce RTX 4090, world 1, ZeRO-2, batch 8 x 1 x 1 x 1024" in text
     assert result.run_dir.name.startswith("small-auto-nvidia-geforce-rtx-4090-")  # no colon or space in a path
     plan_line = next(line for line in text.splitlines() if line.startswith("plan: "))
     assert "23.6" in plan_line or "23.60" in plan_line, plan_line  # the verdict against its 23.6 GiB
 
 
-def test_zerotrain_plan_on_a_4090_sizes_the_micro_batch_for_its_memory(on, capsys):
+def plan_json(*flags: str) -> dict:
+    return plan_main(["--profile", "auto", "--model", "small", "--vocab-size", "32000", "--json", *flags])
+
+
+def test_zerotrain_plan_sizes_the_micro_batch_for_the_gpus_memory(on, capsys):
+    """8 rows per device per step on every GPU, in the largest power-of-two micro-batch its memory holds (the planner's
+    max_micro_batch), grad accum making up the rest; --micro-batch given: that, as on any profile."""
     on(RTX4090)
-    plan = plan_main(["--profile", "auto", "--model", "small", "--seq-len", "1024", "--vocab-size", "32000", "--json"])
-    capsys.readouterr()
+    plan = plan_json("--seq-len", "8192")
     assert plan["profile"] == "auto:NVIDIA GeForce RTX 4090" and plan["profile_auto"].startswith("no shipped profile")
-    assert plan["hardware"]["device_memory_gib"] == 23.6 and plan["zero_stage"] == 2
-    assert plan["micro_batch"] == 1 and plan["fits"]
-    largest = plan["max_micro_batch"]
-    on(LAPTOP)  # 7.6 GiB: the same model fits fewer rows
-    laptop = plan_main(["--profile", "auto", "--model", "small", "--seq-len", "1024", "--vocab-size", "32000",
-                        "--json"])
-    assert 1 <= laptop["max_micro_batch"] < largest
+    assert plan["hardware"]["device_memory_gib"] == 23.6 and plan["zero_stage"] == 2 and plan["fits"]
+    assert plan["max_micro_batch"] >= 8 and (plan["micro_batch"], plan["grad_accum"]) == (8, 1)
+    on(LAPTOP)  # 7.6 GiB: the same model and rows, split into smaller micro-batches
+    laptop = plan_json("--seq-len", "8192")
+    assert laptop["max_micro_batch"] == 2 and (laptop["micro_batch"], laptop["grad_accum"]) == (2, 4)
+    assert laptop["tokens_per_step"] == plan["tokens_per_step"] == 8 * 8192
+    assert (plan_json("--seq-len", "16384")["micro_batch"], plan_json("--seq-len", "16384")["grad_accum"]) == (1, 8)
+    given = plan_json("--seq-len", "8192", "--micro-batch", "1")
+    assert (given["micro_batch"], given["grad_accum"]) == (1, 1)  # a flag wins; accum as any profile resolves it
+    capsys.readouterr()
+
+
+def test_the_run_and_its_dry_run_size_it_the_same(on, mix_path, tmp_path, capsys):
+    on(LAPTOP)
+    result = dry_run(resolve_config(["--profile", "auto", "--model", "small", "--seq-len", "8192", "--data",
+                                     str(mix_path), "--out", str(tmp_path / "runs")]))
+    ds = result.extra["ds_config"]
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (2, 4, 8)
+    assert "batch 2 x 4 x 1 x 8192" in capsys.readouterr().out

@@ -540,4 +540,18 @@ def test_a_rank_out_of_memory_ends_the_job_once_with_its_own_code_and_line(tmp_p
     assert "zerotrain launch: job ended oom (exit 12" in out and "not restarted (oom: a fresh start would end the same way)" in out
     record = manifest.read_manifest(run_dir)
     assert not record.get("restarts") and len(record["segments"]) == 1  # one attempt
+    assert (record["segments"][0]["end_reason"], record["segments"][0]["end_exit_code"]) == ("oom", 12)
     assert max(m["step"] for m in read_metrics(run_dir)) < 3
+
+
+def test_out_of_memory_in_a_world_of_one_records_the_oom_end(tmp_path, mix_path):
+    """One process (plain python, as the notebook runs): the end is recorded like any other (manifest.json's kind and
+    code), the line is the last on stderr, exit 12."""
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "train", "--data", str(mix_path), "--out", str(tmp_path),
+                           "--run-id", "r", *FLAGS], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **ENV, "ZEROTRAIN_TEST_OOM": "0:3"})
+    assert proc.returncode == 12, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("zerotrain: error: out of host memory on rank 0 after step")
+    segment = manifest.read_manifest(tmp_path / "r")["segments"][-1]
+    assert (segment["end_reason"], segment["end_exit_code"]) == ("oom", 12), segment
+    assert segment["end_message"].startswith("out of host memory on rank 0 after step")

@@ -10,7 +10,7 @@ from zerotrain.cli_args import Parser
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_parallel, make_plan, render, setup_from,
-                                                   stage_key)
+                                                   size_auto_micro_batch, stage_key)
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
@@ -85,6 +85,7 @@ def plan_main(argv: list[str]) -> dict:
     check_sequence_parallel(settings.sequence_parallel, f"--sequence-parallel {settings.sequence_parallel}"
                             f" ({settings.sources['sequence_parallel']})", cfg.seq_len, args, setup.world,
                             f"profile {name} plans 1 (give --gpus N, or a GPU --profile)")
+    profile = size_auto_micro_batch(profile, cfg, args, settings.values, setup.world)  # as the run sizes it
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world // setup.sequence_parallel, f"profile {name}")
     # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)

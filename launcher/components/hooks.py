@@ -130,18 +130,13 @@ class TestHooks:
                 hooks["die_after_end"] = int(env[DIE_AFTER_END])
             except ValueError:
                 raise UsageError(f"{DIE_AFTER_END}={env[DIE_AFTER_END]}: expected RANK") from None
-        if env.get(PREFLIGHT_OOM):
-            try:
-                rank, micro = (int(x) for x in env[PREFLIGHT_OOM].split(":"))
-                hooks["preflight_oom"] = (rank, micro)
-            except ValueError:
-                raise UsageError(f"{PREFLIGHT_OOM}={env[PREFLIGHT_OOM]}: expected RANK:MICRO") from None
-        if env.get(OOM):
-            try:
-                rank, step = (int(x) for x in env[OOM].split(":"))
-                hooks["oom"] = (rank, step)
-            except ValueError:
-                raise UsageError(f"{OOM}={env[OOM]}: expected RANK:STEP") from None
+        for field, name, form in (("preflight_oom", PREFLIGHT_OOM, "RANK:MICRO"), ("oom", OOM, "RANK:STEP")):
+            if env.get(name):
+                try:
+                    first, second = (int(x) for x in env[name].split(":"))
+                except ValueError:
+                    raise UsageError(f"{name}={env[name]}: expected {form}") from None
+                hooks[field] = (first, second)
         hooks["preflight_readback"] = env.get(PREFLIGHT_READBACK) or None
         return cls(**hooks)
 

@@ -81,7 +81,7 @@ from dataclasses import dataclass, replace
 
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
-from zerotrain.launcher.profiles import precision
+from zerotrain.launcher.profiles import AUTO_ROWS, precision
 from zerotrain.modeling.sizes import (choose_attention, count_params, flops_per_token, loss_chunk_tokens,
                                       math_kernel, mlp_tiles)
 from zerotrain.modeling.sizes import check_sequence_parallel as check_model_sequence_parallel
@@ -572,6 +572,27 @@ def max_micro_batch(args, setup: Setup, stage, seq_len: int, checkpointing: bool
     """
     return largest(lambda micro: memory(args, setup, stage, micro, seq_len, checkpointing)["total"]
                    <= setup.device_bytes, 1 << 30)
+
+
+def size_auto_micro_batch(profile: dict, cfg, model_args, knobs: dict, world: int) -> dict:
+    """The micro-batch of a profile --profile auto built (train_micro_batch_size_per_gpu "auto": profiles.build_profile)
+    when no --micro-batch is given: the largest power of two up to AUTO_ROWS whose memory fits the profile's device
+    (the node's own memory, recorded when it was built), and grad accum making up AUTO_ROWS rows per device per step,
+    so a step trains the same rows on a 24 GiB and an 8 GiB GPU, only split differently. Any other profile: unchanged.
+    The run (run_plan.plan), --dry-run and `zerotrain plan` all size it here."""
+    if profile.get("train_micro_batch_size_per_gpu") != "auto" or profile.get("gradient_accumulation_steps") != "auto" \
+            or getattr(cfg, "micro_batch", None) is not None:
+        return profile
+    setup = setup_from(profile, knobs, world=world, nodes=1, optimizer=getattr(cfg, "optimizer", None),
+                       args=model_args, attention=getattr(cfg, "attention", None))
+    fits = max_micro_batch(model_args, setup, stage_key(profile), cfg.seq_len,
+                           bool(knobs.get("activation_checkpointing")))
+    micro = 1
+    while micro * 2 <= min(fits, AUTO_ROWS):
+        micro *= 2
+    return {**profile, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": "auto" if cfg.grad_accum is not None or cfg.global_batch_tokens is not None
+            else AUTO_ROWS // micro}
 
 
 def largest(fits, limit: int) -> int:
