@@ -385,7 +385,44 @@ def load_recipe(path: str) -> dict:
         if key not in known:
             raise UsageError(f"recipe {path}: unknown key {k!r}")
         recipe[key] = v
-    return recipe
+    return resolve_recipe_paths(recipe, p)
+
+
+RECIPE_PATH_KEYS = ("data", "tokenizer", "init_from", "golden", "profile")  # the inputs a recipe may name by path
+
+
+def resolve_recipe_paths(recipe: dict, recipe_path: Path) -> dict:
+    """A recipe's relative input paths (RECIPE_PATH_KEYS; never --out or --mirror, which are where the run writes),
+    resolved so that a recipe works from any directory:
+
+    - a recipe given by path (any file outside the package's recipes): relative to that file's directory first,
+      then to the working directory (as given);
+    - a shipped recipe (`--config cpu-debug`, or its file in the package): relative to the working directory first
+      (a checkout, or the user's own file of that name), then to the installed package: `dataio/mixes/demo.json`
+      is zerotrain.dataio's `mixes/demo.json` (zerotrain.resource_dir, the same for a wheel and an editable install).
+
+    A value found nowhere (a hub name, `bytes`, a profile name, a file not written yet) is left as it is, for the
+    setting's own check to judge. Absolute paths are left as they are."""
+    shipped = recipe_path.resolve().parent == RECIPE_DIR.resolve()
+    out = dict(recipe)
+    for key in RECIPE_PATH_KEYS:
+        value = recipe.get(key)
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            continue
+        candidates = [Path(value), _in_package(value)] if shipped else [recipe_path.parent / value, Path(value)]
+        found = next((c for c in candidates if c is not None and c.exists()), None)
+        if found is not None and found != Path(value):
+            out[key] = str(found)
+    return out
+
+
+def _in_package(relative: str) -> Path | None:
+    """`dataio/mixes/demo.json` as a file of the installed package (its first folder is a zerotrain subpackage:
+    dataio, ds_configs, recipes, launcher, modeling), or None."""
+    first, *rest = Path(relative).parts
+    if first not in ("dataio", "ds_configs", "recipes", "launcher", "modeling") or not rest:
+        return None
+    return resource_dir(f"zerotrain.{first}", *rest)
 
 
 def config_from(values: dict, sources: dict | None = None) -> RunConfig:

@@ -62,6 +62,9 @@ END_KINDS = {e.kind: e for e in (
             "`zerotrain export`: the export's loss differs from the checkpoint's beyond tolerance", command="export"),
     EndKind("hung", 11, False, True, "failed (hung)",
             "a rank made no progress for `--hang-timeout` seconds: stacks in RUN_DIR/hangs/", restartable=True),
+    EndKind("oom", 12, False, True, "failed (out of memory)",
+            "a rank ran out of device (CUDA) or host memory: one line names the planned and measured peak and what to"
+            " change (micro-batch, activation checkpointing, offload); never restarted, it would end the same way"),
     EndKind("hard-signal", 130, False, True, "failed (second signal)",
             "a second signal: exited at once, nothing saved"),
 )}
@@ -141,6 +144,7 @@ EXIT_GOLDEN = END_KINDS["golden"].exit_code
 EXIT_PREFLIGHT_FAILED = END_KINDS["preflight-failed"].exit_code
 EXIT_EXPORT_CHECK = END_KINDS["export-check-failed"].exit_code
 EXIT_HUNG = END_KINDS["hung"].exit_code
+EXIT_OOM = END_KINDS["oom"].exit_code
 EXIT_SIGNAL_HARD = END_KINDS["hard-signal"].exit_code
 
 

@@ -10,6 +10,7 @@
                  divides what is available among the node's ranks when it asks)
     varlen       torch has the varlen attention kernel (modeling/sizes.py `varlen_available`)
     cpu_bf16     the CPU has native bf16 matrix instructions (AVX512-BF16 or AMX)
+    cuda_bf16    the GPU has bf16 tensor cores (compute capability 8.0 or later: Ampere, Ada, Hopper, ...)
 
 Everything that asks "which device am I on?" reads a Node: profile auto-detection, the device checks and
 the attention kernel of plan_run, the planner's fit check, pre-flight's device line, the optimizer
@@ -33,6 +34,7 @@ class Node:
     varlen: bool
     cpu_bf16: bool
     probed: bool = True  # False: described from a profile's hardware (a dry run)
+    cuda_bf16: bool = False
 
     @staticmethod
     @functools.cache
@@ -47,7 +49,8 @@ class Node:
         if device == "cuda" and cuda:
             count = torch.cuda.device_count()
             props = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0)) % count)
-            return Node("cuda", count, props.name, float(props.total_memory), varlen_available(), cpu_bf16)
+            return Node("cuda", count, props.name, float(props.total_memory), varlen_available(), cpu_bf16,
+                        cuda_bf16=props.major >= 8)
         return Node(device, 0, f"cpu ({os.cpu_count()} cores)", None, varlen_available(), cpu_bf16)
 
     @staticmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 
 from zerotrain import resource_dir
@@ -118,7 +119,14 @@ def list_profiles() -> list[str]:
 
 
 def load_profile(spec: str) -> tuple[str, dict]:
-    """(name, profile dict) for a profile name or a path to a JSON file; validated."""
+    """(name, profile dict) for a profile name, a path to a JSON file, or `auto:DEVICE` (the profile --profile auto
+    built for this node's GPU, built again: the ranks, the notebook's launch and a resume name it so); validated."""
+    if spec.startswith(AUTO_PREFIX):
+        node = Node.here()
+        if node.device != "cuda" or node.name != spec.removeprefix(AUTO_PREFIX):
+            raise UsageError(f"--profile {spec}: built by --profile auto for that GPU; this node has"
+                             f" {node.name if node.device == 'cuda' else 'no CUDA device'} (use --profile auto)")
+        return spec, build_profile(node)
     path = Path(spec)
     if spec.endswith(".json") or path.is_file():
         name = path.stem
@@ -152,11 +160,13 @@ def validate_profile(profile, where: str) -> None:
         check_offload(zero, where)  # DeepSpeed's offload sections (zerotrain.offload: the settings table)
 
 
-def detect_profile() -> tuple[str, str]:
-    """(profile name, why) for the accelerators on this node (launcher/node.py)."""
-    node = Node.here()
+def detect_profile(node: Node | None = None) -> tuple[str, str]:
+    """(profile name, what was seen and decided, for the line "profile auto: ...") for the accelerators on this
+    node (launcher/node.py; `node`: another machine's description, for tests). A single-node GPU no shipped
+    profile matches gets one built from what it is (`build_profile`), named `auto:DEVICE`."""
+    node = node or Node.here()
     if node.device != "cuda":
-        return "cpu", "no CUDA device found"
+        return "cpu", "cpu (no CUDA device found)"
     count, mem_gib = node.count, node.memory / 2**30
     nodes = max(1, int(os.environ.get("WORLD_SIZE", count)) // count)
     seen = f"{count} x {node.name} ({mem_gib:.0f} GiB), {nodes} node(s)"
@@ -171,11 +181,76 @@ def detect_profile() -> tuple[str, str]:
         if mem_gib < hw.get("min_memory_gib", 0) or hw.get("nodes", 1) != nodes:
             continue
         if hw.get("devices_per_node") == count:
-            return name, seen
+            return name, f"{name} for {seen}"
         best = best or name
     if best:
-        return best, seen + " (device count differs from the profile's; batch is re-resolved)"
-    raise UsageError(f"--profile auto: no profile matches {seen}; pass --profile NAME or a JSON path")
+        return best, f"{best} for {seen} (device count differs from the profile's; batch is re-resolved)"
+    if nodes > 1:
+        raise UsageError(f"--profile auto: no profile matches {seen}; pass --profile NAME or a JSON path")
+    built = build_profile(node)
+    peak = profile_value(built, "peak_flops_per_device")
+    kind = "bf16" if node.cuda_bf16 else "fp16 (no bf16 on this GPU)"
+    return AUTO_PREFIX + node.name, (
+        f"no shipped profile for {node.name} ({mem_gib:.0f} GiB, {kind}): built one for {count} GPU(s),"
+        f" {AUTO_PREFIX}{node.name}: ZeRO-2, {precision(built)}, fused AdamW, activation checkpointing, regional"
+        f" compile, {AUTO_ROWS} rows per step in the largest micro-batch that fits its memory, " + (f"peak {peak / 1e12:g} TFLOP/s ({profile_value(built, 'peak_flops_note')})"
+                                    if peak else "peak FLOP/s unknown: no MFU"))
+
+
+# The profile family a GPU without a shipped profile starts from: the single-node workstation one (nccl, fused
+# AdamW, activation checkpointing, regional compile, the NCCL and allocator environment), at ZeRO-2 (one node:
+# ZeRO-3 would gather every parameter around every module for little memory saved on 1-2 GPUs).
+AUTO_PREFIX = "auto:"
+AUTO_BASE = "rtx6000ada-48g-x2"
+AUTO_ROWS = 8  # rows per device per step of a built profile: micro-batch x grad accum (planner.size_auto_micro_batch)
+# Dense (no sparsity) 16-bit tensor-core peak per GPU, FP32 accumulate, from the vendor's datasheets:
+# NVIDIA Ada Lovelace architecture whitepaper v1.03 appendix (RTX 4090: 165.2 TFLOP/s FP16/BF16, FP32 accumulate);
+# L4 datasheet (BF16 242 TFLOP/s with sparsity: 121 dense); A10 datasheet (BF16 125 dense / 250 sparse);
+# L40S datasheet (BF16 362.05 dense / 733 sparse); L40 datasheet (BF16 181.05 dense / 362.1 sparse); NVIDIA
+# Ampere GA102 whitepaper v2 appendix (RTX 3090: 35.6 FP16 FP32-accumulate dense; RTX A6000: 154.8 dense,
+# 309.7 sparse); T4 datasheet (65 TFLOP/s FP16 mixed precision, no bf16); A100 datasheet (BF16 312 dense).
+# Keys are matched as whole words of the device's name ("A10" is not "A10G" nor "A100"). The A10G (AWS's
+# variant) has no NVIDIA datasheet figure: it is not listed, and its runs report no MFU rather than a guess.
+PEAK_FLOPS = {"RTX 4090": 165.2e12, "L4": 121e12, "A10": 125e12, "L40S": 362.05e12, "L40": 181.05e12,
+              "RTX 3090": 35.6e12, "RTX A6000": 154.8e12, "T4": 65e12, "A100": 312e12}
+
+
+def peak_flops_of(name: str) -> tuple[float | None, str]:
+    """(dense 16-bit peak FLOP/s, where from) for a device name, from PEAK_FLOPS; (None, "unknown") if not there,
+    or for a laptop part (same name, lower clocks and power: the desktop figure would overstate its MFU)."""
+    if re.search(r"laptop|mobile|max-q", name, re.IGNORECASE):
+        return None, "unknown"
+    for key, flops in PEAK_FLOPS.items():
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", name):
+            return flops, f"{key}: dense 16-bit tensor peak, vendor datasheet"
+    return None, "unknown"
+
+
+def build_profile(node: Node) -> dict:
+    """The profile --profile auto builds for a single-node GPU no shipped profile matches: AUTO_BASE's settings,
+    ZeRO-2, bf16 if the GPU has it else fp16 with dynamic loss scaling, this node's device count and memory, the
+    peak FLOP/s of PEAK_FLOPS (none: no MFU), the micro-batch left to the planner (AUTO_ROWS rows per step)."""
+    base = json.loads((PROFILE_DIR / f"{AUTO_BASE}.json").read_text())
+    ours = dict(base["zerotrain"])
+    for key in ("peak_flops_per_device", "peak_flops_note", "expected_mfu", "mfu_threshold", "mfu_note"):
+        ours.pop(key, None)
+    peak, note = peak_flops_of(node.name)
+    if peak:
+        ours.update(peak_flops_per_device=peak, peak_flops_note=note, expected_mfu=0.3, mfu_threshold=0.225,
+                    mfu_note=f"assumed as for {AUTO_BASE} (25-35% with activation checkpointing); not measured")
+    ours["description"] = f"built by --profile auto for {node.count} x {node.name}: {AUTO_BASE}'s settings at ZeRO-2"
+    ours["hardware"] = {"accelerator": "cuda", "name_contains": [node.name], "devices_per_node": node.count,
+                        "nodes": 1, "device_memory_gib": round(node.memory / 2**30, 1)}
+    zero = {k: v for k, v in base["zero_optimization"].items() if not k.startswith(("stage3_", "zero_hpz"))}
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+            "hysteresis": 2, "min_loss_scale": 1}  # DeepSpeed's dynamic loss scaling (0: dynamic)
+    profile = {**base, "zerotrain": ours, "zero_optimization": {**zero, "stage": 2},
+               # the micro-batch that fits this GPU's memory is the planner's (size_auto_micro_batch): it needs the model
+               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+               "bf16": {"enabled": True, "check_grad_overflow": False} if node.cuda_bf16 else {"enabled": False},
+               "fp16": {"enabled": False} if node.cuda_bf16 else fp16}
+    validate_profile(profile, f"profile {AUTO_PREFIX}{node.name}")
+    return profile
 
 
 def resolve_batch(profile: dict, micro: int | None, accum: int | None, global_tokens: int | None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,8 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.planner import check_sequence_parallel, fit_check, offload_lines, run_loss_chunk
+from zerotrain.launcher.components.planner import (check_sequence_parallel, fit_check, offload_lines, run_loss_chunk,
+                                                   size_auto_micro_batch)
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
@@ -212,7 +214,13 @@ def without_spelled_defaults(cfg: RunConfig, profile_name: str, profile: dict, v
 
 def run_id_of(cfg: RunConfig, model_label: str, profile_name: str) -> str:
     """The run id: --run-id, else the model, the profile and the hash of the config's identity fields."""
-    return cfg.run_id or f"{model_label}-{profile_name}-{cfg.identity_hash()}"
+    return cfg.run_id or f"{model_label}-{profile_slug(profile_name)}-{cfg.identity_hash()}"
+
+
+def profile_slug(profile_name: str) -> str:
+    """A profile name as a run id holds it: `auto:NVIDIA GeForce RTX 4090` -> `auto-nvidia-geforce-rtx-4090` (no
+    colon or space in a directory name); a shipped profile's name is already one."""
+    return re.sub(r"[^a-z0-9._-]+", "-", profile_name.lower()).strip("-") if ":" in profile_name else profile_name
 
 
 def plan_run(cfg: RunConfig, world: int, rank: int = 0) -> RunPlan:
@@ -229,6 +237,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     run_id = run_dir.name
     sp = check_sequence_parallel_plan(cfg, settings, model_args, world)
     data_world = world // sp  # the batch, the data and the loader states count row groups, not ranks
+    # a profile --profile auto built: the micro-batch that fits its GPU (the planner's, as in --dry-run and plan)
+    profile = size_auto_micro_batch(profile, cfg, model_args, settings.values, world)
     ds_config = resolve_ds_config(profile, cfg, data_world, f"profile {profile_name}")
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
     cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len)
@@ -434,7 +444,8 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
     if schedule:
         lines.append(Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
                               cfg.decay_fraction).describe(cfg.lr))
-    lines += [f"attention: {plan.attention} ({plan.attention_why})",
+    lines += [*([f"profile auto: {plan.profile_why}"] if plan.profile_why else []),  # what --profile auto saw and took
+              f"attention: {plan.attention} ({plan.attention_why})",
               describe_precision(ds),
               *([f"zero: {plan.stage_line}"] if plan.stage_line else []),
               *describe_tiled_mlp(plan),

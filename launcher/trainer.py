@@ -49,7 +49,7 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
-from zerotrain.launcher.components import ds_compat, manifest, offload, planner
+from zerotrain.launcher.components import ds_compat, manifest, offload, oom, planner
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
@@ -64,7 +64,8 @@ from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.components.schedule import reapply
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.errors import END_KINDS, CheckpointError, StopRun, report_exit  # report_exit: pre-flight too
+from zerotrain.launcher.errors import (END_KINDS, CheckpointError, StopRun, report_exit,  # report_exit: pre-flight too
+                                       report_rank_end)
 from zerotrain.launcher.optimizers import describe as describe_optimizer
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.settings import profile_value
@@ -122,8 +123,6 @@ class Trainer:
         for line in offload.describe_stale_locks():  # before the process group: it loads the first op (CPU)
             self.say(f"zerotrain: warning: {line}")
         self.dist, self.accel = init_process_group(plan.settings.dist_backend, plan.settings.comm_timeout_s)
-        if plan.profile_why:
-            self.say(f"profile auto -> {plan.profile_name} ({plan.profile_why})")
         self.budget = plan.budget  # built once, by plan_run
         if self.budget.active:
             self.say(self.budget.describe())
@@ -225,7 +224,8 @@ class Trainer:
         # sequence parallelism: the N ranks of a group read the same rows (each model keeps its stretch of them)
         return self.hooks.slow_training_data(Batches(plan.data, plan.data_rank, plan.data_world, cfg.seed, cfg.seq_len,
                                                      plan.ds_config["train_micro_batch_size_per_gpu"],
-                                                     plan.loader_settings, plan.loader_settings["packing"]), self.rank)
+                                                     plan.loader_settings, plan.loader_settings["packing"]), self.rank,
+                                                 plan.ds_config["gradient_accumulation_steps"])
 
     def _resume(self, tag_dir: Path, load_loader: bool = True) -> None:
         if self.universal_dir is not None:
@@ -611,8 +611,32 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
         raise
     try:
         return trainer.train()
+    except BaseException as e:
+        if not oom.is_out_of_memory(e):
+            raise
+        return out_of_memory(trainer, e)  # world of 1: the end recorded and returned; else this rank exits here
     finally:
         trainer.close()
+
+
+def out_of_memory(trainer: Trainer, error: BaseException) -> RunResult:
+    """A rank out of memory (components/oom.py) ends the run as "oom": its exit code (never restarted) and one line.
+    In a world of 1 the end is recorded as any other (`_finish`); with more ranks the others wait in the step's
+    collective for this one, so this rank records the end itself (manifest.json, its exit code for `zerotrain launch`),
+    says the line and leaves at once: its launcher then ends the others."""
+    plan = trainer.plan
+    stop = StopRun("oom", oom.out_of_memory_message(plan, trainer.step, error, plan.node.device))
+    if plan.world == 1:
+        return trainer._finish(stop)
+    try:  # whichever rank it is, as the hang watchdog does: rank 0 may be the one waiting
+        manifest.record_end(plan.run_dir, stop, trainer.step, rank0_only=False)
+    except OSError:
+        pass  # the exit code still says it
+    report_exit(stop.exit_code)  # written before any other rank can fail on this one's absence
+    report_rank_end(stop.exit_code)
+    print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(stop.exit_code)
 
 
 def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:

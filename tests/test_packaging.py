@@ -116,6 +116,20 @@ def test_installed_commands_from_a_project_with_its_own_packages(installed, tmp_
     assert not (tmp_path / "dry").exists()
 
 
+def test_installed_shipped_recipe_resolves_its_mix_from_the_wheel(installed, tmp_path):
+    """`zerotrain train --config a100x8-1.46b-edu-mix --dry-run` from the user's project (no dataio/mixes there):
+    the recipe's mix is the wheel's copy in site-packages."""
+    py, bin_dir, project, _ = installed
+    proc = run([bin_dir / "zerotrain", "train", "--config", "a100x8-1.46b-edu-mix", "--dry-run", "--out",
+                str(tmp_path / "o")], project)
+    assert proc.returncode == 0, proc.stderr
+    mix = next(line for line in proc.stdout.splitlines() if line.startswith("data: mix "))
+    path = Path(mix.removeprefix("data: mix ").split(",")[0])
+    assert path.is_relative_to(py.parent.parent) and path.parts[-4:] == ("zerotrain", "dataio", "mixes",
+                                                                          "web-edu-pdf-med.json"), mix
+    assert not (tmp_path / "o").exists()
+
+
 def test_installed_training_run_and_demo(installed, tmp_path):
     """One process trains 3 steps; `zerotrain demo` (2 ranks under DeepSpeed's runner, the module form)
     trains 3 steps; both from the user's project directory, with the wheel's code."""

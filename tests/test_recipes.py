@@ -339,3 +339,41 @@ def test_context_extension_recipe_is_the_planners(stand_ins, monkeypatch, capsys
     values = {**load_recipe("recipes/h100x8-xlarge-32k-extend.json"), "init_from": base}
     args, _, init_from = model_spec.resolve(config_from(values), 258)
     assert (args.rope_theta, args.n_heads, args.dim, init_from) == (500000.0, 15, 1920, base)
+
+
+def test_shipped_recipes_resolve_their_files_from_the_package_from_any_directory(tmp_path, demo_data):
+    """`--config NAME` from a directory that is not the checkout: the recipe's mix is the installed package's
+    (zerotrain.resource_dir), not a "no such file"; the demo mix's sources are the checkout's runs/demo-data (an
+    editable install: the package is the checkout; tests/test_packaging.py runs the same from a wheel)."""
+    from zerotrain import resource_dir
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name, mix in (("a100x8-1.46b-edu-mix", "web-edu-pdf-med.json"), ("cpu-debug", "demo.json")):
+        r = zerotrain("train", "--config", name, "--dry-run", "--out", str(tmp_path / "o"), cwd=elsewhere)
+        assert r.returncode == 0, r.stderr
+        assert f"data: mix {resource_dir('zerotrain.dataio', 'mixes', mix)}," in r.stdout
+    assert not (tmp_path / "o").exists() and list(elsewhere.iterdir()) == []
+
+
+def test_a_recipe_given_by_path_resolves_against_its_own_directory_first(tmp_path, mix_path, monkeypatch):
+    """A recipe file's relative inputs: next to the file first, then the working directory; absolute paths, hub
+    names, `bytes` and the place a run writes (`out`) are left as they are."""
+    from zerotrain.launcher.config import load_recipe
+
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "mix.json").write_text(mix_path.read_text())
+    recipe = project / "recipe.json"
+    recipe.write_text(json.dumps({"data": "data/mix.json", "tokenizer": "bytes", "out": "data", "profile": "cpu",
+                                  "init_from": "org/model"}))
+    cwd = tmp_path / "cwd"
+    (cwd / "data").mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    values = load_recipe(str(recipe))
+    assert values["data"] == str(project / "data" / "mix.json")  # the file's directory wins over the cwd's data/
+    assert (values["tokenizer"], values["out"], values["profile"], values["init_from"]) == \
+        ("bytes", "data", "cpu", "org/model")
+    (project / "data" / "mix.json").unlink()
+    (cwd / "data" / "mix.json").write_text("{}")
+    assert load_recipe(str(recipe))["data"] == "data/mix.json"  # then the working directory, as given

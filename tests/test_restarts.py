@@ -43,9 +43,10 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 def test_restartable_ends_are_hung_and_crash_and_every_other_code_of_a_kind_is_final():
     assert {k for k, e in END_KINDS.items() if e.restartable} == {"hung", "crash"}
-    assert final_exit_codes() == [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 130]
+    assert final_exit_codes() == [0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 130]
     for code, restartable in [(11, True), (1, True), (247, True), (137, True), (0, False), (2, False), (3, False),
-                              (4, False), (5, False), (6, False), (7, False), (8, False), (9, False), (130, False)]:
+                              (4, False), (5, False), (6, False), (7, False), (8, False), (9, False), (12, False),
+                              (130, False)]:
         assert END_KINDS[kind_of_exit(code)].restartable == restartable, code
         assert JobEnd(code, True, False, None, 1.0).restartable == restartable
         assert not JobEnd(code, True, True, None, 1.0).restartable  # we were told to stop: never
@@ -523,3 +524,42 @@ def test_a_sigkilled_launcher_takes_its_job_with_it(tmp_path, launched, mix_path
     assert "the launcher of this job (pid" in out and "is gone; every rank exits now" in out, out[-3000:]
     assert "ended" not in manifest.read_manifest(run)["segments"][-1]  # killed, not run to its end
     print(f"\nlauncher SIGKILLed -> its whole job gone in {took:.1f} s")
+
+
+def test_a_rank_out_of_memory_ends_the_job_once_with_its_own_code_and_line(tmp_path, mix_path, launched):
+    """Rank 1 runs out of memory (ZEROTRAIN_TEST_OOM: torch.OutOfMemoryError from its loader as it fetches step 3's
+    batches) under `zerotrain launch --max-restarts 2`: the job ends once, exit 12 (`oom`), never restarted, with
+    one line naming the planned and measured peak and what to change."""
+    run_dir = tmp_path / "r"
+    proc = start(tmp_path, launched, ["--max-restarts", "2", "--restart-backoff", "0"],
+                 ["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *FLAGS],
+                 {"ZEROTRAIN_TEST_OOM": "1:3"})
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == END_KINDS["oom"].exit_code == 12, out[-4000:]
+    assert "ZEROTRAIN_TEST_OOM=1:3" in out  # the hook is said at start-up
+    # rank 1's stderr line may follow rank 0's progress bar on the same terminal line
+    line = next(x for x in out.splitlines() if "zerotrain: error: out of host memory on rank 1" in x)
+    assert re.search(r"on rank 1 after step 1: planned peak [\d.]+ GiB of [\d.]+ GiB \(.*\); measured peak [\d.]+ GiB \(peak"
+                     r" resident memory of this rank\); change --micro-batch 1 \(the global batch kept with"
+                     r" --global-batch-tokens\), or --activation-checkpointing, or --offload all; `zerotrain plan`"
+                     r" lists what fits", line), line
+    assert "OutOfMemoryError" in line
+    assert "restart 1 of 2" not in out and out.count("zerotrain: error: out of host memory") == 1
+    assert "zerotrain launch: job ended oom (exit 12" in out and "not restarted (oom: a fresh start would end the same way)" in out
+    record = manifest.read_manifest(run_dir)
+    assert not record.get("restarts") and len(record["segments"]) == 1  # one attempt
+    assert (record["segments"][0]["end_reason"], record["segments"][0]["end_exit_code"]) == ("oom", 12)
+    assert max(m["step"] for m in read_metrics(run_dir)) < 3
+
+
+def test_out_of_memory_in_a_world_of_one_records_the_oom_end(tmp_path, mix_path):
+    """One process (plain python, as the notebook runs): the end is recorded like any other (manifest.json's kind and
+    code), the line is the last on stderr, exit 12."""
+    proc = subprocess.run([sys.executable, "-m", "zerotrain", "train", "--data", str(mix_path), "--out", str(tmp_path),
+                           "--run-id", "r", *FLAGS], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **ENV, "ZEROTRAIN_TEST_OOM": "0:3"})
+    assert proc.returncode == 12, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("zerotrain: error: out of host memory on rank 0 after step")
+    segment = manifest.read_manifest(tmp_path / "r")["segments"][-1]
+    assert (segment["end_reason"], segment["end_exit_code"]) == ("oom", 12), segment
+    assert segment["end_message"].startswith("out of host memory on rank 0 after step")

@@ -11,11 +11,11 @@ from zerotrain.dataio.errors import DataNotHere
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_parallel, make_plan, render, setup_from,
-                                                   stage_key)
+                                                   size_auto_micro_batch, stage_key)
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
-from zerotrain.launcher.profiles import apply_offload, load_profile, offload_settings, resolve_batch
+from zerotrain.launcher.profiles import apply_offload, detect_profile, load_profile, offload_settings, resolve_batch
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -58,10 +58,12 @@ def plan_main(argv: list[str]) -> dict:
                     sources={k: "flag" if k in flags else "recipe" for k in values})
     cfg.validate()  # the driver's own checks and messages
 
+    auto = None  # --profile auto: the profile this machine detects (or builds: profiles.detect_profile)
     if values.get("profile") is None and ns.gpus is not None:
         name, profile = "generic GPU", json.loads(json.dumps(GENERIC_GPU_PROFILE))
     else:
-        name, profile = load_profile(cfg.profile)
+        spec, auto = detect_profile() if cfg.profile == "auto" else (cfg.profile, None)
+        name, profile = load_profile(spec)
     settings = resolve_settings(cfg, name, profile)  # the profile's knobs under the flags given (settings.py)
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
@@ -85,6 +87,7 @@ def plan_main(argv: list[str]) -> dict:
     check_sequence_parallel(settings.sequence_parallel, f"--sequence-parallel {settings.sequence_parallel}"
                             f" ({settings.sources['sequence_parallel']})", cfg.seq_len, args, setup.world,
                             f"profile {name} plans 1 (give --gpus N, or a GPU --profile)")
+    profile = size_auto_micro_batch(profile, cfg, args, settings.values, setup.world)  # as the run sizes it
     micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
                                     setup.world // setup.sequence_parallel, f"profile {name}")
     # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)
@@ -106,7 +109,10 @@ def plan_main(argv: list[str]) -> dict:
         plan["data_unknown"] = f"--data {values['data']}: not here" if values.get("data") else "no --data given"
     unknown = f"\nepochs and repetition: unknown without the data ({plan['data_unknown']})" \
         if plan["data_unknown"] else ""
-    print(json.dumps(plan, indent=2) if ns.json else f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
+    if auto:
+        plan["profile_auto"] = auto
+    print(json.dumps(plan, indent=2) if ns.json else (f"profile auto: {auto}\n" if auto else "")
+          + f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
           + render(plan) + unknown + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
 

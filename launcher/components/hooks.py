@@ -20,6 +20,10 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
                                                      micro-batch MICRO raises torch.OutOfMemoryError when it
                                                      fetches its second batch (the other ranks go on into the
                                                      step's collectives, as after an OOM mid-backward)
+    ZEROTRAIN_TEST_OOM=RANK:STEP                     that rank's training loader raises torch.OutOfMemoryError
+                                                     when it fetches the first micro-batch of STEP (fetched
+                                                     ahead, during step STEP-1): a rank out of memory mid-run
+                                                     (the OOM end's tests)
     ZEROTRAIN_TEST_SLOW_DATA=S[,RANK:S...]           the training loader sleeps S s per micro-batch on every rank
                                                      (RANK:S: that rank sleeps S instead), inside the
                                                      trainer's data phase as a slow source would (the
@@ -57,8 +61,9 @@ SLOW_DATA = PREFIX + "SLOW_DATA"
 HANG = PREFIX + "HANG"
 DIE_AFTER_END = PREFIX + "DIE_AFTER_END"
 PREFLIGHT_OOM = PREFIX + "PREFLIGHT_OOM"
+OOM = PREFIX + "OOM"
 KNOWN = (SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER, SLOW_DATA, HANG, DIE_AFTER_END,
-         PREFLIGHT_OOM)
+         PREFLIGHT_OOM, OOM)
 HANG_PHASES = ("save", "eval")  # where the trainer calls TestHooks.hang_here
 
 
@@ -76,6 +81,7 @@ class TestHooks:
     hang: tuple[int, str, int] | None = None  # (rank, phase, step)
     die_after_end: int | None = None  # the rank
     preflight_oom: tuple[int, int] | None = None  # (rank, micro-batch)
+    oom: tuple[int, int] | None = None  # (rank, step)
     variables: tuple[tuple[str, str], ...] = ()  # every ZEROTRAIN_TEST_* variable set, sorted: said and recorded
 
     @classmethod
@@ -124,12 +130,13 @@ class TestHooks:
                 hooks["die_after_end"] = int(env[DIE_AFTER_END])
             except ValueError:
                 raise UsageError(f"{DIE_AFTER_END}={env[DIE_AFTER_END]}: expected RANK") from None
-        if env.get(PREFLIGHT_OOM):
-            try:
-                rank, micro = (int(x) for x in env[PREFLIGHT_OOM].split(":"))
-                hooks["preflight_oom"] = (rank, micro)
-            except ValueError:
-                raise UsageError(f"{PREFLIGHT_OOM}={env[PREFLIGHT_OOM]}: expected RANK:MICRO") from None
+        for field, name, form in (("preflight_oom", PREFLIGHT_OOM, "RANK:MICRO"), ("oom", OOM, "RANK:STEP")):
+            if env.get(name):
+                try:
+                    first, second = (int(x) for x in env[name].split(":"))
+                except ValueError:
+                    raise UsageError(f"{name}={env[name]}: expected {form}") from None
+                hooks[field] = (first, second)
         hooks["preflight_readback"] = env.get(PREFLIGHT_READBACK) or None
         return cls(**hooks)
 
@@ -168,11 +175,15 @@ class TestHooks:
         if self.die_after_end == rank:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def slow_training_data(self, loader, rank: int):
-        """The trainer's loader, slowed per ZEROTRAIN_TEST_SLOW_DATA for `rank` (unchanged without it)."""
+    def slow_training_data(self, loader, rank: int, grad_accum: int = 1):
+        """The trainer's loader, slowed per ZEROTRAIN_TEST_SLOW_DATA for `rank`, out of memory at ZEROTRAIN_TEST_OOM's
+        step (its micro-batches counted from this launch's first step); unchanged without either."""
         seconds = dict(self.slow_data)
         seconds = seconds.get(rank, seconds.get(None, 0.0))
-        return SlowLoader(loader, seconds) if seconds else loader
+        loader = SlowLoader(loader, seconds) if seconds else loader
+        if self.oom is not None and self.oom[0] == rank:
+            loader = OomLoader(loader, at_batch=(self.oom[1] - 1) * grad_accum + 1)
+        return loader
 
 
     def preflight_loader(self, loader, rank: int, micro_batch: int):
@@ -181,17 +192,18 @@ class TestHooks:
 
 
 class OomLoader:
-    """A loader whose second batch raises torch.OutOfMemoryError (ZEROTRAIN_TEST_PREFLIGHT_OOM)."""
+    """A loader whose batch number `at_batch` (the second by default) raises torch.OutOfMemoryError
+    (ZEROTRAIN_TEST_PREFLIGHT_OOM, ZEROTRAIN_TEST_OOM)."""
 
-    def __init__(self, inner):
-        self.inner, self.batches = inner, 0
+    def __init__(self, inner, at_batch: int = 2):
+        self.inner, self.batches, self.at_batch = inner, 0, at_batch
 
     def next(self):
         import torch  # heavy: only a test that plants the fault pays for it here
 
         self.batches += 1
-        if self.batches == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (ZEROTRAIN_TEST_PREFLIGHT_OOM)")
+        if self.batches == self.at_batch:
+            raise torch.OutOfMemoryError("CUDA out of memory (a ZEROTRAIN_TEST_ hook)")
         return self.inner.next()
 
     def __getattr__(self, name):

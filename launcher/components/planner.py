@@ -81,7 +81,7 @@ from dataclasses import dataclass, replace
 
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
-from zerotrain.launcher.profiles import precision
+from zerotrain.launcher.profiles import AUTO_ROWS, precision
 from zerotrain.modeling.sizes import (choose_attention, count_params, flops_per_token, loss_chunk_tokens,
                                       math_kernel, mlp_tiles)
 from zerotrain.modeling.sizes import check_sequence_parallel as check_model_sequence_parallel
@@ -574,6 +574,27 @@ def max_micro_batch(args, setup: Setup, stage, seq_len: int, checkpointing: bool
                    <= setup.device_bytes, 1 << 30)
 
 
+def size_auto_micro_batch(profile: dict, cfg, model_args, knobs: dict, world: int) -> dict:
+    """The micro-batch of a profile --profile auto built (train_micro_batch_size_per_gpu "auto": profiles.build_profile)
+    when no --micro-batch is given: the largest power of two up to AUTO_ROWS whose memory fits the profile's device
+    (the node's own memory, recorded when it was built), and grad accum making up AUTO_ROWS rows per device per step,
+    so a step trains the same rows on a 24 GiB and an 8 GiB GPU, only split differently. Any other profile: unchanged.
+    The run (run_plan.plan), --dry-run and `zerotrain plan` all size it here."""
+    if profile.get("train_micro_batch_size_per_gpu") != "auto" or profile.get("gradient_accumulation_steps") != "auto" \
+            or getattr(cfg, "micro_batch", None) is not None:
+        return profile
+    setup = setup_from(profile, knobs, world=world, nodes=1, optimizer=getattr(cfg, "optimizer", None),
+                       args=model_args, attention=getattr(cfg, "attention", None))
+    fits = max_micro_batch(model_args, setup, stage_key(profile), cfg.seq_len,
+                           bool(knobs.get("activation_checkpointing")))
+    micro = 1
+    while micro * 2 <= min(fits, AUTO_ROWS):
+        micro *= 2
+    return {**profile, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": "auto" if cfg.grad_accum is not None or cfg.global_batch_tokens is not None
+            else AUTO_ROWS // micro}
+
+
 def largest(fits, limit: int) -> int:
     """The largest k in [1, limit] with fits(k), for a `fits` that holds up to some k and not beyond (0: not
     even 1; `limit`: no end found below it): doubling, then bisection."""
@@ -978,14 +999,10 @@ def device_memory_here(accelerator: str, local_world: int) -> tuple[float, str, 
     return ram / local_world, "cpu", f"{ram / GiB:.1f} GiB RAM available / {local_world} local rank(s)"
 
 
-def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attention: str | None = None) -> dict:
-    """Refuse (UsageError, the planner's one-line verdict) a resolved run that cannot fit on this device.
-
-    Called by launcher/run_plan.py plan_run before anything is built or written; skipped with
-    --no-fit-check. `attention`: the kernel the driver resolved for this node (None: the profile's, else
-    auto); `knobs`: the run's resolved settings (hardware, activation_checkpointing). Returns the chosen
-    stage's memory by component (bytes).
-    """
+def planned_here(cfg, model_args, ds_config: dict, knobs: dict, world: int,
+                 attention: str | None = None) -> tuple[dict, "Setup", str]:
+    """(the run's planned memory per rank by component, the Setup, what the device is in words) on this node's
+    device: what fit_check refuses on, and what an out-of-memory end names as the planned peak."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     hw = knobs.get("hardware") or {}
     device_bytes, accel, what = device_memory_here(hw.get("accelerator", "cuda"), local_world)
@@ -994,10 +1011,24 @@ def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attenti
     setup = setup_from(ds_config, {**knobs, "hardware": hardware}, world=max(1, world // nodes) * nodes, nodes=nodes,
                        device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None), args=model_args,
                        attention=attention)
+    ac = bool(knobs.get("activation_checkpointing"))
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    return memory(model_args, setup, stage_key(ds_config), micro, cfg.seq_len, ac), setup, what
+
+
+def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attention: str | None = None) -> dict:
+    """Refuse (UsageError, the planner's one-line verdict) a resolved run that cannot fit on this device.
+
+    Called by launcher/run_plan.py plan_run before anything is built or written; skipped with
+    --no-fit-check. `attention`: the kernel the driver resolved for this node (None: the profile's, else
+    auto); `knobs`: the run's resolved settings (hardware, activation_checkpointing). Returns the chosen
+    stage's memory by component (bytes).
+    """
+    m, setup, what = planned_here(cfg, model_args, ds_config, knobs, world, attention)
+    device_bytes, accel = setup.device_bytes, setup.accelerator
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     ac = bool(knobs.get("activation_checkpointing"))  # resolved once (launcher/settings.py): flag | profile | off
     micro = ds_config["train_micro_batch_size_per_gpu"]
-    m = memory(model_args, setup, stage_key(ds_config), micro, cfg.seq_len, ac)
     if m["total"] > device_bytes:
         plan = {"hardware": {"world": setup.world, "device_memory_gib": _gib(device_bytes), "accelerator": accel},
                 "zero_stage": stage, "activation_checkpointing": ac, "micro_batch": micro, "seq_len": cfg.seq_len,

@@ -26,7 +26,7 @@ from pathlib import Path
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
 from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
-from zerotrain.launcher.errors import RANK_ENDS, UsageError
+from zerotrain.launcher.errors import END_KINDS, RANK_ENDS, UsageError
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
 # launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
@@ -186,6 +186,9 @@ def run_with_restarts(command, train_args: list[str], env: dict, restarts: Resta
     while True:
         end = run_job(command(args), env=env, restarting=restarts.max_restarts > 0)
         if restarts.max_restarts == 0 or not end.restartable:
+            if restarts.max_restarts and not end.signalled and END_KINDS[end.kind].failed:  # why no restart, said
+                print(f"zerotrain launch: job ended {end.cause()}; not restarted ({end.kind}: a fresh start would end"
+                      " the same way)", flush=True)
             break
         if find_run_dir is not None and attempt == 0:
             run_dir = find_run_dir(train_args)
