@@ -5,7 +5,8 @@ Architecture choices, all of them:
   RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> linear head (optionally tied);
 - rotary position embeddings computed from per-token ``position_ids`` (so packed rows whose
   positions restart at 0 at every document get correct rotations), in the Hugging Face
-  ``rotate_half`` layout, so q/k weights map to HF Llama without a permutation;
+  ``rotate_half`` layout, so q/k weights map to HF Llama without a permutation; Llama 3.1's ``llama3``
+  frequency scaling when ModelArgs.rope_scaling gives it (`rope_inv_freq`);
 - optional QK-norm: an RMSNorm over each head's query and key before the rotation (Qwen3's
   placement, so such a model exports as ``Qwen3ForCausalLM``);
 - attention never crosses a document boundary. `DocumentLayout.from_positions` is the one place
