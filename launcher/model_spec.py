@@ -141,11 +141,12 @@ def init_from_tokenizer(init_from: str, given: str | None, swap: bool) -> tuple[
     `given` the --tokenizer given (None: not given) and `swap` --swap-tokenizer. UsageError (one line): a
     directory without a tokenizer and no --tokenizer, unless its vocabulary is the byte tokenizer's; a
     --tokenizer whose vocabulary is not the directory's without --swap-tokenizer. A directory that is not a
-    Hugging Face one is left to `resolve`, which names what is wrong with it."""
+    Hugging Face model we can import (its config, its weights) is left to `resolve`, which names what is wrong."""
     where = f"--init-from {init_from}"
     directory = init_from_dir(init_from)
-    try:
+    try:  # a model we cannot import is refused by `resolve` naming what is wrong, before its tokenizer is asked for
         hf_cfg = hf.read_config(directory)
+        hf.check_weights(directory, hf.args_from_config(hf_cfg, where), hf_cfg["vocab_size"])
     except ValueError:
         return given or ByteTokenizer.name, None
     if not (directory / "tokenizer.json").is_file():

@@ -134,6 +134,8 @@ PRESETS: dict[str, ModelArgs] = {
 def preset(name: str, **overrides) -> ModelArgs:
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    if {"dim", "n_heads"} & set(overrides) and "head_dim" not in overrides:
+        overrides["head_dim"] = None  # derived again from the new shape, not the preset's
     return replace(PRESETS[name], **overrides)
 
 
