@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.zerotrain-installed
 
-.PHONY: install demo test test-gpu bench bench-gpu clean
+.PHONY: install demo test test-gpu bench bench-gpu bench-gpu-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench: install
 # checkpointing and optimizer), one table for benchmarks/RESULTS.md (benchmarks/gpu.py; --model for the older grid). Without CUDA: one line, exit 0, nothing run.
 bench-gpu: install
 	$(BIN)/python benchmarks/gpu.py
+
+# One CUDA GPU: our driver (as shipped on 2026-11-26, and now) beside a plain torch loop on our model and Hugging
+# Face Llama (and liger-kernel), interleaved, one table (benchmarks/gpu_peers.py; docs/benchmarks.md). On a lent
+# machine without our install: benchmarks/gpu_peers_device.sh. Without CUDA: one line, exit 0, nothing run.
+bench-gpu-peers: install
+	$(BIN)/python benchmarks/gpu_peers.py
 
 clean:
 	rm -rf runs .pytest_cache

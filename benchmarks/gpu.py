@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
     if a.nproc > torch.cuda.device_count():
         print(f"benchmarks/gpu.py: --nproc {a.nproc}: {torch.cuda.device_count()} GPU(s) visible", file=sys.stderr)
         return 2
-    out = Path(a.out)
+    out = Path(a.out).resolve()  # the driver runs with it as its working directory (driver_command)
     out.mkdir(parents=True, exist_ok=True)
     common = {"data": str(demo_mix()), "grad_accum": a.grad_accum, "max_steps": a.steps,
               "warmup_steps": WARMUP_STEPS, "out": str(out), "resume": "never", "log_data_every_steps": 0}
@@ -237,13 +237,19 @@ def grid_configs(a, name: str, profile: dict, out: Path):
     backends = a.attention.split(",") if has_attention else ["(the driver's default)"]
     tokenizer = tokenizer_for(a.vocab_size, out)
     for stage in (int(s) for s in a.stages.split(",")):
-        prof = json.loads(json.dumps(profile))
-        prof["zero_optimization"]["stage"] = stage
+        prof = staged_profile(profile, stage)
         for backend in backends:
             values = {"model": a.model, "seq_len": a.seq_len, "tokenizer": tokenizer, "run_id": f"zero{stage}-{backend}"}
             if has_attention:
                 values["attention"] = backend
             yield {"stage": stage, "attention": backend}, prof, values
+
+
+def staged_profile(profile: dict, stage: int) -> dict:
+    """A copy of a profile at another ZeRO stage (its other keys as they are)."""
+    prof = json.loads(json.dumps(profile))
+    prof["zero_optimization"]["stage"] = stage
+    return prof
 
 
 def recipe_configs(a, name: str, profile: dict, out: Path):
@@ -265,6 +271,16 @@ def recipe_configs(a, name: str, profile: dict, out: Path):
 def run_one(values: dict, device_bytes: float, out: Path, nproc: int) -> dict:
     """Plan one configuration as the driver would, lower its micro-batch to what the planner fits in
     FIT_FRACTION of this GPU, and measure it; a refusal or a configuration that cannot fit is a result."""
+    row = plan_micro(values, device_bytes, nproc)
+    if "result" in row:
+        return row
+    return {**row, **measure(values, row["micro"], out, nproc)}
+
+
+def plan_micro(values: dict, device_bytes: float, nproc: int = 1) -> dict:
+    """The configuration planned as the driver would (`plan_run`, dry run): its micro-batch (the profile's or
+    the recipe's, lowered to `fit`, the most the planner fits in FIT_FRACTION of the device), its attention
+    kernel and the planner's memory for that micro-batch; or {"result": why not} for a refusal or no fit."""
     from zerotrain.launcher.components import planner
     from zerotrain.launcher.config import config_from
     from zerotrain.launcher.errors import UsageError
@@ -285,38 +301,52 @@ def run_one(values: dict, device_bytes: float, out: Path, nproc: int) -> dict:
     if micro == 0:
         return {"result": f"not run: the planner fits no row in {FIT_FRACTION:.0%} of this GPU"}
     mem = planner.memory(plan.model_args, setup, stage, micro, seq_len, ac)
-    row = {"micro": micro, "kernel": plan.attention, "planned_tensors": (mem["total"] - mem["context"]
-                                                                         - mem["fragmentation"]) / 2**30,
-           "planned_total": mem["total"] / 2**30, "peak_flops": plan.settings.peak_flops_per_device}
-    return {**row, **measure(values, micro, out, nproc)}
+    return {"micro": micro, "fit": fit, "kernel": plan.attention, "model_args": plan.model_args,
+            "planned_tensors": (mem["total"] - mem["context"] - mem["fragmentation"]) / 2**30,
+            "planned_total": mem["total"] / 2**30, "peak_flops": plan.settings.peak_flops_per_device}
 
 
 def measure(values: dict, micro: int, out: Path, nproc: int = 1) -> dict:
     """One driver run (N ranks through the deepspeed launcher); its metrics summarised. A failed run is a row
     saying how (its last stderr line)."""
-    flags = []
-    for key, value in {**values, "micro_batch": micro}.items():
-        flags += [f"--{key.replace('_', '-')}", str(value)]
     run_dir = out / values["run_id"]
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()
-    devices = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(nproc))))
-    launcher = [sys.executable, "-m", "zerotrain.launcher.train"] if nproc == 1 else [
-        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--module", "zerotrain.launcher.train"]
-    proc = subprocess.run([*launcher, *flags], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices.split(",")[:nproc])})
+    command, env = driver_command(values, micro, nproc)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=out, env=env)
     (out / f"{values['run_id']}.log").write_text(proc.stdout + proc.stderr)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     if proc.returncode:
         last = next((ln for ln in reversed((proc.stderr or proc.stdout).splitlines()) if ln.strip()), "")
         return {"result": f"FAILED (exit {proc.returncode}): {last[:160]}"}
-    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "step" in r and "loss" in r and "event" not in r]
+    steps = step_records(run_dir)
     timed = [r for r in steps if r["step"] > WARMUP_STEPS] or steps
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
             "peak_gib": max(r.get("peak_mem_gib", 0.0) for r in steps), "loss": steps[-1]["loss"],
             "last_step": steps[-1]["step"], "wall_s": time.time() - t0}
+
+
+def driver_command(values: dict, micro: int, nproc: int = 1) -> tuple[list[str], dict]:
+    """(argv, environment) of one driver run: `python -m zerotrain.launcher.train` at a world of 1, the deepspeed
+    launcher for more. `values` become flags (run_id -> --run-id V; True -> --flag, False -> --no-flag). Run it
+    from outside the checkout: under `python -m` the current directory comes first on sys.path, and the checkout's
+    zerotrain/ folder (no launcher/ in it) would shadow a zerotrain installed from a wheel or with --target (an
+    editable install finds both)."""
+    flags = []
+    for key, value in {**values, "micro_batch": micro}.items():
+        flag = f"--{key.replace('_', '-')}"
+        flags += [flag if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, str(value)]
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(nproc))))
+    launcher = [sys.executable, "-m", "zerotrain.launcher.train"] if nproc == 1 else [
+        str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--module", "zerotrain.launcher.train"]
+    return [*launcher, *flags], {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices.split(",")[:nproc])}
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """The step records of a run's metrics.jsonl, in order (events left out)."""
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return [r for r in records if "step" in r and "loss" in r and "event" not in r]
 
 
 def header(profile: str, device: str, argv: list[str], a) -> str:

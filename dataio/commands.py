@@ -14,12 +14,12 @@ import argparse
 import time
 from pathlib import Path
 
-from zerotrain.cli_args import Parser
+from zerotrain.cli_args import Parser, exact_integer
 from zerotrain.dataio.errors import DataError, UsageError
 from zerotrain.dataio.mix import parse_mix
 from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.readers import find_files, load_text_source
-from zerotrain.dataio.sft import ChatRenderer, labelled_tokens
+from zerotrain.dataio.sft import ChatRenderer, is_sft, labelled_tokens
 from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
 from zerotrain.dataio.streamed import open_streamed, record_text
 from zerotrain.dataio.tokenizer import TRAINING_RECORD, HFTokenizer, load_tokenizer, train_bpe
@@ -35,9 +35,10 @@ def _run(fn, argv):
 def _positive(name):
     def parse(text):
         try:
-            v = int(float(text)) if "e" in text.lower() else int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
+            v = exact_integer(text)  # 1e6 too; 2.5 and 1e400 refused (zerotrain/cli_args.py)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}"
+                                             + ("" if str(e).startswith("not a number") else f" ({e})")) from None
         if v <= 0:
             raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
         return v
@@ -191,9 +192,14 @@ def tokenizer_main(argv):
 
     def go(_):
         out = Path(a.out)
+        if out.exists() and not out.is_dir():
+            raise DataError(f"--out {out}: is a file, not a directory (tokenizer train writes a directory)")
         if out.exists() and any(out.iterdir()):
             raise DataError(f"--out {out}: exists and is not empty")
         mix = parse_mix(a.data)
+        for spec in mix.sources:
+            if spec.format == "tokens":
+                raise DataError(f"{spec.where()}: format tokens is token ids already; a tokenizer is trained on text")
 
         def texts():
             for spec in mix.sources:
@@ -245,7 +251,7 @@ def describe_data(data, run_tokens: int) -> list[str]:
             lines.append(f"  {spec.name:<14} weight {spec.weight:6.1%}  {'' if exact else '~'}{size:,} tokens"
                          f"  ~{epochs:.2f} epochs over the run  ({where})")
             if store is not None:
-                lines.append(" " * 17 + (_records_line(data, spec, store) if spec.format != "text" else
+                lines.append(" " * 17 + (_records_line(data, spec, store) if is_sft(spec) else
                                          _documents_line(data, store)))
             if spec.on_exhausted == "stop" and epochs > 1:
                 lines.append(f"  WARNING: source {spec.name!r} runs out after ~{1 / epochs:.0%} of the run"

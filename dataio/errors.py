@@ -1,7 +1,7 @@
 """The project's exception types for dataio: the classes of zerotrain/errors.py (one of each), re-exported
 so that data code names them from its own package; and `first_line`, how a library's exception becomes
 the one line a DataError quotes."""
-from zerotrain.errors import DataError, UsageError, ZerotrainError  # noqa: F401  (re-exported)
+from zerotrain.errors import DataError, DataNotHere, UsageError, ZerotrainError  # noqa: F401  (re-exported)
 
 
 def first_line(e: Exception) -> str:

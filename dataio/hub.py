@@ -27,7 +27,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.errors import DataError, DataNotHere, first_line
 from zerotrain.dataio.mix import SourceSpec
 from zerotrain.dataio.readers import dataset_dir_args, find_files, quiet_datasets
 from zerotrain.dataio.streamed import hub_location, open_streamed
@@ -202,7 +202,7 @@ def dataset_snapshot(spec: SourceSpec, fetch: bool = True) -> str | None:
         return cached
     if offline:
         problem = "its snapshot in the cache lacks this config's files" if cached else "nothing cached"
-        raise DataError(f"{where} (\"download\": true): {problem} and offline mode is on ({_cache_dir()}):"
+        raise DataNotHere(f"{where} (\"download\": true): {problem} and offline mode is on ({_cache_dir()}):"
                         f" `hf download --repo-type dataset {spec.hf}` on a machine with network into the same"
                         " HF_HOME / HF_HUB_CACHE, or unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE")
     if not fetch:
@@ -236,7 +236,7 @@ def streamed_offline(spec: SourceSpec) -> str:
     try:  # not in the hub cache: datasets' own cache may still hold it (the stream itself says)
         next(iter(open_streamed(spec, 0, 1)), None)
     except DataError:
-        raise DataError(f"{spec.where()}: hub dataset {spec.hf!r} (streamed): nothing cached and offline mode is"
+        raise DataNotHere(f"{spec.where()}: hub dataset {spec.hf!r} (streamed): nothing cached and offline mode is"
                         f" on ({_cache_dir()}): `hf download --repo-type dataset {spec.hf}` on a machine with network"
                         " into the same HF_HOME / HF_HUB_CACHE, or unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE") \
             from None

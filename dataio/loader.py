@@ -117,6 +117,9 @@ def open_data(path: str, tokenizer, fetch: bool = True) -> Data:
         shards.check_tokenizer(p, manifest, tokenizer)
         return Data(kind="shards", path=str(p), specs=shards.manifest_specs(manifest), tokenizer=tokenizer,
                     stores=[], warn_epochs=manifest["mix"].get("warn_epochs", 4.0), manifest=manifest)
+    if p.suffix == ".bin":  # a flat token file says neither its id type nor its end-of-text id: a mix does
+        raise DataError(f"{path}: a flat token file is read through a mix that names its dtype and eos_id, e.g."
+                        f' {{"sources": [{{"path": "{p.name}", "format": "tokens", "dtype": "uint16", "eos_id": 50256}}]}}')
     mix: Mix = parse_mix(p)
     return Data(kind="mix", path=str(p), specs=materialise(mix.sources, fetch), tokenizer=tokenizer, stores=[],
                 warn_epochs=mix.warn_epochs)
@@ -157,10 +160,12 @@ def cut_data(data: Data, stores: list, piece_len: int | None, world: int, worker
         raise DataError(f"piece length: must be a positive integer, got {piece_len!r}")
     parts = world * max(1, workers)
     across = f"{world} rank{'s' if world > 1 else ''}" + (f" x {workers} data worker(s)" if workers else "")
-    # Byte-tokenizer shards hold UTF-8 bytes: cut them where the text itself would be cut.
-    utf8 = data.kind == "mix" or data.tokenizer.name == "bytes"
+    # Text is cut at UTF-8 character starts; token ids (shards, flat token files) only where they are the
+    # byte tokenizer's UTF-8 bytes, where the text itself would be cut.
+    bytes_ids = data.tokenizer.name == "bytes"
     data.stores = [None if st is None else whole_records(st, spec, parts, across) if is_sft(spec) else
-                   make_pieces(st, piece_len, parts, utf8, across) for spec, st in zip(data.specs, stores)]
+                   make_pieces(st, piece_len, parts, st.kind == "text" or bytes_ids, across)
+                   for spec, st in zip(data.specs, stores)]
     data.piece_len, data.world, data.workers = piece_len, world, workers
     return data
 

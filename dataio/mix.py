@@ -74,7 +74,7 @@ Supervised fine-tuning records (dataio/sft.py has the rendering, the mask and th
     {"name": "chat", "weight": 0.3, "hf": "/nvme/hf/ultrachat", "format": "chat", "messages_field": "messages"}
 
 - `format`: "text" (the default: documents, as above), "sft" (prompt/response records) or "chat"
-  (records holding a list of {"role", "content"} messages).
+  (records holding a list of {"role", "content"} messages); "tokens" is a flat token file (below).
 - "sft": `prompt_field` (default "prompt"), `response_field` (default "response"), `separator`
   (default "\\n"): the document is prompt + separator + response, loss on the response and the EOS.
 - "chat": `messages_field` (default "messages"); rendered with the tokenizer's chat template, else
@@ -87,6 +87,16 @@ system, then user / assistant in turn) or that has no assistant turn is a bad re
 json lines, json, parquet, arrow, save_to_disk or hub datasets (not .txt); they are never cut
 into pieces (one record = one document) and `zerotrain prepare` does not take them. Token
 shares count all tokens of a record (prompt, response and EOS): SFT and text sources mix freely.
+
+Flat token files (zerotrain.dataio.tokenfile has the layout, the document split and the cache):
+
+    {"name": "owt", "weight": 0.8, "path": "DATASET/train.bin", "format": "tokens", "dtype": "uint16", "eos_id": 50256}
+
+- "tokens": `path` is ONE file of token ids (`dtype` uint16 or uint32, as nanoGPT's prepare.py writes
+  them), documents separated by the end-of-text id `eos_id` (required); memory-mapped and read in place,
+  no `zerotrain prepare`. It takes only `weight` and `on_exhausted` besides; its size must be a whole
+  number of ids. The run's --tokenizer must be the one that made it (checked: its vocabulary covers the
+  file's largest id, its end-of-text id is `eos_id`).
 
 Weights are shares of TOKENS (not documents); they need not sum to 1. See zerotrain.dataio.loader.
 
@@ -105,11 +115,11 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.errors import DataError, DataNotHere
 
 # A source's `format` and, for sft/chat sources, what to do with a record longer than seq_len
 # (zerotrain.dataio.sft renders and cuts them)
-FORMATS = ("text", "sft", "chat")
+FORMATS = ("text", "sft", "chat", "tokens")
 OVERFLOWS = ("truncate_prompt", "drop", "error")
 
 # The datasets builder that reads each data file format (.txt: our own reader, readers._load_txt).
@@ -119,9 +129,12 @@ COMPRESSED = (".gz", ".bz2", ".xz", ".zst")  # json lines only: datasets decompr
 GLOB_CHARS = "*?["
 SOURCE_KEYS = {"name", "path", "hf", "config", "split", "text_field", "template", "weight", "sample_by",
                "on_exhausted", "bad_records", "streaming", "download", "data_dir", "data_files",
-               "format", "prompt_field", "response_field", "separator", "messages_field", "overflow"}
+               "format", "prompt_field", "response_field", "separator", "messages_field", "overflow", "dtype",
+               "eos_id"}
 SFT_KEYS = {"sft": {"prompt_field", "response_field", "separator", "overflow"}, "chat": {"messages_field", "overflow"}}
 TEXT_ONLY_KEYS = ("text_field", "template", "sample_by")  # what makes a document of a text record
+TOKEN_KEYS = ("dtype", "eos_id")  # a flat token file's (zerotrain.dataio.tokenfile)
+TOKEN_DTYPES = {"uint16": 2, "uint32": 4}  # bytes per id
 MIX_KEYS = {"description", "sources", "on_exhausted", "bad_records", "warn_epochs"}
 ON_EXHAUSTED = ("restart", "stop")
 BAD_RECORDS = ("stop", "skip")
@@ -152,6 +165,8 @@ class SourceSpec:
     overflow: str = "truncate_prompt"  # sft, chat: a record longer than --seq-len
     download: bool = False  # a hub name: downloaded once into the hub cache and read as local files (dataio/hub.py)
     hub: str | None = None  # a downloaded source: the hub name; `hf` is then its local snapshot directory
+    dtype: str | None = None  # format tokens: the file's id type (TOKEN_DTYPES)
+    eos_id: int | None = None  # format tokens: the end-of-text id that separates its documents
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -245,6 +260,8 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
     w = src.get("weight")
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
         raise DataError(f"{at}: weight must be a positive number, got {w!r}")
+    if src.get("format") == "tokens" or any(k in src for k in TOKEN_KEYS):
+        return _parse_token_source(src, name, float(w), at, mix_path, default_exhausted, default_bad)
     if ("path" in src) == ("hf" in src):
         raise DataError(f"{at}: give exactly one of 'path' (local files: a file, glob, directory or list)"
                         " or 'hf' (a hub dataset name or a local dataset directory)")
@@ -303,6 +320,43 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
         bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at))
 
 
+def _parse_token_source(src: dict, name: str, weight: float, at: str, mix_path: Path, default_exhausted: str,
+                        default_bad: str) -> SourceSpec:
+    """A flat token file (`"format": "tokens"`, zerotrain.dataio.tokenfile): one file of `dtype` ids whose
+    size is a whole number of ids, documents separated by `eos_id`. Nothing is read but its size."""
+    fmt = src.get("format", "text")
+    if fmt != "tokens":
+        key = next(k for k in TOKEN_KEYS if k in src)
+        raise DataError(f"{at}: {key} goes with format tokens (a flat token file), this source is format {fmt}")
+    extra = sorted(set(src) - {"name", "weight", "path", "format", "on_exhausted", *TOKEN_KEYS})
+    if extra:
+        raise DataError(f"{at}: {extra[0]} does not go with format tokens (a flat token file takes path, dtype,"
+                        " eos_id, weight, on_exhausted)")
+    if not isinstance(src.get("path"), str) or not src["path"] or has_glob(src["path"]):
+        raise DataError(f"{at}: format tokens takes one file in 'path' (e.g. \"DATASET/train.bin\"),"
+                        f" got {src.get('path')!r}")
+    dtype = src.get("dtype")
+    if dtype not in TOKEN_DTYPES:
+        raise DataError(f"{at}: dtype must be {' or '.join(TOKEN_DTYPES)} (the file's token id type), got {dtype!r}")
+    eos = src.get("eos_id")
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < 1 << (8 * TOKEN_DTYPES[dtype]):
+        raise DataError(f"{at}: eos_id must be the end-of-text id that separates the file's documents (an integer"
+                        f" that fits {dtype}; 50256 for GPT-2 BPE), got {eos!r}")
+    p = Path(src["path"]).expanduser()
+    p = Path(os.path.abspath(p if p.is_absolute() else mix_path.parent / p))
+    if not p.exists():
+        raise DataNotHere(f"{at}: data file {p} does not exist")
+    if not p.is_file():
+        raise DataError(f"{at}: format tokens takes one file, {p} is not a file")
+    size = p.stat().st_size
+    if size % TOKEN_DTYPES[dtype]:
+        raise DataError(f"{at}: {p} holds {size:,} bytes, not a whole number of {dtype} ids"
+                        f" ({TOKEN_DTYPES[dtype]} bytes each): wrong dtype, or a truncated file")
+    return SourceSpec(name=name, weight=weight, path=str(p), format="tokens", dtype=dtype, eos_id=eos,
+                      on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
+                      bad_records=default_bad)
+
+
 def has_glob(entry: str) -> bool:
     """A `path` entry that is a glob (expanded when the source is read, by datasets)."""
     return any(c in entry for c in GLOB_CHARS)
@@ -331,7 +385,7 @@ def _parse_path(value, mix_path: Path, at: str) -> tuple[str, ...]:
         p = Path(os.path.abspath(p if p.is_absolute() else mix_path.parent / p))
         if not has_glob(e):
             if not p.exists():
-                raise DataError(f"{at}: data file {p} does not exist")
+                raise DataNotHere(f"{at}: data file {p} does not exist")
             if p.is_file() and file_format(p.name) is None:
                 raise DataError(f"{at}: unsupported file type {''.join(p.suffixes[-2:]) or p.name!r}"
                                 f" (use {', '.join(BUILDERS)}; json lines may be compressed: {', '.join(COMPRESSED)})")

@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.errors import DataError, DataNotHere, first_line
 from zerotrain.dataio.mix import BUILDERS, COMPRESSED, SourceSpec, file_format, has_glob
 from zerotrain.dataio.sft import ChatRenderer, is_sft, render_record
+from zerotrain.dataio.tokenfile import load_token_file
 
 # Files a directory or glob is searched for: datasets' tabular and text formats. Anything else
 # (README.md, LICENSE, images) is not data and is skipped, as load_dataset(DIR) skips it; a .csv
@@ -107,10 +108,10 @@ def _expand(spec: SourceSpec, entry: str) -> list[str]:
         try:  # datasets' own globbing (fsspec; `**` for any depth; hidden files skipped)
             return resolve_pattern(entry, base_path="", allowed_extensions=DATA_EXTENSIONS)
         except FileNotFoundError:
-            raise DataError(f"{spec.where()}: path {entry} matches no data file") from None
+            raise DataNotHere(f"{spec.where()}: path {entry} matches no data file") from None
     p = Path(entry)
     if not p.exists():
-        raise DataError(f"{spec.where()}: data file {p} does not exist")
+        raise DataNotHere(f"{spec.where()}: data file {p} does not exist")
     if p.is_file() or _saved_dataset(p):
         return [entry]
     # A directory of data files: the files load_dataset(DIR) takes for the split (datasets' naming
@@ -192,7 +193,11 @@ class BadRecords:
 def load_text_source(spec: SourceSpec, tokenizer=None) -> DocStore:
     """All documents of a local (not streamed) source, file by file, validated; bad records per the
     policy. Errors name the file (one line). An SFT source's records are rendered (chats with the
-    tokenizer's chat template, or the plain one without a tokenizer) and keep their response spans."""
+    tokenizer's chat template, or the plain one without a tokenizer) and keep their response spans. A flat
+    token file (format tokens) is memory-mapped as it is (zerotrain.dataio.tokenfile; with a tokenizer, its ids
+    are checked against it)."""
+    if spec.format == "tokens":
+        return load_token_file(spec, tokenizer)
     found = find_files(spec)
     if is_sft(spec) and found.fmt == "text":
         raise DataError(f"{spec.where()}: format {spec.format} reads records (jsonl, json, parquet, arrow, a dataset),"

@@ -71,8 +71,8 @@ ENCODE_BLOCK = 1024  # records tokenized together
 
 
 def is_sft(spec) -> bool:
-    """A source of SFT records ("sft" or "chat"), as opposed to text documents."""
-    return getattr(spec, "format", "text") != "text"
+    """A source of SFT records ("sft" or "chat"), as opposed to text documents or a flat token file."""
+    return getattr(spec, "format", "text") in ("sft", "chat")
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from zerotrain.dataio.errors import DataError, first_line
 from zerotrain.dataio.mix import SourceSpec, parse_mix
 from zerotrain.dataio.readers import load_text_source
 from zerotrain.dataio.streamed import open_streamed, record_text
+from zerotrain.dataio.tokenfile import cache_root
 from zerotrain.dataio.tokenizer import token_dtype
 
 FORMAT, VERSION = "zerotrain-shards", 1
@@ -115,6 +116,9 @@ def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_0
     first, then renamed: an existing `out` is never touched)."""
     mix = parse_mix(mix_path)
     for spec in mix.sources:  # shards hold unsigned token ids: no room for the response mask (dataio/sft.py)
+        if spec.format == "tokens":
+            raise DataError(f"{spec.where()}: format tokens is token ids already: train from the mix itself"
+                            " (zerotrain prepare is not needed)")
         if spec.format != "text":
             raise DataError(f"{spec.where()}: format {spec.format}: zerotrain prepare does not take SFT records (shards"
                             " cannot keep the response mask); train from the mix itself (records are tokenized at"
@@ -298,9 +302,7 @@ class VerifiedCache:
     """
 
     def __init__(self, cache_dir: Path | None = None, hold_lock: bool = False):
-        base = cache_dir or os.environ.get("ZEROTRAIN_CACHE") or \
-            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "zerotrain"
-        self.path = Path(base) / "verified-shards.json"
+        self.path = cache_root(cache_dir) / "verified-shards.json"
         self.host = socket.gethostname()
         self.hold_lock = hold_lock
         self.entries: dict = {}

@@ -1,7 +1,7 @@
 """The `zerotrain` command.
 
     zerotrain train ARGS            the driver in this process (one rank), same flags as launcher/train.py
-    zerotrain launch -n N ARGS      the driver on N local ranks under the deepspeed launcher
+    zerotrain launch -n N [--master_port P] ARGS   the driver on N local ranks under the deepspeed launcher
     zerotrain launch --hostfile H [--force] [--skip-host-checks] [deepspeed flags] -- ARGS   checked multi-node launch
     zerotrain slurm [--nodes N --gpus-per-node G --max-requeues K --dry-run ...] -- ARGS    sbatch script with requeue
     zerotrain demo                  build the offline demo mix and train `debug` on 2 CPU ranks

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from zerotrain import resource_dir
-from zerotrain.cli_args import Parser
+from zerotrain.cli_args import TOKEN_COUNT_FORMS, Parser, exact_integer, token_count
 from zerotrain.launcher import model_spec, settings
 from zerotrain.launcher.errors import UsageError, exit_status_help, read_json_object
 from zerotrain.launcher.hparams import check_schedule, hashed_warmup, is_resolved, resolve_hparams
@@ -36,6 +36,9 @@ from zerotrain.launcher.profiles import profile_from_accelerate
 RECIPE_DIR = resource_dir("zerotrain.recipes")
 
 IDENTITY, IDENTITY_WHEN_SET, RUN = settings.IDENTITY, settings.IDENTITY_WHEN_SET, settings.RUN
+# The counts of tokens: a flag, a recipe value or a keyword may be written 11e9, 11B, 500M, 2T or 4096
+# (zerotrain/cli_args.py token_count); validate() makes each an int, so the rest of the run sees ints only.
+TOKEN_COUNTS = ("global_batch_tokens", "eval_tokens", "total_tokens", "warmup_tokens")
 SOURCES = "sources"  # RunConfig.sources: where each value came from; not a flag, not hashed, not in config.json's "run"
 
 
@@ -149,6 +152,13 @@ class RunConfig:
         return cls.__dataclass_fields__[name].metadata["kind"]
 
     def validate(self) -> None:
+        for name in TOKEN_COUNTS:  # "11B" from a recipe, 11e9 (a float) from JSON or a keyword: the flag's parser
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                try:
+                    setattr(self, name, exact_integer(v, suffixes=True))
+                except ValueError as e:
+                    raise UsageError(f"{flag(name)} {v!r}: {e}") from None
         if self.data is None:
             raise UsageError("--data: a mix file is required (its format: docs/data.md)")
         for name in ("seq_len", "micro_batch", "grad_accum", "global_batch_tokens", "eval_tokens",
@@ -281,15 +291,18 @@ class RunConfig:
     def identity_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
 
-    def drift(self, saved_run: dict, saved_sources: dict | None = None) -> list[str]:
+    def drift(self, saved_run: dict, saved_sources: dict | None = None, resolved: dict | None = None) -> list[str]:
         """Identity fields that differ from a saved config.json's "run" section (its "run_sources": where each
-        resolved value came from), as 'key old -> new'."""
+        resolved value came from), as 'key old -> new'. `resolved`: this run's values of fields it leaves unset
+        (run_plan.SPELLED_DEFAULTS); the saved run's value given equal to one of them is not drift."""
         old = RunConfig(**{k: v for k, v in saved_run.items() if k in self.__dataclass_fields__ and k != SOURCES},
                         sources=saved_sources).identity()
         new = self.identity(partial=True)
         if not is_resolved(self):  # --profile auto before detection: the rank checks these once resolved
             old = {k: v for k, v in old.items() if k in new or k not in ("lr", "min_lr", "warmup_steps")}
-        return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        resolved = resolved or {}
+        return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
+                and not (new.get(k) is None and k in resolved and old.get(k) == resolved[k])]
 
 
 def check_nvme_dir(path: str, where: str) -> None:
@@ -315,6 +328,8 @@ SETTINGS = tuple(f.name for f in fields(RunConfig) if f.metadata["kind"] != SOUR
 
 
 def _arg_type(f):
+    if f.name in TOKEN_COUNTS:
+        return token_count
     t = f.type if isinstance(f.type, str) else f.type.__name__
     return int if "int" in t else float if "float" in t else str
 
@@ -327,6 +342,8 @@ def add_train_flags(p) -> None:
         if f.name not in SETTINGS:
             continue
         help_text = f.metadata["help"].replace("%", "%%")
+        if f.name in TOKEN_COUNTS:
+            help_text += f"; written {TOKEN_COUNT_FORMS} (exact integers)"
         if f.default is not None and "default" not in help_text:
             help_text += f" (default: {f.default})"  # argparse's own default stays None: unset, so a recipe applies
         help_text += {IDENTITY: "", IDENTITY_WHEN_SET: "", RUN: " [may change on resume]"}[f.metadata["kind"]]

@@ -255,6 +255,8 @@ REGISTRY: dict[str, Spec] = {s.name: s for s in (
 )}
 
 USER_CLASS_HELP = "module.path:ClassName"
+# The client optimizers whose kernel is one DeepSpeed steps offloaded state with (DeepSpeedCPULion on a CPU).
+CPU_CLIENTS = ("lion",)
 
 
 def known() -> str:
@@ -410,6 +412,15 @@ def resolve_ds_optimizer(ds: dict, cfg, where: str) -> dict:
                          f" stages: {', '.join(map(str, spec.stages))}")
     if spec.name == "muon":
         _check_deepspeed_for_muon()
+    if spec.client is not None and spec.name not in CPU_CLIENTS and offloads_optimizer(ds):
+        # DeepSpeed 0.19 (engine.py _configure_basic_optimizer) refuses any other client optimizer under
+        # ZeRO-Offload with a ZeRORuntimeException once the engine is built, after the run directory exists.
+        # Refused, not swapped for DeepSpeed's CPU Adam: that would train with another update rule than the
+        # one asked for (this one's weight decay, or its EMAs), silently.
+        raise UsageError(f"--optimizer {spec.name}: a client optimizer cannot step the offloaded optimizer state"
+                         f" (--offload optimizer/all, or the {where.removeprefix('profile ')} profile's offload):"
+                         " DeepSpeed steps it with its own CPU Adam or CPU Lion only; use --optimizer adamw or"
+                         " lion with the offload, or --offload none")
     return spec.configure(ds, hp, cfg)
 
 

@@ -78,10 +78,12 @@ def offload_settings(cfg, profile: dict, profile_name: str) -> tuple[str | None,
     keys as they are."""
     flag, flag_nvme = getattr(cfg, "offload", None), getattr(cfg, "nvme_path", None)  # a RunConfig, or as plan has it
     offload = flag if flag is not None else profile_value(profile, "offload")
-    nvme = flag_nvme if flag_nvme is not None else profile_value(profile, "nvme_path")
+    # --offload none turns the profile's offload off, its NVMe directory with it
+    nvme = flag_nvme if flag_nvme is not None or flag == "none" else profile_value(profile, "nvme_path")
     where = "--offload" if flag is not None else f"profile {profile_name}: zerotrain.offload"
     if nvme is not None and offload in (None, "none"):
-        raise UsageError(f"--nvme-path {nvme}: offloads nothing without --offload optimizer or all")
+        named = "--nvme-path" if flag_nvme is not None else f"profile {profile_name}: zerotrain.nvme_path"
+        raise UsageError(f"{named} {nvme}: offloads nothing without --offload optimizer or all")
     return offload, nvme, where
 
 

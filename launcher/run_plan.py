@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from zerotrain.dataio.commands import describe_data
@@ -44,7 +44,7 @@ from zerotrain.launcher.optimizers import describe_implementation
 from zerotrain.launcher.profiles import (check_devices, describe_precision, detect_profile, load_profile,
                                         one_device_stage, resolve_ds_config)
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
-from zerotrain.launcher.settings import GIVEN, Settings, describe_settings
+from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel, mlp_tiles
 
@@ -174,14 +174,40 @@ def identify(cfg: RunConfig) -> RunIdentity:
         profile_spec, why = detect_profile()
     profile_name, profile = load_profile(profile_spec)
     cfg = resolve_hparams(cfg, profile_name, profile)  # lr, schedule: flag > recipe > profile > rule (hparams.py)
-    settings = resolve_settings(cfg, profile_name, profile)  # every other setting, each with its source
     tokenizer = load_tokenizer(cfg.tokenizer)  # its vocabulary size is part of the model's label
+    cfg = without_spelled_defaults(cfg, profile_name, profile, tokenizer.vocab_size)
+    settings = resolve_settings(cfg, profile_name, profile)  # every other setting, each with its source
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
     run_dir = Path(cfg.out) / run_id_of(cfg, model_label, profile_name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir}: exists and is not a directory")
     return RunIdentity(cfg, profile_name, why, profile, settings, tokenizer, model_args, model_label, init_from,
                        run_dir)
+
+
+# Identity settings hashed once given whose value without a flag is resolved (from the profile, a default, the
+# model): the same value given (--no-tiled-mlp, --no-compile, --no-qk-norm, --rope-theta 10000 where each is what
+# the run has anyway) is not another run: it is left unset, so the run id and the drift check see no change.
+SPELLED_DEFAULTS = ("tiled_mlp", "compile", "qk_norm", "rope_theta")
+
+
+def resolved_value(name: str, settings: Settings, model_args) -> object:
+    """What a run has for a SPELLED_DEFAULTS name: the resolved setting, else the model's own value."""
+    return settings.values[name] if name in BY_NAME else getattr(model_args, name)
+
+
+def without_spelled_defaults(cfg: RunConfig, profile_name: str, profile: dict, vocab_size: int) -> RunConfig:
+    """`cfg` with each SPELLED_DEFAULTS value that equals what the run resolves without it left unset."""
+    given = {k: getattr(cfg, k) for k in SPELLED_DEFAULTS if getattr(cfg, k) is not None}
+    if not given:
+        return cfg
+    bare = replace(cfg, **{k: None for k in given})
+    settings, model_args = resolve_settings(bare, profile_name, profile), model_spec.resolve(bare, vocab_size)[0]
+    same = [k for k, v in given.items() if resolved_value(k, settings, model_args) == v]
+    if not same:
+        return cfg
+    return replace(cfg, **{k: None for k in same},
+                   sources={k: v for k, v in (cfg.sources or {}).items() if k not in same})
 
 
 def run_id_of(cfg: RunConfig, model_label: str, profile_name: str) -> str:
@@ -237,7 +263,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         cfg, ds_config, meta = _resume_layout(cfg, ds_config, resume_from, world, sp, data_world, data,
                                               loader_settings, run_dir, (ckpt_dir, mirror_ckpt), saved_run)
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
-        drift = cfg.drift(saved_run, saved.get("run_sources"))
+        drift = cfg.drift(saved_run, saved.get("run_sources"),
+                          {k: resolved_value(k, settings, model_args) for k in SPELLED_DEFAULTS})
         if drift:
             raise UsageError(f"config drift against {run_dir / 'config.json'}: " + ", ".join(drift)
                              + "; start a new --run-id instead")

@@ -5,7 +5,7 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
     1  modeling/*, and dataio's format layer: errors, docstore (documents as index arrays), mix (the mix
        spec: sources, formats, weights), sft (chat and prompt/completion records rendered into tokens)
     2  dataio's sources: readers (local files), streamed (record streams), hub (Hub names and snapshots),
-       tokenizer, shards (prepared token shards)
+       tokenizer, shards (prepared token shards), tokenfile (flat token files)
     3  dataio's pipeline: packing, pieces, holdout, loader (a run's batches), reshard
     4  dataio's commands (`zerotrain data ...`)
     5  launcher/errors
@@ -44,7 +44,7 @@ LAYERS = {
     "zerotrain.dataio": 1, "zerotrain.dataio.errors": 1, "zerotrain.dataio.docstore": 1, "zerotrain.dataio.mix": 1,
     "zerotrain.dataio.sft": 1,
     "zerotrain.dataio.readers": 2, "zerotrain.dataio.streamed": 2, "zerotrain.dataio.hub": 2,
-    "zerotrain.dataio.tokenizer": 2, "zerotrain.dataio.shards": 2,
+    "zerotrain.dataio.tokenizer": 2, "zerotrain.dataio.shards": 2, "zerotrain.dataio.tokenfile": 2,
     "zerotrain.dataio.packing": 3, "zerotrain.dataio.pieces": 3, "zerotrain.dataio.holdout": 3,
     "zerotrain.dataio.loader": 3, "zerotrain.dataio.reshard": 3,
     "zerotrain.dataio.commands": 4,

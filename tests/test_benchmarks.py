@@ -158,3 +158,64 @@ def test_gpu_benchmarks_sized_tokenizer_gives_the_model_that_vocabulary(tmp_path
     text = "packed rows, héllo ✓"
     ids = tok.encode(text)
     assert tok.decode(ids) == text and max(ids) < 258 + 2  # bytes and specials only: the rest is the head's size
+
+
+def gpu_peers(*args, timeout=300):
+    # OMP_NUM_THREADS=1: every program's process alike on the shared 2-core machine
+    return subprocess.run([sys.executable, "benchmarks/gpu_peers.py", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_gpu_peers_arguments_are_checked_and_without_cuda_nothing_runs():
+    for args, says in ((["--programs", "A,X"], "--programs: 'X' is not one of A, B, C, D, Dl, E"),
+                       (["--steps", "9"], "--steps must be at least 10, got 9"),
+                       (["--grad-accum", "1,x"], "--grad-accum '1,x': whole numbers, comma-separated"),
+                       (["--model", "huge"], "--model 'huge' is not a preset (debug, tiny, small, medium,"
+                                             " medium-large, large, xlarge, ws-760m, ws-1.3b)")):
+        proc = gpu_peers(*args)
+        assert proc.returncode == 2 and proc.stderr.strip() == f"benchmarks/gpu_peers.py: {says}", (args, proc.stderr)
+    proc = gpu_peers("--docs", "both", "--largest", "--grad-accum", "1,8")
+    assert proc.returncode == 0 and proc.stdout == "benchmarks/gpu_peers.py: no CUDA device; nothing run\n", proc.stderr
+
+
+def test_gpu_peers_interleaves_every_program_once_a_round_every_other_round_reversed():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_peers import interleaved
+
+    assert interleaved(["A", "B", "C"], 3) == [(1, "A"), (1, "B"), (1, "C"), (2, "C"), (2, "B"), (2, "A"),
+                                                (3, "A"), (3, "B"), (3, "C")]
+
+
+def test_gpu_peers_smoke_runs_the_driver_old_and_new_a_plain_loop_and_hf_llama_on_the_same_documents(tmp_path):
+    """`--smoke`: the debug model on the CPU, through the real driver (A: the cpu profile as of 72584b6 at ZeRO-2;
+    B: the shipped one), our Transformer in a plain loop (C) and transformers' LlamaForCausalLM (D)."""
+    import json
+    import math
+
+    proc = gpu_peers("--smoke", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_peers.json").read_text())["rows"]
+    assert [(r["round"], r["program"]) for r in rows] == [(1, p) for p in ("A", "B", "C", "D", "Dl", "E")]
+    for r in rows[:4]:
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and 0 < r["mfu_6n"] < r["mfu"], r
+        assert math.isfinite(r["loss"]) and 0 < r["loss"] < math.log(320) + 1, r  # trained from ~ln(vocabulary)
+        assert r["micro"] == 2 and r["accum"] == 1 and r["docs"] == "packed" and r["steps_timed"] == 3, r
+    assert rows[4]["status"] == "not run: liger-kernel's kernels are Triton (CUDA only)"
+    assert rows[5]["status"].startswith("not run: ")
+    table = (tmp_path / "gpu_peers.md").read_text()
+    assert sum(line.startswith("| 1 | ") for line in table.splitlines()) == 6 and table in proc.stdout
+    assert "- packed docs, same micro-batch, accum 1: B/A " in table and "- D on packed documents: " in table
+    profiles = (tmp_path / "profiles.txt").read_text()
+    assert "==== C-packed-same-accum1-r1\nno device activity recorded: top 15 " in profiles
+    assert "host syncs over 3 step(s): " in profiles
+    assert (tmp_path / "runs.log").read_text().count("==== ") == 4
+
+
+def test_gpu_peers_starts_no_run_that_would_end_past_the_budget(tmp_path):
+    import json
+
+    proc = gpu_peers("--smoke", "--programs", "C,D,E", "--budget-s", "1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_peers.json").read_text())["rows"]
+    assert [r["program"] for r in rows] == ["C", "D", "E"] and rows[0]["status"] == "ok"
+    assert rows[1]["status"].startswith("not run: budget (expected "), rows[1]

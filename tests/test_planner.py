@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -239,6 +240,43 @@ def test_bad_input_one_line_exit_2():
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1] == "zerotrain: error: --gpus: must be a positive integer, got 0"
     assert "Traceback" not in r.stderr
+
+
+def test_a_recipe_plans_offline_before_its_hub_data_is_downloaded(tmp_path):
+    """`zerotrain plan --config RECIPE` where the recipe's hub datasets are in no cache and the hub is
+    offline (an empty HF_HOME, as on a machine that has not downloaded them yet): the plan is printed, exit
+    0, and what needs the data is said to be unknown in one line naming the source that is missing."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HF_DATASETS_OFFLINE", "HF_TOKEN")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), HF_DATASETS_CACHE=str(tmp_path / "ds"),
+               OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "zerotrain", "plan", "--config", "recipes/a100x8-1.46b-edu-mix.json"]
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "\nfits: " in r.stdout and "time: " in r.stdout and "| 2 + AC (chosen) |" in r.stdout
+    unknown = [ln for ln in r.stdout.splitlines() if "unknown without the data" in ln]
+    assert len(unknown) == 1 and unknown[0].startswith("epochs and repetition: unknown without the data (source"
+                                                       " 'fineweb-edu': hub dataset 'HuggingFaceFW/fineweb-edu'")
+    assert "warning:" not in r.stdout and not list(tmp_path.rglob("datasets--*"))  # nothing downloaded
+    r = subprocess.run([*argv, "--json"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    plan = json.loads(r.stdout)
+    assert r.returncode == 0 and plan["fits"] and plan["warnings"] == []
+    assert "nothing cached and offline mode is on" in plan["data_unknown"]
+
+
+def test_a_mix_whose_files_are_not_written_yet_plans_the_rest(tmp_path, capsys):
+    """A local mix naming a file not written yet: the same plan as without --data, plus the one line."""
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"name": "web", "weight": 1, "path": "web.jsonl"}]}))
+    argv = ["--profile", "a100-80g-x8", "--model", "small", "--json"]
+    without = plan_main(argv)
+    capsys.readouterr()
+    planned = plan_main([*argv, "--data", str(mix)])
+    assert planned["data_unknown"] == f"mix {mix}: source 'web': data file {tmp_path / 'web.jsonl'} does not exist"
+    assert without["data_unknown"] == "no --data given"
+    assert {k: v for k, v in planned.items() if k != "data_unknown"} == \
+        {k: v for k, v in without.items() if k != "data_unknown"}
+    plan_main([*argv[:-1], "--data", str(mix)])
+    assert capsys.readouterr().out.count("epochs and repetition: unknown without the data (mix ") == 1
 
 
 @pytest.mark.parametrize("argv,message", [

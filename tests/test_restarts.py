@@ -71,13 +71,21 @@ def test_flags_and_the_train_flags_of_a_restart():
         with pytest.raises(UsageError, match=message):
             take_restart_flags(bad)
     local = launch_cmd.split_local_args
-    assert local(["--profile", "cpu"]) == (Restarts(), ["--profile", "cpu"])  # today's `-n N FLAGS`
-    assert local(["--", "--profile", "cpu"]) == (Restarts(), ["--profile", "cpu"])
-    assert local(["--max-restarts", "3", "--", "--profile", "cpu"]) == (Restarts(3, 10.0), ["--profile", "cpu"])
-    assert local(["--max-restarts=2", "--profile", "cpu"]) == (Restarts(2, 10.0), ["--profile", "cpu"])
+    none = {"port": None, "addr": None}
+    assert local(["--profile", "cpu"]) == (Restarts(), none, ["--profile", "cpu"])  # today's `-n N FLAGS`
+    assert local(["--", "--profile", "cpu"]) == (Restarts(), none, ["--profile", "cpu"])
+    assert local(["--max-restarts", "3", "--", "--profile", "cpu"]) == (Restarts(3, 10.0), none, ["--profile", "cpu"])
+    assert local(["--max-restarts=2", "--profile", "cpu"]) == (Restarts(2, 10.0), none, ["--profile", "cpu"])
+    assert local(["--master_port", "29600", "--max-restarts=2", "--master-addr=127.0.0.1", "--profile", "cpu"]) == (
+        Restarts(2, 10.0), {"port": 29600, "addr": "127.0.0.1"}, ["--profile", "cpu"])
     with pytest.raises(UsageError, match="--max-restarts: a launch flag, not a train flag: put it before"):
         local(["--profile", "cpu", "--max-restarts", "3"])
-    with pytest.raises(UsageError, match="before -- only --max-restarts and --restart-backoff, got '--profile'"):
+    with pytest.raises(UsageError, match="--master_port: a launch flag, not a train flag: put it before"):
+        local(["--profile", "cpu", "--master_port", "29600"])
+    with pytest.raises(UsageError, match="--master_port '1.5': not a whole number"):
+        local(["--master_port", "1.5", "--profile", "cpu"])
+    with pytest.raises(UsageError, match="before -- only --master_port, --master_addr, --max-restarts and"
+                                         " --restart-backoff, got '--profile'"):
         local(["--profile", "cpu", "--", "--model", "debug"])
     assert with_resume_auto(["--data", "m", "--resume", "never", "--resume=x"]) == ["--data", "m", "--resume", "auto"]
 
@@ -105,7 +113,7 @@ def fake_launch(tmp_path, monkeypatch, codes: str, argv: list[str], run_dir: Pat
     log = tmp_path / "calls.json"
     monkeypatch.setenv("FAKE_LOG", str(log))
     monkeypatch.setenv("FAKE_CODES", codes)
-    monkeypatch.setattr(launch_cmd, "deepspeed_command", lambda n, args: [sys.executable, str(script), *args])
+    monkeypatch.setattr(launch_cmd, "deepspeed_command", lambda n, args, *rendezvous: [sys.executable, str(script), *args])
     monkeypatch.setattr(launch_cmd, "restart_run_dir", lambda args: run_dir)
     with pytest.raises(SystemExit) as end:
         launch_cmd.launch_main(argv)

@@ -32,6 +32,10 @@ CASES = {
     "nvme-path a file": (["--offload", "all", "--nvme-path", "{run}/config.json"], "config.json: not a directory"),
     "nvme-path not writable": (["--offload", "all", "--nvme-path", "/proc"], "--nvme-path /proc: not writable"),
     "nvme-path without offload": (["--nvme-path", "{run}"], "offloads nothing without --offload optimizer or all"),
+    "client optimizer under offload": (["--profile", "cpu-zero2", "--offload", "optimizer", "--optimizer",
+                                        "adamw-decaying-wd"], "--optimizer adamw-decaying-wd: a client optimizer"
+                                       " cannot step the offloaded optimizer state"),
+    "total tokens not whole": (["--total-tokens", "1.5e0"], "argument --total-tokens: '1.5e0': not a whole number"),
     "save-every-hours 0": (["--save-every-hours", "0"], "--save-every-hours: must be a positive number"),
     "eval without data": (["--eval-every-steps", "10"], "--eval-every-steps 10: no eval data"),
     "budget without price": (["--budget-usd", "100"], "--budget-usd 100.0: needs --gpu-hour-usd"),
@@ -79,3 +83,64 @@ def test_warmup_beyond_max_steps_is_a_warning():
     cfg = resolve_config(["--data", "mix.json", "--warmup-steps", "100", "--max-steps", "50"])
     assert any("--warmup-steps 100 >= --max-steps 50" in w for w in cfg.warnings())
     assert not resolve_config(["--data", "mix.json", "--warmup-steps", "10"]).warnings()
+
+
+# -- hostile inputs on the offload, drift and pre-flight surfaces ------------------------------------------------
+
+def test_a_client_optimizer_under_offload_is_refused_before_the_run_directory_exists(tmp_path, mix_path):
+    out = tmp_path / "runs"
+    argv = ["--data", str(mix_path), "--out", str(out), "--profile", "cpu-zero2", "--offload", "optimizer",
+            "--optimizer", "adamw-decaying-wd"]
+    with pytest.raises(UsageError) as err:
+        plan_run(resolve_config(argv), world=1)
+    assert str(err.value).startswith("--optimizer adamw-decaying-wd: a client optimizer cannot step the offloaded"
+                                     " optimizer state") and "\n" not in str(err.value)
+    assert not out.exists()
+
+
+def test_offload_none_turns_a_profiles_offload_off_nvme_included(tmp_path, mix_path):
+    profile = json.loads((Path(__file__).parent.parent / "ds_configs" / "cpu-zero2.json").read_text())
+    profile["zerotrain"].update(offload="optimizer", nvme_path=str(tmp_path))
+    path = tmp_path / "nvme-profile.json"
+    path.write_text(json.dumps(profile))
+    argv = ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--profile", str(path), "--max-steps", "2"]
+    zero = plan_run(resolve_config(argv + ["--offload", "none"]), world=1).ds_config["zero_optimization"]
+    assert "offload_optimizer" not in zero and "offload_param" not in zero
+    profile["zerotrain"].pop("offload")  # the profile's NVMe directory alone is the profile's fault, not a flag's
+    path.write_text(json.dumps(profile))
+    with pytest.raises(UsageError, match=f"profile nvme-profile: zerotrain.nvme_path {tmp_path}: offloads nothing"):
+        plan_run(resolve_config(argv), world=1)
+
+
+@pytest.mark.parametrize("spelled", [["--no-tiled-mlp"], ["--no-qk-norm"], ["--no-compile"], ["--rope-theta", "10000"],
+                                     ["--no-tiled-mlp", "--no-compile", "--rope-theta=10000.0"]])
+def test_a_value_equal_to_the_resolved_one_is_not_drift(spelled, tmp_path, mix_path):
+    from zerotrain.launcher.run_plan import SPELLED_DEFAULTS, identify
+
+    base = ["--data", str(mix_path), "--out", str(tmp_path)]
+    bare, given = identify(resolve_config(base)), identify(resolve_config(base + spelled))
+    assert given.run_dir == bare.run_dir  # the same run: the same id, resumed, no drift
+    assert given.cfg.identity() == bare.cfg.identity()
+    assert identify(resolve_config(base + ["--rope-theta", "20000"])).run_dir != bare.run_dir  # a change stays one
+    # a run saved with the value spelled out (before this rule), resumed without it: not drift either
+    saved = {**bare.cfg.to_dict(), "tiled_mlp": False, "compile": False, "qk_norm": False, "rope_theta": 10000.0}
+    resolved = {"tiled_mlp": False, "compile": False, "qk_norm": False, "rope_theta": 10000.0}
+    assert set(resolved) == set(SPELLED_DEFAULTS)
+    assert bare.cfg.drift(saved, None, resolved) == []
+    assert bare.cfg.drift({**saved, "rope_theta": 20000.0}, None, resolved) == ["rope_theta 20000.0 -> None"]
+
+
+def test_preflight_refuses_sequence_parallel_as_the_run_does_before_writing(tmp_path, mix_path, monkeypatch):
+    from zerotrain.launcher.commands.preflight.harness import Preflight, parse_args
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "runs"
+    opts, rest = parse_args(["--stage", "v1", "--data", str(mix_path), "--out", str(out), "--sequence-parallel", "2"])
+    with pytest.raises(UsageError) as run_err:
+        plan_run(resolve_config(rest), world=1)
+    with pytest.raises(UsageError) as preflight_err:
+        Preflight(resolve_config(rest), opts).run()
+    assert str(preflight_err.value) == str(run_err.value) and "\n" not in str(run_err.value)
+    assert str(run_err.value).startswith("--sequence-parallel 2")
+    assert not out.exists()

@@ -72,6 +72,7 @@ def test_zerotrain_plan_sizes_the_run_in_tokens_and_warns(mix_path, capsys):
     assert (plan["binding"], plan["steps"], plan["tokens"]) == ("total_tokens", 83924, 11_000_086_528)
     assert plan["tokens_per_param"] == pytest.approx(11_000_086_528 / plan["params_total"], abs=1e-3)
     assert len(plan["warnings"]) == 1 and "'notes' ~45,051.5 epochs of 73,250 unique tokens" in plan["warnings"][0]
+    assert plan["data_unknown"] is None  # with the data present, nothing is said to be unknown
 
 
 def test_the_run_id_does_not_follow_a_rule_derived_warmup():

@@ -3,6 +3,7 @@ markers, best.json, the lock's neighbours, pre-flight reports, shard manifests).
 
     write_json(path, obj)    JSON (indent 2, a final newline)
     write_text(path, text)   any text (DeepSpeed's `latest`, a cache)
+    write_bytes(path, data)  any bytes (a cached .npy: zerotrain.dataio.tokenfile)
     fsync_dir(path)          after a rename done by hand (a directory moved into place)
 
 A reader, or a crash (kill -9, a node losing power) at any moment, sees the old file or the new one,
@@ -26,12 +27,17 @@ from pathlib import Path
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace `path` with `text`, durably and atomically (see the module docstring)."""
+    """Replace `path` with `text` (UTF-8), durably and atomically (see the module docstring)."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace `path` with `data`, durably and atomically (see the module docstring)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "x") as f:  # "x": never write into a file another writer created
-            f.write(text)
+        with open(tmp, "xb") as f:  # "x": never write into a file another writer created
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -17,3 +17,8 @@ class UsageError(ZerotrainError):
 
 class DataError(UsageError, ValueError):
     """Bad data input; the message names the input and what is wrong, on one line."""
+
+
+class DataNotHere(DataError):
+    """Data named but not on this machine yet: a data file not written, a hub dataset not cached while
+    offline. A run refuses it like any DataError; `zerotrain plan` plans without it (epochs unknown)."""

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from zerotrain.cli_args import Parser
-from zerotrain.launcher.components.launching.jobs import deepspeed_command, run_preserving_exit_code
+from zerotrain.launcher.components.launching.jobs import deepspeed_command, rendezvous_port, run_preserving_exit_code
 
 DEMO_FLAGS = ["--profile", "cpu", "--model", "debug", "--seq-len", "256", "--micro-batch", "8",
               "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "20", "--max-steps", "400",
@@ -73,6 +73,8 @@ def main(argv: list[str]) -> None:
     out = Path(os.environ.get("ZEROTRAIN_DEMO_DIR", "runs"))
     mix = build_demo_data(out / "demo-data")
     run_id = "demo-" + time.strftime("%Y%m%d-%H%M%S")  # a fresh run each time; earlier ones are kept
-    cmd = deepspeed_command(2, ["--data", str(mix), "--out", str(out), "--run-id", run_id, *DEMO_FLAGS, *argv])
+    port, port_line = rendezvous_port(None)  # 29500, or a free one when another job holds it
+    print(port_line, flush=True)
+    cmd = deepspeed_command(2, ["--data", str(mix), "--out", str(out), "--run-id", run_id, *DEMO_FLAGS, *argv], port)
     print("+", " ".join(cmd), flush=True)
     sys.exit(run_preserving_exit_code(cmd))

@@ -39,11 +39,11 @@ import tempfile
 from pathlib import Path
 
 from zerotrain import resource_dir
-from zerotrain.cli_args import Parser
+from zerotrain.cli_args import Parser, exact_integer
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.launching import hostfile
 from zerotrain.launcher.components.launching.jobs import (TRAIN_MODULE, deepspeed_command, deepspeed_runner,
-                                                          run_with_restarts)
+                                                          rendezvous_port, run_with_restarts)
 from zerotrain.launcher.components.launching.restarts import (DEFAULT_BACKOFF_S, RESTART_FLAGS, Restarts,
                                                               misplaced_restart_flag, take_restart_flags)
 from zerotrain.launcher.components.observe.golden import GoldenCheck
@@ -54,7 +54,8 @@ from zerotrain.launcher.run_plan import identify
 from zerotrain.launcher.settings import profile_value
 
 SBATCH_TEMPLATE = resource_dir("zerotrain.launcher", "slurm", "train.sbatch")
-USAGE = ("usage: zerotrain launch -n N [--max-restarts K] [--restart-backoff S] [--] [train flags]\n"
+USAGE = ("usage: zerotrain launch -n N [--master_port P] [--master_addr A] [--max-restarts K] [--restart-backoff S]"
+         " [--] [train flags]\n"
          "       zerotrain launch --hostfile H [--force] [--skip-host-checks] [--max-restarts K] [--restart-backoff S]"
          " [deepspeed flags] -- [train flags]")
 
@@ -87,6 +88,11 @@ def launch_parser() -> Parser:
                                                         " from the profile's devices_per_node x nodes")
     p.add_argument("--skip-host-checks", action="store_true", help="with --hostfile: do not check each host over"
                                                                    " ssh (reachable, same zerotrain)")
+    p.add_argument("--master_port", "--master-port", type=int, metavar="P",
+                   help="with -n: the rendezvous port; refused (exit 2) if another job listens on it. Default 29500,"
+                        " or a free port when 29500 is busy (the start-up line says which)")
+    p.add_argument("--master_addr", "--master-addr", metavar="A",
+                   help="with -n: the rendezvous address, one of this node's (default: DeepSpeed's, 127.0.0.1)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="after a restartable end (hung, a lost rank, a crash), kill what is left of the job and"
                         " start it again with --resume auto, at most K times; recorded in RUN_DIR/manifest.json"
@@ -96,26 +102,55 @@ def launch_parser() -> Parser:
     return p
 
 
-def split_local_args(args: list[str]) -> tuple[Restarts, list[str]]:
-    """What follows `-n N`: (the restart policy, the train flags). `-n N FLAGS`, `-n N -- FLAGS`,
-    `-n N --max-restarts K [--restart-backoff S] [--] FLAGS`."""
+RENDEZVOUS_FLAGS = ("--master-port", "--master-addr")  # launch -n's own, as DeepSpeed's runner spells them
+LOCAL_FLAGS = (*RENDEZVOUS_FLAGS, *RESTART_FLAGS)
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=")[0].replace("_", "-") if arg.startswith("--") else arg
+
+
+def split_local_args(args: list[str]) -> tuple[Restarts, dict, list[str]]:
+    """What follows `-n N`: (the restart policy, {"port": P or None, "addr": A or None}, the train flags).
+    `-n N FLAGS`, `-n N -- FLAGS`, `-n N [--master_port P] [--master_addr A] [--max-restarts K]
+    [--restart-backoff S] [--] FLAGS`."""
     if "--" in args:
         i = args.index("--")
-        restarts, rest = take_restart_flags(args[:i])
-        if rest:
-            raise UsageError(f"launch -n N: before -- only --max-restarts and --restart-backoff, got {rest[0]!r}")
-        train_args = args[i + 1:]
+        ours, train_args = args[:i], args[i + 1:]
     else:
-        lead = 0  # the restart flags that open the list; the train flags follow
-        while lead < len(args) and args[lead].split("=")[0].replace("_", "-") in RESTART_FLAGS:
+        lead = 0  # launch's own flags open the list; the train flags follow
+        while lead < len(args) and _flag_name(args[lead]) in LOCAL_FLAGS:
             lead += 1 if "=" in args[lead] else 2
-        restarts, _ = take_restart_flags(args[:lead])
-        train_args = args[lead:]
-    misplaced = misplaced_restart_flag(train_args)
+        ours, train_args = args[:lead], args[lead:]
+    rendezvous, rest = {"port": None, "addr": None}, []
+    i = 0
+    while i < len(ours):
+        name, _, inline = ours[i].partition("=")
+        if _flag_name(name) not in RENDEZVOUS_FLAGS:
+            rest.append(ours[i])
+            i += 1
+            continue
+        if not inline and i + 1 >= len(ours):
+            raise UsageError(f"launch {name}: expected a value")
+        value = inline or ours[i + 1]
+        i += 1 if inline else 2
+        if _flag_name(name) == "--master-addr":
+            rendezvous["addr"] = value
+            continue
+        try:
+            rendezvous["port"] = exact_integer(value)
+        except ValueError as e:
+            raise UsageError(f"launch {name} {value!r}: {e}") from None
+    restarts, rest = take_restart_flags(rest)
+    if rest:
+        raise UsageError(f"launch -n N: before -- only --master_port, --master_addr, --max-restarts and"
+                         f" --restart-backoff, got {rest[0]!r}")
+    misplaced = misplaced_restart_flag(train_args) or next(
+        (a.split("=")[0] for a in train_args if _flag_name(a) in RENDEZVOUS_FLAGS), None)
     if misplaced:
         raise UsageError(f"launch {misplaced}: a launch flag, not a train flag: put it before the train flags"
-                         " (zerotrain launch -n N --max-restarts K -- FLAGS)")
-    return restarts, train_args
+                         " (zerotrain launch -n N --master_port P --max-restarts K -- FLAGS)")
+    return restarts, rendezvous, train_args
 
 
 def launch_main(argv: list[str]) -> None:
@@ -131,7 +166,7 @@ def launch_main(argv: list[str]) -> None:
             raise UsageError(f"launch -n {argv[1]!r}: not an integer") from None
         if nproc < 1:
             raise UsageError(f"launch -n {nproc}: must be at least 1")
-        restarts, train_args = split_local_args(argv[2:])
+        restarts, rendezvous, train_args = split_local_args(argv[2:])
         # The profile's zerotrain.env (NCCL settings, PYTORCH_CUDA_ALLOC_CONF, ...) applies here too.
         cfg = resolve_config(train_args)  # bad train flags: one line before anything starts
         if cfg.golden:  # a golden file of another config: refused before any rank starts
@@ -139,7 +174,10 @@ def launch_main(argv: list[str]) -> None:
         # --profile auto: the ranks run on this node, so they detect the profile this node detects here
         name, profile = load_profile(cfg.profile if cfg.profile != "auto" else detect_profile()[0])
         profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
-        sys.exit(run_with_restarts(lambda args: deepspeed_command(nproc, args), train_args,
+        # a busy --master_port: one line, nothing started; none given: 29500, else a free one (two jobs here)
+        port, port_line = rendezvous_port(rendezvous["port"])
+        print(port_line, flush=True)
+        sys.exit(run_with_restarts(lambda args: deepspeed_command(nproc, args, port, rendezvous["addr"]), train_args,
                                    {**os.environ, **profile_env}, restarts, restart_run_dir))
     if not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in head):
         raise UsageError(USAGE)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from zerotrain.cli_args import Parser
+from zerotrain.dataio.errors import DataNotHere
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_parallel, make_plan, render, setup_from,
@@ -66,7 +67,8 @@ def plan_main(argv: list[str]) -> dict:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
     offload, nvme, source = offload_settings(cfg, profile, name)  # --offload / the profile's: the row planned
     profile = apply_offload(profile, offload, nvme, source)
-    # the data may not exist yet when a run is planned: then its repeats are not checked
+    # the data may not exist yet when a run is planned (not written, or a hub dataset not downloaded, offline):
+    # then what needs it (epochs, the repetition warning) is said to be unknown and the rest is planned
     data_here = bool(values.get("data")) and Path(values["data"]).exists()
     tokenizer = load_tokenizer(cfg.tokenizer) if ns.vocab_size is None or data_here else None
     if ns.vocab_size is not None:
@@ -94,9 +96,18 @@ def plan_main(argv: list[str]) -> dict:
                      peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from
-    plan["warnings"] = list(repeats(cfg, tokenizer, plan["tokens"], settings)) if data_here else []
+    plan["warnings"], plan["data_unknown"] = [], None
+    if data_here:
+        try:
+            plan["warnings"] = list(repeats(cfg, tokenizer, plan["tokens"], settings))
+        except DataNotHere as e:  # a file not written yet, a hub dataset not cached offline: plan the rest
+            plan["data_unknown"] = str(e)
+    else:
+        plan["data_unknown"] = f"--data {values['data']}: not here" if values.get("data") else "no --data given"
+    unknown = f"\nepochs and repetition: unknown without the data ({plan['data_unknown']})" \
+        if plan["data_unknown"] else ""
     print(json.dumps(plan, indent=2) if ns.json else f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
-          + render(plan) + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
+          + render(plan) + unknown + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
 from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
-from zerotrain.launcher.errors import RANK_ENDS
+from zerotrain.launcher.errors import RANK_ENDS, UsageError
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
 # launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
@@ -46,14 +46,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+DEFAULT_PORT = 29500  # DeepSpeed's and torch's rendezvous port when none is given (TORCH_DISTRIBUTED_DEFAULT_PORT)
+
+
+def port_is_free(port: int) -> bool:
+    """Whether this host can listen on `port` now, on every interface as torch's TCPStore does: a job holding
+    it (another launch's rendezvous) would make every rank die with EADDRINUSE. SO_REUSEADDR as the store sets
+    it, so a port left in TIME_WAIT by a job that ended is free."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def rendezvous_port(given: int | None, flag: str = "--master_port") -> tuple[int, str]:
+    """(the port a launch of ours on this node rendezvous on, the start-up line that says which). `given`: the
+    user's port, refused in one line (UsageError) if busy, before any rank starts; None: DEFAULT_PORT, or a free
+    port when another job holds it (two jobs on one machine)."""
+    if given is not None:
+        if not 1 <= given <= 65535:
+            raise UsageError(f"launch {flag} {given}: not a TCP port (1 to 65535)")
+        if not port_is_free(given):
+            raise UsageError(f"launch {flag} {given}: port {given} is busy (another job on this machine listens on"
+                             f" it); give a free port, or leave {flag} out to take one")
+        return given, f"launch: rendezvous on port {given} ({flag})"
+    if port_is_free(DEFAULT_PORT):
+        return DEFAULT_PORT, f"launch: rendezvous on port {DEFAULT_PORT} (the default)"
+    port = free_port()
+    return port, (f"launch: port {DEFAULT_PORT} is busy (another job on this machine?); rendezvous on free port {port}"
+                  f" ({flag} P to choose)")
+
+
 def deepspeed_runner() -> list[str]:
     """DeepSpeed's runner (what the `deepspeed` script runs) under this interpreter: the one whose
     zerotrain is running, whatever `deepspeed` comes first on PATH (or none: a venv not activated)."""
     return [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def deepspeed_command(nproc: int, train_args: list[str]) -> list[str]:
-    return [*deepspeed_runner(), "--num_gpus", str(nproc), "--module", TRAIN_MODULE, *train_args]
+def deepspeed_command(nproc: int, train_args: list[str], port: int, addr: str | None = None) -> list[str]:
+    """DeepSpeed's runner starting `nproc` local ranks that rendezvous on `port` (rendezvous_port)."""
+    return [*deepspeed_runner(), "--num_gpus", str(nproc), "--master_port", str(port),
+            *(["--master_addr", addr] if addr else []), "--module", TRAIN_MODULE, *train_args]
 
 
 def run_preserving_exit_code(cmd: list[str], env: dict | None = None, relay=None) -> int:

@@ -1,29 +1,64 @@
-"""What a torch.profiler window saw, in a few lines: the kernels that took the device's time, and the host syncs.
+"""A few steps under torch.profiler, summarised as text: where the device time goes and how often the host waits.
 
-`summarize(prof)` reads a finished `torch.profiler.profile`: the top operators and kernels by self device time
-(the CPU's where no accelerator was profiled), and how often the host waited for the device (synchronize calls
-and device-to-host copies, which block the host until the queue drains). Used by --torch-profile
-(participants/torch_profile.py) and benchmarks/gpu_peers.py.
+    summary = summarize(prof, steps=3)   # prof: a finished torch.profiler.profile
+
+Two parts, both read from the profiler's own aggregation (`prof.key_averages()`), nothing re-timed:
+- the top kernels by self device time (CUDA kernels, memcpy and memset), with their share of all device time,
+  calls and milliseconds per step; a profile with no device activity (a CPU run) lists the top operators by
+  self CPU time instead, and says so;
+- the host syncs: every event by which the host waits for the device (HOST_SYNC_EVENTS: the CUDA runtime's
+  synchronize calls, device-to-host copies, and the aten operators that read a device value on the host), with
+  its count.
+
+Used by `benchmarks/gpu_peers.py` for its plain loop and by the driver's `--torch-profile START:COUNT`
+(RUN_DIR/torch_profile/summary.txt). torch is not imported here: the caller owns the profiler.
 """
 from __future__ import annotations
 
-# host-side events after which the host has waited for the device (CUDA runtime names, as the profiler records them)
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-DEVICE_TO_HOST = ("Memcpy DtoH",)
+TOP = 15
+# Names under which the host waits for the device. The CUDA runtime's: the synchronize calls and the
+# device-to-host copies (a blocking cudaMemcpy, or the "Memcpy DtoH" a .item()/.cpu() issues). aten's:
+# _local_scalar_dense is every .item()/int()/bool() of a tensor, nonzero sizes its output from the device's
+# data; on a GPU both block the host (on a CPU they are counted all the same: the same code syncs on a GPU).
+HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                    "aten::_local_scalar_dense", "aten::nonzero")
+HOST_SYNC_PREFIXES = ("Memcpy DtoH",)
 
 
-def summarize(prof, top: int = 15) -> str:
-    events = prof.key_averages()
-    device = any(getattr(e, "self_device_time_total", 0) for e in events)
-    key = "self_device_time_total" if device else "self_cpu_time_total"
-    total = sum(getattr(e, key) for e in events) or 1
-    rows = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
-    lines = [f"top {len(rows)} by self {'device' if device else 'CPU'} time (of {total / 1e3:.1f} ms):"]
-    for e in rows:
-        t = getattr(e, key)
-        lines.append(f"  {t / 1e3:9.2f} ms {100 * t / total:5.1f}%  x{e.count:<6d} {e.key[:110]}")
-    syncs = {name: sum(e.count for e in events if e.key == name) for name in SYNC_EVENTS}
-    copies = sum(e.count for e in events if any(d in e.key for d in DEVICE_TO_HOST))
-    lines.append("host syncs: " + ", ".join(f"{name} x{n}" for name, n in syncs.items())
-                 + f", device-to-host copies x{copies}")
+def _device_us(event) -> float:
+    # torch >= 2.4 names it self_device_time_total (self_cuda_time_total before, removed later)
+    return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
+
+
+def host_syncs(averages) -> dict[str, int]:
+    """{event name: count} of the host-sync events in `prof.key_averages()`, most frequent first."""
+    counts = {e.key: int(e.count) for e in averages
+              if e.key in HOST_SYNC_EVENTS or e.key.startswith(HOST_SYNC_PREFIXES)}
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def summarize(prof, steps: int | None = None, top: int = TOP) -> str:
+    """The text summary of a finished profiler run (see the module docstring); `steps`: how many training steps
+    it covered, for the per-step figures."""
+    averages = prof.key_averages()
+    per = max(1, steps or 1)
+    device = sorted((e for e in averages if _device_us(e) > 0), key=_device_us, reverse=True)
+    if device:
+        total = sum(_device_us(e) for e in device)
+        title = f"top {min(top, len(device))} of {len(device)} kernels by self device time"
+        rows = [(e.key, _device_us(e), int(e.count)) for e in device[:top]]
+    else:
+        cpu = sorted((e for e in averages if e.self_cpu_time_total > 0), key=lambda e: e.self_cpu_time_total,
+                     reverse=True)
+        total = sum(e.self_cpu_time_total for e in cpu)
+        title = f"no device activity recorded: top {min(top, len(cpu))} of {len(cpu)} operators by self CPU time"
+        rows = [(e.key, float(e.self_cpu_time_total), int(e.count)) for e in cpu[:top]]
+    scope = f"{steps} step(s)" if steps else "the profiled region"
+    lines = [f"{title} over {scope}: {total / 1e3 / per:,.2f} ms per step in all",
+             f"{'ms/step':>9} {'share':>6} {'calls':>7}  name"]
+    for name, us, count in rows:
+        lines.append(f"{us / 1e3 / per:>9.3f} {us / total if total else 0:>6.1%} {count:>7}  {name[:110]}")
+    syncs = host_syncs(averages)
+    said = ", ".join(f"{name} {count}" for name, count in syncs.items()) or "none"
+    lines.append(f"host syncs over {scope}: {sum(syncs.values())} ({said})")
     return "\n".join(lines) + "\n"

@@ -4,6 +4,8 @@ Rank 0 writes RUN/torch_profile/summary.txt and trace.json (Chrome's trace forma
 the other ranks profile too, so that every rank's step costs the same while rank 0 is measured."""
 from __future__ import annotations
 
+import torch
+
 from zerotrain.launcher.components.participants.base import Participant, Run, StepState
 from zerotrain.launcher.config import torch_profile_window
 
@@ -30,8 +32,6 @@ class TorchProfile(Participant):
             self._begin()
 
     def _begin(self) -> None:
-        import torch
-
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -54,7 +54,7 @@ class TorchProfile(Participant):
             return
         out = self.run.plan.run_dir / "torch_profile"
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.txt").write_text(f"steps {self.start}-{self.start + self.count - 1}\n" + summarize(profiler))
+        (out / "summary.txt").write_text(f"steps {self.start}-{self.start + self.count - 1}\n" + summarize(profiler, steps=self.count))
         profiler.export_chrome_trace(str(out / "trace.json"))
         self.run.say(f"torch.profiler: {out / 'summary.txt'}")
 

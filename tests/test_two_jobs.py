@@ -1,0 +1,82 @@
+"""Two jobs on one machine: `zerotrain launch -n N` without a port rendezvous on 29500, or on a
+free port when another job holds 29500, and says which; a --master_port the user gave that is busy is refused
+before any rank starts (exit 2, one line naming the port and the flag, nothing written). The port is held by a
+real listening socket, as another job's rendezvous holds it."""
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BIN, REPO, free_port, read_metrics
+from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT, port_is_free, rendezvous_port
+from zerotrain.launcher.errors import UsageError
+
+
+@contextlib.contextmanager
+def held(port: int):
+    """A socket listening on `port` for the block, as a running job's rendezvous store (if something else on this
+    machine holds it already, it is busy all the same)."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+    except OSError:
+        pass
+    try:
+        yield port
+    finally:
+        s.close()
+
+
+def test_a_busy_default_port_gives_a_free_one_and_says_which():
+    with held(DEFAULT_PORT):
+        assert not port_is_free(DEFAULT_PORT)
+        port, line = rendezvous_port(None)
+        assert port != DEFAULT_PORT and port_is_free(port)
+        assert line == (f"launch: port {DEFAULT_PORT} is busy (another job on this machine?); rendezvous on free port"
+                        f" {port} (--master_port P to choose)")
+
+
+def test_a_busy_port_the_user_gave_is_refused_in_one_line():
+    with held(free_port()) as port:
+        with pytest.raises(UsageError) as err:
+            rendezvous_port(port)
+        assert str(err.value) == (f"launch --master_port {port}: port {port} is busy (another job on this machine"
+                                  f" listens on it); give a free port, or leave --master_port out to take one")
+    with pytest.raises(UsageError, match="launch --master_port 70000: not a TCP port"):
+        rendezvous_port(70000)
+
+
+def test_launch_refuses_a_busy_master_port_before_any_rank_starts(tmp_path, mix_path):
+    out = tmp_path / "runs"
+    with held(free_port()) as port:
+        proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "-n", "2", "--master_port", str(port),
+                               "--", "--data", str(mix_path), "--out", str(out), "--max-steps", "2"],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == f"zerotrain: error: launch --master_port {port}: port {port} is busy (another job on this" \
+                       " machine listens on it); give a free port, or leave --master_port out to take one"
+    assert "Traceback" not in proc.stdout + proc.stderr and "deepspeed" not in proc.stdout.lower()
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_second_job_trains_while_another_holds_29500(tmp_path, mix_path):
+    """The real thing: 2 ranks of the debug model under DeepSpeed's launcher, with 29500 held throughout."""
+    out = tmp_path / "runs"
+    with held(DEFAULT_PORT):
+        proc = subprocess.run([str(BIN / "zerotrain"), "launch", "-n", "2", "--", "--data", str(mix_path),
+                               "--out", str(out), "--run-id", "second", "--profile", "cpu", "--model", "debug",
+                               "--max-steps", "2", "--log-data-every-steps", "0"],
+                              capture_output=True, text=True, timeout=600, cwd=REPO,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"launch: port {DEFAULT_PORT} is busy")]
+    assert len(said) == 1, proc.stdout[-3000:]
+    port = int(said[0].split("rendezvous on free port ")[1].split()[0])
+    assert port != DEFAULT_PORT and f"master_port={port}" in proc.stdout + proc.stderr  # DeepSpeed's own log
+    assert "EADDRINUSE" not in proc.stdout + proc.stderr
+    assert [m["step"] for m in read_metrics(out / "second")] == [1, 2]
