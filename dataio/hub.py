@@ -5,6 +5,8 @@ offline mode (HF_HUB_OFFLINE=1; for datasets also HF_DATASETS_OFFLINE=1) apply e
 read; online the revision is looked up on the hub and only the files missing from the cache are fetched.
 
     tokenizer_snapshot("org/name[@revision]")  -> (directory, "org/name@<commit>", how it was found)
+    model_snapshot("org/name[@revision]")      -> the same for a model (`--init-from`, `model=`): config,
+                                                  safetensors and tokenizer files only
     materialise(specs, fetch)                  -> the mix's sources, each `"download": true` one as its
                                                   local snapshot directory (downloaded once into the hub
                                                   cache, only its config's files); a hub source offline
@@ -33,6 +35,9 @@ from zerotrain.dataio.streamed import hub_location, open_streamed
 # What AutoTokenizer.from_pretrained reads for a fast tokenizer; `zerotrain export` copies the same files.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja")
+# What `--init-from ORG/NAME` reads (modeling/hf.py): the config, safetensors weights (never *.bin pickles), the tokenizer.
+MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+               *TOKENIZER_FILES)
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 _REVISION = re.compile(r"[\w./-]+")
 
@@ -71,13 +76,14 @@ def _cached_snapshot(repo: str, repo_type: str, revision: str | None, allow: lis
         return None
 
 
-def _problem(e: Exception, repo: str, repo_type: str, revision: str | None, offline: bool) -> str:
-    """One line for huggingface_hub's refusal of `repo`."""
+def _problem(e: Exception, repo: str, repo_type: str, revision: str | None, offline: bool,
+             files: tuple[str, ...] = TOKENIZER_FILES) -> str:
+    """One line for huggingface_hub's refusal of `repo` (a model's: `files`, the patterns it needs)."""
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
     get = (f"hf download --repo-type dataset {repo}" if repo_type == "dataset" else
-           f"hf download {repo} --include {' '.join(TOKENIZER_FILES)}")
+           f"hf download {repo} --include {' '.join(files)}")
     get += f" --revision {revision}" if revision else ""
     if isinstance(e, GatedRepoError):
         return "gated on the hub: accept its terms on its page and set HF_TOKEN (or `hf auth login`)"
@@ -103,25 +109,40 @@ def tokenizer_snapshot(name: str) -> tuple[Path, str, str]:
     and a resume on another machine resolve again (offline too, from the same cache). DataError (one
     line) when it is neither cached nor reachable, or has no tokenizer.json (a slow-only tokenizer).
     """
-    from huggingface_hub import snapshot_download
-
-    repo, revision = split_name(name)
-    offline = hub_offline()
-    cached = _cached_snapshot(repo, "model", revision, list(TOKENIZER_FILES))
-    try:
-        directory = snapshot_download(repo, revision=revision, allow_patterns=list(TOKENIZER_FILES))
-    except Exception as e:
-        raise DataError(f"tokenizer {name}: {_problem(e, repo, 'model', revision, offline)}") from None
-    directory = Path(directory)
+    directory, pinned, how = _snapshot(name, "tokenizer", TOKENIZER_FILES)
     if not (directory / "tokenizer.json").is_file():
         raise DataError(f"tokenizer {name}: the hub repository has no tokenizer.json (a slow-only tokenizer:"
                         " save it with transformers' AutoTokenizer.from_pretrained(NAME).save_pretrained(DIR)"
                         " and pass --tokenizer DIR)")
-    commit = directory.name
-    how = (repo + (f"@{revision}" if revision else "") + f", commit {commit[:12]}, "
+    return directory, pinned, how
+
+
+def _snapshot(name: str, what: str, files: tuple[str, ...]) -> tuple[Path, str, str]:
+    """(snapshot directory of the model repository `name` holding `files`, "org/name@<commit>", how it was
+    found): the cache, else (online) downloaded into it. DataError (one line, `what` NAME: ...)."""
+    from huggingface_hub import snapshot_download
+
+    repo, revision = split_name(name)
+    offline = hub_offline()
+    cached = _cached_snapshot(repo, "model", revision, list(files))
+    try:
+        directory = Path(snapshot_download(repo, revision=revision, allow_patterns=list(files)))
+    except Exception as e:
+        raise DataError(f"{what} {name}: {_problem(e, repo, 'model', revision, offline, files)}") from None
+    how = (repo + (f"@{revision}" if revision else "") + f", commit {directory.name[:12]}, "
            + ("from the Hugging Face cache" if cached and Path(cached) == directory else "downloaded into the"
               " Hugging Face cache") + (" (offline)" if offline else "") + f": {directory}")
-    return directory, f"{repo}@{commit}", how
+    return directory, f"{repo}@{directory.name}", how
+
+
+# -- models ---------------------------------------------------------------------------------------
+
+def model_snapshot(name: str) -> tuple[Path, str, str]:
+    """(snapshot directory, "org/name@<commit>", how it was found) for a hub model `org/name[@revision]`, as
+    `from_pretrained` finds it: offline (HF_HUB_OFFLINE=1) from the cache only; online the revision is looked up
+    and the files of MODEL_FILES missing from the cache are fetched (no pickles, no other formats). DataError
+    (one line) when it is neither cached nor reachable; what the directory holds is modeling/hf.py's to check."""
+    return _snapshot(name, "model", MODEL_FILES)
 
 
 # -- mix sources -----------------------------------------------------------------------------------

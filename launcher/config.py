@@ -75,7 +75,8 @@ class RunConfig:
     scaling_rule: str | None = opt(None, "a rule in --rules-file, with --heads", IDENTITY_WHEN_SET)
     heads: int | None = opt(None, "with --scaling-rule", IDENTITY_WHEN_SET)
     rules_file: str | None = opt(None, "scaling rules YAML (default modeling/scaling_rules.yaml)", IDENTITY_WHEN_SET)
-    init_from: str | None = opt(None, "a Hugging Face Llama directory (safetensors) to start from; without"
+    init_from: str | None = opt(None, "a Hugging Face Llama or Qwen3 directory (safetensors), or a hub model"
+                                      " ORG/NAME[@REVISION] found through the Hugging Face cache, to start from; without"
                                       " --tokenizer, its tokenizer.json is the run's (none: the byte tokenizer, when"
                                       " the model's vocabulary is its)", IDENTITY_WHEN_SET)
     swap_tokenizer: bool | None = opt(None, "with --init-from and a --tokenizer whose vocabulary is not the model's:"

@@ -5,7 +5,8 @@
                                          the depth rule (zerotrain.modeling.sizes.depth_args)
     --scaling-rule NAME --heads H [--rules-file YAML]
                                          a heads-based rule (modeling/scaling_rules.yaml)
-    --init-from HF_DIR                   a Hugging Face Llama directory: its config.json is the
+    --init-from HF_DIR | ORG/NAME[@REV]  a Hugging Face Llama / Qwen3 directory, or a hub model found through the
+                                         Hugging Face cache (init_from_dir): its config.json is the
                                          architecture, its safetensors the starting weights
 
 plus `--qk-norm` for the first three, and `--rope-theta` for all four (with --init-from it replaces the
@@ -24,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.hub import model_snapshot, split_name
 from zerotrain.dataio.tokenizer import ByteTokenizer, load_tokenizer, same_vocabulary
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import hf, sizes
@@ -64,18 +66,19 @@ def resolve(cfg, vocab_size: int) -> tuple:
         if cfg.qk_norm is not None:
             raise UsageError("--qk-norm and --init-from: the Hugging Face config.json decides")
         where = f"--init-from {cfg.init_from}"
+        directory = init_from_dir(cfg.init_from)
         try:
-            hf_cfg = hf.read_config(cfg.init_from)
+            hf_cfg = hf.read_config(directory)
             args = hf.args_from_config(hf_cfg, where)
-            hf.check_weights(cfg.init_from, args, hf_cfg["vocab_size"])
+            hf.check_weights(directory, args, hf_cfg["vocab_size"])
         except ValueError as e:
-            msg = str(e).removeprefix(f"{cfg.init_from}: ")
+            msg = str(e).removeprefix(f"{directory}: ")
             raise UsageError(msg if msg.startswith(where) else f"{where}: {msg}") from None
         if vocab_size > hf_cfg["vocab_size"]:
             raise UsageError(f"{where}: vocab_size {hf_cfg['vocab_size']} is smaller than the tokenizer's {vocab_size}")
         if "rope_theta" in common:  # the weights load by name: the base is free to change (context extension)
             args = replace(args, rope_theta=common["rope_theta"])
-        return args, "hf-" + _safe(cfg.init_from), cfg.init_from
+        return args, "hf-" + _safe(cfg.init_from), str(directory)
     if cfg.depth is not None:
         try:
             args = sizes.depth_args(cfg.depth, cfg.aspect_ratio or 64, cfg.head_dim or 128, **common)
@@ -104,31 +107,65 @@ def resolve(cfg, vocab_size: int) -> tuple:
 
 
 
+def hub_model_name(init_from: str) -> bool:
+    """`init_from` names a hub model ORG/NAME[@REVISION]: no path of that name exists (a path wins, as in
+    transformers) and it has the hub's form, an organisation included (a bare word is more likely a mistyped path)."""
+    return not Path(init_from).expanduser().exists() and split_name(init_from) is not None \
+        and "/" in init_from.partition("@")[0]
+
+
+def init_from_dir(init_from: str) -> Path:
+    """The directory `--init-from` (or `model=`) names: a local path, or a hub model ORG/NAME[@REVISION]'s snapshot
+    in the Hugging Face cache (zerotrain.dataio.hub.model_snapshot, as --tokenizer resolves hub names: offline from
+    the cache; online its config, safetensors and tokenizer files are fetched into it). UsageError (one line) for a
+    hub name neither cached nor reachable, naming how to fetch it."""
+    if not hub_model_name(init_from):
+        return Path(init_from).expanduser()
+    try:
+        directory, _, _ = model_snapshot(init_from)
+    except DataError as e:
+        raise UsageError(f"--init-from {init_from}: no such directory; as a hub {e}") from None
+    return directory
+
+
+def describe_init_from(init_from: str | None) -> list[str]:
+    """The start-up's and --dry-run's line for a hub model: which commit, found how and where ([] otherwise)."""
+    if init_from is None or not hub_model_name(init_from):
+        return []
+    init_from_dir(init_from)  # its one-line refusal, if any, first
+    return [f"hub: model {model_snapshot(init_from)[2]}"]
+
+
 def init_from_tokenizer(init_from: str, given: str | None, swap: bool) -> tuple[str, str | None]:
     """(the tokenizer a run from `--init-from init_from` trains with, the warning to print or None), with
     `given` the --tokenizer given (None: not given) and `swap` --swap-tokenizer. UsageError (one line): a
     directory without a tokenizer and no --tokenizer, unless its vocabulary is the byte tokenizer's; a
     --tokenizer whose vocabulary is not the directory's without --swap-tokenizer. A directory that is not a
-    Hugging Face one is left to `resolve`, which names what is wrong with it."""
+    Hugging Face model we can import (its config, its weights) is left to `resolve`, which names what is wrong."""
     where = f"--init-from {init_from}"
-    try:
-        hf_cfg = hf.read_config(init_from)
+    directory = init_from_dir(init_from)
+    try:  # a model we cannot import is refused by `resolve` naming what is wrong, before its tokenizer is asked for
+        hf_cfg = hf.read_config(directory)
+        hf.check_weights(directory, hf.args_from_config(hf_cfg, where), hf_cfg["vocab_size"])
     except ValueError:
         return given or ByteTokenizer.name, None
-    if not (Path(init_from) / "tokenizer.json").is_file():
+    if not (directory / "tokenizer.json").is_file():
         if given is not None:
             return given, None
         if _byte_vocabulary(hf_cfg):
             return ByteTokenizer.name, None
         slow = " (only a slow tokenizer's files: save it with a fast tokenizer.json)" \
-            if (Path(init_from) / "tokenizer_config.json").is_file() else ""
+            if (directory / "tokenizer_config.json").is_file() else ""
         raise UsageError(f"{where}: no tokenizer.json in the directory{slow}, and its vocabulary"
                          f" ({hf_cfg.get('vocab_size')}) is not the byte tokenizer's; give --tokenizer (the one the model"
                          " was trained with)")
+    # a hub model's tokenizer by its hub name pinned to the snapshot's commit (recorded, exported, resolved again
+    # offline on resume as --tokenizer ORG/NAME@COMMIT), a directory's by its path
+    own = f"{split_name(init_from)[0]}@{directory.name}" if hub_model_name(init_from) else init_from
     if given is None:
-        return init_from, None
+        return own, None
     try:
-        ours, theirs = load_tokenizer(init_from), load_tokenizer(given)
+        ours, theirs = load_tokenizer(own), load_tokenizer(given)
     except DataError as e:
         raise UsageError(str(e)) from None
     if same_vocabulary(ours, theirs):

@@ -439,7 +439,8 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
     optimizer's implementation on this machine (a dry run: the profile's), the settings that a profile or
     a rule decided, the warnings, and the data."""
     cfg, ds = plan.cfg, plan.ds_config
-    lines = [describe_hparams(cfg),  # each value and where it came from (launcher/hparams.py)
+    lines = [*model_spec.describe_init_from(cfg.init_from),  # a hub model: its commit, from the cache or fetched
+             describe_hparams(cfg),  # each value and where it came from (launcher/hparams.py)
              describe_length(cfg, plan.tokens_per_step, *plan.resumed_at)]
     if schedule:
         lines.append(Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",

@@ -5,7 +5,9 @@ keeps its name) and the rotary layout is HF's `rotate_half` one, so the conversi
 no permutation, no reshaping. A model with QK-norm is written as `Qwen3ForCausalLM` (Llama has
 no QK-norm; Qwen3 is Llama plus a per-head RMSNorm on q and k before the rotation, which is
 exactly ours). Tied embeddings are written HF's way: `tie_word_embeddings: true` and no
-`lm_head.weight` tensor.
+`lm_head.weight` tensor. An explicit `head_dim` (hidden_size / heads or not) and Llama 3.1's `llama3`
+rope_scaling are read into ModelArgs and written back; what our model cannot compute exactly (other
+rope types, biases, sliding windows, other activations) is refused naming the key.
 
 Reading a directory never unpickles: config.json through `json`, weights through
 `safetensors.safe_open`, one tensor at a time. A directory that holds only `pytorch_model.bin`
@@ -21,7 +23,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zerotrain.modeling.sizes import ModelArgs
+from zerotrain.modeling.sizes import LLAMA3_SCALING_KEYS, ModelArgs
 
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are handled
     import torch
@@ -47,7 +49,9 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
         "vocab_size": args.vocab_size,  # padded: ids past the tokenizer's are never produced
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rope_theta,  # transformers 4.x
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},  # transformers 5.x
+        # transformers 4.x: None, or the llama3 type's parameters (a copy: transformers 5 adds rope_theta in place)
+        "rope_scaling": dict(args.rope_scaling) if args.rope_scaling else None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta, **(args.rope_scaling or {})},  # 5.x
         "rms_norm_eps": args.norm_eps,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": args.init_std,
@@ -103,19 +107,17 @@ def args_from_config(cfg: dict, where: str) -> ModelArgs:
         unsupported("quantization_config", "(quantized weights)")
     if cfg.get("pretraining_tp", 1) != 1:
         unsupported("pretraining_tp", cfg["pretraining_tp"])
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        unsupported("partial_rotary_factor", cfg["partial_rotary_factor"])
+    layer_types = set(cfg.get("layer_types") or ()) - {"full_attention"}
+    if layer_types:  # transformers 5.x's per-layer sliding window
+        unsupported("layer_types", sorted(layer_types)[0])
     rope = cfg.get("rope_parameters") or {}
-    if cfg.get("rope_scaling"):
-        unsupported("rope_scaling", cfg["rope_scaling"])
-    if rope.get("rope_type", "default") != "default":
-        unsupported("rope_type", rope["rope_type"])
+    scaling = _rope_scaling(cfg.get("rope_scaling") or rope, unsupported)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if key not in cfg:
             raise ValueError(f"{where}: missing {key}")
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and isinstance(dim, int) and isinstance(heads, int) and heads and head_dim * heads != dim:
-        raise ValueError(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads ="
-                         f" {dim / heads:g}; this model needs them equal")
     vocab = cfg["vocab_size"]
     try:
         return ModelArgs(
@@ -125,9 +127,27 @@ def args_from_config(cfg: dict, where: str) -> ModelArgs:
             max_seq_len=cfg.get("max_position_embeddings", 2048),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            init_std=float(cfg.get("initializer_range", 0.02)), qk_norm=model_type == "qwen3")
+            init_std=float(cfg.get("initializer_range", 0.02)), qk_norm=model_type == "qwen3",
+            head_dim=cfg.get("head_dim"), rope_scaling=scaling)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _rope_scaling(scaling: dict, unsupported) -> dict | None:
+    """ModelArgs.rope_scaling for config.json's rope_scaling (transformers 4.x) or rope_parameters (5.x): None for
+    plain RoPE, the llama3 type's four numbers; any other type, or a key the llama3 type does not have, is refused
+    (yarn, dynamic, linear, longrope: not computed by our rotary embedding)."""
+    if not isinstance(scaling, dict):
+        unsupported("rope_scaling", scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        unsupported("rope_scaling rope_type", rope_type)
+    extra = sorted(set(scaling) - {"rope_type", "type", "rope_theta", *LLAMA3_SCALING_KEYS})
+    if extra:
+        unsupported(f"rope_scaling {extra[0]}", scaling[extra[0]])
+    return {"rope_type": "llama3", **{k: scaling.get(k) for k in LLAMA3_SCALING_KEYS}}
 
 
 # -- names ---------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ Architecture choices, all of them:
   RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> linear head (optionally tied);
 - rotary position embeddings computed from per-token ``position_ids`` (so packed rows whose
   positions restart at 0 at every document get correct rotations), in the Hugging Face
-  ``rotate_half`` layout, so q/k weights map to HF Llama without a permutation;
+  ``rotate_half`` layout, so q/k weights map to HF Llama without a permutation; Llama 3.1's ``llama3``
+  frequency scaling when ModelArgs.rope_scaling gives it (`rope_inv_freq`);
 - optional QK-norm: an RMSNorm over each head's query and key before the rotation (Qwen3's
   placement, so such a model exports as ``Qwen3ForCausalLM``);
 - attention never crosses a document boundary. `DocumentLayout.from_positions` is the one place
@@ -67,9 +68,27 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).type_as(x)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype):
+def rope_inv_freq(head_dim: int, theta: float, device, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies (head_dim/2,), fp32; with `scaling` (ModelArgs.rope_scaling, Llama 3.1's
+    "llama3" type) rescaled exactly as transformers' `_compute_llama3_parameters` (modeling_rope_utils.py):
+    wavelengths longer than original_max_position_embeddings / low_freq_factor are divided by factor, shorter
+    than .../ high_freq_factor kept, the band between interpolated. Device ops only: no host sync."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype, scaling: dict | None = None):
     """cos/sin of shape (B, T, head_dim) for the given per-token positions (HF Llama layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, position_ids.device, scaling)  # (head_dim/2,)
     freqs = position_ids.float()[..., None] * inv_freq  # (B, T, head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -465,7 +484,8 @@ class Transformer(nn.Module):
         shard = self.sequence_parallel
         local = shard.local(T) if shard is not None else slice(None)
         x = self.embed_tokens(input_ids[:, local])
-        cos, sin = rotary_cos_sin(position_ids[:, local], self.args.head_dim, self.args.rope_theta, x.dtype)
+        cos, sin = rotary_cos_sin(position_ids[:, local], self.args.head_dim, self.args.rope_theta, x.dtype,
+                                  self.args.rope_scaling)
         docs = documents
         if docs is None:  # the whole row: the kernel sees whole rows
             backend = resolve_attention("auto", x.device.type, x.dtype) if self.attention == "auto" else self.attention

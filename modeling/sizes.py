@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from zerotrain import resource_dir
@@ -41,6 +41,11 @@ class ModelArgs:
     tie_embeddings: bool = False
     init_std: float = 0.02
     qk_norm: bool = False
+    head_dim: int | None = None  # None: dim / n_heads; set when a checkpoint's differs (Qwen3: 128 at dim 1024, 16 heads)
+    # None: plain RoPE. Else Llama 3.1's frequency scaling (modeling/model.py rope_inv_freq), the keys of HF's
+    # rope_scaling: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}. Not hashed (a dict); compared.
+    rope_scaling: dict | None = field(default=None, hash=False)
 
     def __post_init__(self):
         def bad(msg):
@@ -64,12 +69,17 @@ class ModelArgs:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         positive_int("n_kv_heads")
-        if self.dim % self.n_heads:
-            bad(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                bad(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        positive_int("head_dim")
         if self.n_heads % self.n_kv_heads:
             bad(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            bad(f"head dim {self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.head_dim % 2:
+            bad(f"head dim {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", _llama3_scaling(self.rope_scaling, bad))
         if self.ffn_hidden is None:
             m = self.ffn_multiple_of
             object.__setattr__(self, "ffn_hidden", m * math.ceil(int(self.ffn_mult * self.dim) / m))
@@ -77,12 +87,30 @@ class ModelArgs:
         padded = self.vocab_multiple_of * math.ceil(self.vocab_size / self.vocab_multiple_of)
         object.__setattr__(self, "vocab_size", padded)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _llama3_scaling(scaling, bad) -> dict:
+    """rope_scaling checked and normalised: rope_type "llama3" and its four numbers, nothing else."""
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        bad(f"rope_scaling must be {{'rope_type': 'llama3', ...}}, got {scaling!r}")
+    unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_SCALING_KEYS})
+    if unknown:
+        bad(f"rope_scaling: unknown key {unknown[0]!r}")
+    out = {"rope_type": "llama3"}
+    for key in LLAMA3_SCALING_KEYS:
+        v = scaling.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            bad(f"rope_scaling {key} must be a positive number, got {v!r}")
+        out[key] = int(v) if key == "original_max_position_embeddings" else float(v)
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        bad(f"rope_scaling high_freq_factor {out['high_freq_factor']} must exceed low_freq_factor"
+            f" {out['low_freq_factor']}")
+    return out
 
 
 # Named presets: the shapes this toolkit's users train today (layers x dim). Head dim is 64 below
@@ -106,6 +134,8 @@ PRESETS: dict[str, ModelArgs] = {
 def preset(name: str, **overrides) -> ModelArgs:
     if name not in PRESETS:
         raise KeyError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    if {"dim", "n_heads"} & set(overrides) and "head_dim" not in overrides:
+        overrides["head_dim"] = None  # derived again from the new shape, not the preset's
     return replace(PRESETS[name], **overrides)
 
 
@@ -127,7 +157,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     for packed rows where masked-out blocks are skipped by fused kernels.
     """
     n = count_params(args)["non_embedding"] + args.vocab_size * args.dim  # the head's matmul counts
-    return 6 * n + 12 * args.n_layers * args.dim * seq_len
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len  # n_heads x head_dim: dim, unless set
 
 
 # -- which attention kernel and loss chunk a run gets (modeling/model.py runs them; here without torch,

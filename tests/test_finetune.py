@@ -137,7 +137,7 @@ def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
     assert traceback.extract_tb(e.value.__traceback__)[-1].name == "finetune"  # not the driver's stack under it
 
     cases = [
-        (dict(model="no-such-model"), "model no-such-model: no such directory, and not a preset (debug, tiny,"),
+        (dict(model="no-such-model"), "model no-such-model: no such directory, not a preset (debug, tiny,"),
         (dict(model=str(tmp_path)), f"model {tmp_path}: neither a Hugging Face Llama directory (no config.json)"
                                     " nor a zerotrain run directory (no checkpoints/)"),
         (dict(model=str(data)), f"model {data}: a file; expected a Hugging Face Llama directory"),

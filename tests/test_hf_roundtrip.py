@@ -26,7 +26,23 @@ def random_configs(n: int, seed: int = 0):
     return out
 
 
-CONFIGS = random_configs(6) + [dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=130, tie_embeddings=True)]
+# Llama 3.1/3.2's RoPE scaling (its real numbers, the original context shrunk so that a 23-token test spans the
+# interpolated band: wavelengths 4..16 positions), and an explicit head_dim as Qwen3 has it (twice hidden / heads).
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+CONFIGS = random_configs(6) + [
+    dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=130, tie_embeddings=True),
+    dict(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, tie_embeddings=True, rope_theta=500000.0,
+         rope_scaling=LLAMA3, head_dim=16),  # Llama 3.2-like: tied, scaled, head_dim != dim / heads
+    dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, tie_embeddings=True, qk_norm=True,
+         head_dim=16, rope_theta=1000000.0, norm_eps=1e-6),  # Qwen3-like: QK-norm, head_dim 2 x dim / heads
+]
+
+
+def config_id(kw):
+    return (f"h{kw['n_heads']}kv{kw['n_kv_heads']}{'-tied' if kw['tie_embeddings'] else ''}"
+            f"{'-qknorm' if kw.get('qk_norm') else ''}{'-hd%d' % kw['head_dim'] if 'head_dim' in kw else ''}"
+            f"{'-llama3' if kw.get('rope_scaling') else ''}")
 
 
 def build(kw, seed=0):
@@ -40,8 +56,7 @@ def build(kw, seed=0):
     return args, model
 
 
-@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: f"h{kw['n_heads']}kv{kw['n_kv_heads']}"
-                         f"{'-tied' if kw['tie_embeddings'] else ''}{'-qknorm' if kw.get('qk_norm') else ''}")
+@pytest.mark.parametrize("kw", CONFIGS, ids=config_id)
 def test_exported_model_logits_match_transformers(kw, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -60,7 +75,7 @@ def test_exported_model_logits_match_transformers(kw, tmp_path):
     assert torch.allclose(ours, their_logits, atol=1e-4, rtol=0), (ours - their_logits).abs().max()
 
 
-@pytest.mark.parametrize("kw", CONFIGS[:3])
+@pytest.mark.parametrize("kw", CONFIGS[:3] + CONFIGS[-2:], ids=config_id)
 def test_export_import_export_is_byte_identical(kw, tmp_path):
     args, model = build(kw, seed=5)
     hf.save(tmp_path / "a", model.state_dict(), args)
@@ -99,6 +114,50 @@ def test_import_from_a_directory_transformers_wrote(tmp_path):
         assert torch.allclose(ours(x)[..., :100], theirs(x).logits, atol=1e-4, rtol=0)
 
 
+def _llama32_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=100, tie_word_embeddings=True,
+                       rope_theta=500000.0, rope_scaling=dict(LLAMA3), max_position_embeddings=128)
+
+
+def _qwen3_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=100, tie_word_embeddings=True,
+                       rms_norm_eps=1e-6, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("make_config", [_llama32_config, _qwen3_config], ids=["llama3.2", "qwen3"])
+def test_import_and_export_of_a_llama32_or_qwen3_directory(make_config, tmp_path):
+    """What transformers itself writes for a Llama 3.2 (llama3 RoPE scaling, explicit head_dim, tied) and a Qwen3
+    (QK-norm, head_dim 2 x hidden / heads, tied): imported, the same logits; exported back in its architecture."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(make_config()).eval()
+    with torch.no_grad():  # norms away from 1, as `build` does
+        for name, p in theirs.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    theirs.save_pretrained(tmp_path / "theirs")
+    raw = hf.read_config(tmp_path / "theirs")
+    args = hf.args_from_config(raw, "theirs")
+    assert args.head_dim == 16 and args.head_dim * args.n_heads != args.dim
+    hf.check_weights(tmp_path / "theirs", args, raw["vocab_size"])
+    ours = Transformer(args).eval()
+    hf.load_weights(ours, tmp_path / "theirs")
+    x = torch.randint(0, 100, (2, 40))  # past original_max_position_embeddings (16): the scaled band is used
+    with torch.no_grad():
+        assert torch.allclose(ours(x)[..., :100], theirs(x).logits, atol=1e-4, rtol=0)
+    hf.save(tmp_path / "ours", ours.state_dict(), args)
+    back = hf.read_config(tmp_path / "ours")
+    assert (back["architectures"], back["model_type"]) == (raw["architectures"], raw["model_type"])
+    assert hf.args_from_config(back, "ours") == args
+
+
 def test_sharded_safetensors_directory_is_read(tmp_path):
     args, model = build(CONFIGS[0])
     hf.save(tmp_path / "one", model.state_dict(), args)
@@ -130,9 +189,21 @@ def _llama_dir(tmp_path, **config_changes):
 
 @pytest.mark.parametrize("change,message", [
     (lambda d: _llama_dir(d, model_type="gpt2", architectures=["GPT2LMHeadModel"]), "not a Llama model"),
-    (lambda d: _llama_dir(d, rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
+    (lambda d: _llama_dir(d, rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+     "rope_scaling low_freq_factor must be a positive number, got None"),
+    (lambda d: _llama_dir(d, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+     "rope_scaling rope_type 'yarn' is not supported"),
+    (lambda d: _llama_dir(d, rope_scaling={"type": "linear", "factor": 2.0}), "rope_type 'linear' is not supported"),
+    (lambda d: _llama_dir(d, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_scaling rope_type 'dynamic' is not supported"),
+    (lambda d: _llama_dir(d, rope_scaling={**LLAMA3, "attention_factor": 2.0}), "rope_scaling attention_factor 2.0"),
+    (lambda d: _llama_dir(d, partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+    (lambda d: _llama_dir(d, attention_bias=True), "attention_bias True is not supported"),
+    (lambda d: _llama_dir(d, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types 'sliding_attention' is not supported"),
     (lambda d: _llama_dir(d, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    (lambda d: _llama_dir(d, head_dim=4), "head_dim 4 differs from hidden_size / num_attention_heads = 16"),
+    (lambda d: _llama_dir(d, head_dim=4), "tensor model.layers.0.self_attn.q_proj.weight has shape [64, 64],"
+     " config.json implies [16, 64]"),
     (lambda d: _llama_dir(d, num_key_value_heads=3), "n_heads 4 is not divisible by n_kv_heads 3"),
     (lambda d: _llama_dir(d, intermediate_size=12), "has shape"),
     (lambda d: _llama_dir(d, num_hidden_layers=9), "missing tensor model.layers."),

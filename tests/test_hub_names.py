@@ -41,11 +41,35 @@ def tokenizer_cache(hub: Path, repo: str = "org/name", commit: str = COMMIT) -> 
     return snap
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}  # Llama 3.2's numbers, the original context shrunk to 32 positions
+
+
+def model_cache(hub: Path, repo: str, commit: str = COMMIT) -> Path:
+    """A model as the hub cache holds `repo` at `commit`: what `hf download` leaves (config.json,
+    generation_config.json, model.safetensors, written by transformers itself) and a tokenizer (tokenizer_cache's),
+    refs/main naming the commit. org/qwen: a Qwen3ForCausalLM (QK-norm, head_dim 16 = 2 x hidden / heads, tied);
+    org/llama32: a Llama 3.2-like LlamaForCausalLM (llama3 RoPE scaling, head_dim 16 = 2 x hidden / heads, tied)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    snap = tokenizer_cache(hub, repo, commit)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, vocab_size=320, tie_word_embeddings=True, max_position_embeddings=128)
+    config = Qwen3Config(**shape) if repo == "org/qwen" else \
+        LlamaConfig(**shape, rope_theta=500000.0, rope_scaling=dict(LLAMA3))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(snap)
+    return snap
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, mix_path):
     """HF_HOME with a tokenizer and a dataset in its hub cache, and mixes naming hub sources."""
     root = tmp_path_factory.mktemp("hub")
     tokenizer_cache(root / "hf" / "hub")
+    model_cache(root / "hf" / "hub", "org/qwen")
+    model_cache(root / "hf" / "hub", "org/llama32")
     fake_hub_cache(root / "hf" / "hub")  # owner/name: README configs, sample/10BT/ 2 parquet files x 200 records
     mixes = {"hub": [{"name": "edu", "weight": 0.5, "hf": "owner/name", "config": "sample-10BT", "download": True},
                      {"name": "web", "weight": 0.2, "hf": "owner/name", "config": "sample-10BT"},
@@ -120,6 +144,64 @@ def test_a_tokenizer_only_in_the_hf_cache_trains_offline_and_exports(hub, tmp_pa
     assert f"- tokenizer: `org/name` from the Hugging Face Hub (`org/name@{COMMIT}`; vocabulary 300," in card
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id == model.config.eos_token_id
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id is not None
+
+
+def test_init_from_a_hub_name_in_the_cache_dry_runs_trains_and_exports_back(hub, mix_path, tmp_path):
+    """`--init-from org/qwen` (Qwen3) and `org/llama32` (Llama 3.2-like), present only in HF_HOME's hub cache,
+    offline: the dry run and a short 1-process ZeRO-3 run each (the cpu profile) take the model and its tokenizer
+    from the cached snapshot (the tokenizer recorded pinned to the commit); the checked export is the architecture
+    it came from, with its head_dim and RoPE parameters. A name the cache lacks is one line naming the
+    command that fetches it, and nothing is written."""
+    root, env = hub
+    snap = root / "hf" / "hub" / "models--org--qwen" / "snapshots" / COMMIT
+    out = tmp_path / "runs"
+    common = ["--data", str(mix_path), "--out", str(out), "--seq-len", "64", "--micro-batch", "2",
+              "--warmup-steps", "1", "--max-steps", "2", "--lr", "1e-3"]
+    line = one_error_line(zerotrain(["train", "--init-from", "org/absent", *common, "--dry-run"], env))
+    assert line == (f"zerotrain: error: --init-from org/absent: no such directory; as a hub model org/absent: not in"
+                    f" the Hugging Face cache ({root / 'hf' / 'hub'}) and offline mode is on: `hf download org/absent"
+                    " --include config.json generation_config.json *.safetensors model.safetensors.index.json"
+                    " tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json"
+                    " chat_template.jinja` on a machine with network into the same HF_HOME / HF_HUB_CACHE, or unset"
+                    " HF_HUB_OFFLINE")
+    proc = zerotrain(["train", "--init-from", "org/qwen", *common, "--dry-run"], env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"hub: model org/qwen, commit {COMMIT[:12]}, from the Hugging Face cache (offline): {snap}" in proc.stdout
+    assert f"hub: tokenizer org/qwen@{COMMIT}, commit {COMMIT[:12]}, from the Hugging Face cache" in proc.stdout
+    assert not out.exists()
+
+    for repo, arch in (("org/qwen", "Qwen3ForCausalLM"), ("org/llama32", "LlamaForCausalLM")):
+        run_id = repo.split("/")[1]
+        snap = root / "hf" / "hub" / f"models--org--{run_id}" / "snapshots" / COMMIT
+        proc = launch("python", ["--init-from", repo, *common, "--run-id", run_id],
+                      env_extra={k: v for k, v in env.items() if v}, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"initialised from {snap}" in proc.stdout and "ZeRO-3" in proc.stdout
+        saved = json.loads((out / run_id / "config.json").read_text())
+        assert saved["tokenizer"] == f"{repo}@{COMMIT}" and saved["run"]["init_from"] == repo
+        assert saved["run_sources"]["tokenizer"] == "init-from"
+        assert (saved["model"]["head_dim"], saved["model"]["dim"]) == (16, 32)
+        assert saved["model"]["qk_norm"] == (repo == "org/qwen")
+        assert saved["model"]["rope_scaling"] == (None if repo == "org/qwen" else LLAMA3)
+        assert [m["step"] for m in read_metrics(out / run_id)] == [1, 2]
+
+        hf_dir = tmp_path / f"hf-{run_id}"  # checked: transformers' loss on it within 1e-4 of ours
+        proc = zerotrain(["export", str(out / run_id), "--to", str(hf_dir)], env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "(within the float32 tolerance 0.0001)" in proc.stdout, proc.stdout[-2000:]
+        config, theirs = json.loads((hf_dir / "config.json").read_text()), json.loads((snap / "config.json").read_text())
+        assert (config["architectures"], config["model_type"], config["head_dim"]) == ([arch], theirs["model_type"], 16)
+        assert config["rope_parameters"] == theirs["rope_parameters"]
+        assert (hf_dir / "tokenizer.json").read_bytes() == (snap / "tokenizer.json").read_bytes()
+
+
+def test_notebook_model_takes_a_hub_name(tmp_path):
+    from zerotrain.launcher.commands.finetune import model_values
+    from zerotrain.launcher.errors import UsageError
+
+    assert model_values("org/qwen@main", {}, tmp_path) == {"init_from": "org/qwen@main"}
+    with pytest.raises(UsageError, match="no such directory, not a preset .* and not a hub name ORG/NAME"):
+        model_values("qwen", {}, tmp_path)
 
 
 TOKENIZERS_OFFLINE = f"""

@@ -1,6 +1,7 @@
 """The model family: presets, the depth and scaling rules, QK-norm, document layouts,
 activation checkpointing, parameter and FLOP arithmetic. In-process, tiny sizes."""
 import math
+import re
 
 import pytest
 import torch
@@ -190,3 +191,31 @@ def test_activation_checkpointing_recomputes_and_leaves_loss_and_grads_unchanged
     assert torch.allclose(loss0, loss1, atol=1e-6)
     assert all(torch.allclose(g0, g1, atol=1e-6) for g0, g1 in zip(grads0, grads1))
     assert math.isfinite(loss0.item())
+
+
+def test_explicit_head_dim_and_llama3_rope_scaling_args():
+    """head_dim other than dim / heads (Qwen3's shape) sizes the attention; a preset re-derives it from a new
+    shape; rope_scaling takes the llama3 type's four numbers only, and leaves plain RoPE's frequencies alone."""
+    from zerotrain.modeling.model import rope_inv_freq
+
+    args = tiny(head_dim=32)
+    model = Transformer(args)
+    assert model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+    assert count_params(args)["total"] == sum(p.numel() for p in model.parameters())
+    assert preset("debug", dim=256).head_dim == 64 and preset("debug").head_dim == 32
+    llama3 = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4,
+              "original_max_position_embeddings": 16}
+    assert tiny(rope_scaling=llama3).rope_scaling == {**llama3, "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0}
+    for bad, message in (({"rope_type": "yarn", "factor": 4.0}, "rope_scaling must be {'rope_type': 'llama3'"),
+                         ({**llama3, "beta": 1}, "rope_scaling: unknown key 'beta'"),
+                         ({**llama3, "high_freq_factor": 1}, "high_freq_factor 1.0 must exceed low_freq_factor 1.0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tiny(rope_scaling=bad)
+    with pytest.raises(ValueError, match="head dim 15 must be even"):
+        tiny(head_dim=15)
+    plain = rope_inv_freq(16, 10000.0, "cpu")
+    scaled = rope_inv_freq(16, 10000.0, "cpu", tiny(rope_scaling=llama3).rope_scaling)
+    wavelen = 2 * math.pi / plain  # short wavelengths kept, long ones divided by the factor, the band between moved
+    assert torch.equal(scaled[wavelen < 4], plain[wavelen < 4]) and wavelen.max() > 16
+    assert torch.allclose(scaled[wavelen > 16], plain[wavelen > 16] / 8)

@@ -190,6 +190,7 @@ def test_compile_and_activation_checkpointing_leave_the_loss_unchanged(runs):
 @pytest.mark.parametrize("flags,expected", [
     (lambda a: ["--init-from", str(_pickles_only(a))], "holds only pickled weights (pytorch_model.bin)"),
     (lambda a: ["--init-from", str(_not_llama(a))], "not a Llama model (model_type 'gpt2'"),
+    (lambda a: ["--init-from", str(_yarn(a))], ": rope_scaling rope_type 'yarn' is not supported by this model"),
     (lambda a: ["--depth", "1"], "--depth 1: depth 1 x aspect ratio 64 = 64 is 0.5 heads of 128"),
 ])
 def test_model_flag_bad_input_exits_2_with_one_line(flags, expected, assets, tmp_path):
@@ -215,4 +216,17 @@ def _not_llama(assets):
     d = assets["llama"].parent / "gpt2"
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    return d
+
+
+def _yarn(assets):
+    """The Llama with a RoPE scaling our rotary embedding does not compute (weights and all, no tokenizer.json)."""
+    import shutil
+
+    d = assets["llama"].parent / "yarn"
+    if not d.exists():
+        shutil.copytree(assets["llama"], d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "yarn", "factor": 4.0}
+        (d / "config.json").write_text(json.dumps(cfg))
     return d

@@ -45,6 +45,7 @@ import torch
 
 from zerotrain import durable
 from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.launcher import model_spec
 from zerotrain.launcher.commands import export as export_command
 from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint, live_model
 from zerotrain.launcher.components.launching.jobs import (RANK_VARS, TRAIN_MODULE, deepspeed_runner, free_port,
@@ -145,7 +146,7 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
 # -- model= and data= --------------------------------------------------------------------------
 
 def model_values(model: str | Path, values: dict, out: Path) -> dict:
-    """The flags `model=` stands for: {"model": preset} or {"init_from": HF dir}."""
+    """The flags `model=` stands for: {"model": preset} or {"init_from": HF dir or hub name ORG/NAME[@REV]}."""
     where = f"model {model}"
     path = Path(model).expanduser()
     given = [k for k in ("init_from", "depth", "scaling_rule", "model") if values.get(k) is not None]
@@ -163,7 +164,10 @@ def model_values(model: str | Path, values: dict, out: Path) -> dict:
                          f" a preset ({', '.join(PRESETS)})")
     if str(model) in PRESETS:
         return {"model": str(model)}
-    raise UsageError(f"{where}: no such directory, and not a preset ({', '.join(PRESETS)})")
+    if model_spec.hub_model_name(str(model)):  # found in (or fetched into) the Hugging Face cache as --init-from's
+        return {"init_from": str(model)}
+    raise UsageError(f"{where}: no such directory, not a preset ({', '.join(PRESETS)}) and not a hub name"
+                     " ORG/NAME[@REVISION]")
 
 
 def _run_config(run_dir: Path) -> dict | None:
