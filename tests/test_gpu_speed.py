@@ -158,3 +158,35 @@ def test_a_run_with_a_profiles_compile_says_its_compile_time_and_writes_its_torc
     assert "host syncs over 2 step(s):" in summary
     assert "aten::" in summary  # the step's operators were seen
     assert json.loads((tmp_path / "r" / "torch_profile" / "trace.json").read_text())["traceEvents"]
+
+
+def test_the_planner_counts_what_compiled_blocks_keep_and_covers_the_measured_gpu_peak():
+    """Compiled blocks keep each norm's input and rsqrt instead of its fp32 copies, three of the SwiGLU's four
+    ffn-wide tensors, and the QK-norm's input instead of its fp32 copies (planner.activation_bytes). Against the one
+    GPU measurement (benchmarks/RESULTS.md, 2026-11-27, one H200: xlarge, 320-entry vocabulary, micro-batch 8 x 2048,
+    ZeRO-2, compiled: 49.3 GiB allocated with the one-device settings, 51.2 GiB with the profile's overlap and
+    buckets), the plan's tensors must never be under the measured peak, and within 10% of it; the eager terms
+    planned 74.4 GiB for the same run."""
+    from zerotrain.launcher.components.planner import GiB, activation_bytes, memory, setup_from
+    from zerotrain.modeling.sizes import preset
+
+    args = preset("xlarge", vocab_size=320)
+    a, d, f, h = 2, args.dim, args.ffn_hidden, args.head_dim
+    eager = activation_bytes(args, 8, 2048, a, False, "varlen", "cuda")
+    compiled = activation_bytes(args, 8, 2048, a, False, "varlen", "cuda", compiled=True)
+    assert eager["block_per_token"] - compiled["block_per_token"] == (2 * 8 * d - 8) + a * f
+    qk = preset("xlarge", vocab_size=320, qk_norm=True)
+    saved_qk = (activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda")["block_per_token"]
+                - activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda", compiled=True)["block_per_token"])
+    assert saved_qk == (2 * 8 * d - 8) + a * f + (8 - a) * h * (qk.n_heads + qk.n_kv_heads)
+    _, profile = load_profile("h100-80g-x8")
+    ds, _ = one_device_stage({k: v for k, v in profile.items() if k != "zerotrain"}, 1, "cuda")
+    knobs = {**profile["zerotrain"], "compile": True}
+    tensors = {}
+    for compile_ in (True, False):
+        setup = setup_from(ds, {**knobs, "compile": compile_}, 1, 1, None, None, args)
+        m = memory(args, setup, 2, 8, 2048, False)
+        tensors[compile_] = (m["model_states"] + m["buffers"] + m["activations"]) / GiB
+    measured = (49.3, 51.2)
+    assert max(measured) <= tensors[True] <= 1.1 * min(measured), tensors
+    assert tensors[False] > 1.4 * min(measured)  # the eager terms would leave a third of the GPU unused

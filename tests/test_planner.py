@@ -293,15 +293,16 @@ def test_bad_plan_flags(argv, message):
 
 
 def test_unfittable_plan_says_by_how_much_and_what_would(capsys):
-    """The user's 1.4B `xlarge` at micro-batch 16 x 2048 on 8 A100 80GB without activation checkpointing."""
-    p = plan_json(capsys, "--profile", "a100-80g-x8", "--model", "xlarge", "--seq-len", "2048", "--micro-batch", "16")
+    """The user's 1.4B `xlarge` at micro-batch 32 x 2048 on 8 A100 80GB without activation checkpointing (compiled
+    blocks, as the profile says: micro-batch 16 fits since the planner counts what compiling frees)."""
+    p = plan_json(capsys, "--profile", "a100-80g-x8", "--model", "xlarge", "--seq-len", "2048", "--micro-batch", "32")
     assert not p["fits"] and p["zero_stage"] == 2
     short = round(p["memory_per_gpu_gib"] - p["hardware"]["device_memory_gib"], 2)
     assert f"short by {short} GiB" in p["verdict"]
     changes = {a["change"]: a["memory_per_gpu_gib"] for a in p["would_fit"]}
     assert "activation checkpointing" in changes and f"micro-batch {p['max_micro_batch']}" in changes
     assert all(v <= p["hardware"]["device_memory_gib"] for v in changes.values())
-    assert 1 <= p["max_micro_batch"] < 16
+    assert 1 <= p["max_micro_batch"] < 32
 
 
 def test_gpus_without_a_profile_is_plain_data_parallelism(capsys):

@@ -15,7 +15,9 @@ from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_p
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
-from zerotrain.launcher.profiles import apply_offload, detect_profile, load_profile, offload_settings, resolve_batch
+from zerotrain.launcher.profiles import (apply_offload, detect_profile, load_profile, offload_settings, one_device_stage,
+                                        resolve_batch)
+from zerotrain.launcher.run_plan import compile_at_stage
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -81,6 +83,10 @@ def plan_main(argv: list[str]) -> dict:
     hw = settings.hardware
     nodes = ns.nodes or hw.get("nodes", 1)
     per_node = ns.gpus or hw.get("devices_per_node", 1)
+    stage_line = ""
+    if ns.zero is None:  # one device runs ZeRO as the run does (profiles.one_device_stage); --zero is planned as given
+        profile, stage_line = one_device_stage(profile, per_node * nodes, hw.get("accelerator", "cpu"))
+    settings = compile_at_stage(settings, profile)  # a profile's compile is not taken at ZeRO-3, as in the run
     setup = setup_from(profile, settings.values, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
                        getattr(cfg, "optimizer", None), args, attention=cfg.attention)
     # --sequence-parallel N: refused as the run refuses it (one line), for the world planned
@@ -99,6 +105,8 @@ def plan_main(argv: list[str]) -> dict:
                      peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from
+    if stage_line:
+        plan["zero_note"] = stage_line
     plan["warnings"], plan["data_unknown"] = [], None
     if data_here:
         try:
@@ -113,7 +121,8 @@ def plan_main(argv: list[str]) -> dict:
         plan["profile_auto"] = auto
     print(json.dumps(plan, indent=2) if ns.json else (f"profile auto: {auto}\n" if auto else "")
           + f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
-          + render(plan) + unknown + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
+          + render(plan) + (f"\nzero: {stage_line}" if stage_line else "") + unknown
+          + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
 
 
