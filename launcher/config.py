@@ -51,7 +51,8 @@ class RunConfig:
     profile: str = opt("cpu", "hardware profile: a name in ds_configs/, a JSON path, or auto")
     model: str | None = opt(None, "a named preset (zerotrain.modeling.model.PRESETS); default debug when no other way to"
                                   " pick the model is given (--depth, --scaling-rule, --init-from)")
-    data: str | None = opt(None, "(required) a mix JSON file (docs/data.md) or a prepared shard directory")
+    data: str | None = opt(None, "(required: here or in the --config recipe) a mix JSON file (docs/data.md) or a"
+                                 " prepared shard directory")
     tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json, or a hub name"
                                   " ORG/NAME[@REVISION] (default: --init-from's, else bytes)")
     seq_len: int = opt(256, "tokens per packed row")

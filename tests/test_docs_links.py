@@ -156,4 +156,4 @@ def test_a_dead_section_is_found(tmp_path):
 def test_help_says_which_flags_are_required():
     train = (REPO / "docs" / "cli.md").read_text().split("## zerotrain train", 1)[1].split("## zerotrain launch")[0]
     data = train[train.index("  --data DATA"):].split("\n  --")[0]
-    assert "(required)" in data, data
+    assert "(required" in data, data
