@@ -15,7 +15,8 @@ from pathlib import Path
 from zerotrain.launcher.cli import COMMANDS
 
 OUT = Path(__file__).resolve().parent / "cli.md"
-WIDTH = "100"  # argparse wraps help to $COLUMNS: fixed, so the file does not depend on the terminal
+WIDTH = "100"
+ACTIONS = {"tokenizer": ("train",)}  # commands with actions: each action's own --help too  # argparse wraps help to $COLUMNS: fixed, so the file does not depend on the terminal
 
 
 def help_text(args: list[str]) -> str:
@@ -33,6 +34,8 @@ def render() -> str:
              "```\n" + help_text(["--help"]) + "```\n"]
     for command in COMMANDS:
         parts.append(f"## zerotrain {command}\n\n```\n{help_text([command, '--help'])}```\n")
+        for action in ACTIONS.get(command, ()):
+            parts.append(f"## zerotrain {command} {action}\n\n```\n{help_text([command, action, '--help'])}```\n")
     return "\n".join(parts)
 
 

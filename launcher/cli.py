@@ -9,7 +9,7 @@
                                     parameter counts and training FLOPs per token
     zerotrain export RUN_DIR|CHECKPOINT --to DIR    a checkpoint as a Hugging Face Llama directory
     zerotrain plan TRAIN-FLAGS [--gpus N --gpu-mem GiB --nodes M] [--mfu F] [--json]    memory, time, money
-    zerotrain preflight --stage v1|v2|v3 TRAIN-FLAGS    staged checks before a long run (README "Pre-flight")
+    zerotrain preflight --stage v1|v2|v3 TRAIN-FLAGS    staged checks before a long run (docs/preflight.md)
     zerotrain profiles              the hardware profiles in ds_configs/
     zerotrain prepare --data MIX.json --tokenizer T --out DIR     tokenize a mix into verified shards
     zerotrain verify DIR            check a prepared shard directory, measure read speed

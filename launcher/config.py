@@ -51,7 +51,8 @@ class RunConfig:
     profile: str = opt("cpu", "hardware profile: a name in ds_configs/, a JSON path, or auto")
     model: str | None = opt(None, "a named preset (zerotrain.modeling.model.PRESETS); default debug when no other way to"
                                   " pick the model is given (--depth, --scaling-rule, --init-from)")
-    data: str | None = opt(None, "a mix JSON file (docs/data.md) or a prepared shard directory")
+    data: str | None = opt(None, "(required: here or in the --config recipe) a mix JSON file (docs/data.md) or a"
+                                 " prepared shard directory")
     tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json, or a hub name"
                                   " ORG/NAME[@REVISION] (default: --init-from's, else bytes)")
     seq_len: int = opt(256, "tokens per packed row")
@@ -85,7 +86,7 @@ class RunConfig:
     rope_theta: float | None = opt(None, "RoPE base (default: the model's, 10000, or the --init-from config's); with"
                                          " --init-from, a new base for context extension. Part of the run id once"
                                          " set: a resume with another value is refused", IDENTITY_WHEN_SET)
-    # --- long runs (README "Long runs") ---
+    # --- long runs (docs/long-runs.md) ---
     save_every_hours: float | None = opt(None, "also save every H hours of wall clock (whichever comes first)", RUN)
     keep_last: int = opt(0, "keep the newest K complete checkpoints (0: all); never the --keep-best ones", RUN)
     mirror: str | None = opt(None, "copy each checkpoint in the background to DIR/RUN_ID/checkpoints/", RUN)
@@ -114,7 +115,7 @@ class RunConfig:
                                        " id; the W&B run id is $WANDB_RUN_ID, else the run id)", RUN)
     # --- optimizers (launcher/optimizers.py) ---
     optimizer: str | None = opt(None, "adamw (default: the profile's), muon, lion, adamw-decaying-wd, ademamix, or"
-                                      " module.path:ClassName (README \"Optimizers\")", IDENTITY_WHEN_SET)
+                                      " module.path:ClassName (docs/optimizers.md)", IDENTITY_WHEN_SET)
     optimizer_args: dict | None = opt(None, "the optimizer's hyper-parameters as a JSON object, e.g."
                                             " '{\"weight_decay\": 0.0}'", IDENTITY_WHEN_SET)
     # --- the planner's fit check (launcher/components/planner.py) ---

@@ -5,8 +5,8 @@ them); they are re-exported here. END_KINDS below is read by everything that nam
 raises `StopRun(kind, message)` and exits with the kind's code; finetune's result and RunFailed;
 `zerotrain runs`/`report`'s status words; manifest.json (each launch's end kind, code and message);
 pre-flight's exit code; `zerotrain launch --max-restarts` and the sbatch template's requeue (which ends
-are restartable); and README.md's "Exit codes" table (tests/test_end_kinds.py parses it and compares).
-Adding a kind is one entry here plus its README row.
+are restartable); and docs/exit-codes.md's table (tests/test_end_kinds.py parses it and compares).
+Adding a kind is one entry here plus its docs/exit-codes.md row.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class EndKind:
     saves: bool  # a checkpoint is saved at this end (resume from it with the same command)
     failed: bool  # an error: one line on stderr, finetune raises RunFailed, `zerotrain runs` says "failed"
     status: str  # the words `zerotrain runs` / `report` show
-    meaning: str  # one line, as in README.md "Exit codes"
+    meaning: str  # one line, as in docs/exit-codes.md
     # `zerotrain launch --max-restarts` starts the job again with --resume auto after this end, and the sbatch
     # template requeues it: the ends a fresh start can get past (a hang, a lost rank, a communication error).
     # Never an end that asked to stop (a signal, a budget) or that would end the same way again (bad input,
@@ -111,7 +111,7 @@ def exit_status_help(command: str = "train") -> str:
 
 
 def exit_code_table() -> list[str]:
-    """README.md's "Exit codes" table, one row per kind, as the table says it."""
+    """docs/exit-codes.md's table, one row per kind, as the table says it."""
     return ["| code | end kind | meaning |", "|---|---|---|"] + [
         f"| {e.exit_code} | `{e.kind}` | {e.meaning}{' (checkpoint saved)' if e.saves else ''}"
         f"{'; restarted by `--max-restarts`' if e.restartable else ''} |"

@@ -118,9 +118,9 @@ def boolean(v):
 @dataclass(frozen=True)
 class Spec:
     name: str
-    origin: str  # where the rule comes from (README table)
+    origin: str  # where the rule comes from (docs/optimizers.md table)
     hparams: dict  # name -> (default, check); None defaults are derived (see `notes`)
-    state_bytes: str  # optimizer state per parameter, fp32 (README table; measured by the harness)
+    state_bytes: str  # optimizer state per parameter, fp32 (docs/optimizers.md table; measured by the harness)
     configure: Callable  # (ds, hparams, cfg) -> ds: the exact DeepSpeed dict for this optimizer
     client: Callable | None = None  # (params, hparams, cfg) -> torch optimizer, when configure drops "optimizer"
     lr: float | None = None  # default peak lr when neither --lr nor a law gives one (None: launcher/hparams.py)

@@ -307,11 +307,11 @@ def test_light_commands_never_import_torch(tmp_path):
     assert "tiny" in r.stdout and "cpu" in r.stdout and (tmp_path / "run" / "report").is_dir()
 
 
-def test_readme_layout_names_every_module():
-    """README's Layout section is where a newcomer finds a module: every module file and every sub-package of
-    the project is named there (by its file or folder name, as a word)."""
-    text = (REPO / "README.md").read_text()
-    block = text[text.index("## Layout"):]
+def test_docs_layout_names_every_module():
+    """docs/layout.md is where a newcomer finds a module: every module file and every sub-package of the project
+    is named there (by its file or folder name, as a word)."""
+    text = (REPO / "docs" / "layout.md").read_text()
+    block = text[text.index("# Layout"):]
     block = block[block.index("```") + 3:]
     block = block[:block.index("```")]
     words = set(re.findall(r"[\w.]+", block))
@@ -320,7 +320,7 @@ def test_readme_layout_names_every_module():
         name = path.parent.name if path.name == "__init__.py" else path.stem
         if name not in words and f"{name}.py" not in words:
             missing.append(f"{path.relative_to(REPO)} ({module})")
-    assert not missing, "modules README's Layout section does not name: " + ", ".join(missing)
+    assert not missing, "modules docs/layout.md does not name: " + ", ".join(missing)
 
 
 def test_the_trainer_reads_as_short_functions_and_names_no_monitor():

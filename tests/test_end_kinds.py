@@ -1,5 +1,5 @@
-"""How a run can end is one table (launcher/errors.py END_KINDS), and everything reads it: the README's exit
-codes, StopRun, the manifest, `zerotrain runs`/`report`; and a run directory written before the table
+"""How a run can end is one table (launcher/errors.py END_KINDS), and everything reads it: docs/exit-codes.md's
+table, StopRun, the manifest, `zerotrain runs`/`report`; and a run directory written before the table
 (manifest segments with only `end_reason`) still reads. No process group, no torch."""
 from __future__ import annotations
 
@@ -17,18 +17,16 @@ from zerotrain.launcher.errors import END_KINDS, StopRun, exit_code_table, exit_
 REPO = Path(__file__).resolve().parent.parent
 
 
-def readme_exit_codes() -> list[str]:
-    """The table rows under README.md's "## Exit codes" heading, as written."""
-    text = (REPO / "README.md").read_text()
-    section = re.search(r"^## Exit codes\n(.*?)(?=^## )", text, re.S | re.M)
-    assert section, "README.md has no '## Exit codes' section"
-    return [line.strip() for line in section.group(1).splitlines() if line.startswith("|")]
+def docs_exit_codes() -> list[str]:
+    """The table rows of docs/exit-codes.md, as written."""
+    text = (REPO / "docs" / "exit-codes.md").read_text()
+    return [line.strip() for line in text.splitlines() if line.startswith("|")]
 
 
-def test_readme_exit_codes_are_the_table():
-    rows = readme_exit_codes()
+def test_docs_exit_codes_are_the_table():
+    rows = docs_exit_codes()
     assert rows == exit_code_table(), (
-        "README.md's exit-code table and launcher/errors.py END_KINDS differ; the table as it should read:\n"
+        "docs/exit-codes.md's table and launcher/errors.py END_KINDS differ; the table as it should read:\n"
         + "\n".join(exit_code_table()))
     kinds = [re.match(r"\| (\d+) \| `([^`]+)` \|", r).groups() for r in rows[2:]]
     assert {k: int(c) for c, k in kinds} == {k: e.exit_code for k, e in END_KINDS.items()}

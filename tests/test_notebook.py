@@ -55,7 +55,7 @@ def test_finetune_notebook_runs_and_learns(tmp_path, this_python_kernel):
     last = "".join(o.get("text", "") for o in outputs(nb.cells[-1]) if o.get("output_type") == "stream")
     summary = json.loads(last)
     assert SUMMARY_KEYS <= set(summary), summary
-    print(json.dumps(summary))  # the numbers README "Fine-tuning in a notebook" quotes (pytest -s)
+    print(json.dumps(summary))  # the run's numbers (pytest -s); docs/notebook.md shows the API
 
     assert summary["loss_after"] < summary["loss_before"] / 4, summary  # 5.8 -> ~0.1 when it works
     assert summary["correct_after"] >= summary["correct_before"] + 50, summary

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import REPO, write_mix
 
-SECTION = ("## Your first real run", "## Fine-tune from a notebook")
+SECTION = ("## Your first real run", "## Fine-tune a model")
 # README text -> its CPU form (applied in order, as whole words)
 CPU_FORM = [
     ("a100-80g-x8", "cpu"), ("--model xlarge", "--model debug"), ("--seq-len 2048", "--seq-len 64"),

@@ -692,7 +692,7 @@ def make_plan(args, setup: Setup, stage: int, micro: int, accum: int, seq_len: i
               peak_flops: float | None = None, mfu: float | None = None, total_tokens: int | None = None,
               max_hours: float | None = None, budget_usd: float | None = None, gpu_hour_usd: float | None = None,
               max_steps: int | None = None, tokens_set_length: bool = False) -> dict:
-    """Everything `zerotrain plan` prints, as one JSON-ready dict (keys documented in README "Planning").
+    """Everything `zerotrain plan` prints, as one JSON-ready dict (keys documented in docs/planning.md).
     `tokens_set_length`: --total-tokens sets the run's length (launcher/hparams.py), its last step whole."""
     counts = count_params(args)
     fpt = flops_per_token(args, seq_len)

@@ -52,7 +52,7 @@ OUTCOME_WAIT_S = 20.0  # --stage name -> its checks
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(pre-flight's own options, the train flags)."""
     p = Parser(prog="zerotrain preflight", allow_abbrev=False,
-               description="Staged checks before a long run (README \"Pre-flight\").",
+               description="Staged checks before a long run (docs/preflight.md).",
                epilog="Then the run's own flags, exactly as for `zerotrain train` (see its --help).")
     p.add_argument("--stage", required=True, help="v1 (stability), v2 (throughput), v3 (dress rehearsal), or"
                                                   " several separated by commas")
