@@ -46,7 +46,7 @@ from zerotrain.launcher.optimizers import describe_implementation
 from zerotrain.launcher.profiles import (check_devices, describe_precision, detect_profile, load_profile,
                                         one_device_stage, resolve_ds_config)
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
-from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, describe_settings
+from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, compile_at_stage, describe_settings
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel, mlp_tiles
 
@@ -304,18 +304,6 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                                                     bool(settings.activation_checkpointing), settings.attention,
                                                     node.device, sp, bool(settings.tiled_mlp)),
                    sequence_parallel=sp, offload_lines=tuple(host_lines), stage_line=stage_line)
-
-
-def compile_at_stage(settings: Settings, ds_config: dict) -> Settings:
-    """A profile's zerotrain.compile does not compile at ZeRO-3: DeepSpeed's parameter hooks around every
-    submodule break each block's graph between its linears (so little fuses) and recompile once per module past
-    dynamo's limit (counted on the CPU: 16 graphs for the 4-layer debug model). --compile given still compiles
-    (the same math: tests/test_gpu_speed.py)."""
-    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if settings.compile and stage == 3 and settings.sources["compile"] not in GIVEN:
-        return settings.replace("compile", False, "rule: not at ZeRO-3 (its parameter hooks break every block's"
-                                                  " graph); --compile compiles anyway")
-    return settings
 
 
 def _started_stage(run_dir: Path) -> int | None:

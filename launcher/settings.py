@@ -466,3 +466,15 @@ def comm_timeout_s(zt: dict, hang_timeout: float | None = None) -> float:
     """The process group's timeout from a profile section and a hang timeout, as `resolve` decides it."""
     given = zt.get("comm_timeout_s")
     return float(given) if given else comm_timeout_rule({"hang_timeout": hang_timeout}, None)[0]
+
+
+def compile_at_stage(settings: Settings, ds_config: dict) -> Settings:
+    """A profile's zerotrain.compile does not compile at ZeRO-3: DeepSpeed's parameter hooks around every
+    submodule break each block's graph between its linears (so little fuses) and recompile once per module past
+    dynamo's limit (counted on the CPU: 16 graphs for the 4-layer debug model). --compile given still compiles
+    (the same math: tests/test_gpu_speed.py)."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if settings.compile and stage == 3 and settings.sources["compile"] not in GIVEN:
+        return settings.replace("compile", False, "rule: not at ZeRO-3 (its parameter hooks break every block's"
+                                                  " graph); --compile compiles anyway")
+    return settings

@@ -22,8 +22,7 @@ import torch
 
 from conftest import REPO
 from zerotrain.launcher.profiles import list_profiles, load_profile, one_device_stage
-from zerotrain.launcher.run_plan import compile_at_stage
-from zerotrain.launcher.settings import Settings
+from zerotrain.launcher.settings import Settings, compile_at_stage
 from zerotrain.modeling.model import DocumentLayout, Transformer, document_bounds, preset
 
 

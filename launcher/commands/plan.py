@@ -17,7 +17,7 @@ from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
 from zerotrain.launcher.profiles import (apply_offload, detect_profile, load_profile, offload_settings, one_device_stage,
                                         resolve_batch)
-from zerotrain.launcher.run_plan import compile_at_stage
+from zerotrain.launcher.settings import compile_at_stage
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
