@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.zerotrain-installed
 
-.PHONY: install demo test test-gpu bench bench-gpu bench-gpu-peers clean
+.PHONY: install demo test test-fast test-gpu bench bench-gpu bench-gpu-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# For edit loops: every test that starts no process (no ranks, no python subprocess, no kernel); the tests
+# marked `launches` are left out (tests/conftest.py fails a test that launches without the marker).
+test-fast: install
+	$(BIN)/python -m pytest -m "not launches"
 
 # On a CUDA host: what torch and DeepSpeed do on the GPU (tests/test_gpu_cuda.py); each test says why it is
 # skipped where no GPU (or a second one) is visible.

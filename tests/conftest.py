@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -54,16 +55,71 @@ def pytest_configure(config):
     (`-m gpu`, tests/test_gpu_cuda.py) keeps them."""
     if (config.option.markexpr or "").strip() != "gpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    sys.addaudithook(_audit)
 
 
-def pytest_sessionstart(session):
+# -- the `launches` marker: `make test-fast` (-m "not launches") runs every test that starts no process ------------
+LAUNCHERS = {"deepspeed", "torchrun", "accelerate", "zerotrain", "jupyter"}
+WRAPPERS = {"nice", "env", "timeout", "setsid", "sh", "bash", "stdbuf"}  # commands that start the command after them
+SPAWN_EVENTS = ("subprocess.Popen", "os.posix_spawn", "os.exec", "os.system")
+unmarked_launches: list[str] = []  # what the running test (unmarked) started; checked after its setup and its call
+_watching = False
+
+
+def starts_a_launch(argv) -> bool:
+    """A command line that starts Python or one of our launchers: its command, or a wrapper's (`nice -n 10
+    python ...`, `bash -c "deepspeed ..."`). Other commands (git, sleep, gcc) are cheap and are not launches."""
+    words = [argv] if isinstance(argv, (str, bytes, os.PathLike)) else list(argv)
+    names = [Path(token).name for w in words for token in os.fsdecode(w).split()]
+    launch = [name.startswith("python") or name in LAUNCHERS for name in names]
+    return bool(names) and (launch[0] or (names[0] in WRAPPERS and any(launch)))
+
+
+def _audit(event: str, args: tuple) -> None:
+    """Python's audit hook (no process is started without one of SPAWN_EVENTS): records a launch started
+    while an unmarked test runs. Never raises: a test's own error handling stays as it is."""
+    if _watching and event in SPAWN_EVENTS:
+        argv = args[0] if event == "os.system" else args[1]
+        if argv is not None and starts_a_launch(argv):
+            unmarked_launches.append(" ".join(map(os.fsdecode, [argv] if isinstance(argv, (str, bytes)) else argv)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _check_no_launch(item, "its set-up (a fixture)"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _check_no_launch(item, "it"))
+
+
+def _check_no_launch(item, who: str):
+    """A test without the `launches` marker that starts a launch (itself or through a fixture) fails, naming
+    the command, so that `make test-fast` stays the tier that starts no process."""
+    global _watching
+    if item.get_closest_marker("launches") is not None:
+        return (yield)
+    unmarked_launches.clear()
+    _watching = True
+    try:
+        result = yield
+    finally:
+        _watching = False
+    if unmarked_launches:
+        started, _ = unmarked_launches[0], unmarked_launches.clear()
+        pytest.fail(f"{item.nodeid}: {who} started a process ({started[:200]}) but the test is not marked"
+                    " @pytest.mark.launches (make test-fast runs the unmarked ones)", pytrace=False)
+    return result
+
+
+def build_shm_op() -> None:
     """Every CPU launch loads DeepSpeed's JIT-built shared-memory op (deepspeed_shm_comm). Built here, once, in one
     process, before any test launches ranks: two ranks of the first launch would otherwise build it concurrently
     under whatever timeout that test has, and a build killed there (a timeout, a test's kill -9) leaves torch's
     extension lock, on which every later launch of the session waits until its own timeout. A lock already
-    stale (older than any build takes: a killed build of an earlier session) is removed first, and said."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
-        return  # the GPU tier: no CPU launches
+    stale (older than any build takes: a killed build of an earlier session) is removed first, and said.
+    Called once the tests are collected, only where one of them launches (`make test-fast` builds nothing)."""
     from zerotrain.launcher.components import offload
     for lock in offload.stale_build_locks():
         print(f"conftest: removing {lock}, a build lock left by a killed build", file=sys.stderr)
@@ -82,8 +138,13 @@ _prebuild: list[subprocess.Popen] = []
 
 
 def pytest_collection_finish(session):
-    if (os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not session.config.option.collectonly
-            and len(session.items) >= PREBUILD_MIN_TESTS):
+    """The ops CPU launches load, built before the first test where any test of the session launches (the GPU
+    tier, `make test-gpu`, has no CPU launch)."""
+    if (os.environ.get("CUDA_VISIBLE_DEVICES") != "" or session.config.option.collectonly
+            or not any(item.get_closest_marker("launches") for item in session.items)):
+        return
+    build_shm_op()
+    if len(session.items) >= PREBUILD_MIN_TESTS:
         from zerotrain.launcher.components import offload
         _prebuild.append(prebuild_in_background(offload))
 
@@ -190,20 +251,59 @@ def cpu_profile(tmp_path: Path, stage: int | None = None, workers: int | None = 
     return str(path)
 
 
-@pytest.fixture
-def launched():
-    """Launches a test started in a process group of its own, as (Popen, master port): at the end nothing
-    of them is left (the group continued, so stopped ranks die too, and killed) and the shared-memory
-    buffers their killed ranks could not remove are removed: DeepSpeed's, named by the master port, so
-    only ours, never those of a launch running beside the test."""
-    procs: list[tuple[subprocess.Popen, int]] = []
-    yield procs
+class Launched(list):
+    """What the `launched` fixture yields: (Popen, master port) pairs, each Popen the leader of a session of its
+    own (start_new_session=True), so that its whole job can be killed by the session's process group."""
+
+    def append(self, item: tuple[subprocess.Popen, int]) -> None:
+        proc = item[0]
+        if proc.poll() is None and os.getpgid(proc.pid) != proc.pid:
+            proc.kill()
+            raise ValueError(f"launched: {proc.args!r} was not started with start_new_session=True: its ranks"
+                             " could not be killed with it")
+        super().append(item)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes (not zombies) of process group `pgid`, from /proc (Linux)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue  # ended while read
+        if int(fields[2]) == pgid and fields[0] not in "ZX":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def end_launched(procs: list[tuple[subprocess.Popen, int]], timeout: float = 30.0) -> None:
+    """Kill each launch's whole process group (continued first, so that stopped ranks die too), reap the
+    launch, wait until no process of the group is left, and remove the shared-memory buffers its killed ranks
+    could not remove: DeepSpeed's, named by the master port, so only ours, never those of a launch beside it.
+    A process still alive after `timeout` is an error of the test run, named."""
+    left = []
     for proc, port in procs:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
-                pass
-        proc.wait(timeout=30)
+                pass  # the group is empty: every process of the job has ended
+        proc.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while (members := group_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # SIGKILL is delivered, not yet acted on
+        left += members
         for leaked in allreduce_buffer_files(port):
             leaked.unlink(missing_ok=True)
+    if left:
+        raise RuntimeError(f"launched: processes {left} outlived SIGKILL to their process group")
+
+
+@pytest.fixture
+def launched():
+    """Launches a test started in a session of its own (start_new_session=True), as (Popen, master port): at
+    the end nothing of them is left (end_launched), whatever the launcher's own watch did."""
+    procs = Launched()
+    yield procs
+    end_launched(procs)

@@ -34,6 +34,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 # module (exact) or "package.*" (the package and every module under it) -> layer
@@ -296,6 +298,7 @@ print("HEAVY " + json.dumps(heavy))
 """
 
 
+@pytest.mark.launches
 def test_light_commands_never_import_torch(tmp_path):
     """`zerotrain --help`, profiles, params, plan, runs and report run without torch or deepspeed being
     imported (each would add seconds): one process runs them all, then looks at sys.modules."""

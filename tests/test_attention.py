@@ -240,6 +240,7 @@ def test_attention_is_not_part_of_the_run_identity():
     assert flex.drift(sdpa.to_dict()) == []  # a resume may switch kernels: the math is the same
 
 
+@pytest.mark.launches
 def test_flex_and_sdpa_train_the_same_two_rank_run(tmp_path, mix_path):
     """The real driver, 2 ranks under the deepspeed launcher (cpu profile: ZeRO-3), same seed and data:
     10 steps with --attention flex and with --attention sdpa log the same losses to 1e-4; the kernel is

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import launch
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 
 def snapshot(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -30,6 +32,7 @@ def table(stdout: str) -> dict[str, str]:
     return rows
 
 
+@pytest.mark.launches
 def test_unknown_name_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     r = bench(["shard_verify", "trainstep"], tmp_path)
     assert r.returncode == 2, r.stderr
@@ -40,6 +43,7 @@ def test_unknown_name_is_one_line_and_exit_2_before_anything_runs(tmp_path):
         " stream_bytes, shards, stream_bpe, prepare_verify, packing, local_source_memory, planner_rss"]
 
 
+@pytest.mark.launches
 def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
@@ -77,6 +81,7 @@ def gpu_bench(*args):
                           timeout=120)
 
 
+@pytest.mark.launches
 def test_gpu_benchmark_arguments_are_checked_before_anything_runs():
     for args, says in ((["--nproc", "0"], "--nproc must be at least 1, got 0"),
                        (["--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
@@ -166,6 +171,7 @@ def gpu_peers(*args, timeout=300):
                           cwd=REPO, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.launches
 def test_gpu_peers_arguments_are_checked_and_without_cuda_nothing_runs():
     for args, says in ((["--programs", "A,X"], "--programs: 'X' is not one of A, B, C, D, Dl, E"),
                        (["--steps", "9"], "--steps must be at least 10, got 9"),
@@ -186,6 +192,7 @@ def test_gpu_peers_interleaves_every_program_once_a_round_every_other_round_reve
                                                 (3, "A"), (3, "B"), (3, "C")]
 
 
+@pytest.mark.launches
 def test_gpu_peers_smoke_runs_the_driver_old_and_new_a_plain_loop_and_hf_llama_on_the_same_documents(tmp_path):
     """`--smoke`: the debug model on the CPU, through the real driver (A: the cpu profile as of 72584b6 at ZeRO-2;
     B: the shipped one), our Transformer in a plain loop (C) and transformers' LlamaForCausalLM (D)."""
@@ -211,6 +218,7 @@ def test_gpu_peers_smoke_runs_the_driver_old_and_new_a_plain_loop_and_hf_llama_o
     assert (tmp_path / "runs.log").read_text().count("==== ") == 4
 
 
+@pytest.mark.launches
 def test_gpu_peers_starts_no_run_that_would_end_past_the_budget(tmp_path):
     import json
 

@@ -28,6 +28,8 @@ from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from conftest import BIN, REPO, TRAIN_PY, free_port, launch, read_metrics
 from test_long_runs import popen, wait_for_step
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 N = 8
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--lr", "3e-3",
          "--warmup-steps", "1", "--log-data-every-steps", "0", "--eval-tokens", "2000", "--eval-every-steps", "4",

@@ -331,6 +331,7 @@ def test_a_mirror_overlapping_the_run_directory_is_refused(tmp_path):
 
 # -- the run directory lock ------------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path):
     run = tmp_path / "run"
     said = []
@@ -388,6 +389,7 @@ def test_run_lock_heartbeat_keeps_the_lock_fresh(tmp_path):
 
 # -- two real ranks ---------------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_two_ranks_failed_saves_rotation_mirror_and_load(tmp_path):
     """One launch, 2 ranks, ZeRO-3: step 3 fails on rank 1 (test hook), step 5 on rank 0 (a real
     EFBIG write); both fail on both ranks without a hang; keep-last 2 + best + mirror; a load

@@ -156,6 +156,7 @@ def test_chunked_loss_function_directly_matches_definition():
     assert got_grads[0][:, -1].abs().max() == 0  # the last position of a row predicts nothing
 
 
+@pytest.mark.launches
 def test_zero3_gathers_the_head_once_per_pass_and_matches_the_plain_model(tmp_path):
     """A real 2-rank ZeRO-3 launch (tests/helpers/head_zero3_harness.py), tied and untied heads, 8 chunks
     per micro-batch: DeepSpeed fetches lm_head's parameters once in forward and once in backward; the

@@ -84,6 +84,7 @@ def test_underscores_reach_every_command(tmp_path, capsys):
     assert '"seq_len": 64' in capsys.readouterr().out
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("argv, message", [
     (["train", "--no-such-flag"], "zerotrain train: unrecognized arguments: --no-such-flag"),
     (["train", "--seq-len", "x"], "zerotrain train: argument --seq-len: invalid int value: 'x'"),

@@ -102,6 +102,7 @@ def _json(p, obj):
     return p
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_data_exits_2_with_one_line(case, tmp_path, mix_path):
     run = tmp_path / "runs" / "r1"
@@ -139,6 +140,7 @@ def test_skip_policy_drops_and_counts_bad_records(tmp_path):
     assert any("skipped 1 bad record(s)" in ln and "'txt'" in ln for ln in lines)
 
 
+@pytest.mark.launches
 def test_verify_command_checks_and_measures(tmp_path, mix_path):
     d = prepared(tmp_path, mix_path)
     ok = subprocess.run([sys.executable, "-m", "zerotrain", "verify", d, "--seconds", "0.2"],
@@ -154,6 +156,7 @@ def test_verify_command_checks_and_measures(tmp_path, mix_path):
     assert bad.returncode == 2 and len(lines) == 1 and f"shard {f}" in lines[0], bad.stderr
 
 
+@pytest.mark.launches
 def test_a_source_too_small_for_the_ranks_is_one_line_before_the_loader(tmp_path):
     """load_data refuses a source that cannot give every rank (x data worker) a piece; the
     data-bench command (which pretends to be one of --world ranks) shows the line the driver prints."""

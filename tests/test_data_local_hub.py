@@ -212,6 +212,7 @@ def test_exact_resume_over_multi_file_sources_read_and_streamed(local_hub):
     assert find_files(data.specs[3]).files == data.stores[1].files
 
 
+@pytest.mark.launches
 def test_prepare_takes_the_same_sources_and_gives_the_same_stream(local_hub, tmp_path):
     mix, files = local_hub
     out = tmp_path / "shards"
@@ -230,6 +231,7 @@ def test_prepare_takes_the_same_sources_and_gives_the_same_stream(local_hub, tmp
     assert any(ln.strip().startswith("long ") and "shard file" in ln for ln in lines)
 
 
+@pytest.mark.launches
 def test_driver_trains_from_multi_file_sources_and_records_them(local_hub, tmp_path):
     """The real driver (one process): the summary before training names each source's files,
     documents and tokens, and config.json records the sources as the mix gave them."""
@@ -306,6 +308,7 @@ def run_cli(args, env_extra=None):
                           cwd=REPO, env=env)
 
 
+@pytest.mark.launches
 def test_bad_source_exits_2_with_one_line(tmp_path):
     (tmp_path / "mixed").mkdir()
     pq.write_table(pa.table({"text": ["a"]}), tmp_path / "mixed" / "a.parquet")
@@ -348,6 +351,7 @@ except DataError as e:
 """
 
 
+@pytest.mark.launches
 def test_offline_a_hub_name_is_read_from_the_local_hub_cache(tmp_path):
     """HF_HUB_OFFLINE=1 as a user sets it (a fresh process): `hf: owner/name` streams from the hub
     cache's snapshot (only the chosen config's files downloaded); a name not there is one line."""

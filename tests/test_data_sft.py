@@ -476,6 +476,7 @@ def test_sum_loss_and_count_match_the_mean(tmp_path):
         global_token_mean_scale(4, 2, 0)
 
 
+@pytest.mark.launches
 def test_global_token_mean_under_deepspeed_matches_a_single_process_reference(tmp_path):
     """One 2-rank ZeRO-3 launch (tests/helpers/sft_loss_harness.py): the gradient DeepSpeed applies
     equals the gradient of (all token losses) / (all labelled tokens) computed in one process,

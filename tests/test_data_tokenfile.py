@@ -123,6 +123,7 @@ def test_packed_rows_restart_positions_after_every_end_of_text(tmp_path, cache):
     assert seen == Counter(tuple(map(int, d)) for d in docs)
 
 
+@pytest.mark.launches
 def test_a_token_file_mixed_with_jsonl_trains_and_evaluates_on_a_bin(tmp_path):
     """The real driver (one process): a .bin (weight 0.7) with a jsonl source (0.3), --eval-data a mix of val.bin."""
     tok = write_tokenizer(tmp_path)
@@ -221,6 +222,7 @@ def test_bad_token_sources_are_one_line_errors(tmp_path, cache, case):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("case", ["bad dtype", "small vocabulary"])
 def test_the_driver_refuses_them_exit_2_and_writes_nothing(tmp_path, case):
     """One refused as the mix is parsed, one once the file is scanned: exit 2, one line, the run directory as it was."""

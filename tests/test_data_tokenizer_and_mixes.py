@@ -22,6 +22,7 @@ def trained(tmp_path_factory, mix_path):
     return out
 
 
+@pytest.mark.launches
 def test_trained_tokenizer_loads_in_transformers_and_round_trips(trained, mix_path):
     from transformers import AutoTokenizer
 
@@ -35,6 +36,7 @@ def test_trained_tokenizer_loads_in_transformers_and_round_trips(trained, mix_pa
     assert len(ours.encode("the model reads")) < len("the model reads")  # merges were learnt
 
 
+@pytest.mark.launches
 def test_a_vocabulary_smaller_than_asked_is_said_and_recorded(tmp_path, mix_path):
     """~150k bytes of text cannot fill 32,000 entries: BPE runs out of pairs to merge; said, and recorded."""
     out = tmp_path / "bpe"
@@ -51,6 +53,7 @@ def test_a_vocabulary_smaller_than_asked_is_said_and_recorded(tmp_path, mix_path
     assert f"vocab {obtained:,} of the 32,000 asked" in proc.stdout
 
 
+@pytest.mark.launches
 def test_hf_tokenized_mix_and_shards_give_the_same_stream(trained, mix_path, tmp_path):
     tok = HFTokenizer(trained)
     shards = tmp_path / "shards"
@@ -85,6 +88,7 @@ def test_shipped_mixes_validate():
     assert [(s["name"], s["weight"]) for s in demo["sources"]] == [("docs", 0.7), ("code", 0.3)]
 
 
+@pytest.mark.launches
 def test_hf_tokenized_text_is_cut_in_bytes_before_tokenizing(trained, tmp_path):
     """With a Hugging Face tokenizer a text source is cut in bytes of its UTF-8 text (at character
     starts) before tokenizing; the summary labels its lengths as bytes."""

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
@@ -30,6 +32,7 @@ def test_every_relative_link_resolves():
     assert not broken, broken
 
 
+@pytest.mark.launches
 def test_cli_reference_is_current():
     proc = subprocess.run([sys.executable, str(REPO / "docs" / "generate_cli.py"), "--check"], capture_output=True,
                           text=True, cwd=REPO, timeout=600)

@@ -95,6 +95,7 @@ print("SHM", *seen, path.exists())
 """
 
 
+@pytest.mark.launches
 def test_shm_buffer_name_is_the_one_deepspeed_creates_and_joining_removes_it(tmp_path):
     """DeepSpeed's CPU all-reduce buffer, made by the real init_distributed (LOCAL_SIZE: all ranks local),
     is found under the name ds_compat computes, listed by allreduce_buffer_files (for its port, for every port,

@@ -337,6 +337,7 @@ def test_evaluator_refuses_bad_arguments(rows):
 # 2 real ranks, ZeRO-3
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_two_rank_zero3_evaluation_equals_one_process(tmp_path):
     mix = write_mix(tmp_path / "data")
     out = tmp_path / "out"

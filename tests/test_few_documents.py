@@ -6,7 +6,11 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import BIN, REPO, TRAIN_PY, free_port, launch, read_metrics, synthetic_docs
+
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
 
 COMMON = ["--model", "debug", "--seq-len", "64", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "1"]
 

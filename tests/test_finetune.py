@@ -179,6 +179,7 @@ def test_import_forms():
     assert module.finetune.__name__ == "finetune"
 
 
+@pytest.mark.launches
 def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys, monkeypatch):
     from zerotrain.launcher import finetune
     # as in a notebook after an in-process run: this process is rank 0 of a world of 1

@@ -63,6 +63,7 @@ def test_varlen_and_compiled_flex_match_sdpa_on_cuda(shape):
             assert err <= 3e-2 * size + 1e-6, (backend, name, err, size)
 
 
+@pytest.mark.launches
 def test_the_driver_on_cuda_resumes_bit_for_bit_with_deterministic(tmp_path, mix_path):
     args = ["--profile", gpu_profile(tmp_path, stage=2), "--data", str(mix_path), *COMMON, "--deterministic",
             "--attention", "varlen"]
@@ -75,6 +76,7 @@ def test_the_driver_on_cuda_resumes_bit_for_bit_with_deterministic(tmp_path, mix
     assert a[-1]["loss"] < a[0]["loss"]
 
 
+@pytest.mark.launches
 def test_the_planners_peak_memory_covers_the_measured_one(tmp_path, mix_path):
     from zerotrain.launcher.components import planner
     from zerotrain.launcher.config import config_from
@@ -97,6 +99,7 @@ def test_the_planners_peak_memory_covers_the_measured_one(tmp_path, mix_path):
     assert measured >= 0.5 * tensors, (measured, tensors)  # and not wildly over (H100, 2026-11-25: 6-16% over)
 
 
+@pytest.mark.launches
 def test_the_gpu_benchmark_smoke_run(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--profile", "h100-80g-x8",
                            "--model", "debug", "--seq-len", "256", "--steps", "12", "--stages", "2",
@@ -108,6 +111,7 @@ def test_the_gpu_benchmark_smoke_run(tmp_path):
     assert float(rows[0].split("|")[4].replace(",", "")) > 0
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a 2-rank NCCL run needs two GPUs")
 def test_two_ranks_over_nccl_resume_bit_for_bit(tmp_path, mix_path):
     args = ["--profile", gpu_profile(tmp_path, stage=3, devices=2), "--data", str(mix_path), *COMMON,

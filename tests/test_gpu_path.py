@@ -263,6 +263,7 @@ def test_deterministic_asks_torch_for_deterministic_kernels_and_a_fixed_cublas_w
 
 # -- benchmarks/gpu.py -------------------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_gpu_benchmark_without_cuda_says_so_in_one_line_and_runs_nothing(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(out)], capture_output=True, text=True,

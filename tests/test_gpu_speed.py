@@ -35,6 +35,7 @@ def compiled_and_eager(tmp_path_factory):
     return json.loads((out / "result.json").read_text())
 
 
+@pytest.mark.launches
 def test_compiled_blocks_train_what_the_eager_blocks_train(compiled_and_eager):
     """Inductor fuses each block's norms, RoPE, SwiGLU and residual adds; fp32 rounding may move by the fused
     reductions' order only: the loss within 1e-6, every gradient element within 1e-6 (measured: 2e-8 of
@@ -133,6 +134,7 @@ def test_cuda_profiles_compile_and_leave_deepspeeds_syncing_checks_off(name):
     assert profile["bf16"] == {"enabled": True, "check_grad_overflow": False}
 
 
+@pytest.mark.launches
 def test_a_run_with_a_profiles_compile_says_its_compile_time_and_writes_its_torch_profile(tmp_path, mix_path):
     """The cpu profile at ZeRO-2 with zerotrain.compile set (aot_eager: the same graphs, no code generation, so the
     suite does not wait for inductor): the run compiles because the profile says so (its source recorded), says how

@@ -312,6 +312,7 @@ print("not reached", flush=True)
 """
 
 
+@pytest.mark.launches
 def test_second_signal_after_the_grace_window_exits_at_once_in_a_real_process():
     proc = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=str(REPO))], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "RANK": "0"})

@@ -255,6 +255,7 @@ def tensorboard(log_dir: Path) -> tuple[dict, dict]:
     return scalars, texts
 
 
+@pytest.mark.launches
 def test_a_slow_data_source_is_named_by_a_real_launch(tmp_path, mix_path):
     profile = json.loads(Path(cpu_profile(tmp_path)).read_text())
     # No CPU reaches 100% of its peak: the verdict does not depend on this machine's speed. Windows of 1 s.

@@ -96,6 +96,7 @@ def one_error_line(proc) -> str:
     return lines[0]
 
 
+@pytest.mark.launches
 def test_a_tokenizer_only_in_the_hf_cache_trains_offline_and_exports(hub, tmp_path):
     """`--tokenizer org/name`, present only in HF_HOME's hub cache, with HF_HUB_OFFLINE=1: a short 1-rank run
     trains on a mix whose "download": true source is its cached snapshot (counted and held out like local
@@ -146,6 +147,7 @@ def test_a_tokenizer_only_in_the_hf_cache_trains_offline_and_exports(hub, tmp_pa
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id is not None
 
 
+@pytest.mark.launches
 def test_init_from_a_hub_name_in_the_cache_dry_runs_trains_and_exports_back(hub, mix_path, tmp_path):
     """`--init-from org/qwen` (Qwen3) and `org/llama32` (Llama 3.2-like), present only in HF_HOME's hub cache,
     offline: the dry run and a short 1-process ZeRO-3 run each (the cpu profile) take the model and its tokenizer
@@ -216,6 +218,7 @@ for name in ("org/name", "org/name@main", "org/name@{COMMIT}", "org/absent", "or
 """
 
 
+@pytest.mark.launches
 def test_hub_tokenizer_names_revisions_and_refusals_offline(hub):
     """org/name, @branch and @commit resolve from the cache (as AutoTokenizer.from_pretrained would,
     revision included); what the cache lacks is one line naming the name and the command that fetches it."""
@@ -238,6 +241,7 @@ def test_hub_tokenizer_names_revisions_and_refusals_offline(hub):
                              " / directory, or a Hugging Face hub name ORG/NAME[@REVISION])")
 
 
+@pytest.mark.launches
 def test_dry_run_checks_every_hub_name_and_refuses_what_is_not_cached_offline(hub, tmp_path):
     """--dry-run says where the tokenizer and each hub source come from; offline with nothing cached a
     streamed source (today: "size unknown (streamed)", exit 0) or a "download": true one is refused in one

@@ -45,6 +45,7 @@ def tuned(tmp_path_factory):
     return done
 
 
+@pytest.mark.launches
 def test_a_fine_tune_from_an_export_trains_and_exports_with_its_tokenizer(tuned):
     from zerotrain.dataio.sft import plain_chat
     from zerotrain.dataio.tokenizer import load_tokenizer
@@ -77,6 +78,7 @@ def refused(argv: list[str], capsys) -> str:
     return err.removeprefix("zerotrain: error: ")
 
 
+@pytest.mark.launches
 def test_a_tokenizer_other_than_the_models_is_refused_unless_swapped(tuned, tmp_path, capsys):
     from zerotrain.launcher.config import resolve_config
 
@@ -130,6 +132,7 @@ def run_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = Fa
     return split_masked(encode(tokenizer, [rendered])[0])[0].tolist()
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("export", ["export-a", "export-b"])
 def test_the_export_renders_chats_as_the_run_did(tuned, export):
     """Run A's tokenizer had no chat template: it rendered plain ChatML, and its export carries that as

@@ -183,6 +183,7 @@ def test_world_size_must_match_the_profile_unless_forced(tmp_path, mix_path):
         plan_hostfile_launch(["--hostfile", str(hf), *train])
 
 
+@pytest.mark.launches
 def test_zerotrain_launch_refuses_a_bad_hostfile_before_starting_anything(tmp_path, mix_path):
     hf = tmp_path / "hostfile"
     hf.write_text("node-a slots=1\nnode-a slots=1\n")
@@ -257,6 +258,7 @@ def test_launch_n_gives_the_ranks_the_profile_env_with_profile_auto_too(tmp_path
     assert [env.get("OMP_NUM_THREADS") for env in seen] == ["1", "1"]
 
 
+@pytest.mark.launches
 def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_path, mix_path):
     """DeepSpeed's real ssh path (pdsh) on two loopback 'nodes': the profile's env reaches the ranks
     through the environment file; the secret is in the remote command only, never in the output
@@ -350,6 +352,7 @@ def test_config_from_applies_the_accelerate_rule(monkeypatch, mix_path):
         resolve_config(["--data", str(mix_path), "--profile", "cpu"])
 
 
+@pytest.mark.launches
 def test_two_node_accelerate_configs_on_loopback(tmp_path, mix_path):
     """The shipped 2-node pair, made CPU-sized (1 process per node, cpu profile, loopback address):
     two `accelerate launch` processes make one world of 2, and the profile is the config's file."""
@@ -420,6 +423,7 @@ def zerotrain_slurm(args: list[str], env: dict, cwd: Path) -> subprocess.Complet
                           env={**env, "PYTHONPATH": str(REPO)}, cwd=cwd, timeout=120)
 
 
+@pytest.mark.launches
 def test_slurm_dry_run_prints_the_script_and_each_nodes_command(tmp_path, mix_path):
     env = slurm_env(tmp_path, "gpu-01 gpu-02")
     proc = zerotrain_slurm(["--nodes", "2", "--gpus-per-node", "8", "--time", "2:00:00", "--max-requeues", "5",
@@ -446,6 +450,7 @@ def test_slurm_dry_run_prints_the_script_and_each_nodes_command(tmp_path, mix_pa
     assert bad.returncode == 2 and "the script always resumes with --resume auto" in bad.stderr
 
 
+@pytest.mark.launches
 def test_slurm_submits_with_sbatch(tmp_path, mix_path):
     env = slurm_env(tmp_path, "n1")
     proc = zerotrain_slurm(["--nodes", "1", "--gpus-per-node", "1", "--job-name", "zt", "--", "--data", str(mix_path),
@@ -456,6 +461,7 @@ def test_slurm_submits_with_sbatch(tmp_path, mix_path):
     assert "#SBATCH --gpus-per-node" not in script.read_text()  # the cpu profile asks for no GPU
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("code, restarts, requeued", [(6, "0", True), (6, "2", False), (0, "0", False),
                                                      (5, "0", False), (3, "1", False), (2, "0", False),
                                                      (11, "0", True), (1, "1", True), (247, "0", True),
@@ -486,6 +492,7 @@ def test_slurm_script_requeues_after_a_signal_stop_or_a_restartable_end_within_m
         assert "ended restartably (exit 11: hung, a lost rank or a crash): requeueing job 4242" in run.stdout
 
 
+@pytest.mark.launches
 def test_slurm_sigterm_saves_then_requeues(tmp_path, mix_path):
     """The real chain on two loopback 'nodes': Slurm's SIGTERM to the batch shell -> scancel
     --signal=TERM -> every zerotrain launch -> every rank saves at the step boundary -> node 0

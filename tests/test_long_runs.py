@@ -20,6 +20,8 @@ import pytest
 from conftest import BIN, REPO, TRAIN_PY, free_port, launch
 from zerotrain.launcher.components.observe.metrics import read_metrics
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 N = 16
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
          "--log-data-every-steps", "0", "--eval-tokens", "3000", "--max-steps", str(N)]

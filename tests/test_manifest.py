@@ -6,6 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.errors import StopRun
 
@@ -51,6 +53,7 @@ def test_first_launch_then_resumes_append_segments(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["manifest.json"]  # no temporary file left behind
 
 
+@pytest.mark.launches
 def test_git_commit_of_the_checkout_and_none_elsewhere(tmp_path):
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0:

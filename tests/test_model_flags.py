@@ -99,6 +99,7 @@ def test_params_and_export_bad_input_exit_2_with_one_line(argv, message, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.launches
 def test_installed_command_finds_the_model_package(tmp_path):
     """`zerotrain params` through the console script, away from the checkout: `modeling` is a package."""
     import subprocess

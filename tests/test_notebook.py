@@ -16,7 +16,7 @@ KERNEL_NAME = "zerotrain-test-python"
 SUMMARY_KEYS = {"seconds_total", "loss_before", "loss_after", "sample_before", "sample_after",
                 "sample_transformers", "correct_before", "correct_after"}
 
-pytestmark = pytest.mark.notebook
+pytestmark = [pytest.mark.notebook, pytest.mark.launches]  # a kernel is a process of its own
 
 
 @pytest.fixture

@@ -158,6 +158,7 @@ def test_wandb_offline_run_holds_the_steps_and_a_resume_continues_it(tmp_path, n
     assert second["history"][6]["loss"] == pytest.approx(4.0)
 
 
+@pytest.mark.launches
 def test_wandb_asks_nothing_with_a_terminal_attached(tmp_path, no_wandb_account):
     """Under a pseudo-terminal and no WANDB_MODE, wandb would prompt for a key; we must go offline."""
     import pty
@@ -242,6 +243,7 @@ def test_unknown_sink_and_bad_wandb_run_id_are_one_line_usage_errors(tmp_path):
     assert parse_sinks(" jsonl, tensorboard ") == parse_sinks(["tensorboard"]) == ["jsonl", "tensorboard"]
 
 
+@pytest.mark.launches
 def test_step_measurements_on_this_cpu():
     from deepspeed.accelerator import get_accelerator
 
@@ -274,6 +276,7 @@ def real_run(tmp_path_factory, mix_path) -> Path:
     return out / RUN_ID
 
 
+@pytest.mark.launches
 def test_real_run_sinks_match_metrics_jsonl(real_run):
     history = read_metrics(real_run)
     assert [r["step"] for r in history] == list(range(1, 7))
@@ -290,6 +293,7 @@ def zerotrain(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.launches
 def test_report_writes_plots_and_summary(real_run):
     result = zerotrain("report", str(real_run))
     assert result.returncode == 0, result.stderr
@@ -319,6 +323,7 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.launches
 def test_report_compare_overlays_runs(real_run, tmp_path):
     from zerotrain.launcher.commands.report import _loss_steps, load_run
 
@@ -344,6 +349,7 @@ def test_report_compare_overlays_runs(real_run, tmp_path):
     plt.close(fig)
 
 
+@pytest.mark.launches
 def test_runs_lists_status_of_each_run(real_run, tmp_path):
     out = tmp_path / "runs"
     def weights(directory, names):  # checkpoints are copied with their markers, without their weights
@@ -380,6 +386,7 @@ def test_runs_lists_status_of_each_run(real_run, tmp_path):
 
 # -- bad input: one line, exit 2 --------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_bad_input_is_one_line_exit_2(tmp_path, mix_path):
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "notes.txt").write_text("not a run")

@@ -44,6 +44,8 @@ from test_long_runs import popen, zerotrain_launch_cmd
 from zerotrain.launcher.components import offload
 from zerotrain.launcher.errors import UsageError
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 N, SAVE = 6, 3
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
          "--log-data-every-steps", "0", "--max-steps", str(N), "--save-every-steps", str(SAVE)]

@@ -110,6 +110,7 @@ def test_bad_optimizer_input_is_one_line(argv, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.launches
 def test_bad_optimizer_on_the_command_line_exits_2_and_writes_nothing(tmp_path, mix_path):
     out = tmp_path / "runs"
     proc = launch("python", ["--data", str(mix_path), "--out", str(out), "--optimizer", "adam-w", "--max-steps", "1"])
@@ -320,6 +321,7 @@ def harness(tmp_path_factory, mix_path):
     return json.loads(out.read_text())
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("stage", ["0", "1", "2", "3"])
 def test_each_optimizer_follows_its_rule_under_each_zero_stage(harness, stage):
     expected_class = {"adamw": "AdamW", "muon": "MuonWithAuxAdam", "lion": "SignZeroSafeDeepSpeedCPULion",
@@ -341,12 +343,14 @@ def test_each_optimizer_follows_its_rule_under_each_zero_stage(harness, stage):
     assert muon["gradient_clipping"] == (1.0 if stage == "0" else 0.0)
 
 
+@pytest.mark.launches
 def test_exact_resume_of_the_optimizer_state_at_zero3(harness):
     for spec, r in harness["resume-3"].items():
         assert "error" not in r, (spec, r.get("error"))
         assert r["weights_equal"] and r["losses_equal"], (spec, r)
 
 
+@pytest.mark.launches
 def test_the_harness_builds_the_engine_the_run_builds(harness):
     """The run's engine (plan_run -> spec_from_plan -> build_engine, what Trainer._build_engine calls) and
     the harness's, for the same inputs, agree on every rank: DeepSpeed's dict, ZeRO stage, optimizer
@@ -364,6 +368,7 @@ def test_the_harness_builds_the_engine_the_run_builds(harness):
     assert run["lr_multipliers"][0] < run["lr_multipliers"][1] == 1.0, run["lr_multipliers"]  # the run's warm-up
 
 
+@pytest.mark.launches
 def test_muon_run_resumes_bit_identically_through_the_driver(tmp_path, mix_path):
     """The driver end to end: run 0 -> 4 saving at 2; the run directory as it was at 2, resumed -> 4."""
     from test_resume_exact import stop_at

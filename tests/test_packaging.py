@@ -85,6 +85,7 @@ def run(cmd, project, timeout=600, **env):
                           env=environ)
 
 
+@pytest.mark.launches
 def test_wheel_ships_the_profiles_recipes_and_templates(installed):
     names = set(zipfile.ZipFile(installed[3]).namelist())
     for shipped in [*(REPO / "ds_configs").glob("*.json"), *(REPO / "recipes").glob("*.json"),
@@ -95,6 +96,7 @@ def test_wheel_ships_the_profiles_recipes_and_templates(installed):
     assert not any(n.split("/")[0] in ("launcher", "modeling", "dataio") for n in names)  # nothing top-level
 
 
+@pytest.mark.launches
 def test_installed_commands_from_a_project_with_its_own_packages(installed, tmp_path):
     py, bin_dir, project, _ = installed
     profiles = sorted(p.stem for p in (REPO / "ds_configs").glob("*.json"))
@@ -116,6 +118,7 @@ def test_installed_commands_from_a_project_with_its_own_packages(installed, tmp_
     assert not (tmp_path / "dry").exists()
 
 
+@pytest.mark.launches
 def test_installed_shipped_recipe_resolves_its_mix_from_the_wheel(installed, tmp_path):
     """`zerotrain train --config a100x8-1.46b-edu-mix --dry-run` from the user's project (no dataio/mixes there):
     the recipe's mix is the wheel's copy in site-packages."""
@@ -130,6 +133,7 @@ def test_installed_shipped_recipe_resolves_its_mix_from_the_wheel(installed, tmp
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.launches
 def test_installed_training_run_and_demo(installed, tmp_path):
     """One process trains 3 steps; `zerotrain demo` (2 ranks under DeepSpeed's runner, the module form)
     trains 3 steps; both from the user's project directory, with the wheel's code."""

@@ -234,6 +234,7 @@ def test_depth64_on_eight_h100_pcie(capsys):
     assert p["usd"] <= 1000 and p["hours"] <= 31
 
 
+@pytest.mark.launches
 def test_bad_input_one_line_exit_2():
     r = subprocess.run([sys.executable, "-m", "zerotrain", "plan", "--gpus", "0"], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
@@ -242,6 +243,7 @@ def test_bad_input_one_line_exit_2():
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.launches
 def test_a_recipe_plans_offline_before_its_hub_data_is_downloaded(tmp_path):
     """`zerotrain plan --config RECIPE` where the recipe's hub datasets are in no cache and the hub is
     offline (an empty HF_HOME, as on a machine that has not downloaded them yet): the plan is printed, exit
@@ -357,6 +359,7 @@ def test_fit_check_uses_ram_divided_among_local_ranks(monkeypatch):
         planner.fit_check(*config)
 
 
+@pytest.mark.launches
 def test_driver_refuses_before_writing_anything(tmp_path):
     """`--seq-len 99999999` on the cpu profile used to train 94 s then die: now one line, exit 2, fast."""
     mix = tmp_path / "mix.json"
@@ -557,6 +560,7 @@ def test_plan_refuses_a_sequence_parallel_size_the_run_refuses(argv, message):
                    *argv])
 
 
+@pytest.mark.launches
 def test_plan_refuses_a_bad_sequence_parallel_size_in_one_line_exit_2():
     r = subprocess.run([sys.executable, "-m", "zerotrain", "plan", "--profile", "h100-80g-x8", "--model", "xlarge",
                         "--seq-len", "131072", "--sequence-parallel", "8", "--vocab-size", "128256"], cwd=REPO,

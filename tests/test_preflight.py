@@ -90,6 +90,7 @@ def healthy(setup):
     return {"proc": proc, "run_dir": run_dir, "before": before, "out": out}
 
 
+@pytest.mark.launches
 def test_healthy_run_passes_every_stage_on_two_ranks(healthy):
     proc, run_dir = healthy["proc"], healthy["run_dir"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -113,6 +114,7 @@ def test_healthy_run_passes_every_stage_on_two_ranks(healthy):
     assert all(p["tokens_per_s"] > 0 and p["peak_rss_gib"] > 0 and "step_s_spread" in p for p in golden["steps"])
 
 
+@pytest.mark.launches
 def test_v1_checks_and_measures_the_sequence_parallel_all_to_all(setup):
     """--sequence-parallel 2 on 2 ranks (one launch): v1 checks N as the run does and times one layer's forward
     all-to-all (DeepSpeed's exchange over its sequence-parallel group, gloo here) next to the planner's figure
@@ -146,6 +148,7 @@ def test_v1_checks_and_measures_the_sequence_parallel_all_to_all(setup):
     assert m and m[1] == m[2], proc.stdout
 
 
+@pytest.mark.launches
 def test_real_run_files_untouched_and_scratch_checkpoints_removed(healthy):
     run_dir = healthy["run_dir"]
     assert tree_digest(run_dir) == healthy["before"]  # the real run's checkpoints and metrics, byte for byte
@@ -154,6 +157,7 @@ def test_real_run_files_untouched_and_scratch_checkpoints_removed(healthy):
     assert not list(scratch.glob("*/checkpoints/global_step*"))
 
 
+@pytest.mark.launches
 def test_golden_file_of_another_config_or_world_is_refused(setup, healthy):
     golden = healthy["run_dir"] / "preflight" / "golden.json"
     base = {k.lstrip("-").replace("-", "_"): v for k, v in zip(*[iter(flags(setup, healthy["out"]))] * 2)}
@@ -169,6 +173,7 @@ def test_golden_file_of_another_config_or_world_is_refused(setup, healthy):
 
 # -- faults, one rank each ---------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_v1_catches_a_corrupted_shard_byte(setup):
     bad = setup["root"] / "shards-bad"
     bad.mkdir()
@@ -188,6 +193,7 @@ def test_v1_catches_a_corrupted_shard_byte(setup):
     assert not (out / "r" / "preflight" / "scratch").exists()  # nothing was built on bad data
 
 
+@pytest.mark.launches
 def test_v1_catches_a_differing_read_back_and_v2_a_slow_loader(setup):
     out = setup["root"] / "runs-hooks"
     proc = launch_preflight("python", ["--stage", "v1,v2", "--sweep", "4", "--sweep-steps", "3", "--loader-seconds",
@@ -206,6 +212,7 @@ def test_v1_catches_a_differing_read_back_and_v2_a_slow_loader(setup):
     assert "fix: the loader cannot keep the model fed" in proc.stdout
 
 
+@pytest.mark.launches
 def test_an_out_of_memory_on_one_rank_ends_the_sweep_on_every_rank(setup):
     """Rank 1 alone runs out of memory in the sweep's micro-batch 4 (ZEROTRAIN_TEST_PREFLIGHT_OOM) while rank 0
     goes on into the step's collectives: the ranks' outcomes are exchanged through the rendezvous store, rank 1
@@ -227,6 +234,7 @@ def test_an_out_of_memory_on_one_rank_ends_the_sweep_on_every_rank(setup):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.launches
 def test_golden_strict_stops_a_run_slower_than_its_rehearsal(setup, healthy):
     """The rehearsal's golden file with its tokens/s made 10x faster: this run is then a step-time
     regression of about 90% at the first golden step, and --golden-strict stops it there, saved."""
@@ -320,6 +328,34 @@ def test_zerotrain_preflight_bad_stage_is_exit_2(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "zerotrain: error: --stage v9: choose v1, v2 or v3 (or several, e.g. v1,v2)"]
+
+
+def test_preflight_says_a_test_hook_first_as_the_run_does(tmp_path, mix_path, monkeypatch, capsys):
+    """A stray ZEROTRAIN_TEST_* variable is said on pre-flight's own output before anything else, in the run's
+    words: otherwise ZEROTRAIN_TEST_PREFLIGHT_READBACK would show only as an unexplained FAIL. In-process, ended
+    by bad input right after the line (a sequence-parallel size the world cannot take); without one, no line."""
+    from zerotrain.launcher import cli
+    from zerotrain.launcher.components.hooks import PREFLIGHT_READBACK
+
+    for var in [v for v in os.environ if v.startswith("ZEROTRAIN_TEST_")]:
+        monkeypatch.delenv(var)
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)  # a world of one, restored after the test
+    argv = ["preflight", "--stage", "v1", "--data", str(mix_path), "--out", str(tmp_path / "runs"),
+            "--sequence-parallel", "2"]
+    said = []
+    for hook in ("", "perturb"):
+        if hook:
+            monkeypatch.setenv(PREFLIGHT_READBACK, hook)
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        out, err = capsys.readouterr()
+        assert err.startswith("zerotrain: error: --sequence-parallel 2") and len(err.strip().splitlines()) == 1
+        said.append(out.splitlines())
+    assert said == [[], [f"zerotrain: warning: test hooks active: {PREFLIGHT_READBACK}=perturb (faults and delays"
+                         " planted by the test suite; unset them for a real run)"]]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_nvme_throughput_is_measured_in_the_directory_and_leaves_nothing(tmp_path):

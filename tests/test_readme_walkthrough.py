@@ -63,6 +63,7 @@ def test_the_commands_are_found():
         assert verb in verbs, f"the walkthrough lost its `{verb}` step: {commands}"
 
 
+@pytest.mark.launches
 def test_walkthrough_runs_in_its_cpu_form(tmp_path):
     text = (REPO / "README.md").read_text()
     readme_mix = json.loads(re.search(r"```json\n(.*?)```", text[text.index(SECTION[0]):], re.S).group(1))

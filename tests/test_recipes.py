@@ -252,6 +252,7 @@ def test_cpu_debug_is_the_demo():
                for s in mix["sources"])
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", ["rtx6000ada-x2-760m", "rtx6000ada-x2-1.3b"])
 def test_workstation_recipes_launch_with_expandable_segments(name, tmp_path, monkeypatch):
     """The launch each description gives puts the allocator setting into every rank's environment
@@ -280,6 +281,7 @@ def zerotrain(*args, cwd=REPO) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, timeout=300)
 
 
+@pytest.mark.launches
 def test_dry_run_command_prints_the_resolved_recipe(tmp_path):
     """`zerotrain train --config R --dry-run`: exit 0, the batch triple and the verdict, nothing written."""
     r = zerotrain("train", "--config", "recipes/a100x8-1.46b-edu-mix.json", "--dry-run", "--out", str(tmp_path / "o"))
@@ -295,6 +297,7 @@ def test_dry_run_command_prints_the_resolved_recipe(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.launches
 def test_recipe_with_unknown_key_is_refused_in_one_line(tmp_path):
     recipe = json.loads((REPO / "recipes" / "cpu-debug.json").read_text())
     recipe["save_every_step"] = 100  # a typo of save_every_steps: never silently ignored
@@ -341,6 +344,7 @@ def test_context_extension_recipe_is_the_planners(stand_ins, monkeypatch, capsys
     assert (args.rope_theta, args.n_heads, args.dim, init_from) == (500000.0, 15, 1920, base)
 
 
+@pytest.mark.launches
 def test_shipped_recipes_resolve_their_files_from_the_package_from_any_directory(tmp_path, demo_data):
     """`--config NAME` from a directory that is not the checkout: the recipe's mix is the installed package's
     (zerotrain.resource_dir), not a "no such file"; the demo mix's sources are the checkout's runs/demo-data (an

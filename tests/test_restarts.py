@@ -121,6 +121,7 @@ def fake_launch(tmp_path, monkeypatch, codes: str, argv: list[str], run_dir: Pat
     return end.value.code, json.loads(log.read_text())
 
 
+@pytest.mark.launches  # the loop's runner is a fake launcher, started as a process
 def test_the_loop_restarts_restartable_ends_with_resume_auto_and_records_them(tmp_path, monkeypatch, mix_path,
                                                                               capsys):
     run = tmp_path / "run"
@@ -152,6 +153,7 @@ def test_the_loop_restarts_restartable_ends_with_resume_auto_and_records_them(tm
     assert "| restarts (`zerotrain launch --max-restarts`) | 2: see Launches |" in text
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("codes, argv, want_code, want_calls", [
     ("11 11 11", ["--max-restarts", "2", "--restart-backoff", "0", "--"], 11, 3),  # restarts used up
     ("3 0", ["--max-restarts", "2", "--restart-backoff", "0", "--"], 3, 1),  # diverged: never restarted
@@ -168,6 +170,7 @@ def test_the_loop_stops_at_final_ends_and_after_max_restarts(tmp_path, monkeypat
                capsys.readouterr().out
 
 
+@pytest.mark.launches
 def test_a_signal_during_the_backoff_ends_it_without_a_restart(tmp_path, monkeypatch, mix_path, capsys):
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
     t0 = time.time()
@@ -177,6 +180,7 @@ def test_a_signal_during_the_backoff_ends_it_without_a_restart(tmp_path, monkeyp
     assert "stopped by a signal during the backoff; not restarted" in capsys.readouterr().out
 
 
+@pytest.mark.launches
 def test_a_bad_train_flag_is_refused_before_anything_starts(tmp_path, mix_path):
     proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "-n", "2", "--max-restarts", "3", "--",
                            "--data", str(mix_path), "--out", str(tmp_path), "--max-steps", "zero"],
@@ -213,6 +217,7 @@ def watched(script: str, *args: str, **watch_kwargs) -> tuple[str, RankWatch]:
     return out.strip(), watch
 
 
+@pytest.mark.launches
 def test_rank_watch_names_the_first_rank_to_end_and_kills_stopped_ranks(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", FAKE_LAUNCH_PY], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -240,6 +245,7 @@ print([r.returncode for r in ranks], flush=True)
 '''
 
 
+@pytest.mark.launches
 def test_rank_watch_names_the_failing_rank_not_one_that_finished_before_it():
     out, watch = watched(FAKE_LAUNCH_FINISHED_FIRST, interval_s=0.1, discover_s=0.5)
     assert out == "[7, 0]"
@@ -267,6 +273,7 @@ print([r.returncode for r in ranks], flush=True)
 '''
 
 
+@pytest.mark.launches
 def test_rank_watch_names_a_rank_reaped_before_it_was_read_when_it_left_no_code(tmp_path):
     """With each rank's own exit code left where the watch can read it (`zerotrain launch` sets ZEROTRAIN_RANK_ENDS),
     a rank reaped before its status was read is a failure unless it left code 0: the first to fail is named,
@@ -289,6 +296,7 @@ print([r0.wait(), r1.wait()], flush=True)
 '''
 
 
+@pytest.mark.launches
 def test_rank_watch_names_the_killed_rank_when_its_peer_fails_in_the_same_interval():
     out, watch = watched(FAKE_LAUNCH_KILL_AND_ERROR, interval_s=0.2, discover_s=0.3)
     assert out == "[-9, 1]"
@@ -357,6 +365,7 @@ def raw_records(run: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+@pytest.mark.launches
 def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp_path, launched, reference,
                                                                              mix_path):
     """One launch, --max-restarts 3: rank 1 SIGKILLed after checkpoint K (a lost rank), then, once the restarted
@@ -425,6 +434,7 @@ def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp
           f" announced {t_restart2 - t_stop:.1f} s; launch to finish {time.time() - t0:.1f} s")
 
 
+@pytest.mark.launches
 def test_divergence_is_not_restarted(tmp_path, launched, mix_path):
     # the spike detector judges from step 26 (half its window of 50) and wants 3 steps in a row
     proc = start(tmp_path, launched, ["--max-restarts", "1"],
@@ -440,6 +450,7 @@ def test_divergence_is_not_restarted(tmp_path, launched, mix_path):
         "ZEROTRAIN_TEST_SPIKE": "1:27-29:50"}
 
 
+@pytest.mark.launches
 def test_a_sigterm_to_the_launcher_stops_the_job_and_is_not_restarted(tmp_path, launched, mix_path):
     run = tmp_path / "runs" / "r"
     proc = start(tmp_path, launched, ["--max-restarts", "1", "--restart-backoff", "0"],
@@ -455,6 +466,7 @@ def test_a_sigterm_to_the_launcher_stops_the_job_and_is_not_restarted(tmp_path, 
 
 # -- the job dies with its launcher ------------------------------------------------------------------------
 
+@pytest.mark.launches
 def test_the_launcher_watch_fires_once_the_launcher_is_gone_or_a_zombie():
     child = subprocess.Popen(["sleep", "60"])
     token = launcher_watch.launcher_token(child.pid)
@@ -472,6 +484,7 @@ def test_the_launcher_watch_fires_once_the_launcher_is_gone_or_a_zombie():
     child.wait()
 
 
+@pytest.mark.launches
 def test_a_rank_failing_after_its_launcher_died_leaves_as_the_watch_does(tmp_path, capsys):
     """The CI race: rank 1's watch saw the launcher gone first and left; rank 0 was then SIGTERMed by launch.py
     in its start-up, or its collective lost its peer before its own watch looked. So the first rank of the host
@@ -497,6 +510,7 @@ def test_a_rank_failing_after_its_launcher_died_leaves_as_the_watch_does(tmp_pat
     assert gone in capsys.readouterr().err and len(exits) == 4
 
 
+@pytest.mark.launches
 def test_a_sigkilled_launcher_takes_its_job_with_it(tmp_path, launched, mix_path):
     """kill -9 of `zerotrain launch` alone (an OOM killer, a cluster agent): the runner, launch.py and the ranks,
     in a session of their own, end within seconds (each rank watches the launcher), not at --max-steps."""
@@ -526,6 +540,7 @@ def test_a_sigkilled_launcher_takes_its_job_with_it(tmp_path, launched, mix_path
     print(f"\nlauncher SIGKILLed -> its whole job gone in {took:.1f} s")
 
 
+@pytest.mark.launches
 def test_a_rank_out_of_memory_ends_the_job_once_with_its_own_code_and_line(tmp_path, mix_path, launched):
     """Rank 1 runs out of memory (ZEROTRAIN_TEST_OOM: torch.OutOfMemoryError from its loader as it fetches step 3's
     batches) under `zerotrain launch --max-restarts 2`: the job ends once, exit 12 (`oom`), never restarted, with
@@ -552,6 +567,7 @@ def test_a_rank_out_of_memory_ends_the_job_once_with_its_own_code_and_line(tmp_p
     assert max(m["step"] for m in read_metrics(run_dir)) < 3
 
 
+@pytest.mark.launches
 def test_out_of_memory_in_a_world_of_one_records_the_oom_end(tmp_path, mix_path):
     """One process (plain python, as the notebook runs): the end is recorded like any other (manifest.json's kind and
     code), the line is the last on stderr, exit 12."""

@@ -15,6 +15,8 @@ import pytest
 
 from conftest import REPO, cpu_profile, launch, read_metrics
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 N, K = 6, 3
 COMMON = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--lr", "3e-3",
           "--warmup-steps", "1", "--log-data-every-steps", "2"]

@@ -133,8 +133,8 @@ def test_a_value_equal_to_the_resolved_one_is_not_drift(spelled, tmp_path, mix_p
 def test_preflight_refuses_sequence_parallel_as_the_run_does_before_writing(tmp_path, mix_path, monkeypatch):
     from zerotrain.launcher.commands.preflight.harness import Preflight, parse_args
 
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)  # a world of one, restored after the test (run() would set them for good)
     out = tmp_path / "runs"
     opts, rest = parse_args(["--stage", "v1", "--data", str(mix_path), "--out", str(out), "--sequence-parallel", "2"])
     with pytest.raises(UsageError) as run_err:

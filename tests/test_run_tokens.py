@@ -100,6 +100,7 @@ def test_sized_again_on_resume_from_the_tokens_consumed():
     assert more.sources["max_steps"].startswith(RULE_MAX_STEPS + ": step 40 + 989,760 tokens left / 128")
 
 
+@pytest.mark.launches
 def test_length_and_warmup_from_tokens_then_extended_on_another_world(tmp_path, mix_path):
     """2 ranks, wsd, warmup 300 tokens (2 steps of 256), stopped by a 4-step token budget (checkpoint saved);
     resumed on 1 rank with only --total-tokens 5,020: 4 + 3,996 tokens left / 256 = 20 steps, the decay

@@ -68,6 +68,7 @@ def assert_equals_unsharded(res, rel: float = 1e-6) -> None:
         assert all(0 < s < whole for s in res["shares"][2 * g:2 * g + 2]), (case, res["shares"])
 
 
+@pytest.mark.launches
 def test_sp2_loss_and_every_gradient_equal_one_unsharded_rank(sp_results):
     fp32 = [r for r in sp_results if r["dtype"] == "fp32"]
     cases = {(r["stage"], r["attention"], r["kv_heads"], r["reduction"]) for r in fp32}
@@ -78,6 +79,7 @@ def test_sp2_loss_and_every_gradient_equal_one_unsharded_rank(sp_results):
         assert_equals_unsharded(res)
 
 
+@pytest.mark.launches
 def test_sp2_with_two_row_groups_equals_one_rank_on_the_global_batch(sp_dp_results):
     """4 ranks at SP=2: each row group's rows differ (and their labelled counts), and DeepSpeed sums the gradients
     over all 4 ranks, dividing by 4 at ZeRO-3's reduce-scatter and by 2 at ZeRO-2. With one row group world = N,
@@ -90,6 +92,7 @@ def test_sp2_with_two_row_groups_equals_one_rank_on_the_global_batch(sp_dp_resul
         assert_equals_unsharded(res)
 
 
+@pytest.mark.launches
 def test_sp2_in_bf16_adds_no_error_beyond_bf16s_own(sp_results):
     """bf16 (ZeRO-3 sdpa with 2 kv heads, ZeRO-2 flex with 1): the all-to-all moves bf16 activations unchanged, so
     the sharded and the unsharded bf16 model differ only in where bf16 rounds (each shard's matmuls over T/2
@@ -106,6 +109,7 @@ def test_sp2_in_bf16_adds_no_error_beyond_bf16s_own(sp_results):
         assert 1e-4 < worst <= max(res["bf16_vs_fp32_grad_rel"].values()), res  # > 1e-4: bf16 really ran
 
 
+@pytest.mark.launches
 def test_varlen_under_sp_is_given_whole_rows_of_half_the_heads_and_their_documents(sp_results):
     """The varlen cases ran torch's varlen_attn with the plain-PyTorch flash reference as its CPU kernel
     (tests/helpers/reference_flash.py; equal to one unsharded rank above): after the exchange each rank's kernel
@@ -233,6 +237,7 @@ def kept_best(run) -> dict[int, float]:
     return {b["step"]: b["val_loss"] for b in best["kept"]}
 
 
+@pytest.mark.launches
 def test_sp2_run_killed_after_a_save_resumes_bit_for_bit(sp_runs):
     resumed_same(sp_runs)  # resumed at step 3; the steps logged before the kill reproduced exactly
     meta = json.loads((sp_runs["run"] / "checkpoints" / f"global_step{SAVE}" / "zerotrain.json").read_text())
@@ -242,6 +247,7 @@ def test_sp2_run_killed_after_a_save_resumes_bit_for_bit(sp_runs):
     assert kept_best(sp_runs["run"]) == logged and sorted(logged) == [SAVE, N]
 
 
+@pytest.mark.launches
 def test_sp2_run_trains_what_one_rank_trains_on_the_same_global_batch(sp_runs):
     sp, one = read_metrics(sp_runs["run"]), sp_runs["one"]
     assert [m["step"] for m in sp] == [m["step"] for m in one] == list(range(1, N + 1))
@@ -274,6 +280,7 @@ def sp_bf16_run(tmp_path_factory, mix_path):
     return out
 
 
+@pytest.mark.launches
 def test_sp2_bf16_run_killed_after_a_save_resumes_bit_for_bit(sp_bf16_run):
     """bf16 on CPU is as deterministic as fp32: the steps logged before the kill come back bit for bit. (How close
     bf16 with SP is to bf16 without it: test_sp2_in_bf16_adds_no_error_beyond_bf16s_own, at the engine.)"""
@@ -299,6 +306,7 @@ def test_dry_run_counts_row_groups_not_ranks(tmp_path, mix_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.launches
 def test_sp2_checkpoint_resumes_without_sequence_parallelism_on_the_same_ranks(sp_runs):
     """N may change on resume (same world): the ZeRO partitions are the same, the row groups go from 1 to 2, the
     loader state re-splits (dataio/reshard.py: every document once, tests/test_data_reshard.py) and gradient
@@ -314,6 +322,7 @@ def test_sp2_checkpoint_resumes_without_sequence_parallelism_on_the_same_ranks(s
     assert all(m["loss"] < history[0]["loss"] for m in history[SAVE:])  # it goes on training from the checkpoint
 
 
+@pytest.mark.launches
 def test_sp2_checkpoint_resumes_on_4_ranks_as_two_row_groups(sp_runs):
     """A different world with the same N: the 2-rank SP=2 checkpoint (one row group) resumed on 4 ranks at SP=2
     (two). DeepSpeed partitions ZeRO state over every rank (the sequence-data-parallel group), so the universal
@@ -367,6 +376,7 @@ def test_an_sp_checkpoint_on_another_world_size_and_n_is_refused_before_anything
     assert snapshot(tmp_path / "runs") == before
 
 
+@pytest.mark.launches
 def test_sp2_spike_rolls_back_both_ranks_and_a_token_budget_counts_rows_once(tmp_path, mix_path):
     """--sequence-parallel 2, one launch: a spike planted in rank 1's loss for steps 27-29 (rank 1 holds the second
     half of every row, so only the agreed loss can carry it to rank 0) rolls both ranks back to the step-24 save

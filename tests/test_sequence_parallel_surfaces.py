@@ -73,6 +73,7 @@ def surfaces(tmp_path_factory, mix_path):
     return out
 
 
+@pytest.mark.launches
 def test_tiled_sp2_under_accelerate_trains_what_untiled_sp2_trains_from_a_hostfile(surfaces):
     acc, hf = read_metrics(surfaces["acc"]), read_metrics(surfaces["hf"])
     for run in ("acc", "hf"):
@@ -94,6 +95,7 @@ def test_tiled_sp2_under_accelerate_trains_what_untiled_sp2_trains_from_a_hostfi
     assert abs(acc[-1]["val_loss"] - hf[-1]["val_loss"]) <= 1e-6 * hf[-1]["val_loss"]
 
 
+@pytest.mark.launches
 def test_the_all_to_all_is_a_phase_of_its_own_and_the_watchdog_is_unaffected(surfaces):
     for run in ("acc", "hf"):
         windows = [m["time_shares"] for m in read_metrics(surfaces[run]) if "time_shares" in m]
@@ -108,6 +110,7 @@ def test_the_all_to_all_is_a_phase_of_its_own_and_the_watchdog_is_unaffected(sur
         assert [p.name for p in hangs.iterdir()] == ["heartbeat"], list(hangs.iterdir())
 
 
+@pytest.mark.launches
 def test_export_of_an_sp2_run_checks_and_holds_its_weights(surfaces, tmp_path, capsys):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file

@@ -109,6 +109,7 @@ def test_the_dry_run_prints_the_start_up_description(mix_path, tmp_path, capsys,
     assert [line for line in printed if line in lines] == lines
 
 
+@pytest.mark.launches
 def test_a_misspelt_profile_key_is_refused_in_one_line_naming_the_likely_one(tmp_path, mix_path):
     """A key of the zerotrain section no setting owns would be ignored, the run taking the default silently."""
     import subprocess

@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from zerotrain.launcher import trainer
@@ -45,6 +46,7 @@ print("COUNTS " + json.dumps({"step": result.step, "calls": calls}))
 """
 
 
+@pytest.mark.launches
 def test_one_collective_per_step(tmp_path, mix_path):
     steps = 7
     cfg = {"data": str(mix_path), "model": "debug", "profile": "cpu", "seq_len": 64, "micro_batch": 2,
@@ -82,6 +84,7 @@ def test_checkpoint_writes_skip_the_zip_crc_and_restore_torchs_setting(tmp_path)
         assert any(i.CRC != 0 for i in z.infolist() if "/data/" in i.filename)
 
 
+@pytest.mark.launches
 def test_driver_verifies_shards_quickly_by_default_and_fully_on_request(tmp_path, mix_path, monkeypatch):
     """Start-up (section 1.5): the driver's default is quick verification (hashes once per node,
     remembered by file identity); --verify-data full still hashes every byte. Shown with a cache

@@ -135,6 +135,7 @@ json.dump(out, open(sys.argv[1], "w"))
 """
 
 
+@pytest.mark.launches
 def test_tiled_mlp_at_zero3_gathers_its_weights_and_reduces_each_gradient_once(tmp_path):
     """build_engine with EngineSpec.tiled_mlp at ZeRO-3 (one rank, the cpu profile: no weight kept gathered): every
     MLP runs DeepSpeed's TiledMLP (its weights partitioned away before the forward, gathered by their modules' hooks

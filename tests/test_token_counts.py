@@ -116,6 +116,7 @@ def test_tokenizer_out_that_is_a_file_is_named_as_one(tmp_path, mix_path):
     assert out.read_text() == "{}"
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("argv, expected", [
     (["train", "--total-tokens", "1.5e0"], "zerotrain train: argument --total-tokens: '1.5e0': not a whole number"),
     (["plan", "--model", "debug", "--total-tokens", "1e400"], "argument --total-tokens: '1e400': too large"),

@@ -6,6 +6,8 @@ import pytest
 
 from conftest import REPO, cpu_profile, launch, read_metrics
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 COMMON = ["--model", "debug", "--seq-len", "128", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "1"]
 
 

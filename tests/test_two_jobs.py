@@ -50,6 +50,7 @@ def test_a_busy_port_the_user_gave_is_refused_in_one_line():
         rendezvous_port(70000)
 
 
+@pytest.mark.launches
 def test_launch_refuses_a_busy_master_port_before_any_rank_starts(tmp_path, mix_path):
     out = tmp_path / "runs"
     with held(free_port()) as port:
@@ -64,6 +65,7 @@ def test_launch_refuses_a_busy_master_port_before_any_rank_starts(tmp_path, mix_
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.launches
 def test_a_second_job_trains_while_another_holds_29500(tmp_path, mix_path):
     """The real thing: 2 ranks of the debug model under DeepSpeed's launcher, with 29500 held throughout."""
     out = tmp_path / "runs"

@@ -59,6 +59,7 @@ def chain(tmp_path_factory) -> Path:
     return work
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("phase", ["shrink", "grow"])  # 2 -> 1 ranks, then 1 -> 2
 def test_resume_on_another_world_size_continues_exactly(chain, phase, variant):
@@ -75,6 +76,7 @@ def test_resume_on_another_world_size_continues_exactly(chain, phase, variant):
     assert r["universal_dir"] == [f"global_step{K if phase == 'shrink' else K + 1}"]
 
 
+@pytest.mark.launches
 def test_failed_conversion_stops_every_rank_with_one_line(chain):
     messages = [json.loads((chain / f"result-failure-rank{r}.json").read_text())["message"] for r in (0, 1)]
     assert messages[0] == messages[1]
@@ -85,6 +87,7 @@ def test_failed_conversion_stops_every_rank_with_one_line(chain):
     assert left == [f".global_step{K}.failed"]  # nothing half-written
 
 
+@pytest.mark.launches
 def test_convert_reuses_a_finished_conversion_and_clears_a_killed_one(chain, tmp_path):
     tag = tmp_path / "checkpoints" / f"global_step{K}"
     shutil.copytree(chain / "zero3" / "first" / "checkpoints" / tag.name, tag)

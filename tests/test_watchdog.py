@@ -184,6 +184,7 @@ def uninterrupted(tmp_path_factory, mix_path):
     return read_metrics(out / "r")
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("phase, step", [("save", 3), ("eval", 2)])
 def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected_restarted_and_exact(
         tmp_path, mix_path, launched, uninterrupted, phase, step):

@@ -36,6 +36,8 @@ from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from conftest import BIN, REPO, free_port, launch, read_metrics
 from test_long_runs import ENV, popen, wait_for_step
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 RECIPES = ("rtx6000ada-x2-760m", "rtx6000ada-x2-1.3b")
 PROFILE = "rtx6000ada-48g-x2"
 N = 3

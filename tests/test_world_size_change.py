@@ -9,6 +9,8 @@ import pytest
 
 from conftest import cpu_profile, launch, read_metrics
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
          "--log-data-every-steps", "0", "--save-every-steps", "4"]
 

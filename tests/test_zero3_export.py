@@ -9,6 +9,8 @@ import torch
 
 from conftest import REPO, launch, read_metrics, synthetic_docs
 
+pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+
 COMMON = ["--seq-len", "128", "--micro-batch", "4", "--lr", "1e-3", "--warmup-steps", "1", "--max-steps", "3"]
 
 

@@ -110,6 +110,8 @@ class Preflight:
         single_process_env()
         self.world, self.rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         self.is_main = self.rank == 0
+        if self.hooks.variables:  # said first, as the run says it: the scratch Trainers' own go to the stage log
+            self.say(self.hooks.describe())
         ident = identify(self.cfg)  # bad input: UsageError, exit 2; --profile auto: detected here
         # what the run refuses of --sequence-parallel for this world, in its words, before any stage writes
         check_sequence_parallel_plan(ident.cfg, ident.settings, ident.model_args, self.world)

@@ -1,0 +1,62 @@
+"""The suite's own tiers and clean-up (tests/conftest.py): the `launches` marker that `make test-fast` leaves out,
+kept honest by an audit hook that fails an unmarked test starting a launch, and the `launched` fixture's end,
+which kills a job's whole process group. Nothing here starts Python or ranks: a launch is shown to the hook as
+the audit event Python raises for it, and the process group is made of `sleep`s."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+import conftest
+from conftest import Launched, end_launched, group_members, starts_a_launch
+
+
+def test_launch_commands_are_told_from_cheap_ones():
+    assert starts_a_launch([sys.executable, "-c", "pass"])
+    assert starts_a_launch(["nice", "-n", "10", sys.executable, "-c", "pass"])
+    assert starts_a_launch(["bash", "-c", "deepspeed --num_gpus 2 train.py"])
+    assert starts_a_launch("zerotrain train --data m.json")
+    assert starts_a_launch([f"{sys.prefix}/bin/torchrun", "--nproc_per_node", "2", "x.py"])
+    assert not starts_a_launch(["git", "-C", "/home/me/zerotrain", "rev-parse", "HEAD"])  # a clone named zerotrain
+    assert not starts_a_launch(["sleep", "30"])
+    assert not starts_a_launch([])
+
+
+def test_an_unmarked_test_starting_a_launch_is_recorded_and_a_cheap_command_is_not():
+    """The hook itself, as installed: this test is unmarked, so it is being watched. Python raises the same
+    audit event before it starts a process; raised here by hand, no process starts. What it recorded is taken
+    back, or this test would fail as an unmarked launch (which is what the hook is for)."""
+    assert conftest._watching and not conftest.unmarked_launches
+    subprocess.run(["true"], check=True)
+    assert conftest.unmarked_launches == []
+    sys.audit("subprocess.Popen", sys.executable, [sys.executable, "-m", "zerotrain", "train"], None, None)
+    sys.audit("os.system", b"deepspeed --num_gpus 2 x.py")
+    recorded, conftest.unmarked_launches[:] = list(conftest.unmarked_launches), []
+    assert recorded == [f"{sys.executable} -m zerotrain train", "deepspeed --num_gpus 2 x.py"]
+
+
+def test_the_launched_fixtures_end_kills_the_whole_session_of_each_launch():
+    """A job whose launcher leaves children behind (as a launcher whose watch failed would leave its ranks):
+    end_launched kills every process of the session, children included, and waits until none is left."""
+    job = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+    procs = Launched()
+    procs.append((job, 1))
+    for _ in range(600):  # until bash has started its two sleeps (at most 30 s)
+        if len(group_members(job.pid)) == 3:
+            break
+        time.sleep(0.05)
+    assert len(group_members(job.pid)) == 3
+    end_launched(procs)
+    # the sleeps' zombies wait for whoever reaps orphans here; none of the group runs any more
+    assert job.returncode == -9 and group_members(job.pid) == []
+
+
+def test_a_launch_outside_a_session_of_its_own_is_refused_and_killed():
+    """Its ranks would be in pytest's own process group, where killpg cannot reach them alone."""
+    stray = subprocess.Popen(["sleep", "300"])
+    with pytest.raises(ValueError, match="start_new_session=True"):
+        Launched().append((stray, 1))
+    assert stray.wait(timeout=30) != 0
