@@ -87,7 +87,7 @@ def test_every_participant_of_the_run_fits_one_gather():
     run = FakeRun(plan=SimpleNamespace(golden=object(), run_dir=Path("r"), ckpt_dir=Path("r/c"), zt={},
                                        model_args=None),
                   cfg=SimpleNamespace(on_spike="rollback", eval_every_steps=10, golden_strict=False,
-                                      early_stop_patience=2, seq_len=8),
+                                      early_stop_patience=2, seq_len=8, torch_profile="5:3"),
                   rank=1, world=2, is_main=False, dist=dist, engine=SimpleNamespace(device="cpu"),
                   clock=PhaseClock(), hooks=None, metrics=None,
                   checkpointer=SimpleNamespace(sync_best=lambda: []), signals=SignalStop(),
