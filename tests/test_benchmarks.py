@@ -173,7 +173,7 @@ def gpu_peers(*args, timeout=300):
 
 @pytest.mark.launches
 def test_gpu_peers_arguments_are_checked_and_without_cuda_nothing_runs():
-    for args, says in ((["--programs", "A,X"], "--programs: 'X' is not one of A, B, C, D, Dl, E"),
+    for args, says in ((["--programs", "A,X"], "--programs: 'X' is not one of A, B, Bz, C, D, Dl, E"),
                        (["--steps", "9"], "--steps must be at least 10, got 9"),
                        (["--grad-accum", "1,x"], "--grad-accum '1,x': whole numbers, comma-separated"),
                        (["--model", "huge"], "--model 'huge' is not a preset (debug, tiny, small, medium,"
@@ -199,23 +199,24 @@ def test_gpu_peers_smoke_runs_the_driver_old_and_new_a_plain_loop_and_hf_llama_o
     import json
     import math
 
-    proc = gpu_peers("--smoke", "--out", str(tmp_path))
+    proc = gpu_peers("--smoke", "--out", str(tmp_path), "--b-zero", '{"overlap_comm": false}')
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "gpu_peers.json").read_text())["rows"]
-    assert [(r["round"], r["program"]) for r in rows] == [(1, p) for p in ("A", "B", "C", "D", "Dl", "E")]
-    for r in rows[:4]:
+    assert [(r["round"], r["program"]) for r in rows] == [(1, p) for p in ("A", "B", "Bz", "C", "D", "Dl", "E")]
+    for r in rows[:5]:
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and 0 < r["mfu_6n"] < r["mfu"], r
         assert math.isfinite(r["loss"]) and 0 < r["loss"] < math.log(320) + 1, r  # trained from ~ln(vocabulary)
         assert r["micro"] == 2 and r["accum"] == 1 and r["docs"] == "packed" and r["steps_timed"] == 3, r
-    assert rows[4]["status"] == "not run: liger-kernel's kernels are Triton (CUDA only)"
-    assert rows[5]["status"].startswith("not run: ")
+    assert rows[5]["status"] == "not run: liger-kernel's kernels are Triton (CUDA only)"
+    assert rows[6]["status"].startswith("not run: ")
     table = (tmp_path / "gpu_peers.md").read_text()
-    assert sum(line.startswith("| 1 | ") for line in table.splitlines()) == 6 and table in proc.stdout
+    assert sum(line.startswith("| 1 | ") for line in table.splitlines()) == 7 and table in proc.stdout
     assert "- packed docs, same micro-batch, accum 1: B/A " in table and "- D on packed documents: " in table
+    assert 'Bz: B with zero_optimization {"overlap_comm": false}' in table
     profiles = (tmp_path / "profiles.txt").read_text()
     assert "==== C-packed-same-accum1-r1\nno device activity recorded: top 15 " in profiles
     assert "host syncs over 3 step(s): " in profiles
-    assert (tmp_path / "runs.log").read_text().count("==== ") == 4
+    assert (tmp_path / "runs.log").read_text().count("==== ") == 5
 
 
 @pytest.mark.launches
