@@ -305,6 +305,11 @@ def precision(ds: dict) -> str:
     return next((k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True), "fp32")
 
 
+def offloaded(zero: dict) -> bool:
+    """Whether a zero_optimization section offloads the optimizer or the parameters anywhere (host or NVMe)."""
+    return any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+
+
 def accumulate_in_fp32(ds: dict) -> dict:
     """bf16 at ZeRO-2/3: gradients summed over the micro-batches of a step in fp32, unless the dict says.
 
@@ -321,7 +326,7 @@ def accumulate_in_fp32(ds: dict) -> dict:
     """
     zero = ds.get("zero_optimization") or {}
     data_types = ds.get("data_types") or {}
-    offload = any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
+    offload = offloaded(zero)
     if precision(ds) == "bf16" and zero.get("stage", 0) in (2, 3) and not offload \
             and "grad_accum_dtype" not in data_types:
         ds = {**ds, "data_types": {**data_types, "grad_accum_dtype": "fp32"}}
@@ -346,8 +351,7 @@ def one_device_stage(ds: dict, world: int, device: str, start_stage: int | None 
     and ZeRO-3 (checkpoints/universal.py), so a run started on one device keeps ZeRO-2 on more.
     """
     zero = ds.get("zero_optimization") or {}
-    offloaded = any((zero.get(k) or {}).get("device", "none") != "none" for k in ("offload_optimizer", "offload_param"))
-    if zero.get("stage") not in (2, 3) or offloaded or device == "cpu":
+    if zero.get("stage") not in (2, 3) or offloaded(zero) or device == "cpu":
         return ds, ""
     if world == 1:
         one = {"stage": 2, "overlap_comm": False, "contiguous_gradients": False}

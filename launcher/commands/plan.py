@@ -42,18 +42,7 @@ def plan_main(argv: list[str]) -> dict:
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     add_train_flags(p.add_argument_group("training flags (as for zerotrain train)"))
     ns = p.parse_args(argv)
-    for name in ("gpus", "nodes", "vocab_size"):
-        v = getattr(ns, name)
-        if v is not None and v <= 0:
-            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer, got {v}")
-    for name in ("gpu_mem", "peak_tflops"):
-        v = getattr(ns, name)
-        if v is not None and not (math.isfinite(v) and v > 0):
-            raise UsageError(f"--{name.replace('_', '-')}: must be a positive number, got {v}")
-    if ns.mfu is not None and not 0 < ns.mfu <= 1:
-        raise UsageError(f"--mfu: must be a fraction in (0, 1], got {ns.mfu}")
-    if ns.zero is not None and ns.zero not in STAGES:
-        raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
+    check_plan_flags(ns)
     flags = {name: getattr(ns, name) for name in SETTINGS if getattr(ns, name) is not None}
     values = {**(over_recipe(load_recipe(ns.config), flags) if ns.config else {}), **flags}
     cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"},
@@ -71,9 +60,7 @@ def plan_main(argv: list[str]) -> dict:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
     offload, nvme, source = offload_settings(cfg, profile, name)  # --offload / the profile's: the row planned
     profile = apply_offload(profile, offload, nvme, source)
-    # the data may not exist yet when a run is planned (not written, or a hub dataset not downloaded, offline):
-    # then what needs it (epochs, the repetition warning) is said to be unknown and the rest is planned
-    data_here = bool(values.get("data")) and Path(values["data"]).exists()
+    data_here = bool(values.get("data")) and Path(values["data"]).exists()  # else unknown: data_checks
     tokenizer = load_tokenizer(cfg.tokenizer) if ns.vocab_size is None or data_here else None
     if ns.vocab_size is not None:
         vocab, vocab_from = ns.vocab_size, "--vocab-size"
@@ -107,14 +94,8 @@ def plan_main(argv: list[str]) -> dict:
     plan["profile"], plan["vocab_from"] = name, vocab_from
     if stage_line:
         plan["zero_note"] = stage_line
-    plan["warnings"], plan["data_unknown"] = [], None
-    if data_here:
-        try:
-            plan["warnings"] = list(repeats(cfg, tokenizer, plan["tokens"], settings))
-        except DataNotHere as e:  # a file not written yet, a hub dataset not cached offline: plan the rest
-            plan["data_unknown"] = str(e)
-    else:
-        plan["data_unknown"] = f"--data {values['data']}: not here" if values.get("data") else "no --data given"
+    plan["warnings"], plan["data_unknown"] = data_checks(cfg, tokenizer, plan["tokens"], settings, data_here,
+                                                         values.get("data"))
     unknown = f"\nepochs and repetition: unknown without the data ({plan['data_unknown']})" \
         if plan["data_unknown"] else ""
     if auto:
@@ -124,6 +105,33 @@ def plan_main(argv: list[str]) -> dict:
           + render(plan) + (f"\nzero: {stage_line}" if stage_line else "") + unknown
           + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
+
+
+def check_plan_flags(ns) -> None:
+    """The plan's own flags, each refused in one line (UsageError)."""
+    for name in ("gpus", "nodes", "vocab_size"):
+        v = getattr(ns, name)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive integer, got {v}")
+    for name in ("gpu_mem", "peak_tflops"):
+        v = getattr(ns, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise UsageError(f"--{name.replace('_', '-')}: must be a positive number, got {v}")
+    if ns.mfu is not None and not 0 < ns.mfu <= 1:
+        raise UsageError(f"--mfu: must be a fraction in (0, 1], got {ns.mfu}")
+    if ns.zero is not None and ns.zero not in STAGES:
+        raise UsageError(f"--zero: must be 0, 1, 2 or 3, got {ns.zero}")
+
+
+def data_checks(cfg, tokenizer, tokens: int, settings, data_here: bool, data: str | None) -> tuple[list, str | None]:
+    """(the repetition warnings, why the data is unknown or None). The data may not exist yet when a run is planned
+    (not written, or a hub dataset not downloaded, offline): then what needs it is unknown and the rest is planned."""
+    if not data_here:
+        return [], f"--data {data}: not here" if data else "no --data given"
+    try:
+        return list(repeats(cfg, tokenizer, tokens, settings)), None
+    except DataNotHere as e:  # a file not written yet, a hub dataset not cached offline: plan the rest
+        return [], str(e)
 
 
 def repeats(cfg, tokenizer, tokens: int, settings) -> tuple[str, ...]:
