@@ -21,7 +21,7 @@ from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.readers import find_files, load_text_source
 from zerotrain.dataio.sft import ChatRenderer, is_sft, labelled_tokens
 from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
-from zerotrain.dataio.streamed import open_streamed, record_text
+from zerotrain.dataio.streamed import open_streamed, record_text, records
 from zerotrain.dataio.tokenizer import TRAINING_RECORD, HFTokenizer, load_tokenizer, train_bpe
 
 
@@ -205,7 +205,7 @@ def tokenizer_main(argv):
             for spec in mix.sources:
                 limit = int(a.max_documents * spec.weight) + 1 if a.max_documents else None
                 if spec.streamed:
-                    for i, rec in enumerate(open_streamed(spec, 0, 1)):
+                    for i, rec in enumerate(records(open_streamed(spec, 0, 1))):
                         if limit and i >= limit:
                             break
                         t = record_text(spec, rec, lambda why: None)

@@ -48,7 +48,7 @@ from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.mix import SourceSpec
 from zerotrain.dataio.packing import BestFitPacker
 from zerotrain.dataio.sft import ChatRenderer, is_sft, stream_block
-from zerotrain.dataio.streamed import open_streamed, record_text
+from zerotrain.dataio.streamed import open_streamed, record_text, records
 
 MAX_FRACTION = 0.10  # the most a holdout takes from a source, of its documents and of its tokens
 HOLDOUT_SALT = 0x686F6C64  # "hold": keeps the holdout order apart from the loader's epoch orders
@@ -192,7 +192,7 @@ def _stream_blocks(spec: SourceSpec, tokenizer, seq_len: int | None = None):
         return stream_block(spec, items, tokenizer, renderer, seq_len, on_bad)
 
     texts = []
-    for record in open_streamed(spec, 0, 1):
+    for record in records(open_streamed(spec, 0, 1)):
         text = record if renderer is not None else record_text(spec, record, on_bad)
         if text or renderer is not None:
             texts.append(text)

@@ -30,7 +30,7 @@ from pathlib import Path
 from zerotrain.dataio.errors import DataError, DataNotHere, first_line
 from zerotrain.dataio.mix import SourceSpec
 from zerotrain.dataio.readers import dataset_dir_args, find_files, quiet_datasets
-from zerotrain.dataio.streamed import hub_location, open_streamed
+from zerotrain.dataio.streamed import hub_location, open_streamed, records
 
 # What AutoTokenizer.from_pretrained reads for a fast tokenizer; `zerotrain export` copies the same files.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -234,7 +234,7 @@ def streamed_offline(spec: SourceSpec) -> str:
     if location != spec.hf:
         return f"the Hugging Face cache's snapshot {location}"
     try:  # not in the hub cache: datasets' own cache may still hold it (the stream itself says)
-        next(iter(open_streamed(spec, 0, 1)), None)
+        next(records(open_streamed(spec, 0, 1)), None)
     except DataError:
         raise DataNotHere(f"{spec.where()}: hub dataset {spec.hf!r} (streamed): nothing cached and offline mode is"
                         f" on ({_cache_dir()}): `hf download --repo-type dataset {spec.hf}` on a machine with network"

@@ -50,7 +50,7 @@ from zerotrain.dataio.packing import check_packing, make_packer, to_torch
 from zerotrain.dataio.pieces import make_pieces
 from zerotrain.dataio.readers import load_text_source, record_where
 from zerotrain.dataio.sft import ChatRenderer, is_sft, stream_block, tokenize_store
-from zerotrain.dataio.streamed import open_streamed, record_text
+from zerotrain.dataio.streamed import open_streamed, record_text, records
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
@@ -341,7 +341,7 @@ class StreamedSource:
             state, skip = self._resume or (self._initial, 0)
             self.ds.set_epoch(self.epoch)
             self.ds.load_state_dict(copy.deepcopy(state))
-            self._it = iter(self.ds)
+            self._it = records(self.ds)
         before = copy.deepcopy(self.ds.state_dict())
         texts = []  # SFT sources: the records themselves (rendered below)
         try:

@@ -44,7 +44,7 @@ from zerotrain.dataio.docstore import DocStore
 from zerotrain.dataio.errors import DataError, first_line
 from zerotrain.dataio.mix import SourceSpec, parse_mix
 from zerotrain.dataio.readers import load_text_source
-from zerotrain.dataio.streamed import open_streamed, record_text
+from zerotrain.dataio.streamed import open_streamed, record_text, records
 from zerotrain.dataio.tokenfile import cache_root
 from zerotrain.dataio.tokenizer import token_dtype
 
@@ -79,7 +79,7 @@ def iter_documents(spec: SourceSpec, tokenizer, max_tokens: int | None = None, s
         def flush():
             return tokenizer.encode_batch(texts)
 
-        for record in ds:
+        for record in records(ds):
             text = record_text(spec, record, on_bad)
             if text:
                 texts.append(text)

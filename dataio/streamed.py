@@ -1,5 +1,6 @@
 """Streamed sources: hub datasets, and local sources with `"streaming": true`, opened as this rank's part
-of a `datasets.IterableDataset` (`open_streamed`), read in order, never shuffled, size unknown; and the
+of a `datasets.IterableDataset` (`open_streamed`), read in order through `records` (which closes what is left
+open before the interpreter exits), never shuffled, size unknown; and the
 text of one streamed record (`record_text`). Offline, a hub name is read from its snapshot in the
 Hugging Face hub cache when one is there (`hub_location`).
 
@@ -10,7 +11,10 @@ imported inside the functions that use them (seconds to import).
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+import weakref
 
 from zerotrain.dataio.errors import DataError, first_line
 from zerotrain.dataio.mix import SourceSpec
@@ -52,6 +56,34 @@ def open_streamed(spec: SourceSpec, rank: int, world: int):
                     f" dataset {spec.hf}` on a machine with network (or point hf at a downloaded directory)")
         raise DataError(f"{spec.where()}: cannot open {what} for streaming: {first_line(e)}{hint}") from None
     return split_dataset_by_node(ds, rank=rank, world_size=world) if world > 1 else ds
+
+
+# Every stream being read, closed before the interpreter tears pyarrow down: a parquet stream left
+# half-read (a run stops mid-epoch) or in a reference cycle is otherwise finalised during the last
+# garbage collection, after Arrow's C++ runtime is gone, and the process aborts ("terminate called without
+# an active exception", exit -6) once its work is done (apache/arrow#45214, huggingface/datasets#7566).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_HOOKED = []  # the atexit hook, once registered
+
+
+def _close_streams() -> None:
+    for it in list(_LIVE):
+        it.close()
+    gc.collect()
+
+
+def records(ds):
+    """The records of a streamed source (from `open_streamed`), in order: iterate with this, not `iter(ds)`,
+    so that the stream is closed at exit while pyarrow still stands."""
+    if not _HOOKED:  # registered after datasets' import: atexit runs it before pyarrow's own hooks
+        _HOOKED.append(atexit.register(_close_streams))
+    it = _read(ds)
+    _LIVE.add(it)
+    return it
+
+
+def _read(ds):
+    yield from ds
 
 
 def _check_streamable(spec: SourceSpec, found: SourceFiles) -> None:
