@@ -37,6 +37,7 @@ from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.planner import (check_sequence_parallel, fit_check, offload_lines, run_loss_chunk,
                                                    size_auto_micro_batch)
 from zerotrain.launcher.components.schedule import Schedule
+from zerotrain.launcher.components.tasks import check_best_by, every_steps, need_lm_eval, split_specs
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
 from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
@@ -46,7 +47,7 @@ from zerotrain.launcher.optimizers import describe_implementation
 from zerotrain.launcher.profiles import (check_devices, describe_precision, detect_profile, load_profile,
                                         one_device_stage, resolve_ds_config)
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
-from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, compile_at_stage, describe_settings
+from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, compile_at_stage, describe_settings, parse_every
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel, mlp_tiles
 
@@ -87,6 +88,9 @@ class RunPlan:
     resume_line: str = ""  # whether a resume on this hardware is bit-identical, for the start-up line and dry run
     loss_chunk_tokens: int | None = None  # the chunked loss's chunk on this device (planner.run_loss_chunk)
     sequence_parallel: int = 1  # ranks sharing each row (--sequence-parallel): ranks [g*N, (g+1)*N) are group g
+    eval_tasks: object | None = None  # --eval-tasks: components/tasks/lm.py Tasks, loaded with their data
+    eval_tasks_every: int = 0  # steps between task scores (0: only at the end)
+    best_higher: bool | None = None  # --best-by: whether higher is better (None: no --best-by, the val loss)
 
     @property
     def data_world(self) -> int:
@@ -286,6 +290,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
     budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, world)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, data_world, loader_settings["workers"], saved_run)
+    tasks, tasks_every, best_higher = load_eval_tasks(cfg, settings, ds_config["train_batch_size"] * cfg.seq_len)
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
     repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed),
                             settings.max_epochs, settings.sources["max_epochs"])
@@ -303,7 +308,40 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
                                                     bool(settings.activation_checkpointing), settings.attention,
                                                     node.device, sp, bool(settings.tiled_mlp)),
-                   sequence_parallel=sp, offload_lines=tuple(host_lines), stage_line=stage_line)
+                   sequence_parallel=sp, offload_lines=tuple(host_lines), stage_line=stage_line,
+                   eval_tasks=tasks, eval_tasks_every=tasks_every, best_higher=best_higher)
+
+
+def load_eval_tasks(cfg: RunConfig, settings: Settings, tokens_per_step: int):
+    """--eval-tasks loaded with their data (components/tasks/lm.py), here, before anything is built: a task
+    that cannot load, generates text, or a --best-by it lacks is refused in one line (a dry run too). Returns
+    (tasks or None, the cadence in steps, --best-by's higher-is-better or None)."""
+    if not settings.eval_tasks:
+        for name in ("eval_tasks_every", "eval_limit", "best_by"):
+            if getattr(settings, name) is not None:
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(settings, name)}: needs --eval-tasks")
+        return None, 0, None
+    need_lm_eval()
+    from zerotrain.launcher.components.tasks.lm import load_tasks  # lm_eval: the optional extra
+
+    tasks = load_tasks(split_specs(settings.eval_tasks))
+    every = settings.eval_tasks_every
+    steps = every_steps(parse_every(every), tokens_per_step) if every is not None else cfg.eval_every_steps
+    higher = check_best_by(settings.best_by, tasks.higher) if settings.best_by else None
+    return tasks, steps, higher
+
+
+def describe_eval_tasks(plan: RunPlan) -> list[str]:
+    """The start-up / --dry-run line of --eval-tasks."""
+    if plan.eval_tasks is None:
+        return []
+    s = plan.settings
+    when = f"every {plan.eval_tasks_every} steps and at the end" if plan.eval_tasks_every else "at the end"
+    limit = f", the first {s.eval_limit} examples of each" if s.eval_limit else ""
+    best = (f"; --best-by {s.best_by} ({'higher' if plan.best_higher else 'lower'} is better) chooses best.json"
+            if s.best_by else "")
+    return [f"eval tasks: {', '.join(plan.eval_tasks.names)} (lm-evaluation-harness, every rank){limit}, {when}"
+            f" (its own phase, eval_tasks){best}"]
 
 
 def _started_stage(run_dir: Path) -> int | None:
@@ -443,6 +481,7 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
               *offload.describe(ds),  # what is offloaded where, and the DeepSpeed ops JIT-built for it
               *plan.offload_lines,  # the host memory it takes and the traffic over the host link
               describe_settings(plan.settings),
+              *describe_eval_tasks(plan),
               *(f"zerotrain: warning: {w}" for w in plan.warnings)]
     return lines + describe_data(plan.data, plan.run_tokens)
 

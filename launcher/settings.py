@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from zerotrain.cli_args import exact_integer
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 
@@ -107,6 +109,38 @@ def text(v):
 
 def directory_path(v):
     return None if isinstance(v, str) and v else "must be a directory path"
+
+
+def task_list(v):
+    ok = (isinstance(v, str) and v.strip()) or (isinstance(v, list) and v and all(isinstance(x, str) and x for x in v))
+    return None if ok else "must be task names, task YAML files or folders (comma-separated, or a list)"
+
+
+def cadence(v):
+    """--eval-tasks-every: N steps, or a count of tokens (50M-tokens)."""
+    try:
+        parse_every(v)
+    except ValueError as e:
+        return f"must be N (steps) or COUNT-tokens (e.g. 50M-tokens): {e}"
+    return None
+
+
+_TOKENS = re.compile(r"^(.+?)\s*-?\s*tokens?$", re.IGNORECASE)
+
+
+def parse_every(value) -> tuple[int, str]:
+    """A cadence: N (steps) or COUNT tokens (50M-tokens, "4096 tokens") -> (count, "steps" | "tokens");
+    ValueError saying why not."""
+    if isinstance(value, bool):
+        raise ValueError("not a number")
+    if isinstance(value, int):
+        n, unit = value, "steps"
+    else:
+        m = _TOKENS.match(str(value).strip())
+        n, unit = (exact_integer(m.group(1), suffixes=True), "tokens") if m else (exact_integer(value), "steps")
+    if n <= 0:
+        raise ValueError("must be positive")
+    return n, unit
 
 
 def health_check(v):
@@ -284,9 +318,24 @@ TABLE: tuple[Setting, ...] = (
                          " memory; default: the profile's zerotrain.nvme_path", flag=True, kind=RUN,
             profile_key="zerotrain.nvme_path", check=directory_path),
     # checkpoints kept (components/checkpoints/checkpointer.py)
-    Setting("keep_best", "keep the K checkpoints of lowest validation loss (checkpoints/best.json lists them, best"
-                         " first); --keep-last never removes them", flag=True, type="int", kind=RUN, default=1,
+    Setting("keep_best", "keep the K checkpoints of lowest validation loss, or best --best-by score"
+                         " (checkpoints/best.json lists them, best first); --keep-last never removes them", flag=True, type="int", kind=RUN, default=1,
             field_default=1, check=positive_int),
+    # lm-evaluation-harness tasks scored in the loop (components/tasks/, docs/evaluation.md)
+    Setting("eval_tasks", "lm-evaluation-harness tasks scored with the live model on every rank: task names, task"
+                          " YAML files or folders, comma-separated (needs pip install 'zerotrain[eval]'); scored every"
+                          " --eval-tasks-every and at the end. Default: the profile's zerotrain.eval_tasks, else none",
+            flag=True, kind=RUN, profile_key="zerotrain.eval_tasks", check=task_list),
+    Setting("eval_tasks_every", "with --eval-tasks: score every N steps, or every COUNT-tokens (e.g. 50M-tokens,"
+                                " rounded up to whole steps). Default: the profile's zerotrain.eval_tasks_every, else"
+                                " --eval-every-steps, else only at the end", flag=True, kind=RUN,
+            profile_key="zerotrain.eval_tasks_every", check=cadence),
+    Setting("eval_limit", "with --eval-tasks: the first N examples of each task (lm-eval's --limit). Default: the"
+                          " profile's zerotrain.eval_limit, else every example", flag=True, type="int | None",
+            kind=RUN, profile_key="zerotrain.eval_limit", check=positive_int),
+    Setting("best_by", "with --eval-tasks: TASK/METRIC (e.g. zerotrain_tiny_choice/acc) chooses the --keep-best"
+                       " checkpoints and best.json instead of the validation loss (higher is better where lm-eval's"
+                       " task says so); `zerotrain export --best` follows it", flag=True, kind=RUN, check=text),
     # hangs and the process group
     Setting("hang_timeout", HANG_HELP, flag=True, type="float | None", kind=RUN,
             profile_key="zerotrain.hang_timeout", rule=hang_timeout_rule, check=seconds),

@@ -151,7 +151,8 @@ class Trainer:
         self.checkpointer = checkpointer.Checkpointer(
             plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=cfg.save_every_steps,
             save_every_hours=cfg.save_every_hours, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
-            mirror=Path(cfg.mirror) if cfg.mirror else None, say=self.say, hooks=self.hooks)
+            mirror=Path(cfg.mirror) if cfg.mirror else None, say=self.say, hooks=self.hooks,
+            best_by=(plan.settings.best_by, plan.best_higher) if plan.best_higher is not None else None)
         self.step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
         self.tokens_per_step = plan.tokens_per_step
         self.last_saved: Path | None = None

@@ -120,7 +120,7 @@ def summarize(run: Run) -> dict:
         "step": last.get("step", 0), "max_steps": ((run.config or {}).get("run") or {}).get("max_steps"),
         "tokens": last.get("tokens_seen"), "last_loss": last.get("loss"),
         "last_loss_mean10": statistics.fmean(losses[-10:]) if losses else None,
-        "best_val_loss": best and best["val_loss"], "best_step": best and best["step"],
+        "best_val_loss": best and best.get("val_loss"), "best_step": best and best["step"],
         "best_tag": best and best.get("tag"), "best_checkpoints": kept,
         "last_val_loss": evals[-1][1] if evals else None, "last_val_step": evals[-1][0] if evals else None,
         "tokens_per_s_median": statistics.median(tps) if tps else None,

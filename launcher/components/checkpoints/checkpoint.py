@@ -73,9 +73,10 @@ def read_meta(tag_dir: Path) -> dict:
 
 
 def read_best_list(ckpt_dir: Path) -> list[dict]:
-    """The checkpoints best.json keeps (--keep-best K): [{"tag", "step", "val_loss"}, ...], lowest validation
-    loss first; [] if there is none (or it is unreadable). A best.json written before --keep-best (one
-    checkpoint, no "kept" list) reads as a list of one."""
+    """The checkpoints best.json keeps (--keep-best K), best first; [] if there is none (or it is unreadable).
+    Each is {"tag", "step", "val_loss"} (chosen by validation loss), or with --best-by {"tag", "step", "metric",
+    "score", "higher_is_better"}. A best.json written before --keep-best (one checkpoint, no "kept" list)
+    reads as a list of one."""
     try:
         best = json.loads((Path(ckpt_dir) / BEST).read_text())
     except (OSError, ValueError):
@@ -85,27 +86,54 @@ def read_best_list(ckpt_dir: Path) -> list[dict]:
     kept = best.get("kept", [best])
     if not isinstance(kept, list):
         return []
-    return [{"tag": b["tag"], "step": b.get("step"), "val_loss": b["val_loss"]} for b in kept
-            if isinstance(b, dict) and isinstance(b.get("tag"), str) and isinstance(b.get("val_loss"), (int, float))]
+    out = []
+    for b in kept:
+        if not isinstance(b, dict) or not isinstance(b.get("tag"), str):
+            continue
+        if isinstance(b.get("val_loss"), (int, float)):
+            out.append({"tag": b["tag"], "step": b.get("step"), "val_loss": b["val_loss"]})
+        elif isinstance(b.get("score"), (int, float)) and isinstance(b.get("metric"), str):
+            out.append({"tag": b["tag"], "step": b.get("step"), "metric": b["metric"], "score": b["score"],
+                        "higher_is_better": bool(b.get("higher_is_better"))})
+    return out
 
 
 def read_best(ckpt_dir: Path) -> dict | None:
-    """The lowest-validation-loss checkpoint of best.json ({"tag", "step", "val_loss"}), or None."""
+    """The best checkpoint of best.json (lowest validation loss, or best --best-by score), or None."""
     kept = read_best_list(ckpt_dir)
     return kept[0] if kept else None
 
 
 def best_json(kept: list[dict]) -> dict:
-    """best.json's content: the lowest's tag, step and val_loss at the top (what readers of the one-best format
-    read), and "kept": every kept checkpoint, lowest validation loss first."""
+    """best.json's content: the best one's tag, step and val_loss (or metric and score) at the top (what readers
+    of the one-best format read), and "kept": every kept checkpoint, best first."""
     return {**kept[0], "kept": kept}
 
 
+def best_entry(tag: str, step: int, value: float, by: tuple[str, bool] | None) -> dict:
+    """A best.json entry: by validation loss (by None), or by (metric, higher is better)."""
+    if by is None:
+        return {"tag": tag, "step": step, "val_loss": value}
+    return {"tag": tag, "step": step, "metric": by[0], "score": value, "higher_is_better": by[1]}
+
+
+def best_rank(entry: dict) -> float:
+    """Lower is better: the validation loss, or the score (negated where higher is better)."""
+    if "val_loss" in entry:
+        return entry["val_loss"]
+    return -entry["score"] if entry["higher_is_better"] else entry["score"]
+
+
+def same_criterion(entry: dict, by: tuple[str, bool] | None) -> bool:
+    """Whether a kept entry was ranked as this run ranks (a resume may change --best-by: the others are dropped)."""
+    return "val_loss" in entry if by is None else entry.get("metric") == by[0]
+
+
 def rank_best(kept: list[dict], entry: dict, keep_best: int) -> list[dict]:
-    """`kept` with `entry` in its place (a tag already there is replaced), the lowest `keep_best` validation
-    losses, lowest first (ties: the earlier step first)."""
+    """`kept` with `entry` in its place (a tag already there is replaced), the best `keep_best` (lowest
+    `best_rank`), best first (ties: the earlier step first)."""
     merged = [b for b in kept if b["tag"] != entry["tag"]] + [entry]
-    return sorted(merged, key=lambda b: (b["val_loss"], b["step"]))[:keep_best]
+    return sorted(merged, key=lambda b: (best_rank(b), b["step"]))[:keep_best]
 
 
 def file_sha256(path: Path) -> str:

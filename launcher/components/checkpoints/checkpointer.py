@@ -38,7 +38,8 @@ from zerotrain import durable
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, PARTIAL, check_files, complete_checkpoints,
                                                       drop_tag, hash_file, hash_files, incomplete_checkpoints,
-                                                      best_json, one_line, rank_best, read_best_list, read_meta,
+                                                      best_entry, best_json, best_rank, one_line, rank_best,
+                                                      read_best_list, same_criterion, read_meta,
                                                       rotation_victims, step_of, tag_dirs, tag_for)
 from zerotrain.launcher.components.hooks import NO_HOOKS, TestHooks
 from zerotrain.launcher.errors import CheckpointError, UsageError
@@ -200,7 +201,8 @@ class Checkpointer:
     def __init__(self, ckpt_dir: Path, run_id: str, rank: int, world: int, save_every_steps: int = 0,
                  save_every_hours: float | None = None, keep_last: int = 0, keep_best: int = 1,
                  mirror: Path | str | None = None, say: Callable[[str], None] = print, clock: Callable[[], float] = time.time,
-                 hooks: TestHooks = NO_HOOKS):
+                 hooks: TestHooks = NO_HOOKS, best_by: tuple[str, bool] | None = None):
+        """best_by: (metric, higher is better) when --best-by ranks the K best; None: the validation loss."""
         for flag, value in (("--save-every-steps", save_every_steps), ("--keep-last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise UsageError(f"{flag}: must be an integer >= 0, got {value!r}")
@@ -211,8 +213,8 @@ class Checkpointer:
             raise UsageError(f"--save-every-hours: must be a positive number, got {hours!r}")
         self.ckpt_dir, self.run_id, self.rank, self.world = Path(ckpt_dir), run_id, rank, world
         self.save_every_steps, self.save_every_hours, self.keep_last = save_every_steps, save_every_hours, keep_last
-        self.keep_best = keep_best
-        self.kept: list[dict] = []  # the K best, lowest validation loss first: the same on every rank (sync_best)
+        self.keep_best, self.best_by = keep_best, best_by
+        self.kept: list[dict] = []  # the K best, best first: the same on every rank (sync_best)
         self.say, self.clock, self.hooks = say, clock, hooks
         self.mirror_dir = Path(mirror) / run_id / "checkpoints" if mirror else None
         self.last_saved_step: int | None = None
@@ -470,21 +472,23 @@ class Checkpointer:
             box = [kept]
             dist.broadcast_object_list(box, src=0)
             kept = box[0]
-        with self._lock:
-            self.kept = kept[:self.keep_best]
+        with self._lock:  # ranked as this run ranks (a resume may change --best-by)
+            self.kept = [b for b in kept if same_criterion(b, self.best_by)][:self.keep_best]
         return self.kept
 
-    def would_keep(self, val_loss: float) -> bool:
-        """Would a checkpoint with this validation loss be among the K best? (every rank answers alike)"""
-        if not math.isfinite(val_loss):
+    def would_keep(self, value: float) -> bool:
+        """Would a checkpoint with this validation loss (or --best-by score) be among the K best? (every rank
+        answers alike)"""
+        if not math.isfinite(value):
             return False
-        return len(self.kept) < self.keep_best or val_loss < self.kept[self.keep_best - 1]["val_loss"]
+        rank = best_rank(best_entry("", 0, value, self.best_by))
+        return len(self.kept) < self.keep_best or rank < best_rank(self.kept[self.keep_best - 1])
 
-    def mark_best(self, tag: str, step: int, val_loss: float) -> None:
+    def mark_best(self, tag: str, step: int, value: float) -> None:
         """Every rank: `tag` takes its place among the K best, and the one it pushes out may be rotated away;
         rank 0 rewrites checkpoints/best.json (and the mirror's) after the tag's marker."""
         with self._lock:
-            self.kept = rank_best(self.kept, {"tag": tag, "step": step, "val_loss": val_loss}, self.keep_best)
+            self.kept = rank_best(self.kept, best_entry(tag, step, value, self.best_by), self.keep_best)
             kept = list(self.kept)
         if self.rank == 0:
             self._finalizer.submit(self._write_best, tag, kept)

@@ -315,7 +315,7 @@ class StepLogger:
         record.update(step_measurements(step_s, data_wait_s, self.accel))
         if val is not None:
             record.update(val)
-            if self.bar is not None:
+            if self.bar is not None and "val_loss" in val:
                 self.bar.write(f"step {step}: val_loss {val['val_loss']:.4f} " + ", ".join(
                     f"{k} {v:.4f}" for k, v in val["val_loss_per_source"].items()))
         if self.peak:

@@ -1,6 +1,7 @@
 """The training step's participants (components/participants/base.py: the protocol, and the layout of the
 step's one gather), one module each. ORDER is the order they are called at each hook (the first StopRun
-wins): before the step's record (observe), health's window, finite, spikes, evaluation and best, early
+wins): before the step's record (observe), health's window, finite, spikes, evaluation and best, the
+lm-evaluation-harness tasks (and their best with --best-by), early
 stop's update; after it (logged), golden, health's verdicts, the save, then the stops by precedence:
 signal, budget, early stop. --torch-profile's window opens and closes first, so a stop never skips it. Adding a monitor is a new module here and its place in ORDER; the Trainer
 does not change.
@@ -11,6 +12,7 @@ from zerotrain.launcher.components.participants.base import Participant, Run
 from zerotrain.launcher.components.participants.budget import BudgetStop
 from zerotrain.launcher.components.participants.checkpointing import Checkpointing
 from zerotrain.launcher.components.participants.early_stop import EarlyStop
+from zerotrain.launcher.components.participants.eval_tasks import EvalTasks
 from zerotrain.launcher.components.participants.evaluation import Evaluation
 from zerotrain.launcher.components.participants.finite import Finite
 from zerotrain.launcher.components.participants.golden import GoldenWatch
@@ -20,7 +22,7 @@ from zerotrain.launcher.components.participants.spikes import Spikes
 from zerotrain.launcher.components.participants.torch_profile import TorchProfile
 
 ORDER: tuple[type[Participant], ...] = (TorchProfile, GoldenWatch, HealthWatch, Finite, Spikes, Evaluation,
-                                        Checkpointing, Signals, BudgetStop, EarlyStop)
+                                        EvalTasks, Checkpointing, Signals, BudgetStop, EarlyStop)
 
 
 def build(run: Run) -> list[Participant]:

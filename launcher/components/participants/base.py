@@ -149,7 +149,8 @@ class StepState:
     grad_norm: float | None = None  # rank 0's, agreed
     window: Any = None         # the health check's (window, verdicts) when a window closed here (rank 0)
     val: dict | None = None    # the evaluation's metrics at an eval step
-    new_best: bool = False     # a new lowest validation loss
+    new_best: bool = False     # among the K best: by validation loss, or by --best-by's score
+    best_value: float | None = None  # the value new_best was decided on
     record: dict | None = None  # the step's logged record
     saved: bool = False        # a checkpoint of this step was written in the loop
 

@@ -30,4 +30,4 @@ class Checkpointing(Participant):
             self.run.save()
             step.saved = True
         if step.new_best:
-            self.checkpointer.mark_best(tag_for(step.step), step.step, step.val["val_loss"])
+            self.checkpointer.mark_best(tag_for(step.step), step.step, step.best_value)

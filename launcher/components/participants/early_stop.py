@@ -19,7 +19,7 @@ class EarlyStop(Participant):
         return cls(run.cfg.early_stop_patience)
 
     def observe(self, step: StepState) -> None:
-        if self.early is not None and step.val is not None:
+        if self.early is not None and step.val is not None and "val_loss" in step.val:
             self.early.update(step.val["val_loss"])
 
     def logged(self, step: StepState) -> StopRun | None:

@@ -18,8 +18,9 @@ class Evaluation(Participant):
     name = "evaluation"
 
     def __init__(self, evaluator: Evaluator | None, every: int, engine, *, clock: PhaseClock, hooks: TestHooks,
-                 rank: int, run_dir: Path, checkpointer):
-        self.evaluator, self.every, self.engine = evaluator, every, engine
+                 rank: int, run_dir: Path, checkpointer, chooses_best: bool = True):
+        """chooses_best: the validation loss decides the K best (not when --best-by names a task's metric)."""
+        self.evaluator, self.every, self.engine, self.chooses_best = evaluator, every, engine, chooses_best
         self.clock, self.hooks, self.rank, self.run_dir = clock, hooks, rank, run_dir
         self.checkpointer = checkpointer
         checkpointer.sync_best()
@@ -27,7 +28,8 @@ class Evaluation(Participant):
     @classmethod
     def from_run(cls, run: Run) -> "Evaluation":
         return cls(run.evaluator, run.cfg.eval_every_steps, run.engine, clock=run.clock, hooks=run.hooks,
-                   rank=run.rank, run_dir=run.plan.run_dir, checkpointer=run.checkpointer)
+                   rank=run.rank, run_dir=run.plan.run_dir, checkpointer=run.checkpointer,
+                   chooses_best=run.plan.best_higher is None)
 
     def observe(self, step: StepState) -> None:
         if self.evaluator is None or step.step % self.every:
@@ -39,7 +41,8 @@ class Evaluation(Participant):
         val.pop("val_tokens", None)
         val["eval_s"] = round(time.time() - t0, 3)
         step.val = val
-        step.new_best = self.checkpointer.would_keep(val["val_loss"])
+        if self.chooses_best:
+            step.new_best, step.best_value = self.checkpointer.would_keep(val["val_loss"]), val["val_loss"]
 
     def rewind(self) -> None:
         self.checkpointer.sync_best()

@@ -1,0 +1,155 @@
+"""lm-evaluation-harness tasks scored inside the training loop (`--eval-tasks`): what needs no lm_eval.
+
+lm-evaluation-harness (the optional extra `zerotrain[eval]`) owns the tasks: its registry finds them, it
+builds their requests and computes their metrics. Ours is only the model behind its `LM` interface
+(`tasks/lm.py` LiveLM: the live DeepSpeed engine, on every rank) and this module: which requests each rank
+scores, how a batch of them becomes rows, how logits become log-likelihoods, and how lm-eval's result
+dict becomes our metric names. All of it is plain Python and torch on tensors, unit-tested without a
+process group (tests/test_eval_tasks.py).
+
+Every rank scores: under ZeRO-3 each forward gathers the parameters with collectives, so every rank must
+run the same number of forwards. Requests are dealt round-robin over the data-parallel ranks
+(`shard`), each rank runs the passes rank 0 needs (the most), filling in with one-row padding passes;
+sequence-parallel ranks of a group score the same rows, each its stretch of positions. Each rank writes
+its share (log-likelihood sum, count of non-greedy tokens) into an (n_requests, 2) float64 table that
+one all-reduce sums: every rank then holds every result, and lm-eval computes the same metrics on each.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zerotrain.launcher.errors import UsageError
+
+EXTRA_MISSING = ("--eval-tasks: lm-evaluation-harness is not installed (pip install 'zerotrain[eval]', which"
+                 " installs lm_eval)")
+GENERATION = "generate_until"
+
+
+def need_lm_eval(flag: str = "--eval-tasks") -> None:
+    """One line, exit 2, when the optional extra is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UsageError(EXTRA_MISSING.replace("--eval-tasks", flag))
+
+
+def split_specs(value) -> list[str]:
+    """--eval-tasks "a,b,path/x.yaml" (or a recipe's list) -> ["a", "b", "path/x.yaml"]."""
+    items = value if isinstance(value, list) else str(value).split(",")
+    out = [str(s).strip() for s in items if str(s).strip()]
+    if not out:
+        raise UsageError("--eval-tasks: no task given (task names, task YAML files or folders, comma-separated)")
+    return out
+
+
+def every_steps(every: tuple[int, str] | None, tokens_per_step: int) -> int:
+    """The cadence in optimizer steps (0: only at the end); a token cadence rounds up to whole steps."""
+    if every is None:
+        return 0
+    n, unit = every
+    return n if unit == "steps" else max(1, math.ceil(n / tokens_per_step))
+
+
+# -- which requests a rank scores ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's batches (lists of request indices) and how many padding passes follow them."""
+    batches: list[list[int]]
+    padding: int
+
+    @property
+    def passes(self) -> int:
+        return len(self.batches) + self.padding
+
+
+def shard(n_requests: int, dp_rank: int, dp_world: int, micro_batch: int, order: list[int] | None = None) -> Shard:
+    """Requests dealt round-robin (in `order`, e.g. longest first, so batches hold alike lengths) over the
+    data-parallel ranks, `micro_batch` per pass; every rank runs rank 0's number of passes (the most).
+    No collective: every rank computes every rank's count alike. Fewer requests than ranks: the others pad."""
+    if not 0 <= dp_rank < dp_world or micro_batch < 1:
+        raise ValueError(f"shard: rank {dp_rank} of {dp_world}, micro_batch {micro_batch}")
+    order = list(range(n_requests)) if order is None else order
+    mine = order[dp_rank::dp_world]
+    batches = [mine[i:i + micro_batch] for i in range(0, len(mine), micro_batch)]
+    every_rank = math.ceil(math.ceil(n_requests / dp_world) / micro_batch)
+    return Shard(batches, every_rank - len(batches))
+
+
+def request_row(context: list[int], continuation: list[int], max_length: int) -> tuple[list[int], int]:
+    """lm-eval's HFLM row for one request: (context + continuation)[-(max_length + 1):][:-1] as the input
+    (truncated from the left, as lm-eval does), and how many of its last positions predict the continuation."""
+    whole = (list(context) + list(continuation))[-(max_length + 1):]
+    return whole, len(continuation)
+
+
+def batch_rows(rows: list[list[int]], multiple: int, pad_id: int) -> torch.Tensor:
+    """(B, T) input ids: each row's tokens but the last, right-padded to the longest, T rounded up to
+    `multiple` (sequence parallelism splits T). Padding on the right changes nothing before it (causal)."""
+    longest = max(len(r) - 1 for r in rows)
+    width = max(multiple, math.ceil(longest / multiple) * multiple)
+    out = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r) - 1] = torch.tensor(r[:-1], dtype=torch.long)
+    return out
+
+
+def score_rows(logits: torch.Tensor, rows: list[list[int]], cont_lens: list[int], positions: slice) -> torch.Tensor:
+    """(B, 2) float64: per row, the log-probability of its continuation's tokens at `positions` (this rank's
+    stretch of the row; all of it without sequence parallelism) and how many of those were not the argmax.
+    logits (B, len(positions), V). Summed over a group's ranks this is the row's whole score."""
+    out = torch.zeros(len(rows), 2, dtype=torch.float64)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    start = positions.start or 0
+    for i, (r, n_cont) in enumerate(zip(rows, cont_lens)):
+        n_in = len(r) - 1  # inputs r[:-1]; input position p predicts r[p + 1]
+        lo, hi = max(n_in - n_cont, start), min(n_in, start + logprobs.shape[1])
+        if lo >= hi:
+            continue
+        targets = torch.tensor(r[lo + 1:hi + 1], dtype=torch.long)
+        lp = logprobs[i, lo - start:hi - start]
+        out[i, 0] = lp.gather(-1, targets[:, None]).sum().double()
+        out[i, 1] = float((lp.argmax(-1) != targets).sum())
+    return out
+
+
+# -- lm-eval's results as our metrics ------------------------------------------------------------------------
+
+def metric_name(key: str) -> str | None:
+    """lm-eval's "acc,none" -> "acc"; "exact_match,strict" -> "exact_match_strict"; stderr and alias -> None."""
+    if "," not in key:
+        return None
+    metric, filt = key.split(",", 1)
+    if metric.endswith("_stderr"):
+        return None
+    return metric if filt == "none" else f"{metric}_{filt}"
+
+
+def flat_results(results: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} from lm-eval's results["results"] (numbers only)."""
+    out = {}
+    for task, values in results.items():
+        metrics = {}
+        for key, v in values.items():
+            name = metric_name(key)
+            if name is not None and isinstance(v, (int, float)) and not isinstance(v, bool):
+                metrics[name] = float(v)
+        if metrics:
+            out[task] = metrics
+    return out
+
+
+def check_best_by(best_by: str, higher: dict[str, dict[str, bool]]) -> bool:
+    """--best-by TASK/METRIC against the loaded tasks' metrics ({task: {metric: higher is better}});
+    returns whether higher is better. UsageError naming what exists."""
+    task, _, metric = best_by.rpartition("/")
+    if task not in higher:
+        raise UsageError(f"--best-by {best_by}: {task or '(none)'} is not one of --eval-tasks' tasks"
+                         f" ({', '.join(sorted(higher)) or 'none'}); write TASK/METRIC")
+    if metric not in higher[task]:
+        raise UsageError(f"--best-by {best_by}: task {task} has no metric {metric!r}"
+                         f" (its metrics: {', '.join(sorted(higher[task]))})")
+    return higher[task][metric]
