@@ -156,7 +156,8 @@ def test_installed_training_run_and_demo(installed, tmp_path):
 
 # import name -> the distribution that provides it, where they differ
 DISTRIBUTION = {"yaml": "pyyaml"}
-OPTIONAL: set[str] = set()  # guarded imports of packages a user may add; never required (none today)
+# guarded imports of packages an optional extra installs (a run needing one refuses in one line without it)
+OPTIONAL = {"lm_eval"}  # zerotrain[eval]: --eval-tasks (launcher/components/tasks/)
 
 
 def test_every_imported_package_is_declared_and_python_requires_is_honest():
@@ -177,5 +178,9 @@ def test_every_imported_package_is_declared_and_python_requires_is_honest():
     third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "zerotrain"} - OPTIONAL
     missing = {m for m in third_party if DISTRIBUTION.get(m, m).lower().replace("_", "-") not in declared}
     assert not missing, f"imported but not in install_requires: {sorted(missing)}"
+    extras = {line.split(">")[0].split("=")[0].strip().replace("-", "_") for line in
+              cfg["options.extras_require"]["eval"].split("\n") if line.strip() and not line.strip().startswith("#")}
+    assert OPTIONAL <= extras and OPTIONAL <= imported  # each declared in the eval extra, and still used
+    assert not OPTIONAL & {d.replace("-", "_") for d in declared}  # never in the base install
     # hashlib.file_digest (checkpoints, shards) is Python 3.11+
     assert cfg["options"]["python_requires"].strip() == ">=3.11"

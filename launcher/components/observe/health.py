@@ -50,7 +50,7 @@ from zerotrain.launcher.settings import HEALTH_DEFAULTS as DEFAULTS
 LABELS = {"data": "data wait", "compute": "compute (forward/backward/optimizer)",
           "all_to_all": "sequence-parallel all-to-all (waiting for the row's other ranks included)",
           "agree": "agreement (the step's collective: waiting for the other ranks)", "eval": "evaluation",
-          "save": "saving", "mirror": "checkpoint completion / mirror waits", "log": "logging",
+          "eval_tasks": "lm-evaluation-harness tasks", "save": "saving", "mirror": "checkpoint completion / mirror waits", "log": "logging",
           "start": "other (between the measured phases)", "end": "finishing"}
 REMEDIES = {
     "data": "the loader cannot keep up; raise the profile's zerotrain.dataloader.workers or prepare shards"
@@ -63,6 +63,7 @@ REMEDIES = {
     "agree": "ranks wait for each other at the step's collective: a straggler (see the per-rank verdict) or a"
              " slow interconnect",
     "eval": "evaluating too often or on too much: raise --eval-every-steps or lower --eval-tokens",
+    "eval_tasks": "scoring tasks too often or on too many examples: raise --eval-tasks-every or lower --eval-limit",
     "save": "saving blocks the loop: save less often (--save-every-steps, --save-every-hours) or to a faster disk",
     "mirror": "waiting for checkpoint completion or the mirror copy: a slow --mirror target, or saves too close"
               " together",
@@ -70,7 +71,7 @@ REMEDIES = {
     "start": "time outside the measured phases: a profiler, a debugger or a slow callback",
     "end": "finishing",
 }
-WAITS = ("agree", "all_to_all", "eval", "save", "mirror")  # phases where ranks wait for each other: not a rank's
+WAITS = ("agree", "all_to_all", "eval", "eval_tasks", "save", "mirror")  # phases where ranks wait for each other: not a rank's
 # step work (the all-to-all's own transfer time too: it cannot be told apart from the wait on a CPU)
 
 

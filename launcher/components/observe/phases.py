@@ -27,6 +27,7 @@ PHASES = {
     "all_to_all": "the sequence-parallel all-to-all around attention (inside compute, forward and backward)",
     "agree": "the step's agreement collective",
     "eval": "evaluation",
+    "eval_tasks": "lm-evaluation-harness tasks (--eval-tasks)",
     "save": "saving a checkpoint",
     "mirror": "waiting for checkpoint completion or the mirror copy",
     "log": "logging",

@@ -111,7 +111,7 @@ def score_rows(logits: torch.Tensor, rows: list[list[int]], cont_lens: list[int]
             continue
         targets = torch.tensor(r[lo + 1:hi + 1], dtype=torch.long)
         lp = logprobs[i, lo - start:hi - start]
-        out[i, 0] = lp.gather(-1, targets[:, None]).sum().double()
+        out[i, 0] = lp.gather(-1, targets[:, None]).double().sum()
         out[i, 1] = float((lp.argmax(-1) != targets).sum())
     return out
 

@@ -1,0 +1,154 @@
+"""--eval-tasks: lm-evaluation-harness tasks scored in the loop (launcher/components/tasks/).
+
+The sharding, padding and scoring are checked here without a process group; one 2-rank launch per layout
+(ZeRO-3; sequence parallelism over 2 ranks) checks the rest at once: the scores in metrics.jsonl and in
+RUN/eval_tasks/, --best-by choosing best.json and --keep-best, and that the in-loop score of a step equals
+lm-evaluation-harness's own (its HFLM) on that step's `zerotrain export`: accuracy identical, every
+example's log-likelihood within 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from conftest import BIN, REPO, cpu_profile, launch, read_metrics, synthetic_docs
+from zerotrain.launcher.components.tasks import batch_rows, request_row, score_rows, shard
+
+lm_eval = pytest.importorskip("lm_eval")  # the `eval` extra (in the `test` extra too)
+
+TASKS = "zerotrain_tiny_choice,zerotrain_tiny_text"
+TASK_DIR = REPO / "recipes" / "eval_tasks"
+LIMIT = 7  # 7 questions x 3 choices = 21 requests: odd, so one of 2 ranks pads
+
+
+# -- no process group ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 21])
+@pytest.mark.parametrize("world,micro", [(1, 1), (2, 1), (2, 4), (3, 2)])
+def test_every_rank_runs_the_same_passes_and_every_request_once(n, world, micro):
+    order = sorted(range(n), key=lambda i: (i * 7) % 5)
+    shards = [shard(n, r, world, micro, order) for r in range(world)]
+    assert len({s.passes for s in shards}) == 1  # ZeRO-3: nobody skips a parameter gather
+    seen = sorted(i for s in shards for b in s.batches for i in b)
+    assert seen == list(range(n))
+    assert all(len(b) <= micro for s in shards for b in s.batches)
+    if 0 < n < world:  # fewer requests than ranks: the others pad, none hangs
+        assert shards[-1].batches == [] and shards[-1].padding == 1
+
+
+def test_sequence_shards_add_up_to_the_whole_row():
+    """Two sequence-parallel ranks each score their half of the positions: the sums are the whole row's."""
+    torch.manual_seed(0)
+    rows = [request_row([5, 6, 7, 8, 9], [3, 4], max_length=64)[0], request_row([1, 2], [3, 4, 5, 6], 64)[0]]
+    conts = [2, 4]
+    ids = batch_rows(rows, multiple=2, pad_id=0)
+    assert ids.shape[1] % 2 == 0
+    logits = torch.randn(2, ids.shape[1], 11)
+    whole = score_rows(logits, rows, conts, slice(0, ids.shape[1]))
+    half = ids.shape[1] // 2
+    parts = score_rows(logits[:, :half], rows, conts, slice(0, half)) + \
+        score_rows(logits[:, half:], rows, conts, slice(half, 2 * half))
+    assert torch.allclose(whole, parts, rtol=0, atol=1e-12)  # float64 sums, added in another order
+    lp = torch.log_softmax(logits, -1)  # by hand: row 0's continuation [3, 4] after inputs 5 6 7 8 9 3
+    assert whole[0, 0] == pytest.approx(float(lp[0, 4, 3] + lp[0, 5, 4]))
+
+
+def test_truncation_follows_lm_eval():
+    row, n = request_row(list(range(10)), [10, 11], max_length=5)
+    assert row == [6, 7, 8, 9, 10, 11] and n == 2  # (context + continuation)[-(max_length + 1):]
+
+
+def test_bad_task_and_best_by_are_one_line(tmp_path):
+    from zerotrain.launcher.components.tasks import check_best_by
+    from zerotrain.launcher.components.tasks.lm import load_tasks
+    from zerotrain.launcher.errors import UsageError
+
+    with pytest.raises(UsageError, match="no_such_task_anywhere: not a task"):
+        load_tasks(["no_such_task_anywhere"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: zt_bad\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: missing.jsonl\n"
+                   "test_split: test\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: ['a']\n"
+                   "doc_to_target: 0\n")
+    with pytest.raises(UsageError, match=r"--eval-tasks .*bad.yaml: cannot load the task") as e:
+        load_tasks([str(bad)])
+    assert "\n" not in str(e.value)
+    gen = tmp_path / "gen.yaml"
+    (tmp_path / "g.jsonl").write_text('{"q": "hi", "a": "there"}\n')
+    gen.write_text("task: zt_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: g.jsonl\n"
+                   "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    with pytest.raises(UsageError, match="zt_gen: a generation task"):
+        load_tasks([str(gen)])
+    higher = {"zerotrain_tiny_choice": {"acc": True}}
+    assert check_best_by("zerotrain_tiny_choice/acc", higher) is True
+    with pytest.raises(UsageError, match="has no metric 'f1'"):
+        check_best_by("zerotrain_tiny_choice/f1", higher)
+
+
+# -- 2 ranks -------------------------------------------------------------------------------------------------
+
+def _bpe(tmp_path) -> str:
+    """A Hugging Face tokenizer (the byte tokenizer exports none, and lm-eval's HFLM needs one)."""
+    from zerotrain.dataio.tokenizer import train_bpe
+
+    docs = synthetic_docs(300, seed=9) + [json.loads(line)["question"] for line in
+                                         (TASK_DIR / "zerotrain_tiny_choice.jsonl").read_text().splitlines()]
+    return str(train_bpe(docs, 400, tmp_path / "bpe"))
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("layout", ["zero3", "zero2_sp2"])
+def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, monkeypatch):
+    """zero3: the cpu profile (ZeRO-3, partitioned parameters) on 2 data-parallel ranks, 21 requests: one rank
+    pads. zero2_sp2: ZeRO-2 with the 2 ranks sharing every row (sequence parallelism; one data-parallel rank)."""
+    from lm_eval import evaluator
+    from lm_eval.models.huggingface import HFLM
+
+    from zerotrain.launcher.components.tasks.lm import load_tasks
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # HFLM below: the export and its tokenizer only
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    flags = [] if layout == "zero3" else ["--profile", cpu_profile(tmp_path, stage=2), "--sequence-parallel", "2"]
+    out = tmp_path / "runs"
+    args = ["--data", str(mix_path), "--tokenizer", _bpe(tmp_path), "--model", "debug", "--seq-len", "64",
+            "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "1", "--log-data-every-steps", "0",
+            "--max-steps", "4", "--save-every-steps", "2", "--out", str(out), "--run-id", "r",
+            "--eval-tasks", TASKS, "--eval-tasks-every", "2", "--eval-limit", str(LIMIT),
+            "--best-by", "zerotrain_tiny_choice/acc_norm", "--keep-best", "2", *flags]
+    proc = launch("deepspeed", args, nproc=2, env_extra={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "eval tasks: zerotrain_tiny_choice, zerotrain_tiny_text" in proc.stdout
+    run = out / "r"
+    rows = {m["step"]: m for m in read_metrics(run)}
+    scored = {s: m["eval"] for s, m in rows.items() if "eval" in m}
+    assert sorted(scored) == [2, 4]  # every 2 steps, and the last
+    for s in scored:
+        assert set(scored[s]) == {"zerotrain_tiny_choice", "zerotrain_tiny_text"}
+        assert rows[s]["eval_tasks_s"] > 0
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    by = {s: scored[s]["zerotrain_tiny_choice"]["acc_norm"] for s in scored}
+    assert [b["step"] for b in best["kept"]] == sorted(by, key=lambda s: (-by[s], s))
+    assert best["metric"] == "zerotrain_tiny_choice/acc_norm" and best["score"] == by[best["step"]]
+
+    # lm-evaluation-harness's own score of step 2's export
+    hf = tmp_path / "hf"
+    exported = subprocess.run([str(BIN / "zerotrain"), "export", str(run / "checkpoints" / "global_step2"), "--to",
+                               str(hf)], capture_output=True, text=True, cwd=REPO)
+    assert exported.returncode == 0, exported.stderr
+    ours = json.loads((run / "eval_tasks" / "step_00000002.json").read_text())
+    tasks = load_tasks(TASKS.split(","))
+    theirs = evaluator.evaluate(HFLM(pretrained=str(hf), batch_size=4, device="cpu"), tasks.task_dict, limit=LIMIT,
+                                bootstrap_iters=0, log_samples=True)
+    for task in ("zerotrain_tiny_choice", "zerotrain_tiny_text"):
+        for metric, value in ours["metrics"][task].items():
+            if metric.startswith("acc"):
+                assert theirs["results"][task][f"{metric},none"] == value, (task, metric)
+            else:
+                assert theirs["results"][task][f"{metric},none"] == pytest.approx(value, rel=1e-4), (task, metric)
+        mine = {s["doc_id"]: s["loglikelihoods"] for s in ours["samples"][task]}
+        assert len(mine) == (LIMIT if task == "zerotrain_tiny_choice" else 4)
+        for s in theirs["samples"][task]:
+            lls = [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]]
+            assert mine[s["doc_id"]] == pytest.approx(lls, abs=1e-4), (task, s["doc_id"])
