@@ -152,3 +152,63 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
         for s in theirs["samples"][task]:
             lls = [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]]
             assert mine[s["doc_id"]] == pytest.approx(lls, abs=1e-4), (task, s["doc_id"])
+
+
+# -- refused at start-up (and by --dry-run), before anything is written ------------------------------------
+
+REFUSALS = {
+    "unknown task": (["--eval-tasks", "no_such_task_anywhere"], "--eval-tasks no_such_task_anywhere: not a task"),
+    "missing file": (["--eval-tasks", "tasks/nowhere.yaml"], "--eval-tasks tasks/nowhere.yaml: no such file"),
+    "best-by metric": (["--eval-tasks", "zerotrain_tiny_choice", "--best-by", "zerotrain_tiny_choice/f1"],
+                       "--best-by zerotrain_tiny_choice/f1: task zerotrain_tiny_choice has no metric 'f1'"),
+    "best-by task": (["--eval-tasks", "zerotrain_tiny_choice", "--best-by", "zerotrain_tiny_text/acc"],
+                     "--best-by zerotrain_tiny_text/acc: zerotrain_tiny_text is not one of --eval-tasks' tasks"),
+    "limit alone": (["--eval-limit", "5"], "--eval-limit 5: needs --eval-tasks"),
+    "cadence": (["--eval-tasks", "zerotrain_tiny_choice", "--eval-tasks-every", "often"],
+                "--eval-tasks-every: must be N (steps) or COUNT-tokens"),
+    "a hub dataset offline": (["--eval-tasks", "arc_easy"], "--eval-tasks arc_easy: cannot load the task"),
+}
+
+
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_tasks_refused_in_one_line_before_anything_is_written(case, dry, tmp_path, mix_path, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.errors import UsageError
+    from zerotrain.launcher.run_plan import plan_run
+
+    # no network, an empty cache: what a cluster node without internet sees
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets-cache")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.chdir(tmp_path)
+    extra, expected = REFUSALS[case]
+    out = tmp_path / "runs"
+    argv = ["--data", str(mix_path), "--out", str(out), *extra, *(["--dry-run"] if dry else [])]
+    with pytest.raises(UsageError) as err:
+        plan_run(resolve_config(argv), world=1)
+    message = str(err.value)
+    assert message.startswith(expected) and "\n" not in message, message
+    if case == "a hub dataset offline":
+        assert "fetch its data once" in message
+    assert not out.exists()
+
+
+def test_a_missing_extra_is_one_line(tmp_path, mix_path, monkeypatch):
+    import importlib.util
+
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.errors import UsageError
+    from zerotrain.launcher.run_plan import plan_run
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    with pytest.raises(UsageError, match=r"^--eval-tasks: lm-evaluation-harness is not installed \(pip install"
+                                         r" 'zerotrain\[eval\]'"):
+        plan_run(resolve_config(["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--eval-tasks",
+                                 "zerotrain_tiny_choice"]), world=1)
+    assert not (tmp_path / "runs").exists()
