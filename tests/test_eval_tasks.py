@@ -61,13 +61,11 @@ def test_truncation_follows_lm_eval():
     assert row == [6, 7, 8, 9, 10, 11] and n == 2  # (context + continuation)[-(max_length + 1):]
 
 
-def test_bad_task_and_best_by_are_one_line(tmp_path):
+def test_a_task_that_cannot_load_or_generates_is_one_line(tmp_path):
     from zerotrain.launcher.components.tasks import check_best_by
     from zerotrain.launcher.components.tasks.lm import load_tasks
     from zerotrain.launcher.errors import UsageError
 
-    with pytest.raises(UsageError, match="no_such_task_anywhere: not a task"):
-        load_tasks(["no_such_task_anywhere"])
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: zt_bad\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: missing.jsonl\n"
                    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: ['a']\n"
@@ -110,45 +108,58 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # HFLM below: the export and its tokenizer only
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # a task from a YAML file of one example: one request for 2 ranks (the other pads; nobody hangs)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "one.jsonl").write_text(json.dumps({"text": "One sentence, scored by one rank."}) + "\n")
+    (tmp_path / "one" / "one.yaml").write_text(
+        "task: zt_one_text\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: one.jsonl\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: byte_perplexity\n    aggregation: weighted_perplexity\n"
+        "    higher_is_better: false\n")
+    specs = f"{TASKS},{tmp_path / 'one' / 'one.yaml'}"
+    names = {"zerotrain_tiny_choice", "zerotrain_tiny_text", "zt_one_text"}
     flags = [] if layout == "zero3" else ["--profile", cpu_profile(tmp_path, stage=2), "--sequence-parallel", "2"]
     out = tmp_path / "runs"
     args = ["--data", str(mix_path), "--tokenizer", _bpe(tmp_path), "--model", "debug", "--seq-len", "64",
             "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "1", "--log-data-every-steps", "0",
             "--max-steps", "4", "--save-every-steps", "2", "--out", str(out), "--run-id", "r",
-            "--eval-tasks", TASKS, "--eval-tasks-every", "2", "--eval-limit", str(LIMIT),
+            "--eval-tasks", specs, "--eval-tasks-every", "2", "--eval-limit", str(LIMIT),
             "--best-by", "zerotrain_tiny_choice/acc_norm", "--keep-best", "2", *flags]
     proc = launch("deepspeed", args, nproc=2, env_extra={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "eval tasks: zerotrain_tiny_choice, zerotrain_tiny_text" in proc.stdout
+    assert "eval tasks: zerotrain_tiny_choice, zerotrain_tiny_text, zt_one_text" in proc.stdout
     run = out / "r"
     rows = {m["step"]: m for m in read_metrics(run)}
     scored = {s: m["eval"] for s, m in rows.items() if "eval" in m}
     assert sorted(scored) == [2, 4]  # every 2 steps, and the last
     for s in scored:
-        assert set(scored[s]) == {"zerotrain_tiny_choice", "zerotrain_tiny_text"}
+        assert set(scored[s]) == names
         assert rows[s]["eval_tasks_s"] > 0
     best = json.loads((run / "checkpoints" / "best.json").read_text())
     by = {s: scored[s]["zerotrain_tiny_choice"]["acc_norm"] for s in scored}
     assert [b["step"] for b in best["kept"]] == sorted(by, key=lambda s: (-by[s], s))
     assert best["metric"] == "zerotrain_tiny_choice/acc_norm" and best["score"] == by[best["step"]]
 
-    # lm-evaluation-harness's own score of step 2's export
+    # lm-evaluation-harness's own score of the best step's export (`export --best` follows --best-by)
     hf = tmp_path / "hf"
-    exported = subprocess.run([str(BIN / "zerotrain"), "export", str(run / "checkpoints" / "global_step2"), "--to",
-                               str(hf)], capture_output=True, text=True, cwd=REPO)
+    exported = subprocess.run([str(BIN / "zerotrain"), "export", str(run), "--best", "--to", str(hf)],
+                              capture_output=True, text=True, cwd=REPO)
     assert exported.returncode == 0, exported.stderr
-    ours = json.loads((run / "eval_tasks" / "step_00000002.json").read_text())
-    tasks = load_tasks(TASKS.split(","))
+    assert f"exported {run / 'checkpoints' / best['tag']}" in exported.stdout
+    runs = subprocess.run([str(BIN / "zerotrain"), "runs", str(out)], capture_output=True, text=True, cwd=REPO)
+    assert "zerotrain_tiny_choice/acc_norm" in runs.stdout, runs.stdout + runs.stderr
+    ours = json.loads((run / "eval_tasks" / f"step_{best['step']:08d}.json").read_text())
+    tasks = load_tasks(specs.split(","))
     theirs = evaluator.evaluate(HFLM(pretrained=str(hf), batch_size=4, device="cpu"), tasks.task_dict, limit=LIMIT,
                                 bootstrap_iters=0, log_samples=True)
-    for task in ("zerotrain_tiny_choice", "zerotrain_tiny_text"):
+    for task in sorted(names):
         for metric, value in ours["metrics"][task].items():
             if metric.startswith("acc"):
                 assert theirs["results"][task][f"{metric},none"] == value, (task, metric)
             else:
                 assert theirs["results"][task][f"{metric},none"] == pytest.approx(value, rel=1e-4), (task, metric)
         mine = {s["doc_id"]: s["loglikelihoods"] for s in ours["samples"][task]}
-        assert len(mine) == (LIMIT if task == "zerotrain_tiny_choice" else 4)
+        assert len(mine) == {"zerotrain_tiny_choice": LIMIT, "zerotrain_tiny_text": 4, "zt_one_text": 1}[task]
         for s in theirs["samples"][task]:
             lls = [float(r[0]) if isinstance(r, (list, tuple)) else float(r) for r in s["filtered_resps"]]
             assert mine[s["doc_id"]] == pytest.approx(lls, abs=1e-4), (task, s["doc_id"])
@@ -170,8 +181,8 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
-@pytest.mark.parametrize("case", list(REFUSALS))
+@pytest.mark.parametrize("case,dry", [(c, False) for c in REFUSALS] + [("unknown task", True),
+                                                                      ("a hub dataset offline", True)])
 def test_tasks_refused_in_one_line_before_anything_is_written(case, dry, tmp_path, mix_path, monkeypatch):
     import datasets
     import huggingface_hub
@@ -211,4 +222,58 @@ def test_a_missing_extra_is_one_line(tmp_path, mix_path, monkeypatch):
                                          r" 'zerotrain\[eval\]'"):
         plan_run(resolve_config(["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--eval-tasks",
                                  "zerotrain_tiny_choice"]), world=1)
+    assert not (tmp_path / "runs").exists()
+
+
+# -- --best-by and the record, without a run -----------------------------------------------------------------
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_best_by_ranks_by_the_score_and_best_json_reads_back(tmp_path, higher):
+    from zerotrain import durable
+    from zerotrain.launcher.components.checkpoints.checkpoint import (best_entry, best_json, rank_best, read_best,
+                                                                     read_best_list, same_criterion)
+
+    by = ("zerotrain_tiny_choice/acc", higher)
+    kept = []
+    for step, score in ((2, 0.3), (4, 0.7), (6, 0.5)):
+        kept = rank_best(kept, best_entry(f"global_step{step}", step, score, by), keep_best=2)
+    assert [b["step"] for b in kept] == ([4, 6] if higher else [2, 6])
+    durable.write_json(tmp_path / "best.json", best_json(kept))
+    assert read_best_list(tmp_path) == kept and read_best(tmp_path)["step"] == kept[0]["step"]
+    assert all(same_criterion(b, by) for b in kept) and not any(same_criterion(b, None) for b in kept)
+
+
+def test_scores_before_a_kill_survive_the_resume(tmp_path):
+    """metrics.jsonl as a run killed -9 after scoring step 2 and saving it, then resumed from step 2, leaves it:
+    the effective history keeps step 2's scores (the rows a resume keeps, as for the loss)."""
+    from zerotrain.launcher.components.observe.metrics import read_metrics as effective
+
+    scores = {"zerotrain_tiny_choice": {"acc": 0.4, "acc_norm": 0.6}}
+    lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "eval": scores, "eval_tasks_s": 0.5},
+             {"step": 3, "loss": 3.9}]
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4, "lo'  # cut by the kill
+    text += "\n" + json.dumps({"event": "resume", "step": 2}) + "\n" + json.dumps({"step": 3, "loss": 3.8}) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(text)
+    history = effective(tmp_path)
+    assert [r["step"] for r in history] == [1, 2, 3] and history[1]["eval"] == scores
+    assert history[2]["loss"] == 3.8
+
+
+def test_a_recipe_and_a_profile_give_the_tasks_each_recorded_with_its_source(tmp_path, mix_path):
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.run_plan import plan_run
+
+    profile = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
+    profile["zerotrain"]["eval_tasks_every"] = "1K-tokens"
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps({"data": str(mix_path), "eval_tasks": ["zerotrain_tiny_choice"], "eval_limit": 3,
+                                  "seq_len": 64, "micro_batch": 2, "grad_accum": 1}))
+    plan = plan_run(resolve_config(["--config", str(recipe), "--profile", str(tmp_path / "profile.json"),
+                                    "--out", str(tmp_path / "runs")]), world=1)
+    s = plan.settings
+    assert plan.eval_tasks.names == ["zerotrain_tiny_choice"] and s.eval_limit == 3
+    assert s.sources["eval_tasks"] == "recipe" and s.sources["eval_limit"] == "recipe"
+    assert s.sources["eval_tasks_every"].endswith(": zerotrain.eval_tasks_every")
+    assert plan.eval_tasks_every == 8  # 1,000 tokens at 128 tokens per step, rounded up
     assert not (tmp_path / "runs").exists()

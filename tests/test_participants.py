@@ -85,7 +85,10 @@ def test_every_participant_of_the_run_fits_one_gather():
     """All of ORDER built for one run: their fields and the step's own share one layout (no name twice)."""
     dist = SimpleNamespace(broadcast_object_list=lambda box, src: None)
     run = FakeRun(plan=SimpleNamespace(golden=object(), run_dir=Path("r"), ckpt_dir=Path("r/c"), zt={},
-                                       model_args=None),
+                                       model_args=None, best_higher=None, eval_tasks=object(), eval_tasks_every=5,
+                                       tokenizer=None, ds_config={"train_micro_batch_size_per_gpu": 1}, data_rank=1,
+                                       data_world=2, sequence_parallel=1,
+                                       settings=SimpleNamespace(eval_limit=None, best_by=None)),
                   cfg=SimpleNamespace(on_spike="rollback", eval_every_steps=10, golden_strict=False,
                                       early_stop_patience=2, seq_len=8, torch_profile="5:3"),
                   rank=1, world=2, is_main=False, dist=dist, engine=SimpleNamespace(device="cpu"),

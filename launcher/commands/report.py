@@ -122,6 +122,7 @@ def summarize(run: Run) -> dict:
         "last_loss_mean10": statistics.fmean(losses[-10:]) if losses else None,
         "best_val_loss": best and best.get("val_loss"), "best_step": best and best["step"],
         "best_tag": best and best.get("tag"), "best_checkpoints": kept,
+        "best_metric": best and best.get("metric"), "best_score": best and best.get("score"),  # --best-by
         "last_val_loss": evals[-1][1] if evals else None, "last_val_step": evals[-1][0] if evals else None,
         "tokens_per_s_median": statistics.median(tps) if tps else None,
         "tokens_per_s_p10": _quantile(tps, 0.1), "tokens_per_s_p90": _quantile(tps, 0.9),
@@ -435,10 +436,11 @@ def write_report(runs: list[Run], out: Path) -> Path:
 
 def _best_cell(s: dict) -> str:
     """`zerotrain runs`' best column: the lowest validation loss (its step), and the steps of the others kept."""
-    if s["best_val_loss"] is None:
-        return "-"
     others = [str(b["step"]) for b in s["best_checkpoints"][1:]]
-    return f"{_num(s['best_val_loss'])} ({s['best_step']}" + (f"; also {', '.join(others)})" if others else ")")
+    steps = f"({s['best_step']}" + (f"; also {', '.join(others)})" if others else ")")
+    if s["best_val_loss"] is None:
+        return f"{s['best_metric']} {_num(s['best_score'])} {steps}" if s.get("best_metric") else "-"
+    return f"{_num(s['best_val_loss'])} {steps}"
 
 
 def _summary_table(s: dict) -> list[str]:
@@ -450,9 +452,14 @@ def _summary_table(s: dict) -> list[str]:
         where = f"step {s['best_step']}" + (f", checkpoint {s['best_tag']}" if s["best_tag"] else "")
         rows.append(("best validation loss", f"{_num(s['best_val_loss'])} ({where})"))
         if len(s["best_checkpoints"]) > 1:
-            rows.append(("best checkpoints kept", ", ".join(f"{b['tag']} ({_num(b['val_loss'])})"
+            rows.append(("best checkpoints kept", ", ".join(f"{b['tag']} ({_num(b.get('val_loss'))})"
                                                             for b in s["best_checkpoints"])))
         rows.append(("last validation loss", f"{_num(s['last_val_loss'])} (step {s['last_val_step']})"))
+    if s.get("best_metric"):  # --best-by: a task's score chose the checkpoints kept
+        rows.append((f"best {s['best_metric']}", f"{_num(s['best_score'])} (step {s['best_step']}, checkpoint"
+                                                f" {s['best_tag']}; kept: "
+                                                + ", ".join(f"{b['tag']} ({_num(b['score'])})" for b in s["best_checkpoints"])
+                                                + ")"))
     if s["tokens_per_s_median"] is not None:
         rows.append(("throughput", f"median {_num(s['tokens_per_s_median'])} tokens/s; 10th-90th percentile"
                                    f" {_num(s['tokens_per_s_p10'])}-{_num(s['tokens_per_s_p90'])}"))

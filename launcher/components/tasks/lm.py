@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,13 +66,20 @@ def _task_objects(node) -> list[Task]:
     return []
 
 
+@functools.lru_cache(maxsize=4)
+def _manager(include: tuple[str, ...], defaults: bool) -> TaskManager:
+    """lm-eval's task index over `include` (and its own ~10k task YAMLs when `defaults`: 15-20 s on a CPU core,
+    so built once per process)."""
+    return TaskManager(include_path=list(include), include_defaults=defaults)
+
+
 def load_tasks(specs: list[str]) -> Tasks:
     """Every spec (a task name, a YAML file or a folder of them) loaded with its data; UsageError (one line
     naming the task) for one that cannot be, or that generates text."""
     logging.getLogger("lm-eval").setLevel(logging.WARNING)  # lm-eval says a line per task at INFO, on every rank
     folders = [Path(s) for s in specs if Path(s).is_dir()]
     include = [str(SHIPPED), *map(str, folders)]
-    manager = TaskManager(include_path=include, include_defaults=False)
+    manager = _manager(tuple(include), False)
     items = []  # (spec, what lm-eval loads, the folder to load it from)
     for spec in specs:
         path = Path(spec)
@@ -87,7 +95,7 @@ def load_tasks(specs: list[str]) -> Tasks:
         else:
             items.append((spec, spec, None))
     if any(folder is None and spec not in manager.all_tasks for spec, _, folder in items):
-        manager = TaskManager(include_path=include)  # lm-eval's own tasks too (indexing them takes seconds)
+        manager = _manager(tuple(include), True)  # lm-eval's own tasks too
     task_dict = {}
     for spec, item, folder in items:
         if folder is None:
