@@ -209,6 +209,21 @@ def test_tasks_refused_in_one_line_before_anything_is_written(case, dry, tmp_pat
     assert not out.exists()
 
 
+def test_preflight_refuses_a_task_as_the_run_does_before_writing(tmp_path, mix_path, monkeypatch):
+    from zerotrain.launcher.commands.preflight.harness import Preflight, parse_args
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.errors import UsageError
+
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)  # a world of one, restored after the test (run() would set them for good)
+    out = tmp_path / "runs"
+    opts, rest = parse_args(["--stage", "v1", "--data", str(mix_path), "--out", str(out), "--eval-tasks",
+                             "tasks/nowhere.yaml"])
+    with pytest.raises(UsageError, match="^--eval-tasks tasks/nowhere.yaml: no such file or folder$"):
+        Preflight(resolve_config(rest), opts).run()
+    assert not out.exists()
+
+
 def test_a_missing_extra_is_one_line(tmp_path, mix_path, monkeypatch):
     import importlib.util
 

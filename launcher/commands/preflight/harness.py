@@ -39,7 +39,8 @@ from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
 from zerotrain.launcher.hparams import size_in_tokens
 from zerotrain.launcher.profiles import resolve_ds_config
-from zerotrain.launcher.run_plan import check_sequence_parallel_plan, identify, plan_run, single_process_env
+from zerotrain.launcher.run_plan import (check_sequence_parallel_plan, identify, load_eval_tasks, plan_run,
+                                         single_process_env)
 from zerotrain.launcher.trainer import Trainer, report_exit
 
 STAGES = {stage.name: stage for stage in (Stability, Throughput, Rehearsal)}
@@ -115,6 +116,8 @@ class Preflight:
         ident = identify(self.cfg)  # bad input: UsageError, exit 2; --profile auto: detected here
         # what the run refuses of --sequence-parallel for this world, in its words, before any stage writes
         check_sequence_parallel_plan(ident.cfg, ident.settings, ident.model_args, self.world)
+        # --eval-tasks that cannot load (no network, no cache, a bad file): refused as the run refuses them
+        load_eval_tasks(ident.cfg, ident.settings, tokens_per_step=1)  # (the cadence is not used here)
         self.cfg, self.run_dir, self.profile_name, self.profile = ident.cfg, ident.run_dir, ident.profile_name, \
             ident.profile  # the v2 sweep resolves its candidates' DeepSpeed dicts from the profile
         # the run's length and warmup when given in tokens (the rehearsal's steps follow the run's)
