@@ -262,6 +262,7 @@ def test_scores_before_a_kill_survive_the_resume(tmp_path):
     """metrics.jsonl as a run killed -9 after scoring step 2 and saving it, then resumed from step 2, leaves it:
     the effective history keeps step 2's scores (the rows a resume keeps, as for the loss)."""
     from zerotrain.launcher.components.observe.metrics import read_metrics as effective
+    from zerotrain.launcher.components.observe.metrics import scalars
 
     scores = {"zerotrain_tiny_choice": {"acc": 0.4, "acc_norm": 0.6}}
     lines = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "eval": scores, "eval_tasks_s": 0.5},
@@ -272,6 +273,8 @@ def test_scores_before_a_kill_survive_the_resume(tmp_path):
     history = effective(tmp_path)
     assert [r["step"] for r in history] == [1, 2, 3] and history[1]["eval"] == scores
     assert history[2]["loss"] == 3.8
+    # what TensorBoard and W&B are given for the record (observe/metrics.py sinks)
+    assert scalars(history[1])["eval/zerotrain_tiny_choice/acc_norm"] == 0.6
 
 
 def test_a_recipe_and_a_profile_give_the_tasks_each_recorded_with_its_source(tmp_path, mix_path):
