@@ -44,6 +44,10 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
+    def encode_as_transformers(self, text: str) -> list[int]:
+        """What transformers' tokenizer.encode(text) gives (lm-eval's HF model): the bytes, nothing added."""
+        return self.encode(text)
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
 
@@ -98,6 +102,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_as_transformers(self, text: str) -> list[int]:
+        """What transformers' tokenizer.encode(text) gives (lm-eval's HF model tokenizes so): the tokenizer's own
+        post-processor's special tokens added (a BOS where it adds one)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch_fast(texts, add_special_tokens=False) \

@@ -89,6 +89,7 @@ def run(cmd, project, timeout=600, **env):
 def test_wheel_ships_the_profiles_recipes_and_templates(installed):
     names = set(zipfile.ZipFile(installed[3]).namelist())
     for shipped in [*(REPO / "ds_configs").glob("*.json"), *(REPO / "recipes").glob("*.json"),
+                    *(REPO / "recipes" / "eval_tasks").glob("*.*"),  # the shipped lm-eval tasks and their data
                     *(REPO / "launcher" / "accelerate").glob("*.yaml"), REPO / "launcher" / "slurm" / "train.sbatch",
                     *(REPO / "dataio" / "mixes").glob("*.json"), REPO / "modeling" / "scaling_rules.yaml"]:
         rel = shipped.relative_to(REPO).as_posix()

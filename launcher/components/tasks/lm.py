@@ -153,11 +153,8 @@ class LiveLM(TemplateLM):
         return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # HFLM calls tokenizer.encode(string) with the tokenizer's default add_special_tokens=True
-        special = True if add_special_tokens is None else add_special_tokens
-        if hasattr(self.tok, "_tok"):  # a Hugging Face tokenizer.json (dataio/tokenizer.py HFTokenizer)
-            return self.tok._tok.encode(string, add_special_tokens=special).ids
-        return self.tok.encode(string)  # the byte tokenizer adds nothing
+        # HFLM calls tokenizer.encode(string) with transformers' default add_special_tokens=True
+        return self.tok.encode_as_transformers(string) if add_special_tokens is not False else self.tok.encode(string)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return super().loglikelihood(requests, disable_tqdm=True)  # no bar per rank
