@@ -32,7 +32,8 @@ class EvalTasks(Participant):
             return None
         from zerotrain.launcher.components.tasks.lm import LiveLM  # lm_eval: the optional extra (checked at start-up)
 
-        lm = LiveLM(run.engine, plan.tokenizer, max_length=run.cfg.seq_len,
+        # the model's length, as lm-eval's HF model reads it from the export (max_position_embeddings)
+        lm = LiveLM(run.engine, plan.tokenizer, max_length=plan.model_args.max_seq_len,
                     micro_batch=plan.ds_config["train_micro_batch_size_per_gpu"], dp_rank=plan.data_rank,
                     dp_world=plan.data_world, sequence_parallel=plan.sequence_parallel, device=run.engine.device)
         return cls(plan.eval_tasks, lm, plan.eval_tasks_every, plan.settings.eval_limit, clock=run.clock,
