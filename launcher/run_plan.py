@@ -34,8 +34,8 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.planner import (check_sequence_parallel, fit_check, offload_lines, run_loss_chunk,
-                                                   size_auto_micro_batch)
+from zerotrain.launcher.planning import (check_sequence_parallel, fit_check, offload_lines, run_loss_chunk,
+                                         size_auto_micro_batch)
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit

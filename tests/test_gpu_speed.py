@@ -168,7 +168,7 @@ def test_the_planner_counts_what_compiled_blocks_keep_and_covers_the_measured_gp
     ZeRO-2, compiled: 49.3 GiB allocated with the one-device settings, 51.2 GiB with the profile's overlap and
     buckets), the plan's tensors must never be under the measured peak, and within 10% of it; the eager terms
     planned 74.4 GiB for the same run."""
-    from zerotrain.launcher.components.planner import GiB, activation_bytes, memory, setup_from
+    from zerotrain.launcher.planning import GiB, activation_bytes, memory, setup_from
     from zerotrain.modeling.sizes import preset
 
     args = preset("xlarge", vocab_size=320)
@@ -177,8 +177,8 @@ def test_the_planner_counts_what_compiled_blocks_keep_and_covers_the_measured_gp
     compiled = activation_bytes(args, 8, 2048, a, False, "varlen", "cuda", compiled=True)
     assert eager["block_per_token"] - compiled["block_per_token"] == (2 * 8 * d - 8) + a * f
     qk = preset("xlarge", vocab_size=320, qk_norm=True)
-    saved_qk = (activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda")["block_per_token"]
-                - activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda", compiled=True)["block_per_token"])
+    saved_qk = (activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda").block_per_token
+                - activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda", compiled=True).block_per_token)
     assert saved_qk == (2 * 8 * d - 8) + a * f + (8 - a) * h * (qk.n_heads + qk.n_kv_heads)
     _, profile = load_profile("h100-80g-x8")
     ds, _ = one_device_stage({k: v for k, v in profile.items() if k != "zerotrain"}, 1, "cuda")
@@ -187,7 +187,7 @@ def test_the_planner_counts_what_compiled_blocks_keep_and_covers_the_measured_gp
     for compile_ in (True, False):
         setup = setup_from(ds, {**knobs, "compile": compile_}, 1, 1, None, None, args)
         m = memory(args, setup, 2, 8, 2048, False)
-        tensors[compile_] = (m["model_states"] + m["buffers"] + m["activations"]) / GiB
+        tensors[compile_] = (m.model_states + m.buffers + m.activations) / GiB
     measured = (49.3, 51.2)
     assert max(measured) <= tensors[True] <= 1.1 * min(measured), tensors
     assert tensors[False] > 1.4 * min(measured)  # the eager terms would leave a third of the GPU unused

@@ -1,5 +1,5 @@
 """`zerotrain plan`: memory, time and money of a run before it starts (the memory model is
-zerotrain.launcher.components.planner; this is its command line)."""
+zerotrain.launcher.planning; this is its command line)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ from zerotrain.cli_args import Parser
 from zerotrain.dataio.errors import DataNotHere
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_parallel, make_plan, render, setup_from,
-                                                   size_auto_micro_batch, stage_key)
+from zerotrain.launcher.planning import (STAGES, GiB, check_sequence_parallel, make_plan, render, setup_from,
+                                         size_auto_micro_batch, stage_key)
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
