@@ -13,7 +13,7 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
        optimizers, client_optimizers
     7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner)
     8  launcher/components/launching/*: starting ranks and restarting jobs
-    9  the run: run_plan, trainer
+    9  the run: resolution (flags to a plan, once), run_plan, trainer
     10 entry points: launcher/commands/*, cli, train, launcher/__init__ (the notebook's finetune), zerotrain/__main__
 
 dataio and modeling never import each other (modeling sits beside dataio's lowest layer).
@@ -57,7 +57,7 @@ LAYERS = {
     "zerotrain.launcher.components.*": 7,
     "zerotrain.launcher.components.launching.*": 8,
     "zerotrain.launcher.planning.*": 7,
-    "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9,
+    "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9, "zerotrain.launcher.resolution": 9,
     "zerotrain.launcher.commands.*": 10, "zerotrain.launcher.cli": 10, "zerotrain.launcher.train": 10,
     "zerotrain.launcher": 10, "zerotrain.__main__": 10,
 }

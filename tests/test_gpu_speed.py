@@ -175,7 +175,7 @@ def test_the_planner_counts_what_compiled_blocks_keep_and_covers_the_measured_gp
     a, d, f, h = 2, args.dim, args.ffn_hidden, args.head_dim
     eager = activation_bytes(args, 8, 2048, a, False, "varlen", "cuda")
     compiled = activation_bytes(args, 8, 2048, a, False, "varlen", "cuda", compiled=True)
-    assert eager["block_per_token"] - compiled["block_per_token"] == (2 * 8 * d - 8) + a * f
+    assert eager.block_per_token - compiled.block_per_token == (2 * 8 * d - 8) + a * f
     qk = preset("xlarge", vocab_size=320, qk_norm=True)
     saved_qk = (activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda").block_per_token
                 - activation_bytes(qk, 8, 2048, a, False, "varlen", "cuda", compiled=True).block_per_token)

@@ -32,7 +32,7 @@ from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import precision, resolve_ds_config
-from zerotrain.launcher.run_plan import check_sequence_parallel_plan
+from zerotrain.launcher.resolution import check_sequence_parallel_plan
 
 
 class Stability:
