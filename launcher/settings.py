@@ -159,10 +159,6 @@ def mfu_threshold_rule(values: dict, node):
     return None
 
 
-def health_rule(values: dict, node):
-    return None  # the profile's knobs are merged over HEALTH_DEFAULTS in `resolve`
-
-
 # -- the table -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
