@@ -11,7 +11,9 @@ example output and commands), every
 and checks that RESULTS.md has the same figure (to the precision the doc writes it: `52,100` is 52,095 rounded,
 `MFU 0.19` is 19.1%) on a line, or in a table, that speaks of the same quantity. A figure that is the
 planner's output, not a measurement, says so in its sentence or table row (`planned`, `plan`, `at MFU` for the
-assumed MFU a plan uses, `expected`), and is skipped. No process is started.
+assumed MFU a plan uses, `expected`), and is skipped. Planner output a page shows (docs/planning.md,
+docs/offload.md) is checked against what `zerotrain plan` prints today for the command the page names, in this
+process. No process is started.
 """
 from __future__ import annotations
 
@@ -135,3 +137,27 @@ def test_every_measured_figure_in_the_docs_is_in_results():
 ])
 def test_an_unrecorded_figure_is_found(text, missing):
     assert unrecorded(text, results_numbers()) == missing
+
+
+# A planner figure a page shows as output is what `zerotrain plan` prints today for the command the page names.
+PLAN_EXAMPLES = [
+    ("docs/planning.md", "zerotrain plan --profile h100-pcie-80g-x8 --depth 64 --vocab-size 32 --seq-len 2048"
+                         " --micro-batch 4 --grad-accum 1 --zero 0 --max-hours 31 --budget-usd 1000 --gpu-hour-usd 4.03"),
+    ("docs/offload.md", "zerotrain plan --config recipes/rtx6000ada-x2-7b-offload.json"),
+]
+
+
+@pytest.mark.parametrize("page, command", PLAN_EXAMPLES)
+def test_a_pages_plan_output_is_what_the_planner_prints_today(page, command, capsys, monkeypatch):
+    from zerotrain.launcher.commands.plan import plan_main
+
+    text = (REPO / page).read_text()
+    assert " ".join(command.split()[2:4]) in " ".join(text.replace("\\\n", " ").split()), f"{page} names {command}"
+    at = text.index(command.split()[3])
+    shown = next(m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+                 if m.start() > at and not m.group(1)).splitlines()  # the first plain fenced block after the command
+    monkeypatch.chdir(REPO)
+    plan_main(command.split()[2:])
+    printed = capsys.readouterr().out.splitlines()
+    stale = [line for line in shown if line.strip() and line not in printed]
+    assert not stale, f"{page}: lines `{command}` no longer prints:\n" + "\n".join(stale)
