@@ -10,8 +10,8 @@ example output and commands), every
 
 and checks that RESULTS.md has the same figure (to the precision the doc writes it: `52,100` is 52,095 rounded,
 `MFU 0.19` is 19.1%) on a line, or in a table, that speaks of the same quantity. A figure that is the
-planner's output, not a measurement, says so in its sentence or table row (`planned`, `plan`, `at MFU` for the
-assumed MFU a plan uses, `expected`), and is skipped. Planner output a page shows (docs/planning.md,
+planner's output, not a measurement, says so in its sentence or table row (`planned`, `plan`, `planner`,
+`expected`, `assumed`; a table row's header counts), and is skipped. Planner output a page shows (docs/planning.md,
 docs/offload.md) is checked against what `zerotrain plan` prints today for the command the page names, in this
 process. No process is started.
 """
