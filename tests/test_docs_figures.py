@@ -4,7 +4,7 @@ RESULTS.md holds each measurement with the command, host and date that produced 
 them. This test finds, in the prose and tables of README.md and docs/*.md (not in fenced blocks, which hold
 example output and commands), every
 
-- throughput: a number followed by `tokens/s` or `tok/s` (`52,100 tokens/s`, `52.1k tokens/s`);
+- throughput: a number followed by `tokens/s` or `tok/s` (`52,100 tokens/s`, `52.1k tokens/s`, `31.5M tok/s`);
 - MFU: `52.7% MFU`, `MFU 52.7%`, `MFU 0.19`, `MFU 0.16-0.20`;
 - GPU test count: `6 passed`;
 
@@ -28,7 +28,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 
 NUMBER = r"\d[\d,]*(?:\.\d+)?"
-THROUGHPUT = re.compile(rf"({NUMBER})(k?)\s?(?:tokens|tok)/s")
+THROUGHPUT = re.compile(rf"({NUMBER})([kMG]?)\s?(?:tokens|tok)/s")
 MFU_AFTER = re.compile(rf"(?<![\w.])({NUMBER})(%?)(?:\s?[-–]\s?({NUMBER})(%?))?\s?MFU")
 MFU_BEFORE = re.compile(rf"MFU (?:of )?({NUMBER})(%?)(?:\s?[-–]\s?({NUMBER})(%?))?")
 PASSED = re.compile(r"(\d+) passed")
@@ -52,12 +52,13 @@ def prose_units(text: str) -> list[str]:
 def value(text: str, k: str = "") -> tuple[Decimal, Decimal]:
     """A written figure and half its last significant digit: `52,100` -> (52100, 50), `0.19` -> (0.19, 0.005)."""
     digits = text.replace(",", "")
-    number = Decimal(digits) * (1000 if k else 1)
+    scale = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}[k]
+    number = Decimal(digits) * scale
     if "." in digits:
         unit = Decimal(1).scaleb(-len(digits.split(".")[1]))
     else:
         unit = Decimal(10) ** (len(digits) - len(digits.rstrip("0"))) if digits.strip("0") else Decimal(1)
-    return number, unit * (1000 if k else 1) / 2
+    return number, unit * scale / 2
 
 
 def as_percent(text: str, percent: str) -> tuple[Decimal, Decimal]:
@@ -66,7 +67,7 @@ def as_percent(text: str, percent: str) -> tuple[Decimal, Decimal]:
 
 
 def numbers(text: str) -> list[Decimal]:
-    return [value(n, k)[0] for n, k in re.findall(rf"({NUMBER})(k?)", text)]
+    return [value(n, k)[0] for n, k in re.findall(rf"({NUMBER})((?:[kMG](?![A-Za-z]))?)", text)]
 
 
 def results_numbers() -> dict[str, list[Decimal]]:
@@ -130,6 +131,8 @@ def test_every_measured_figure_in_the_docs_is_in_results():
     ("One H100 at ZeRO-3 ran at MFU 0.16-0.20.", []),
     ("The GPU tier: 6 passed in 161 s.", []),
     ("On one H200 the driver runs at 61,000 tokens/s.", ["61,000 tokens/s"]),
+    ("The loader from shards: 37.5M tokens/s.", ["37.5M tokens/s"]),
+    ("The loader from shards: 54.2M tokens/s.", []),
     ("One H100 at ZeRO-3 ran at MFU 0.61.", ["MFU 0.61"]),
     ("The GPU tier: 9 passed.", ["9 passed"]),
     ("The recipe: 112,000 tokens/s (planned, MFU 0.45).", []),
