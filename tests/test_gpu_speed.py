@@ -228,3 +228,31 @@ def test_the_planner_counts_what_compiled_blocks_keep_and_covers_the_measured_gp
     measured = (49.3, 51.2)
     assert max(measured) <= tensors[True] <= 1.1 * min(measured), tensors
     assert tensors[False] > 1.4 * min(measured)  # the eager terms would leave a third of the GPU unused
+
+
+def test_the_blocks_share_one_additive_mask_that_sdpa_reads_as_the_boolean_one(monkeypatch):
+    """sdpa turns a boolean mask into 0/-inf in every call, forward and backward, and keeps a copy per layer; the
+    model makes that additive mask once per forward (model.additive_mask) and every block gets the same tensor.
+    The attention, the loss and every gradient are bit for bit what the boolean mask gives."""
+    import zerotrain.modeling.model as model_module
+    from zerotrain.modeling.model import additive_mask, document_mask, sdpa_kernel
+
+    torch.manual_seed(0)
+    pos = packed_positions()
+    mask = document_mask(pos)
+    q, k, v = (torch.randn(2, 10, heads, 8, requires_grad=True) for heads in (4, 2, 2))
+    docs = DocumentLayout("sdpa", mask=mask)
+    by_bool = sdpa_kernel(q, k, v, docs)
+    grads_bool = torch.autograd.grad(by_bool.square().sum(), (q, k, v))
+    by_additive = sdpa_kernel(q, k, v, docs._replace(mask=additive_mask(mask, q.dtype)))
+    assert torch.equal(by_bool, by_additive)
+    for a, b in zip(grads_bool, torch.autograd.grad(by_additive.square().sum(), (q, k, v))):
+        assert torch.equal(a, b)
+    seen = []
+    kernel = model_module.ATTENTION_KERNELS["sdpa"]
+    monkeypatch.setitem(model_module.ATTENTION_KERNELS, "sdpa", lambda q, k, v, d: seen.append(d.mask) or kernel(q, k, v, d))
+    model = Transformer(preset("debug", vocab_size=300))
+    model.attention = "sdpa"
+    model(torch.randint(0, 300, (2, 10)), pos, labels=torch.randint(0, 300, (2, 10)))
+    assert len(seen) == model.args.n_layers and all(m is seen[0] for m in seen)
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0] == 0, mask)
