@@ -21,7 +21,7 @@ One process per configuration through the real driver (`python -m zerotrain.laun
 `--nproc N` ranks on the first N GPUs through the real `deepspeed` launcher). Per configuration: tokens/s and
 MFU (median over the steps after the first 10: torch.compile and the allocator warm up there) against the
 profile's `peak_flops_per_device`, peak memory (`torch.cuda.max_memory_allocated`, the driver's `peak_mem_gib`)
-against the planner's prediction (launcher/components/planner.py `memory`: tensors alone, comparable with
+against the planner's prediction (launcher/planning `memory`: tensors alone, comparable with
 max_memory_allocated, and the total with the CUDA context and its fragmentation allowance), and the loss at the
 last step. The micro-batch is the recipe's (or the profile's), lowered to the largest the planner fits in 90% of
 this GPU; a configuration the planner cannot fit is a row saying so. A vocabulary other than bytes is a
@@ -281,7 +281,7 @@ def plan_micro(values: dict, device_bytes: float, nproc: int = 1) -> dict:
     """The configuration planned as the driver would (`plan_run`, dry run): its micro-batch (the profile's or
     the recipe's, lowered to `fit`, the most the planner fits in FIT_FRACTION of the device), its attention
     kernel and the planner's memory for that micro-batch; or {"result": why not} for a refusal or no fit."""
-    from zerotrain.launcher.components import planner
+    from zerotrain.launcher import planning as planner
     from zerotrain.launcher.config import config_from
     from zerotrain.launcher.errors import UsageError
     from zerotrain.launcher.run_plan import plan_run
@@ -302,8 +302,8 @@ def plan_micro(values: dict, device_bytes: float, nproc: int = 1) -> dict:
         return {"result": f"not run: the planner fits no row in {FIT_FRACTION:.0%} of this GPU"}
     mem = planner.memory(plan.model_args, setup, stage, micro, seq_len, ac)
     return {"micro": micro, "fit": fit, "kernel": plan.attention, "model_args": plan.model_args,
-            "planned_tensors": (mem["total"] - mem["context"] - mem["fragmentation"]) / 2**30,
-            "planned_total": mem["total"] / 2**30, "peak_flops": plan.settings.peak_flops_per_device}
+            "planned_tensors": (mem.total - mem.context - mem.fragmentation) / 2**30,
+            "planned_total": mem.total / 2**30, "peak_flops": plan.settings.peak_flops_per_device}
 
 
 def measure(values: dict, micro: int, out: Path, nproc: int = 1) -> dict:

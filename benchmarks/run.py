@@ -235,7 +235,7 @@ def bench_local_source_memory():
 
 
 def bench_planner_rss():
-    """The planner's memory model (launcher/components/planner.py) against this CPU: peak RSS of rank 0 in real
+    """The planner's memory model (launcher/planning) against this CPU: peak RSS of rank 0 in real
     2-rank fp32 runs under the deepspeed launcher (ZeRO-2 and ZeRO-3; `tiny` and `small`; micro-batch
     2 x 256; 3 steps), as the driver logs it (metrics.jsonl peak_rss_gib), against the planner's
     prediction for the same config. Target: within +-20%."""
@@ -245,7 +245,7 @@ def bench_planner_rss():
 
     from zerotrain.launcher import model_spec
 
-    from zerotrain.launcher.components import planner
+    from zerotrain.launcher import planning as planner
     from zerotrain.launcher.config import RunConfig
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.launcher.settings import resolve as resolve_settings
@@ -282,7 +282,7 @@ def bench_planner_rss():
             prof = load_profile(profile)[1]
             setup = planner.setup_from(prof, resolve_settings(None, profile, prof).values, world=2, nodes=1, device_bytes=float("inf"))
             m = planner.memory(args, setup, stage, 2, 256, False)
-            predicted = m["total"] / planner.GiB
+            predicted = m.total / planner.GiB
             parts = ", ".join(f"{k.replace('_', ' ')} {v / planner.GiB:.2f}" for k, v in m.items() if k != "total")
             rows.append({"benchmark": f"planner vs peak RSS, ZeRO-{stage}, {model}",
                          "setting": f"2 ranks fp32, micro 2 x 256, {args.n_layers} x {args.dim}",

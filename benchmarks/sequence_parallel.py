@@ -7,7 +7,7 @@ with micro-batch 2 (2 rows a step, each shared by both ranks: each computes 512 
 the all-to-alls around attention swap them for half the heads) against plain data parallelism with
 micro-batch 1 per rank (2 rows a step, one whole row per rank); alternated chunk by chunk
 (benchmarks/harness.py). Reported: ms per optimizer step, tokens/s, SP's speed against DP's, and the bytes
-each rank sends through the all-to-all per step (launcher/components/planner.py `all_to_all_bytes`).
+each rank sends through the all-to-all per step (launcher/planning `all_to_all_bytes`).
 
 What it means: on a CPU node the exchange is gloo's all-to-all through the kernel's loopback and shared memory
 (no NVLink, no NCCL), and the two ranks share 2 cores with everything else here, so the row is the cost of
@@ -31,7 +31,7 @@ RANKS = 2
 
 def bench_sequence_parallel() -> list[dict]:
     from harness import demo_mix
-    from zerotrain.launcher.components.planner import all_to_all_bytes
+    from zerotrain.launcher.planning import all_to_all_bytes
     from zerotrain.modeling.model import count_params
 
     label, (shape, _, _, warmup, steps) = list(SHAPES.items())[-1]
@@ -59,7 +59,7 @@ def bench_sequence_parallel() -> list[dict]:
         tokens = 2 * SEQ  # per optimizer step, both ways
         step = {name: median(step_times(results[name])) for name in programs}
         dp = step["data parallel, micro-batch 1 per rank"]
-        sent = all_to_all_bytes(args, 2, SEQ, 4, 2, False)["per_layer"] * args.n_layers
+        sent = all_to_all_bytes(args, 2, SEQ, 4, 2, False).per_layer * args.n_layers
         setting = (f"{label}: {count_params(args)['total'] / 1e6:.2f}M params, {tokens:,} tokens per step (2 rows x"
                    f" {SEQ}), 2 ranks x 1 thread, ZeRO-2, fp32, gloo on one CPU node (no NVLink)")
         for name, (micro, n) in programs.items():

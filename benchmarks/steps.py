@@ -9,6 +9,8 @@ otherwise run, side by side in one invocation (benchmarks/harness.py alternates 
                  LlamaForCausalLM with the same weights, and the HF Trainer with DeepSpeed ZeRO-2. Also the machine's
                  fp32 matmul peak, measured before and after, and each program's MFU against it
                  (zerotrain.modeling.model.flops_per_token). BENCH_COMPILE=1 adds zerotrain ZeRO-2 --compile.
+                 BENCH_PLAIN_VS_HF=1: only our model's plain loop against HF Llama's (and ours on the rows as
+                 one document), alternated (`bench_plain_vs_hf`; issue 32's CPU ratio).
     two_ranks    zerotrain ZeRO-2/3 under the `deepspeed` launcher and DDP under `torchrun`, 2 ranks
                  of 1 thread, against the same programs on 1 rank of 1 thread: tokens/s and scaling
                  efficiency; then one counting chunk: zerotrain's own collectives and host syncs per
@@ -37,6 +39,7 @@ if TINY:
     SHAPES = {"debug": ("debug", 64, 2, 1, 1)}
 CHUNKS = int(os.environ.get("BENCH_CHUNKS", "1" if TINY else "3"))
 COMPILE = os.environ.get("BENCH_COMPILE") == "1"  # also zerotrain --compile (inductor: minutes of set-up)
+PLAIN_VS_HF = os.environ.get("BENCH_PLAIN_VS_HF") == "1"  # train_step: only our plain loop against HF's
 
 
 def say(msg: str) -> None:
@@ -134,6 +137,8 @@ def describe_setup(w: Worker) -> str:
 
 
 def bench_train_step() -> list[dict]:
+    if PLAIN_VS_HF:
+        return bench_plain_vs_hf()
     from harness import demo_mix
     from zerotrain.modeling.model import count_params, flops_per_token
 
@@ -200,6 +205,51 @@ def bench_train_step() -> list[dict]:
                          " best 2048^3 GEMM", "result": f"{peak_before / 1e9:.0f} GFLOP/s before, {peak_after / 1e9:.0f}"
                          f" after (max used); model {flops / 1e6:.1f} MFLOP/token; load during steps"
                          f" {min(loads):.1f}-{max(loads):.1f}", "target": ""})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def bench_plain_vs_hf() -> list[dict]:
+    """Our model against HF Llama, each in the same plain loop (torch.optim.AdamW as written, clipping), on the same
+    packed rows of the demo mix (short documents, several a row: ours masks them, HF's attends across them), and
+    ours on those rows as one document each (no mask, what HF computes). Only these programs, alternated round by
+    round in one invocation (the others frozen), so a shared machine's load falls on each alike. The ratio is ours
+    over HF's tokens/s (issue 32: at least 1.0x)."""
+    from harness import demo_mix
+    from zerotrain.modeling.model import count_params
+
+    work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-plain-hf-"))
+    rows = []
+    programs = [("plain loop, our model", "plain", []), ("plain loop, our model, rows as one document", "plain",
+                                                         ["--one-document"]), ("plain loop, HF Llama", "hf", [])]
+    try:
+        mix = demo_mix()
+        for label, (shape, seq, micro, warmup, steps) in SHAPES.items():
+            args = shape_args(shape, seq)
+            common = ["--shape", shape, "--seq", str(seq), "--micro", str(micro), "--work", str(work),
+                      "--mix", str(mix), "--batches", str(save_batches(work, mix, seq, micro, 1)),
+                      "--hf-dir", str(export_hf(work, shape, seq))]
+            workers = []
+            try:
+                for name, program, extra in programs:
+                    workers.append(start(name, "python", 1, CORES, program, common, work, extra))
+                ready(workers)
+                results = alternate(workers, warmup, CHUNKS, steps, say)
+            finally:
+                for w in workers:
+                    w.close()
+            hf = median(step_times(results["plain loop, HF Llama"]))
+            loads = [c["load"] for r in results.values() for c in r]
+            setting = (f"{label}: {count_params(args)['total'] / 1e6:.2f}M params, seq {seq} x micro {micro}, 1 rank x"
+                       f" {CORES} threads, fp32; load {min(loads):.1f}-{max(loads):.1f}")
+            for name, _, _ in programs:
+                xs = step_times(results[name])
+                m = median(xs)
+                rows.append({"benchmark": f"plain loop vs HF: {name}", "setting": setting,
+                             "result": f"{m * 1e3:,.0f} ms/step ({spread(xs)}, n={len(xs)}), {seq * micro / m:,.0f}"
+                                       f" tokens/s, {hf / m:.2f}x HF", "target": ">= 1.0x HF" if name == programs[0][0]
+                             else ""})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows

@@ -235,7 +235,12 @@ def parse_mix(mix_path: str | Path) -> Mix:
         raise DataError(f"{where}: warn_epochs must be a positive number, got {warn_epochs!r}")
     specs, names = [], set()
     for i, src in enumerate(raw["sources"]):
-        specs.append(_parse_source(src, i, names, mix_path, where, default_exhausted, default_bad))
+        try:
+            specs.append(_parse_source(src, i, names, mix_path, where, default_exhausted, default_bad))
+        except DataNotHere as e:  # the mix's own description says what writes its files (the demo mix: `zerotrain demo`)
+            if not isinstance(raw.get("description"), str) or not raw["description"]:
+                raise
+            raise DataNotHere(f"{e} (the mix: {raw['description']})") from None
     total = sum(s.weight for s in specs)
     specs = tuple(SourceSpec(**{**s.to_dict(), "weight": s.weight / total}) for s in specs)
     return Mix(path=str(mix_path), sources=specs, warn_epochs=float(warn_epochs),

@@ -118,7 +118,7 @@ class RunConfig:
                                       " module.path:ClassName (docs/optimizers.md)", IDENTITY_WHEN_SET)
     optimizer_args: dict | None = opt(None, "the optimizer's hyper-parameters as a JSON object, e.g."
                                             " '{\"weight_decay\": 0.0}'", IDENTITY_WHEN_SET)
-    # --- the planner's fit check (launcher/components/planner.py) ---
+    # --- the planner's fit check (launcher/planning) ---
     fit_check: bool | None = opt(None, "refuse, before building anything, a config the planner says cannot fit in"
                                        " this device's memory (default on; --no-fit-check to try anyway)", RUN)
     # --- recipes (--config) and --dry-run ---

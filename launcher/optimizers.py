@@ -127,6 +127,9 @@ class Spec:
     stages: tuple = ALL_STAGES
     notes: str = ""
     open_args: bool = False  # a user class taking **kwargs: any argument name is passed on
+    # fp32 bytes of optimizer state per parameter, (on 2-D block matrices, on the rest): the planner's figure
+    # (launcher/planning); None: not known, and the planner refuses to guess (`state_bytes_per_param`)
+    state_per_param: tuple[float, float] | None = None
 
     def defaults(self) -> dict:
         return {k: d for k, (d, _) in self.hparams.items()}
@@ -224,7 +227,7 @@ def _ademamix_client(params, hp, cfg):
 ADAMW = Spec("adamw", "DeepSpeed (torch AdamW or FusedAdam, as the profile says)",
              {"betas": (None, betas(2)), "eps": (None, positive), "weight_decay": (None, nonneg),
               "torch_adam": (None, boolean)},
-             "8 (exp_avg, exp_avg_sq)", _adamw_configure,
+             "8 (exp_avg, exp_avg_sq)", _adamw_configure, state_per_param=(8, 8),
              notes="defaults: the profile's optimizer section (every shipped profile: betas 0.9/0.95, eps 1e-8,"
                    " weight_decay 0.1)")
 
@@ -233,24 +236,24 @@ REGISTRY: dict[str, Spec] = {s.name: s for s in (
     Spec("muon", "DeepSpeed (MuonWithAuxAdam): Muon on 2-D weights, AdamW on embeddings, head and norms",
          {"momentum": (0.95, fraction), "weight_decay": (0.0, nonneg), "adam_lr": (3e-3, positive),
           "betas": ((0.9, 0.95), betas(2)), "eps": (1e-8, positive), "ns_method": ("gram", choice("gram", "standard"))},
-         "4 on matrices (momentum), 8 on the rest (AdamW)", _muon_configure, lr=0.02,
+         "4 on matrices (momentum), 8 on the rest (AdamW)", _muon_configure, lr=0.02, state_per_param=(4, 8),
          notes="--lr is the Muon (matrix) lr, adam_lr the AdamW half's peak; the schedule scales both;"
                " weight_decay is decoupled and shared by both halves"),
     Spec("lion", "DeepSpeed's kernels (FusedLion on CUDA, DeepSpeedCPULion on a CPU), sign(0) = 0 restored",
          {"betas": ((0.9, 0.99), betas(2)), "weight_decay": (0.0, nonneg)},
          "4 (exp_avg); 8 with DeepSpeedCPULion, which also allocates an unused exp_avg_sq", _client_configure,
-         client=_lion_client, lr=3e-4,
+         client=_lion_client, lr=3e-4, state_per_param=(4, 4),
          notes="lr default 3e-4: Lion's sign update wants about 1/10 of AdamW's (Chen et al. 2023)"),
     Spec("adamw-decaying-wd", "zerotrain (launcher/client_optimizers.py), plain PyTorch",
          {"betas": ((0.9, 0.95), betas(2)), "eps": (1e-8, positive), "weight_decay": (3e-4, nonneg),
           "wd_timescale": (None, steps_or_null)},
-         "8 (exp_avg, exp_avg_sq)", _client_configure, client=_decaying_wd_client,
+         "8 (exp_avg, exp_avg_sq)", _client_configure, client=_decaying_wd_client, state_per_param=(8, 8),
          notes="decay per step = weight_decay x (lr_t / peak lr) / (1 + t / wd_timescale), independent of the"
                " peak lr; wd_timescale default --max-steps / 10"),
     Spec("ademamix", "zerotrain (launcher/client_optimizers.py), plain PyTorch; Pagliardini et al. 2024",
          {"betas": ((0.9, 0.999, 0.9999), betas(3)), "alpha": (5.0, nonneg), "warmup_steps": (None, steps_or_null),
           "eps": (1e-8, positive), "weight_decay": (0.1, nonneg)},
-         "12 (fast EMA, slow EMA, exp_avg_sq)", _client_configure, client=_ademamix_client,
+         "12 (fast EMA, slow EMA, exp_avg_sq)", _client_configure, client=_ademamix_client, state_per_param=(12, 12),
          notes="alpha and beta3 warm up over warmup_steps (default --max-steps), as in the paper"),
 )}
 
@@ -315,7 +318,16 @@ def _user_spec(name: str) -> Spec:
         return cls(params, lr=cfg.lr, **hp)
 
     return Spec(name, f"user class {cls.__module__}.{cls.__qualname__}", hparams, "the class's", _client_configure,
-                client=client, stages=tuple(getattr(cls, "zero_stages", ALL_STAGES)), open_args=open_kwargs)
+                client=client, stages=tuple(getattr(cls, "zero_stages", ALL_STAGES)), open_args=open_kwargs,
+                state_per_param=_declared_state(cls))
+
+
+def _declared_state(cls) -> tuple[float, float] | None:
+    """A user class's `state_bytes_per_param` (fp32 bytes of state per parameter, as the registry's), if it says."""
+    declared = getattr(cls, "state_bytes_per_param", None)
+    if isinstance(declared, bool) or not isinstance(declared, (int, float)) or declared < 0:
+        return None
+    return (declared, declared)
 
 
 def parse_args(args) -> dict:
@@ -374,6 +386,23 @@ def check_optimizer(name, args) -> tuple[str | None, dict | None]:
     if name == DEFAULT and args is None:
         name = None
     return name, args
+
+
+def state_bytes_per_param(name: str | None, matrices: int = 0, total: int = 0) -> float:
+    """Bytes of optimizer state per parameter (fp32; Adam's 8) for a model of `total` parameters, `matrices` of them
+    in 2-D block weights (Muon's split; unused by an optimizer that keeps the same state on every parameter): the
+    registry's figure, the one the planner uses. An optimizer that does not say (a user class without
+    `state_bytes_per_param`) is refused (UsageError, one line) rather than guessed."""
+    spec, _ = resolve(name)
+    if spec.state_per_param is None:
+        raise UsageError(f"--optimizer {spec.name}: the planner needs its optimizer state per parameter; give the class"
+                         " a `state_bytes_per_param` attribute (fp32 bytes, AdamW's is 8)")
+    on_matrices, on_rest = spec.state_per_param
+    if on_matrices == on_rest:
+        return on_rest
+    if not total:
+        raise ValueError(f"state_bytes_per_param: {spec.name}'s state differs on matrices; give the model's counts")
+    return (on_matrices * matrices + on_rest * (total - matrices)) / total
 
 
 def default_lr(name: str | None) -> float | None:

@@ -34,8 +34,6 @@ from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
-from zerotrain.launcher.components.planner import (check_sequence_parallel, fit_check, offload_lines, run_loss_chunk,
-                                                   size_auto_micro_batch)
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.components.tasks import check_best_by, every_steps, need_lm_eval, split_specs
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
@@ -44,12 +42,12 @@ from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describ
                                         run_tokens, size_in_tokens, token_budget)
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.optimizers import describe_implementation
-from zerotrain.launcher.profiles import (check_devices, describe_precision, detect_profile, load_profile,
-                                        one_device_stage, resolve_ds_config)
-from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
-from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, compile_at_stage, describe_settings, parse_every
+from zerotrain.launcher.planning import fit_check, offload_lines, run_loss_chunk
+from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile
+from zerotrain.launcher.resolution import resolve
+from zerotrain.launcher.settings import BY_NAME, Settings, describe_settings, parse_every, with_schedule
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import ModelArgs, choose_attention, count_params, math_kernel, mlp_tiles
+from zerotrain.modeling.sizes import count_params, mlp_tiles
 
 
 def single_process_env() -> None:
@@ -239,23 +237,18 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     cfg, profile_name, profile, settings = ident.cfg, ident.profile_name, ident.profile, ident.settings
     tokenizer, model_args, run_dir = ident.tokenizer, ident.model_args, ident.run_dir
     run_id = run_dir.name
-    sp = check_sequence_parallel_plan(cfg, settings, model_args, world)
-    data_world = world // sp  # the batch, the data and the loader states count row groups, not ranks
-    # a profile --profile auto built: the micro-batch that fits its GPU (the planner's, as in --dry-run and plan)
-    profile = size_auto_micro_batch(profile, cfg, model_args, settings.values, world)
-    ds_config = resolve_ds_config(profile, cfg, data_world, f"profile {profile_name}")
-    # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
-    cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len)
+    node = Node.of_profile(settings.hardware) if cfg.dry_run else Node.here()  # the machine, asked once
+    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
+                                    detect=detect_profile)
+    # the batch, the schedule sized in tokens, every setting and the DeepSpeed dict: as `zerotrain plan` has them
+    resolved = resolve(cfg, profile_name, profile, world, node, model_args, settings=settings,
+                       started_stage=_started_stage(run_dir))
+    cfg, settings, ds_config, stage_line = resolved.cfg, resolved.settings, resolved.ds_config, resolved.stage_line
+    sp, data_world = resolved.sequence_parallel, resolved.data_world  # the data and loader states count row groups
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
     data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
     loader_settings = dataloader_settings(settings.dataloader, f"profile {profile_name}")
     loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # SFT needs best-fit
-    node = Node.of_profile(settings.hardware) if cfg.dry_run else Node.here()  # the machine, asked once
-    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
-                                    detect=detect_profile)
-    settings = attention_kernel(cfg, settings, ds_config, node, model_args)
-    ds_config, stage_line = one_device_stage(ds_config, world, node.device, _started_stage(run_dir))
-    settings = compile_at_stage(settings, ds_config)
     check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
     # host memory and traffic on the profile's hardware; a dry run refuses what its host cannot hold (a real
     # run: fit_check, against the RAM available now)
@@ -294,10 +287,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
     repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed),
                             settings.max_epochs, settings.sources["max_epochs"])
-    # the schedule's values and sources are final now (sized in tokens, a resumed run's warmup kept): resolved
-    # again with them, the attention kernel as chosen for this machine
-    settings = compile_at_stage(resolve_settings(cfg, profile_name, profile), ds_config).replace(
-        "attention", settings.attention, settings.sources["attention"])
+    settings = with_schedule(settings, cfg)  # the schedule's values and sources final (a resumed run's kept)
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=ident.profile_why,
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
@@ -388,15 +378,6 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
     return cfg, ds_config, meta
 
 
-def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: int) -> int:
-    """--sequence-parallel N checked against the launch and the model (UsageError, one line, before anything
-    is written): planner.check_sequence_parallel, which `zerotrain plan` runs too."""
-    sp = settings.sequence_parallel
-    check_sequence_parallel(sp, f"--sequence-parallel {sp} ({settings.sources['sequence_parallel']})", cfg.seq_len,
-                            model_args, world)
-    return sp
-
-
 def finished_again(plan: RunPlan) -> StopRun:
     """A run started again once it reached --max-steps (a restart or a requeue after its last save; the README's
     "run the same command again"): nothing is built or trained; rank 0 records this launch in manifest.json
@@ -425,38 +406,6 @@ def check_offload_here(ds_config: dict, model_args, world: int, dry_run: bool) -
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             need = offload.nvme_bytes(count_params(model_args)["total"], ds_config, local, world)
             offload.check_nvme_space(path, need, "--nvme-path")
-
-
-def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: Node, model_args: ModelArgs) -> Settings:
-    """The settings with `attention` the kernel this run's model uses: --attention, else the profile's
-    zerotrain.attention, else auto, resolved for the accelerator and precision (modeling/sizes.py
-    `choose_attention`). One that cannot run here is refused (UsageError) before anything is written.
-
-    A dry run names what the profile's hardware would run (a CUDA machine for a GPU profile, with a
-    torch that has the varlen kernel); a real run asks this node (launcher/node.py). --deterministic keeps
-    varlen: torch runs its flash backward deterministically once deterministic algorithms are on (not
-    warn-only, components/determinism.py), and sdpa with packed documents and GQA would be torch's math kernel.
-    """
-    name, source = settings.attention, settings.sources["attention"]
-    words = f"--attention" if source in GIVEN or source == "default" else source
-    precision = profile_precision(ds_config)
-    device, installed = node.device, node.varlen
-    try:
-        kernel = choose_attention(name, device, precision, installed, model_args.n_kv_heads < model_args.n_heads)
-    except ValueError as e:
-        raise UsageError(f"{words} {name}: {e}") from None
-    if kernel == "flex" and device == "cpu" and settings.compile:
-        # torch 2.13 compiles flex_attention for a CPU without a backward (inductor's CPU lowering fails on
-        # the eager operator model.py calls there, and the public function refuses gradients on a CPU)
-        raise UsageError(f"{words} flex with --compile: torch cannot compile flex attention with a backward on a"
-                         " CPU (drop --compile, or use sdpa)")
-    if name != "auto":
-        return settings.replace("attention", kernel, source)
-    why = f"rule: auto on {device}, {precision}"
-    if math_kernel(kernel, device, model_args.n_kv_heads < model_args.n_heads):  # fp32, or a torch without varlen
-        why += ("; with packed documents and GQA PyTorch runs its math kernel here: (B, H, T, T) fp32 scores per"
-                " layer, counted by the fit check (flex, or varlen in bf16, keeps none)")
-    return settings.replace("attention", kernel, why)
 
 
 def describe(plan: RunPlan, schedule: bool = True) -> list[str]:

@@ -193,10 +193,6 @@ def mfu_threshold_rule(values: dict, node):
     return None
 
 
-def health_rule(values: dict, node):
-    return None  # the profile's knobs are merged over HEALTH_DEFAULTS in `resolve`
-
-
 # -- the table -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -483,8 +479,7 @@ def resolve(cfg, profile_name: str, profile: dict, node=None) -> Settings:
         if s.group == "hparams" and cfg is None:
             continue
         if s.group == "hparams":
-            values[s.name] = v if not (s.name == "schedule" and v is None) else "cosine"
-            sources[s.name] = hparams_source(given_sources.get(s.name, "default"))
+            values[s.name], sources[s.name] = schedule_entry(s, v, given_sources)
         elif s.flag and cfg is not None and v is not None and (v != s.field_default or s.name in given_sources):
             # given, or resolved before into the config (launcher/hparams.py), each with its source
             values[s.name], sources[s.name] = v, hparams_source(given_sources.get(s.name, "given"))
@@ -497,6 +492,23 @@ def resolve(cfg, profile_name: str, profile: dict, node=None) -> Settings:
         else:
             values[s.name], sources[s.name] = (dict(s.default) if isinstance(s.default, dict) else s.default,
                                                "default")
+    return Settings(values, sources)
+
+
+def schedule_entry(s: Setting, value, given_sources: dict) -> tuple[object, str]:
+    """(value, source) of a schedule setting (launcher/hparams.py's group) as the config holds it."""
+    return (value if not (s.name == "schedule" and value is None) else "cosine",
+            hparams_source(given_sources.get(s.name, "default")))
+
+
+def with_schedule(settings: Settings, cfg) -> Settings:
+    """The settings with the schedule's entries `cfg`'s: once the schedule is sized in tokens at the run's world or
+    kept by a resume (launcher/hparams.py size_in_tokens), after everything else was resolved once."""
+    values, sources = dict(settings.values), dict(settings.sources)
+    for s in table(type(cfg)):
+        if s.group == "hparams":
+            value = getattr(cfg, s.name, None) if s.flag else None
+            values[s.name], sources[s.name] = schedule_entry(s, value, cfg.sources or {})
     return Settings(values, sources)
 
 

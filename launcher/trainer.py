@@ -49,7 +49,8 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable
-from zerotrain.launcher.components import ds_compat, manifest, offload, oom, planner
+from zerotrain.launcher import planning
+from zerotrain.launcher.components import ds_compat, manifest, offload, oom
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
@@ -663,15 +664,15 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     hw = s.hardware
     if "device_memory_gib" in hw or hw.get("accelerator") == "cpu":
         nodes = hw.get("nodes", 1) if world >= hw.get("nodes", 1) else 1
-        setup = planner.setup_from(ds, s.values, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args,
+        setup = planning.setup_from(ds, s.values, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args,
                                    attention=plan.attention)
-        p = planner.make_plan(args, setup, planner.stage_key(ds), ds["train_micro_batch_size_per_gpu"],
+        p = planning.make_plan(args, setup, planning.stage_key(ds), ds["train_micro_batch_size_per_gpu"],
                               ds["gradient_accumulation_steps"], cfg.seq_len, bool(s.activation_checkpointing),
                               peak_flops=s.peak_flops_per_device, mfu=s.expected_mfu,
                               total_tokens=cfg.total_tokens, max_hours=cfg.max_hours, budget_usd=cfg.budget_usd,
                               gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps)
         fits = p["fits"]
-        lines.append("plan: " + planner.verdict(p))
+        lines.append("plan: " + planning.verdict(p))
     for line in lines:
         print(line, flush=True)
     return RunResult(run_dir=plan.run_dir, step=0, tokens_seen=0, stop="dry-run", message="dry run",

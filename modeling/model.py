@@ -164,8 +164,8 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 class DocumentLayout(NamedTuple):
     """Where the documents of a batch are, in the form one kernel takes; derived once per forward.
 
-    backend "sdpa": `mask` (B, 1, T, T) when documents share a row, None when every row holds one
-    document (then is_causal, no mask at all). "flex": `block_mask`. "varlen": `cu_seqlens`
+    backend "sdpa": `mask` (B, 1, T, T), boolean, when documents share a row (the model's forward hands the blocks
+    its `additive_mask`), None when every row holds one document (then is_causal, no mask at all). "flex": `block_mask`. "varlen": `cu_seqlens`
     (n_docs + 1,) int32 over the flattened batch and `max_seqlen`, the row length (a bound on the longest
     document: see from_positions).
     """
@@ -199,6 +199,14 @@ class DocumentLayout(NamedTuple):
         # the O(T^2) mask. Read on the host when position_ids are there; else one host sync per forward.
         shared = bool(document_starts(position_ids)[:, 1:].any())
         return DocumentLayout(backend, mask=document_mask(_to_device(position_ids, device)) if shared else None)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as sdpa's additive form, 0 or -inf in `dtype`: the values sdpa
+    makes of a boolean mask itself (torch.where in its composite), but sdpa makes them in every call, forward and
+    backward, and keeps its copy for backward in every layer; made once per forward, every block shares one
+    (measured on the CPU, benchmarks/RESULTS.md 2026-11-27: two `where` over (B, 1, T, T) per layer and step)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -490,6 +498,8 @@ class Transformer(nn.Module):
         if docs is None:  # the whole row: the kernel sees whole rows
             backend = resolve_attention("auto", x.device.type, x.dtype) if self.attention == "auto" else self.attention
             docs = DocumentLayout.from_positions(position_ids, backend)
+        if docs.mask is not None and docs.mask.dtype == torch.bool:
+            docs = docs._replace(mask=additive_mask(docs.mask, x.dtype))
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, docs, shard, use_reentrant=False)

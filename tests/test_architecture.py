@@ -11,14 +11,14 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
     5  launcher/errors
     6  the config layer: config, settings (the settings table), node (the machine), hparams, profiles, model_spec,
        optimizers, client_optimizers
-    7  launcher/components/*: the flat modules, checkpoints/ and observe/
+    7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner)
     8  launcher/components/launching/*: starting ranks and restarting jobs
-    9  the run: run_plan, trainer
+    9  the run: resolution (flags to a plan, once), run_plan, trainer
     10 entry points: launcher/commands/*, cli, train, launcher/__init__ (the notebook's finetune), zerotrain/__main__
 
 dataio and modeling never import each other (modeling sits beside dataio's lowest layer).
 A module may import its own layer or below, and no module may reach itself through imports. A file
-added to a folder whose modules all share a layer (components/ and its rooms, commands/, modeling/) is
+added to a folder whose modules all share a layer (components/ and its rooms, planning/, commands/, modeling/) is
 placed by its folder; one added anywhere else (dataio/ included: its modules are placed one by one) must
 be given a layer in LAYERS below, or this test says so. Also here: nothing imports the bare `launcher`,
 `modeling` or `dataio` (the names the folders had before they installed as zerotrain.*), and the light
@@ -56,7 +56,8 @@ LAYERS = {
     "zerotrain.launcher.settings": 6, "zerotrain.launcher.node": 6,
     "zerotrain.launcher.components.*": 7,
     "zerotrain.launcher.components.launching.*": 8,
-    "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9,
+    "zerotrain.launcher.planning.*": 7,
+    "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9, "zerotrain.launcher.resolution": 9,
     "zerotrain.launcher.commands.*": 10, "zerotrain.launcher.cli": 10, "zerotrain.launcher.train": 10,
     "zerotrain.launcher": 10, "zerotrain.__main__": 10,
 }

@@ -165,13 +165,13 @@ def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(tmp_path, mix_path, 
     assert offload.stale_build_locks(tmp_path) == [] and offload.describe_stale_locks(tmp_path) == []
 
 
-# ---- the planner's host memory and host-link traffic with offload (components/planner.py) -------------------
+# ---- the planner's host memory and host-link traffic with offload (launcher/planning) -------------------
 
 def test_host_memory_counts_deepspeeds_offloaded_allocations_per_node():
     """ZeRO-3 with the optimizer and parameters in host memory, bf16, Adam: per rank (4 + 8) fp32 master and
     moments, (2 + 4) gradient buffers, 2 parameters, times P/N, times the ranks of a node; ZeRO-2 with
     grad-accum > 1 adds the host-side accumulation buffer and the 16-bit staging copy."""
-    from zerotrain.launcher.components import planner
+    from zerotrain.launcher import planning as planner
     from zerotrain.launcher.profiles import load_profile
     from zerotrain.modeling.sizes import count_params, preset
 
@@ -181,24 +181,24 @@ def test_host_memory_counts_deepspeeds_offloaded_allocations_per_node():
     setup = planner.setup_from(prof, prof["zerotrain"])
     host = planner.host_memory(args, setup, "zero3_offload", grad_accum=16)
     part = P / 2
-    assert host["optimizer"] == pytest.approx(12 * part * 2)
-    assert host["gradients"] == pytest.approx(6 * part * 2)
-    assert host["parameters"] == pytest.approx(2 * part * 2)
-    assert host["state"] == pytest.approx(20 * P) and setup.host_bytes == 256 * 2**30
+    assert host.optimizer == pytest.approx(12 * part * 2)
+    assert host.gradients == pytest.approx(6 * part * 2)
+    assert host.parameters == pytest.approx(2 * part * 2)
+    assert host.state == pytest.approx(20 * P) and setup.host_bytes == 256 * 2**30
     z2 = planner.host_memory(args, setup, "zero2_offload", grad_accum=16)
-    assert z2["gradients"] == pytest.approx((4 + 2) * part * 2)  # fp32 partition + the host accumulation buffer
-    assert z2["buffers"] == pytest.approx((2 * part + 2 * planner.largest_layer(args)) * 2)
-    assert planner.host_memory(args, setup, 3)["total"] == pytest.approx(host["total"])  # the profile's own row
+    assert z2.gradients == pytest.approx((4 + 2) * part * 2)  # fp32 partition + the host accumulation buffer
+    assert z2.buffers == pytest.approx((2 * part + 2 * planner.largest_layer(args)) * 2)
+    assert planner.host_memory(args, setup, 3).total == pytest.approx(host.total)  # the profile's own row
     # NVMe: the optimizer's state leaves host memory, but DeepSpeed's swap buffers (4 of the largest sub-group,
     # 1e9 elements by default: a whole partition here), the gradient partition and up to max_in_cpu (1e9)
     # parameters stay: at DeepSpeed's defaults this model needs more host memory on NVMe, not less
     nvme = apply_offload(prof, "all", "/mnt/nvme", "--offload")
     swapped = planner.host_memory(args, planner.setup_from(nvme, prof["zerotrain"]), 3)
-    assert swapped["optimizer"] == 0 and swapped["gradients"] == pytest.approx(2 * part * 2)
-    assert swapped["parameters"] == pytest.approx(2 * part * 2)
-    assert swapped["buffers"] == pytest.approx(2 * (4 * part * 4 + 5 * 1e8 * 2))  # defaults: 4 x sub-group, 5 x 1e8
+    assert swapped.optimizer == 0 and swapped.gradients == pytest.approx(2 * part * 2)
+    assert swapped.parameters == pytest.approx(2 * part * 2)
+    assert swapped.buffers == pytest.approx(2 * (4 * part * 4 + 5 * 1e8 * 2))  # defaults: 4 x sub-group, 5 x 1e8
     assert planner.host_memory(args, planner.setup_from(apply_offload(prof, "none", None, "--offload"),
-                                                        prof["zerotrain"]), 3)["total"] == 0
+                                                        prof["zerotrain"]), 3).total == 0
 
 
 def test_offload_traffic_is_in_the_plans_time(capsys):

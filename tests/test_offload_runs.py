@@ -316,7 +316,7 @@ def test_sigterm_with_offload_stops_saves_and_resumes_exactly(runs, name):
 
 
 def test_the_planners_host_memory_is_the_offloaded_state_measured_within_20_percent(runs):
-    """The planner's host memory per node for the offload rows (components/planner.py `host_memory`, its
+    """The planner's host memory per node for the offload rows (launcher/planning `host_memory`, its
     offloaded state: without the ranks' own memory) against what the 2-rank runs hold: the bytes of the tensors
     DeepSpeed's offloaded ZeRO optimizer keeps on the host after the first step, summed over both ranks
     (tests/helpers/offload_memory_harness.py, ds_compat.offloaded_state_bytes: fp32 master partitions, Adam's
@@ -324,7 +324,7 @@ def test_the_planners_host_memory_is_the_offloaded_state_measured_within_20_perc
     live in the same RAM as everything else: this checks the planner's accounting of DeepSpeed's offload
     structures, not memory saved on a device."""
     from zerotrain.dataio.tokenizer import load_tokenizer
-    from zerotrain.launcher.components import planner
+    from zerotrain.launcher import planning as planner
     from zerotrain.modeling.sizes import count_params, preset
 
     args = preset("debug", vocab_size=load_tokenizer("bytes").vocab_size)
@@ -338,7 +338,7 @@ def test_the_planners_host_memory_is_the_offloaded_state_measured_within_20_perc
         measured = sum(sum(m["bytes"].values()) for m in ranks)
         print(f"{name}: measured {measured:,} B over 2 ranks {[m['bytes'] for m in ranks]}, planned"
               f" {predicted['state']:,.0f} B")
-        assert predicted["state"] == pytest.approx(measured, rel=0.20), name
+        assert predicted.state == pytest.approx(measured, rel=0.20), name
         for part in ("optimizer", "gradients", "parameters"):  # and component by component
             assert predicted[part] == pytest.approx(sum(m["bytes"][part] for m in ranks), rel=0.20, abs=1), part
 

@@ -21,6 +21,7 @@ from zerotrain.launcher.components.participants.finite import Finite
 from zerotrain.launcher.components.participants.signals import Signals
 from zerotrain.launcher.components.participants.spikes import ROLLBACKS_MAX, Spikes
 from zerotrain.launcher.errors import StopRun
+from zerotrain.modeling.sizes import PRESETS
 
 
 def gather(layout: Layout, rows: list[dict]) -> Agreed:
@@ -85,7 +86,7 @@ def test_every_participant_of_the_run_fits_one_gather():
     """All of ORDER built for one run: their fields and the step's own share one layout (no name twice)."""
     dist = SimpleNamespace(broadcast_object_list=lambda box, src: None)
     run = FakeRun(plan=SimpleNamespace(golden=object(), run_dir=Path("r"), ckpt_dir=Path("r/c"), zt={},
-                                       model_args=None, best_higher=None, eval_tasks=object(), eval_tasks_every=5,
+                                       model_args=PRESETS["debug"], best_higher=None, eval_tasks=object(), eval_tasks_every=5,
                                        tokenizer=None, ds_config={"train_micro_batch_size_per_gpu": 1}, data_rank=1,
                                        data_world=2, sequence_parallel=1,
                                        settings=SimpleNamespace(eval_limit=None, best_by=None)),

@@ -1,4 +1,4 @@
-"""The planner (launcher/components/planner.py): counts from the model itself, DeepSpeed's own memory formulas,
+"""The planner (launcher/planning): counts from the model itself, DeepSpeed's own memory formulas,
 the activation formula against what autograd really keeps, the plan's arithmetic, the fit check,
 and bad input. No process group; the one subprocess is the CLI's exit status."""
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotrain.launcher.components import planner
+from zerotrain.launcher import planning as planner
 from zerotrain.launcher.commands.plan import plan_main
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.planning import hardware
 from zerotrain.launcher.profiles import list_profiles, load_profile
 from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, count_params, preset
 
@@ -105,7 +106,7 @@ def test_activation_formula_is_what_autograd_keeps(dtype, name, checkpointing, a
     if attention == "sdpa":  # the boolean mask: alive through the forward (a checkpoint input), not a saved tensor
         measured += B * T * T
     predicted = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, attention,
-                                         sequence_parallel=sp)["saved"]
+                                         sequence_parallel=sp).saved
     assert predicted == pytest.approx(measured, rel=0.02)
 
 
@@ -130,10 +131,10 @@ def test_the_tiled_mlp_formula_is_what_autograd_keeps(dtype, sp):
     measured = saved_activation_bytes(model, torch.randint(0, args.vocab_size, (B, T)), pos)
     tiled, untiled = (planner.activation_bytes(args, B, T, dtype.itemsize, False, "flex", sequence_parallel=sp,
                                                tiled_mlp=t) for t in (True, False))
-    assert tiled["saved"] == pytest.approx(measured, rel=0.02)
+    assert tiled.saved == pytest.approx(measured, rel=0.02)
     tokens = B * T // sp
-    assert untiled["saved"] - tiled["saved"] == args.n_layers * tokens * 4 * dtype.itemsize * args.ffn_hidden
-    assert tiled["transient"] > 0 and tiled["peak"] < untiled["peak"]
+    assert untiled.saved - tiled.saved == args.n_layers * tokens * 4 * dtype.itemsize * args.ffn_hidden
+    assert tiled.transient > 0 and tiled.peak < untiled.peak
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -157,10 +158,10 @@ def test_the_math_kernel_formula_is_what_autograd_keeps(dtype, name, checkpointi
         measured = saved_activation_bytes(model, torch.randint(0, args.vocab_size, (B, T)), pos) + B * T * T
     math = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, "sdpa", "cuda")
     fused = planner.activation_bytes(args, B, T, dtype.itemsize, checkpointing, "sdpa", "cpu")
-    assert math["saved"] == pytest.approx(measured, rel=0.002)
+    assert math.saved == pytest.approx(measured, rel=0.002)
     if not checkpointing:  # every layer's softmax is kept until its backward
-        assert math["saved"] - fused["saved"] >= args.n_layers * B * args.n_heads * T * T * 4
-    assert math["transient"] > fused["transient"]  # its backward's extra (B, H, T, T)
+        assert math.saved - fused.saved >= args.n_layers * B * args.n_heads * T * T * 4
+    assert math.transient > fused.transient  # its backward's extra (B, H, T, T)
 
 
 def test_flex_block_mask_bytes_are_the_block_masks_tensors():
@@ -177,8 +178,31 @@ def test_flex_block_mask_bytes_are_the_block_masks_tensors():
     args = CONFIGS["debug (GQA)"]
     flex = planner.activation_bytes(args, 2, 1024, 2, False, "flex", "cuda")
     varlen = planner.activation_bytes(args, 2, 1024, 2, False, "varlen", "cuda")
-    assert flex["saved"] - varlen["saved"] == planner.flex_block_mask_bytes(2, 1024)
-    assert flex["transient"] - varlen["transient"] == 2 * 1024 * 4 * args.n_heads  # the backward's fp32 delta
+    assert flex.saved - varlen.saved == planner.flex_block_mask_bytes(2, 1024)
+    assert flex.transient - varlen.transient == 2 * 1024 * 4 * args.n_heads  # the backward's fp32 delta
+
+
+def test_optimizer_state_bytes_are_the_registrys_and_an_unknown_one_is_refused(tmp_path, monkeypatch):
+    """The planner's optimizer state per parameter is the registry's (launcher/optimizers.py state_per_param):
+    AdamW 8, Lion 4, AdEMAMix 12, Muon 4 on the blocks' matrices and 8 elsewhere; a user class that does not declare
+    `state_bytes_per_param` is refused in one line, not planned as Adam's 8."""
+    args = preset("small", vocab_size=258)
+    counts = count_params(args)
+    matrices = counts["non_embedding"] - (args.n_layers * 2 * args.dim + args.dim)
+    expected = {None: 8, "adamw": 8, "adamw-decaying-wd": 8, "lion": 4, "ademamix": 12,
+                "muon": (4 * matrices + 8 * (counts["total"] - matrices)) / counts["total"]}
+    for name, state in expected.items():
+        assert planner.optimizer_state_bytes(name, args) == state, name
+    (tmp_path / "lab_opt.py").write_text(
+        "import torch\n\nclass Plain(torch.optim.SGD):\n    pass\n\n"
+        "class Declared(torch.optim.SGD):\n    state_bytes_per_param = 4\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert planner.optimizer_state_bytes("lab_opt:Declared", args) == 4
+    with pytest.raises(UsageError, match=r"^--optimizer lab_opt:Plain: the planner needs its optimizer state per"
+                                         r" parameter; give the class a `state_bytes_per_param` attribute"):
+        planner.optimizer_state_bytes("lab_opt:Plain", args)
+    with pytest.raises(UsageError, match="lab_opt:Plain: the planner needs"):  # the fit check refuses it too
+        planner.fit_check(*fit_check_args(cfg(seq_len=256, optimizer="lab_opt:Plain", lr=0.1)))
 
 
 def test_max_micro_batch_is_the_largest_that_fits():
@@ -188,8 +212,8 @@ def test_max_micro_batch_is_the_largest_that_fits():
     for stage in (2, 3):
         mb = planner.max_micro_batch(args, setup, stage, 2048, True)
         assert mb >= 1
-        assert planner.memory(args, setup, stage, mb, 2048, True)["total"] <= setup.device_bytes
-        assert planner.memory(args, setup, stage, mb + 1, 2048, True)["total"] > setup.device_bytes
+        assert planner.memory(args, setup, stage, mb, 2048, True).total <= setup.device_bytes
+        assert planner.memory(args, setup, stage, mb + 1, 2048, True).total > setup.device_bytes
 
 
 def test_plan_json_arithmetic(capsys):
@@ -316,9 +340,9 @@ def test_gpus_without_a_profile_is_plain_data_parallelism(capsys):
     # took 42 GB: the peak's transient is one block's gradients in backward, no longer the loss, and what is kept
     # beyond the blocks (the head's weight gradient, the final norm, rotary tables) is under 1 GiB
     act = planner.activation_bytes(preset("ws-1.3b", vocab_size=128256), 16, 2048, 2, False, "varlen")
-    assert p["memory"]["zero3"]["activations_gib"] == pytest.approx(act["peak"] / 2**30, abs=0.01)
-    blocks = 16 * 2048 * 32 * act["block_per_token"]
-    assert act["transient"] == 16 * 2048 * act["block_per_token"] and act["saved"] - blocks < 2**30
+    assert p["memory"]["zero3"]["activations_gib"] == pytest.approx(act.peak / 2**30, abs=0.01)
+    blocks = 16 * 2048 * 32 * act.block_per_token
+    assert act.transient == 16 * 2048 * act.block_per_token and act.saved - blocks < 2**30
     assert p["attention"] == "varlen"  # a GPU in bf16
     assert p["hours"] is not None and p["mfu"] == 0.4
 
@@ -345,14 +369,14 @@ def test_fit_check_refuses_what_cannot_fit_fast(monkeypatch):
         planner.fit_check(*fit_check_args(cfg(seq_len=99999999)))
     assert time.time() - t0 < 2
     m = planner.fit_check(*fit_check_args(cfg(seq_len=256)))  # the demo's config fits, with room to spare
-    assert m["total"] < 2 * 2**30
+    assert m.total < 2 * 2**30
 
 
 def test_fit_check_uses_ram_divided_among_local_ranks(monkeypatch):
-    monkeypatch.setattr(planner, "available_ram", lambda: 8 * 2**30)
+    monkeypatch.setattr(hardware, "available_ram", lambda: 8 * 2**30)
     config = fit_check_args(cfg(model="small", seq_len=512, micro_batch=2))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    need = planner.fit_check(*config)["total"]
+    need = planner.fit_check(*config).total
     assert 4 * 2**30 < need < 8 * 2**30  # fits in 8 GiB for one rank ...
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(UsageError, match=r"8.0 GiB RAM available / 2 local rank"):  # ... not in 4 GiB each
@@ -406,15 +430,15 @@ def test_the_cuda_context_is_the_profiles_and_hpz_keeps_a_secondary_weight_parti
     for name in ("h100-80g-x8", "h100-pcie-80g-x8", "h100-80g-2x8-multinode"):
         prof = load_profile(name)[1]
         setup = planner.setup_from(prof, prof["zerotrain"])
-        contexts[name] = planner.memory(args, setup, 3, 1, 2048, False)["context"] / planner.GiB
+        contexts[name] = planner.memory(args, setup, 3, 1, 2048, False).context / planner.GiB
     assert contexts == {"h100-80g-x8": 1.3, "h100-pcie-80g-x8": 1.0, "h100-80g-2x8-multinode": 1.3}
     prof = load_profile("h100-80g-2x8-multinode")[1]
     assert prof["zero_optimization"]["zero_hpz_partition_size"] == 8
     with_hpz = planner.setup_from(prof, prof["zerotrain"])
     without = planner.setup_from({**prof, "zero_optimization": {**prof["zero_optimization"],
                                                                  "zero_hpz_partition_size": 1}}, prof["zerotrain"])
-    extra = planner.memory(args, with_hpz, 3, 1, 2048, False)["buffers"] - \
-        planner.memory(args, without, 3, 1, 2048, False)["buffers"]
+    extra = planner.memory(args, with_hpz, 3, 1, 2048, False).buffers - \
+        planner.memory(args, without, 3, 1, 2048, False).buffers
     assert extra == pytest.approx(2 * P / 8)
 
 
@@ -436,13 +460,13 @@ def test_the_loss_chunk_on_a_gpu_uses_the_memory_backward_needs_anyway():
     args = preset("ws-1.3b", vocab_size=128256)
     cpu = planner.activation_bytes(args, 16, 2048, 2, False, "varlen", "cpu")
     gpu = planner.activation_bytes(args, 16, 2048, 2, False, "varlen", "cuda")
-    assert cpu["loss_chunk"] == 261 and gpu["loss_chunk"] > 3 * cpu["loss_chunk"]  # 1,693 tokens: 6x fewer chunks
-    assert gpu["peak"] == cpu["peak"] and gpu["transient"] == 16 * 2048 * gpu["block_per_token"]
+    assert cpu.loss_chunk == 261 and gpu.loss_chunk > 3 * cpu.loss_chunk  # 1,693 tokens: 6x fewer chunks
+    assert gpu.peak == cpu.peak and gpu.transient == 16 * 2048 * gpu.block_per_token
     small = planner.activation_bytes(args, 1, 256, 2, False, "varlen", "cuda")  # no room: the CPU's size
-    assert small["loss_chunk"] == 256  # capped by the micro-batch's tokens
+    assert small.loss_chunk == 256  # capped by the micro-batch's tokens
     profile = load_profile("rtx6000ada-48g-x2")[1]
     ds = {**profile, "train_micro_batch_size_per_gpu": 16}
-    assert planner.run_loss_chunk(args, ds, 2048, False, "varlen", "cuda") == gpu["loss_chunk"]
+    assert planner.run_loss_chunk(args, ds, 2048, False, "varlen", "cuda") == gpu.loss_chunk
     assert planner.run_loss_chunk(args, ds, 2048, False, "varlen", "cpu") is None
 
 
@@ -456,8 +480,8 @@ def test_sequence_parallelism_divides_the_activations_the_fit_check_counts():
     one, eight = (planner.setup_from(prof, {**knobs, "sequence_parallel": n}) for n in (1, 8))
     assert (one.sequence_parallel, eight.sequence_parallel) == (1, 8)
     m1, m8 = (planner.memory(args, s, 3, 1, 32768, True) for s in (one, eight))
-    assert m8["model_states"] == m1["model_states"]
-    assert m1["activations"] / 9 < m8["activations"] < m1["activations"] / 6
+    assert m8.model_states == m1.model_states
+    assert m1.activations / 9 < m8.activations < m1.activations / 6
 
 
 # -- sequence parallelism: the all-to-all, the longest row, `zerotrain plan --sequence-parallel` --------------
@@ -500,8 +524,8 @@ def test_all_to_all_volume_is_what_our_exchange_moves(name, sp, checkpointing, d
     handed = sum(RecordingExchange.sizes)
     assert len(RecordingExchange.sizes) == args.n_layers * (12 if checkpointing else 8)
     predicted = planner.all_to_all_bytes(args, B, T, dtype.itemsize, sp, checkpointing)
-    assert predicted["per_layer"] * args.n_layers == pytest.approx(handed * (sp - 1) / sp, rel=1e-12)
-    assert planner.all_to_all_bytes(args, B, T, dtype.itemsize, 1, checkpointing)["per_layer"] == 0
+    assert predicted.per_layer * args.n_layers == pytest.approx(handed * (sp - 1) / sp, rel=1e-12)
+    assert planner.all_to_all_bytes(args, B, T, dtype.itemsize, 1, checkpointing).per_layer == 0
 
 
 def test_plan_131072_on_eight_h100_with_sequence_parallel_8(capsys):
@@ -583,8 +607,8 @@ def test_longest_row_search_is_monotone_and_the_fit_checks_answer(monkeypatch):
         for ac in (False, True):
             longest = planner.max_seq_len(args, setup, 3, ac)
             assert longest % n == 0 and longest > 0
-            assert planner.memory(args, setup, 3, 1, longest, ac)["total"] <= setup.device_bytes
-            assert planner.memory(args, setup, 3, 1, longest + n, ac)["total"] > setup.device_bytes
+            assert planner.memory(args, setup, 3, 1, longest, ac).total <= setup.device_bytes
+            assert planner.memory(args, setup, 3, 1, longest + n, ac).total > setup.device_bytes
             rows[n, ac] = longest
         smaller = planner.setup_from(prof, {**knobs, "sequence_parallel": n}, device_bytes=40 * 2**30)
         assert planner.max_seq_len(args, smaller, 3, False) < rows[n, False]
@@ -594,7 +618,7 @@ def test_longest_row_search_is_monotone_and_the_fit_checks_answer(monkeypatch):
 
     # the driver's fit check on this CPU, 2 ranks at N = 2: the longest row passes, N positions more are refused
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(planner, "available_ram", lambda: 8 * 2**30)
+    monkeypatch.setattr(hardware, "available_ram", lambda: 8 * 2**30)
     run, model_args, ds, zt, world = fit_check_args(cfg(model="tiny", seq_len=256, micro_batch=1))
     zt = {**zt, "sequence_parallel": 2}
     setup = planner.setup_from(ds, zt, world=2, nodes=1, device_bytes=4 * 2**30, args=model_args)

@@ -252,6 +252,28 @@ def test_cpu_debug_is_the_demo():
                for s in mix["sources"])
 
 
+def test_the_demo_mix_without_its_files_says_how_to_make_them(tmp_path):
+    """From a wheel the shipped demo mix points into site-packages, where no demo data is: the one line names
+    the missing file and, from the mix's description, the step a newcomer is missing (`zerotrain demo`, then
+    --data runs/demo-data/mix.json). A mix without a description keeps the bare line."""
+    from zerotrain.dataio.errors import DataNotHere
+    from zerotrain.dataio.mix import parse_mix
+
+    shipped = json.loads((REPO / "dataio" / "mixes" / "demo.json").read_text())
+    (tmp_path / "dataio" / "mixes").mkdir(parents=True)  # as in site-packages/zerotrain/: no runs/ beside it
+    mix = tmp_path / "dataio" / "mixes" / "demo.json"
+    mix.write_text(json.dumps(shipped))
+    with pytest.raises(DataNotHere) as e:
+        parse_mix(mix)
+    line = str(e.value)
+    assert "\n" not in line and f"data file {tmp_path / 'runs' / 'demo-data' / 'docs.jsonl'} does not exist" in line
+    assert "run `zerotrain demo` first and pass --data runs/demo-data/mix.json" in line
+    mix.write_text(json.dumps({k: v for k, v in shipped.items() if k != "description"}))
+    with pytest.raises(DataNotHere) as e:
+        parse_mix(mix)
+    assert str(e.value).endswith("docs.jsonl does not exist")
+
+
 @pytest.mark.launches
 @pytest.mark.parametrize("name", ["rtx6000ada-x2-760m", "rtx6000ada-x2-1.3b"])
 def test_workstation_recipes_launch_with_expandable_segments(name, tmp_path, monkeypatch):

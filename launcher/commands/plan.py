@@ -1,5 +1,5 @@
 """`zerotrain plan`: memory, time and money of a run before it starts (the memory model is
-zerotrain.launcher.components.planner; this is its command line)."""
+zerotrain.launcher.planning; this is its command line)."""
 from __future__ import annotations
 
 import json
@@ -10,14 +10,13 @@ from zerotrain.cli_args import Parser
 from zerotrain.dataio.errors import DataNotHere
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components.planner import (STAGES, GiB, check_sequence_parallel, make_plan, render, setup_from,
-                                                   size_auto_micro_batch, stage_key)
+from zerotrain.launcher.node import Node
+from zerotrain.launcher.planning import STAGES, GiB, make_plan, render, setup_from
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams, size_in_tokens
-from zerotrain.launcher.profiles import (apply_offload, detect_profile, load_profile, offload_settings, one_device_stage,
-                                        resolve_batch)
-from zerotrain.launcher.settings import compile_at_stage
+from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams
+from zerotrain.launcher.profiles import detect_profile, load_profile
+from zerotrain.launcher.resolution import resolve
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -55,11 +54,10 @@ def plan_main(argv: list[str]) -> dict:
     else:
         spec, auto = detect_profile() if cfg.profile == "auto" else (cfg.profile, None)
         name, profile = load_profile(spec)
-    settings = resolve_settings(cfg, name, profile)  # the profile's knobs under the flags given (settings.py)
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
-    offload, nvme, source = offload_settings(cfg, profile, name)  # --offload / the profile's: the row planned
-    profile = apply_offload(profile, offload, nvme, source)
+    cfg = resolve_hparams(cfg, name, profile)  # lr and the schedule, as the run resolves them (launcher/hparams.py)
+    settings = resolve_settings(cfg, name, profile)  # the profile's knobs under the flags given (settings.py)
     data_here = bool(values.get("data")) and Path(values["data"]).exists()  # else unknown: data_checks
     tokenizer = load_tokenizer(cfg.tokenizer) if ns.vocab_size is None or data_here else None
     if ns.vocab_size is not None:
@@ -70,25 +68,19 @@ def plan_main(argv: list[str]) -> dict:
     hw = settings.hardware
     nodes = ns.nodes or hw.get("nodes", 1)
     per_node = ns.gpus or hw.get("devices_per_node", 1)
-    stage_line = ""
-    if ns.zero is None:  # one device runs ZeRO as the run does (profiles.one_device_stage); --zero is planned as given
-        profile, stage_line = one_device_stage(profile, per_node * nodes, hw.get("accelerator", "cpu"))
-    settings = compile_at_stage(settings, profile)  # a profile's compile is not taken at ZeRO-3, as in the run
-    setup = setup_from(profile, settings.values, per_node * nodes, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
-                       getattr(cfg, "optimizer", None), args, attention=cfg.attention)
-    # --sequence-parallel N: refused as the run refuses it (one line), for the world planned
-    check_sequence_parallel(settings.sequence_parallel, f"--sequence-parallel {settings.sequence_parallel}"
-                            f" ({settings.sources['sequence_parallel']})", cfg.seq_len, args, setup.world,
-                            f"profile {name} plans 1 (give --gpus N, or a GPU --profile)")
-    profile = size_auto_micro_batch(profile, cfg, args, settings.values, setup.world)  # as the run sizes it
-    micro, accum, _ = resolve_batch(profile, cfg.micro_batch, cfg.grad_accum, cfg.global_batch_tokens, cfg.seq_len,
-                                    setup.world // setup.sequence_parallel, f"profile {name}")
-    # the run's length and warmup as the run resolves them (--total-tokens sets the length without --max-steps)
-    cfg = size_in_tokens(resolve_hparams(cfg, name, profile), micro * accum * setup.world * cfg.seq_len)
+    # the batch, the schedule sized in tokens, every setting and the DeepSpeed dict, as the run resolves them
+    # (launcher/resolution.py) on the profile's machine; one device runs ZeRO as the run does
+    # (profiles.one_device_stage); --zero is planned as given
+    r = resolve(cfg, name, profile, per_node * nodes, Node.of_profile(hw), args, settings=settings,
+                one_device=ns.zero is None, one_rank=f"profile {name} plans 1 (give --gpus N, or a GPU --profile)")
+    cfg, settings, stage_line = r.cfg, r.settings, r.stage_line
+    setup = setup_from(r.ds_config, settings.values, r.world, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
+                       getattr(cfg, "optimizer", None), args, attention=settings.attention)
+    micro, accum = r.micro_batch, r.grad_accum
     ac = bool(settings.activation_checkpointing)
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops else settings.peak_flops_per_device
     mfu = ns.mfu or settings.expected_mfu
-    plan = make_plan(args, setup, stage_key(profile), micro, accum, cfg.seq_len, ac,
+    plan = make_plan(args, setup, r.planner_row, micro, accum, cfg.seq_len, ac,
                      peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from

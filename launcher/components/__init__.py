@@ -9,7 +9,12 @@ Grouped by kind:
     observe/       watching a run: metrics sinks (metrics), the phase clock (phases), the hang watchdog
                    (watchdog), the speed check (health), golden steps (golden)
     launching/     starting ranks: the hostfile checks (hostfile), the restart policy (restarts), running a
-                   job under DeepSpeed's launcher (jobs); above checkpoints/ and observe/, below the commands
-    (here)         the rest of the step's machinery: DeepSpeed's private names (ds_compat), the process group,
-                   lr schedules, stop policies (guards), evaluation, test hooks, the planner, manifest.json
+                   job under DeepSpeed's launcher (jobs), the launcher's watch (launcher_watch); above
+                   checkpoints/ and observe/, below the commands
+    participants/  the step's monitors, each adding named fields to the step's one gather (base: the protocol)
+    (here)         the rest of the step's machinery: the engine builder (engine), DeepSpeed's private names
+                   (ds_compat), the process group, lr schedules (schedule), stop policies (guards), evaluation
+                   (evaluate), test hooks (hooks), manifest.json (manifest), determinism, offload's ops and
+                   NVMe checks (offload), a rank out of memory (oom)
+The planner, beside these at the same layer, is launcher/planning/.
 """

@@ -234,7 +234,7 @@ OFFLOADED_STATE = {"single_partition_of_fp32_groups": "optimizer", "fp32_partiti
 
 def offloaded_state_bytes(engine) -> dict[str, int]:
     """Bytes of the tensors an offloaded ZeRO optimizer keeps on the host, by the planner's components
-    (components/planner.py `host_memory`), each storage counted once: the fp32 master partitions and the inner
+    (launcher/planning `host_memory`), each storage counted once: the fp32 master partitions and the inner
     optimizer's state ("optimizer"), the fp32 gradients the optimizer steps (the master partitions' .grad) and
     DeepSpeed's gradient buffers ("gradients"), the offloaded 16-bit parameter partitions ("parameters"), the
     16-bit copy and staging buffers ("buffers"); attributes per OFFLOADED_STATE (DeepSpeed 0.19.8). Read after

@@ -1,6 +1,6 @@
 """ZeRO-Offload before anything is built: the DeepSpeed ops a run will JIT-build (and how long that takes here),
 libaio for NVMe, and room in --nvme-path. What --offload writes into the DeepSpeed dict is
-launcher/profiles.py's `apply_offload`; the host memory and traffic it costs, components/planner.py's.
+launcher/profiles.py's `apply_offload`; the host memory and traffic it costs, launcher/planning's.
 
 DeepSpeed builds its C++ ops on first use (torch.utils.cpp_extension, cached per user in
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR): DeepSpeedCPUAdam for an offloaded optimizer, the async

@@ -3,14 +3,14 @@ could not get; a rank the kernel's OOM killer SIGKILLs cannot say anything and e
 
 The run ends as END_KINDS' "oom" (launcher/errors.py): its own exit code, never restarted by `zerotrain launch
 --max-restarts` or the sbatch requeue, since the same run would run out of memory at the same place again. One line
-names the step, the planner's peak for this configuration (components/planner.py `planned_here`, what the fit check
+names the step, the planner's peak for this configuration (launcher/planning `planned_here`, what the fit check
 compared), the peak measured on this rank, and what to change. docs/troubleshooting.md says the rest.
 """
 from __future__ import annotations
 
 import resource
 
-from zerotrain.launcher.components.planner import GiB, planned_here
+from zerotrain.launcher.planning import GiB, planned_here
 
 def is_out_of_memory(error: BaseException) -> bool:
     """torch.OutOfMemoryError (CUDA's, on any build; matched by name: torch is not imported at this module's top)
@@ -34,7 +34,7 @@ def out_of_memory_message(plan, step: int, error: BaseException, device: str) ->
     try:
         planned, setup, on = planned_here(plan.cfg, plan.model_args, plan.ds_config, plan.settings.values, plan.world,
                                           attention=plan.attention)
-        planned_text = f"planned peak {planned['total'] / GiB:.2f} GiB of {setup.device_bytes / GiB:.2f} GiB ({on})"
+        planned_text = f"planned peak {planned.total / GiB:.2f} GiB of {setup.device_bytes / GiB:.2f} GiB ({on})"
     except Exception as e:  # noqa: BLE001  the end is said whatever the planner makes of this machine
         planned_text = f"planned peak unknown ({e})"
     peak, how = measured_peak(device)

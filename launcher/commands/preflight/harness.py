@@ -39,8 +39,8 @@ from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
 from zerotrain.launcher.hparams import size_in_tokens
 from zerotrain.launcher.profiles import resolve_ds_config
-from zerotrain.launcher.run_plan import (check_sequence_parallel_plan, identify, load_eval_tasks, plan_run,
-                                         single_process_env)
+from zerotrain.launcher.resolution import check_sequence_parallel_plan
+from zerotrain.launcher.run_plan import identify, load_eval_tasks, plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 
 STAGES = {stage.name: stage for stage in (Stability, Throughput, Rehearsal)}

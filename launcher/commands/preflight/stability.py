@@ -26,12 +26,13 @@ from zerotrain.dataio.readers import load_text_source
 from zerotrain.dataio.streamed import open_streamed, record_text
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.commands.preflight.measure import all_to_all_seconds, master_tensors, state_digests
-from zerotrain.launcher.components import ds_compat, planner
+from zerotrain.launcher import planning
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import precision, resolve_ds_config
-from zerotrain.launcher.run_plan import check_sequence_parallel_plan
+from zerotrain.launcher.resolution import check_sequence_parallel_plan
 
 
 class Stability:
@@ -118,7 +119,7 @@ class Stability:
     def c_sequence_parallel(self):
         """--sequence-parallel N: the run's own checks (launcher/run_plan.py), then one layer's forward all-to-all
         (q, k, v and the kernel's output at the run's shapes and dtype) timed over DeepSpeed's sequence-parallel
-        group, next to the planner's figure for the profile's link (planner.all_to_all_bytes, sequence_link)."""
+        group, next to the planner's figure for the profile's link (planning.all_to_all_bytes, sequence_link)."""
         pf, sp, cfg, args = self.pf, self.pf.settings.sequence_parallel, self.pf.cfg, self.pf.model_args
         check_sequence_parallel_plan(cfg, pf.settings, args, pf.world)  # UsageError: this check's FAIL, one line
         torch, dist = pf.torch, pf.dist
@@ -137,12 +138,12 @@ class Stability:
             dist.barrier(group=group)
 
         seconds = all_to_all_seconds(exchange, shapes, dtype, pf.accel.current_device_name(), synchronize)
-        sent = planner.all_to_all_bytes(args, micro, cfg.seq_len, dtype.itemsize, sp, False)["forward"]
+        sent = planning.all_to_all_bytes(args, micro, cfg.seq_len, dtype.itemsize, sp, False).forward
         local = int(os.environ.get("LOCAL_WORLD_SIZE", pf.world))
         nodes = max(1, pf.world // max(1, local))
-        setup = planner.setup_from(ds, {**pf.settings.values, "sequence_parallel": sp}, world=pf.world, nodes=nodes,
+        setup = planning.setup_from(ds, {**pf.settings.values, "sequence_parallel": sp}, world=pf.world, nodes=nodes,
                                    device_bytes=1.0)
-        rate, link, key = planner.sequence_link(setup)
+        rate, link, key = planning.sequence_link(setup)
         measured = sent / seconds
         planned = (f"planner: {sent / rate * 1e3:.3g} ms at {rate / 1e9:g} GB/s {link}" if rate else
                    f"planner: no bandwidth in the profile for the link {link}")

@@ -20,7 +20,7 @@ from zerotrain.dataio.loader import Batches
 from zerotrain.launcher.commands.preflight.measure import (DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, disk_throughput,
                                                            peak_rss, rate, slowed)
 from zerotrain.launcher.components import offload
-from zerotrain.launcher.components.planner import device_memory_here, fit_check
+from zerotrain.launcher.planning import device_memory_here, fit_check
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import resolve_ds_config
 
@@ -89,7 +89,7 @@ class Throughput:
             m = fit_check(cfg, self.base.model_args, ds_config, self.base.settings.values, self.pf.world)
         except UsageError as e:
             return None, str(e)
-        return (m.get("total") if isinstance(m, dict) else None), None
+        return m.total, None
 
     def device_bytes(self) -> float | None:
         """Memory one rank may use: the planner's view of this device (GPU memory, or RAM / local ranks)."""
