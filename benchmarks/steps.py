@@ -10,7 +10,7 @@ otherwise run, side by side in one invocation (benchmarks/harness.py alternates 
                  fp32 matmul peak, measured before and after, and each program's MFU against it
                  (zerotrain.modeling.model.flops_per_token). BENCH_COMPILE=1 adds zerotrain ZeRO-2 --compile.
                  BENCH_PLAIN_VS_HF=1: only our model's plain loop against HF Llama's (and ours on the rows as
-                 one document), alternated (`bench_plain_vs_hf`; issue 32's CPU ratio).
+                 one document), alternated (`bench_plain_vs_hf`: the CPU must not get slower than HF's loop).
     two_ranks    zerotrain ZeRO-2/3 under the `deepspeed` launcher and DDP under `torchrun`, 2 ranks
                  of 1 thread, against the same programs on 1 rank of 1 thread: tokens/s and scaling
                  efficiency; then one counting chunk: zerotrain's own collectives and host syncs per
@@ -215,7 +215,7 @@ def bench_plain_vs_hf() -> list[dict]:
     packed rows of the demo mix (short documents, several a row: ours masks them, HF's attends across them), and
     ours on those rows as one document each (no mask, what HF computes). Only these programs, alternated round by
     round in one invocation (the others frozen), so a shared machine's load falls on each alike. The ratio is ours
-    over HF's tokens/s (issue 32: at least 1.0x)."""
+    over HF's tokens/s (the aim: at least 1.0x)."""
     from harness import demo_mix
     from zerotrain.modeling.model import count_params
 
