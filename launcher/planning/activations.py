@@ -36,8 +36,6 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
                                      output (a·d, held by the projections after it)
         attention     a·(2d + 2·KV·h) + 4H   q, k, v (KV heads: every kernel takes GQA as it is), output,
                                              fp32 log-sum-exp (varlen, flex, and sdpa)
-                      + a·T                  sdpa only: the block-diagonal mask as a float, made and kept per
-                                             call (packed rows, where documents share a row: the driver's)
         math kernel   a·d + 4·H·(3h + T)     instead of both lines above, where sdpa is PyTorch's math kernel
                                              (CUDA, packed rows, GQA: sizes.math_kernel): q, k and v upcast to
                                              fp32 with the kv heads repeated, and the (B, H, T, T) fp32 softmax,
@@ -48,8 +46,10 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
                                           the rotation after it needs only cos and sin)
 
     Per token once: final norm 8·d + 4 (its output is not kept: the chunked loss keeps its gradient
-    instead, a·d), rotary cos and sin 2·a·h, the input ids 8, sdpa's boolean mask T (alive through
-    the forward, and a checkpoint input). Per micro-batch once: the head's weight gradient, a·V·d (V the
+    instead, a·d), rotary cos and sin 2·a·h, the input ids 8, and under sdpa where documents share a row (the
+    driver's packed rows) the block-diagonal mask, boolean T and as a float a·T (modeling/model.py
+    `additive_mask`: made once per forward, every block's sdpa shares and keeps it; a checkpoint input; the math
+    kernel keeps no mask, so unchecked the float one dies with the forward). Per micro-batch once: the head's weight gradient, a·V·d (V the
     padded vocabulary): the chunked loss (modeling/model.py `chunked_next_token_loss`) computes its
     gradients in forward and keeps no logits. flex's BlockMask, 16·B·n·(n + 1) bytes for n = ceil(T/128)
     blocks (four (B, 1, n, n) int32 block indices and four (B, 1, n) counts, for the forward and the backward),
@@ -90,11 +90,13 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     kernel_kv = KV if n == 1 else max(KV, n)
     # the math kernel's per-token terms hold under SP too: H/N heads over the whole row = H heads per local token
     attn = (a * d + 4 * H * (3 * h + T) if math
-            else a * (2 * d + 2 * kernel_kv * h) + 4 * H + (a * T * n if sdpa else 0)) + (a * d if n > 1 else 0)
+            else a * (2 * d + 2 * kernel_kv * h) + 4 * H) + (a * d if n > 1 else 0)
     qk_norm = ((a * h + 4) if compiled else (8 * h + 4)) * (H + KV) if args.qk_norm else 0  # per head
     swiglu = (3 if compiled else 4) * a * f
     block = norms + attn + qk_norm + (0 if tiled_mlp else swiglu) + 8
-    once = 8 * d + 4 + a * d + 2 * a * h + 8 * n + (T * n if sdpa else 0)
+    # sdpa's masks: the boolean one, and its float form unless the math kernel (which keeps no mask) runs unchecked
+    masks = (T * n + (a * T * n if checkpointing or not math else 0)) if sdpa else 0
+    once = 8 * d + 4 + a * d + 2 * a * h + 8 * n + masks
     tokens = micro * seq_len // n
     head_grad = a * V * d
     kept_per_block = a * d if checkpointing else block
