@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from zerotrain import ds_attributes
 from zerotrain.modeling.sizes import LLAMA3_SCALING_KEYS, ModelArgs
 
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are handled
@@ -243,7 +244,7 @@ def load_weights(model, hf_dir: str | Path) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             with gathered(param):
-                if rank0 or not hasattr(param, "ds_id"):
+                if rank0 or not ds_attributes.is_partitioned(param):
                     with safe_open(str(files[hf_name(name)]), framework="pt") as f:
                         tensor = f.get_tensor(hf_name(name))
                     param[: tensor.shape[0]].copy_(tensor)

@@ -51,6 +51,7 @@ from torch import nn
 
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from zerotrain import ds_attributes
 from zerotrain.modeling.attention import KERNELS
 from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
                                       check_sequence_parallel, choose_attention, count_params, flops_per_token,
@@ -712,7 +713,7 @@ def init_generator() -> torch.Generator:
 
 def gathered(p):
     """Context in which a ZeRO-3 partitioned parameter is whole, and rank 0's writes to it are kept."""
-    if hasattr(p, "ds_id"):  # a ZeRO-3 partitioned parameter
+    if ds_attributes.is_partitioned(p):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters([p], modifier_rank=0)
@@ -721,4 +722,4 @@ def gathered(p):
 
 def held_numel(model: nn.Module) -> int:
     """Parameter elements this rank holds: its ZeRO-3 partition (padding included), else everything."""
-    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    return sum(ds_attributes.held(p).numel() for p in model.parameters())
