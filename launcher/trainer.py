@@ -48,7 +48,7 @@ from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
-from zerotrain import durable
+from zerotrain import durable, torch_private
 from zerotrain.launcher import planning
 from zerotrain.launcher.components import ds_compat, manifest, offload, oom
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
@@ -520,9 +520,7 @@ class Trainer:
         else:
             self.say(f"{stop.message}; saved checkpoint {self.last_saved}" if stop.save else stop.message)
         if self.plan.settings.compile:
-            from torch._dynamo.utils import counters
-
-            self.say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")
+            self.say(f"torch.compile: {torch_private.compiled_graphs()} graphs compiled")
         self.say(f"run directory: {self.plan.run_dir.resolve()}")
         return RunResult(run_dir=self.plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.kind,
                          message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved,

@@ -51,7 +51,7 @@ from torch import nn
 
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from zerotrain import ds_attributes
+from zerotrain import ds_attributes, torch_private
 from zerotrain.modeling.attention import KERNELS
 from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
                                       check_sequence_parallel, choose_attention, count_params, flops_per_token,
@@ -254,7 +254,7 @@ def compiled_flex(q, k, v, block_mask: BlockMask, backend: str = "inductor"):
         _compiled_flex[backend] = torch.compile(flex_attention, backend=backend)
     for t in (q, k, v, *block_mask.as_tuple(flatten=True)):
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == q.shape[0]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch_private.mark_dynamic(t, 0)
     return _compiled_flex[backend](q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -272,11 +272,7 @@ def flex_on_cpu(q, k, v, block_mask: BlockMask):
     k/v) has both passes; we call that operator directly, with the public function's defaults
     (no score modification, scale 1/sqrt(head dim)). Checked against torch 2.13.
     """
-    try:
-        from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
-    except ImportError as e:  # a torch that moved it: say what to do instead of a bare import error
-        raise RuntimeError(f"flex attention on a CPU needs torch's flex_attention operator, checked on torch 2.13"
-                           f" ({e}); use sdpa") from None
+    flex_attention_op = torch_private.flex_attention_operator()
     out, _log2_sum_exp, _max = flex_attention_op(q, k, v, _identity_score, block_mask.as_tuple(),
                                                  q.shape[-1] ** -0.5, {})
     return out
