@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from zerotrain import ds_attributes
 from zerotrain.modeling.sizes import LLAMA3_SCALING_KEYS, ModelArgs
+from zerotrain.reading import read_json_object
 
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are handled
     import torch
@@ -77,13 +78,7 @@ def read_config(hf_dir: str | Path) -> dict:
         raise ValueError(f"{hf_dir}: no such directory")
     if not path.is_file():
         raise ValueError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return cfg
+    return read_json_object(path, str(path), ValueError, column=False)
 
 
 def args_from_config(cfg: dict, where: str) -> ModelArgs:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from zerotrain import resource_dir
 from zerotrain.modeling.attention import KERNELS, AttentionKernel
+from zerotrain.reading import read_yaml
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -262,15 +263,10 @@ def depth_args(depth: int, aspect_ratio: int = 64, head_dim: int = 128, **overri
 
 def load_rules(path: str | Path = RULES_FILE) -> dict[str, dict]:
     """The rules of a YAML file (safe_load: plain data only), each checked."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"scaling rules {path}: no such file")
-    try:
-        rules = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"scaling rules {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    rules = read_yaml(path, f"scaling rules {path}", ValueError)
     if not isinstance(rules, dict) or not rules:
         raise ValueError(f"scaling rules {path}: expected a mapping of rule names to rules")
     for name, rule in rules.items():
