@@ -25,6 +25,11 @@ from zerotrain.modeling.attention import KERNELS
 from zerotrain.modeling.sizes import ModelArgs, choose_attention, math_kernel
 
 
+def tokens_per_step(ds_config: dict, seq_len: int) -> int:
+    """Tokens one optimizer step trains: the global batch's rows (DeepSpeed's train_batch_size) x the row length."""
+    return ds_config["train_batch_size"] * seq_len
+
+
 @dataclass(frozen=True)
 class Resolved:
     """One run resolved for a world and a machine."""
@@ -54,7 +59,7 @@ class Resolved:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.ds_config["train_batch_size"] * self.cfg.seq_len
+        return tokens_per_step(self.ds_config, self.cfg.seq_len)
 
     @property
     def zero_stage(self) -> int:
@@ -80,7 +85,7 @@ def resolve(cfg: RunConfig, profile_name: str, profile: dict, world: int, node: 
     profile = size_auto_micro_batch(profile, cfg, model_args, settings.values, world)
     ds_config = resolve_ds_config(profile, cfg, world // settings.sequence_parallel, f"profile {profile_name}")
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
-    cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len)
+    cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len))
     settings = attention_kernel(cfg, settings, ds_config, node, model_args)
     stage_line = ""
     if one_device:
