@@ -108,7 +108,6 @@ through `datasets` streaming.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -116,6 +115,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from zerotrain.dataio.errors import DataError, DataNotHere
+from zerotrain.reading import read_json
 
 # A source's `format` and, for sft/chat sources, what to do with a record longer than seq_len
 # (zerotrain.dataio.sft renders and cuts them)
@@ -218,9 +218,7 @@ def parse_mix(mix_path: str | Path) -> Mix:
     if not mix_path.is_file():
         raise DataError(f"{where}: no such file")
     try:
-        raw = json.loads(mix_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        raw = read_json(mix_path, where, DataError)
     except UnicodeDecodeError:
         raise DataError(f"{where}: not UTF-8 text") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("sources"), list) or not raw["sources"]:

@@ -28,10 +28,11 @@ from pathlib import Path
 from zerotrain import resource_dir
 from zerotrain.cli_args import TOKEN_COUNT_FORMS, Parser, exact_integer, token_count
 from zerotrain.launcher import model_spec, settings
-from zerotrain.launcher.errors import UsageError, exit_status_help, read_json_object
+from zerotrain.launcher.errors import UsageError, exit_status_help
 from zerotrain.launcher.hparams import check_schedule, hashed_warmup, is_resolved, resolve_hparams
 from zerotrain.launcher.optimizers import check_optimizer
 from zerotrain.launcher.profiles import profile_from_accelerate
+from zerotrain.reading import read_json_object
 
 RECIPE_DIR = resource_dir("zerotrain.recipes")
 

@@ -10,7 +10,6 @@ Adding a kind is one entry here plus its docs/exit-codes.md row.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -157,17 +156,6 @@ def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     if os.environ.get("RANK", "0") == "0":
         print(f"zerotrain: error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-def read_json_object(path: Path, where: str) -> dict:
-    """The JSON object in `path`; a syntax error or a non-object is a UsageError naming `where`."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{where}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{where}: expected a JSON object")
-    return raw
 
 
 RANK_ENDS = "ZEROTRAIN_RANK_ENDS"  # set by `zerotrain launch` (jobs.run_job): where each local rank leaves its code

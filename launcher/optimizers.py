@@ -48,6 +48,7 @@ from typing import Callable
 
 from packaging.version import Version
 
+from zerotrain import ds_attributes
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
 
@@ -478,7 +479,7 @@ def prepare_optimizer(cfg, ds_config: dict, model):
 def layer_is_muon(name: str, p) -> bool:
     """Whether a parameter should get Muon: a matrix by its real shape (ZeRO-3: `ds_shape`), not
     an embedding or the head (DeepSpeed's own name test, repeated so it is checked independently)."""
-    shape = getattr(p, "ds_shape", None) or p.shape
+    shape = ds_attributes.full_shape(p)
     return len(shape) >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
 
 
@@ -489,7 +490,7 @@ def check_engine(cfg, engine, model, muon_class=None) -> None:
     if getattr(cfg, "optimizer", None) != "muon":
         return
     MuonWithAuxAdam = muon_class()
-    basic = getattr(engine, "basic_optimizer", None)
+    basic = ds_attributes.basic_optimizer(engine)
     wrong = [n for n, p in model.named_parameters() if bool(getattr(p, "use_muon", False)) != layer_is_muon(n, p)]
     problem = None
     if not isinstance(basic, MuonWithAuxAdam):

@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 from zerotrain import resource_dir
-from zerotrain.launcher.errors import UsageError, read_json_object
+from zerotrain.launcher.errors import UsageError
+from zerotrain.reading import read_json_object
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.optimizers import resolve_ds_optimizer
 from zerotrain.launcher.settings import check_section, profile_value

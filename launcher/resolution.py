@@ -21,7 +21,13 @@ from zerotrain.launcher.profiles import one_device_stage, resolve_ds_config
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
 from zerotrain.launcher.settings import GIVEN, Settings, compile_at_stage
 from zerotrain.launcher.settings import resolve as resolve_settings
+from zerotrain.modeling.attention import KERNELS
 from zerotrain.modeling.sizes import ModelArgs, choose_attention, math_kernel
+
+
+def tokens_per_step(ds_config: dict, seq_len: int) -> int:
+    """Tokens one optimizer step trains: the global batch's rows (DeepSpeed's train_batch_size) x the row length."""
+    return ds_config["train_batch_size"] * seq_len
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class Resolved:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.ds_config["train_batch_size"] * self.cfg.seq_len
+        return tokens_per_step(self.ds_config, self.cfg.seq_len)
 
     @property
     def zero_stage(self) -> int:
@@ -79,7 +85,7 @@ def resolve(cfg: RunConfig, profile_name: str, profile: dict, world: int, node: 
     profile = size_auto_micro_batch(profile, cfg, model_args, settings.values, world)
     ds_config = resolve_ds_config(profile, cfg, world // settings.sequence_parallel, f"profile {profile_name}")
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
-    cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len)
+    cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len))
     settings = attention_kernel(cfg, settings, ds_config, node, model_args)
     stage_line = ""
     if one_device:
@@ -116,11 +122,11 @@ def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: 
         kernel = choose_attention(name, device, precision, installed, model_args.n_kv_heads < model_args.n_heads)
     except ValueError as e:
         raise UsageError(f"{words} {name}: {e}") from None
-    if kernel == "flex" and device == "cpu" and settings.compile:
-        # torch 2.13 compiles flex_attention for a CPU without a backward (inductor's CPU lowering fails on
-        # the eager operator model.py calls there, and the public function refuses gradients on a CPU)
-        raise UsageError(f"{words} flex with --compile: torch cannot compile flex attention with a backward on a"
-                         " CPU (drop --compile, or use sdpa)")
+    entry = KERNELS[kernel]  # modeling/attention.py: what the kernel supports
+    if entry.compile_on_cpu_refusal and device == "cpu" and settings.compile:
+        raise UsageError(f"{words} {kernel} with --compile: {entry.compile_on_cpu_refusal}")
+    if not entry.sequence_parallel and settings.sequence_parallel > 1:
+        raise UsageError(f"{words} {kernel}: this kernel does not run under --sequence-parallel")
     if name != "auto":
         return settings.replace("attention", kernel, source)
     why = f"rule: auto on {device}, {precision}"

@@ -44,7 +44,7 @@ from zerotrain.launcher.node import Node
 from zerotrain.launcher.optimizers import describe_implementation
 from zerotrain.launcher.planning import fit_check, offload_lines, run_loss_chunk
 from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile
-from zerotrain.launcher.resolution import resolve
+from zerotrain.launcher.resolution import resolve, tokens_per_step
 from zerotrain.launcher.settings import BY_NAME, Settings, describe_settings, parse_every, with_schedule
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import count_params, mlp_tiles
@@ -132,7 +132,7 @@ class RunPlan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.ds_config["train_batch_size"] * self.cfg.seq_len
+        return tokens_per_step(self.ds_config, self.cfg.seq_len)
 
     @property
     def resumed_at(self) -> tuple[int, int]:
@@ -279,13 +279,13 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     if cfg.golden:  # --golden: a golden file of another config or world size is refused here
         golden = GoldenCheck.load(cfg.golden, cfg, world)
     Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
-        ds_config["train_batch_size"] * cfg.seq_len)  # --total-tokens as given, even when it sets the length
+        tokens_per_step(ds_config, cfg.seq_len))  # --total-tokens as given, even when it sets the length
     # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
     budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, world)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, data_world, loader_settings["workers"], saved_run)
-    tasks, tasks_every, best_higher = load_eval_tasks(cfg, settings, ds_config["train_batch_size"] * cfg.seq_len)
+    tasks, tasks_every, best_higher = load_eval_tasks(cfg, settings, tokens_per_step(ds_config, cfg.seq_len))
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
-    repeats = check_repeats(data, run_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, *resumed),
+    repeats = check_repeats(data, run_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len), *resumed),
                             settings.max_epochs, settings.sources["max_epochs"])
     settings = with_schedule(settings, cfg)  # the schedule's values and sources final (a resumed run's kept)
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=ident.profile_why,
@@ -365,7 +365,7 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
                                       run_dir / "ds_config.json", data)
     # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
     # warmup stays the one the run started with
-    cfg = size_in_tokens(cfg, ds_config["train_batch_size"] * cfg.seq_len, (meta["step"], meta["tokens_seen"]),
+    cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len), (meta["step"], meta["tokens_seen"]),
                          saved_run if resume_from.parent in own_dirs else None)
     if meta.get("loader_workers", 0) != loader_settings["workers"]:
         raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"

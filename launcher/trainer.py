@@ -1,18 +1,20 @@
 """The training run as an object: `run(cfg) -> RunResult` builds a `Trainer` from a frozen `RunPlan`.
 
-    plan_run(cfg, world)   everything decided before any process touches disk or builds a model
+    plan_run(cfg, world)   everything decided before any process touches disk or builds a model (run_plan.py,
+                           through resolution.resolve, the one resolution `zerotrain plan` and `dry_run` use too)
     Trainer(plan)          process group, run directory, model, engine, data, components, resume
     Trainer.train()        the loop: a list of calls to small components
 
 The components (launcher/components/, each its own module, unit-tested without a process group where
-possible): checkpointer.py (when to save, completion, rotation, best, mirror; the on-disk format and its
-verification in checkpoint.py), engine.py (the one engine builder: tests and benchmarks build through it
-too), run_lock.py and process_group.py (shared with pre-flight), hooks.py (test
-hooks, read once here), evaluate.py (all-rank evaluation), guards.py (signals, spikes, budgets, early
-stop), metrics.py (sinks, and StepLogger: each step's record and the progress bar), manifest.py (who ran
-what, when, and how each launch ended), ds_compat.py (every DeepSpeed internal we rely on), phases.py
-(the clock of where this rank is) and watchdog.py (the thread reading it: a rank stuck in one phase past
---hang-timeout dumps the stacks and ends the run, exit 11; started by run(), not by pre-flight's Trainers).
+possible): checkpoints/ (checkpointer.py: when to save, completion, rotation, best, mirror; checkpoint.py: the
+on-disk format and its verification; universal.py: a resume on another world size; run_lock.py), engine.py (the
+one engine builder: tests and benchmarks build through it too), process_group.py (shared with pre-flight),
+hooks.py (test hooks, read once here), evaluate.py (all-rank evaluation), guards.py (signals, spikes, budgets,
+early stop), schedule.py (the lr schedules), offload.py, oom.py, determinism.py, manifest.py (who ran what, when,
+and how each launch ended), ds_compat.py (every DeepSpeed internal we rely on), observe/ (metrics.py: sinks, and
+StepLogger, each step's record and the progress bar; phases.py, the clock of where this rank is; watchdog.py, the
+thread reading it: a rank stuck in one phase past --hang-timeout dumps the stacks and ends the run, exit 11;
+started by run(), not by pre-flight's Trainers; health.py, golden.py, torch_profile.py).
 How a run ends (StopRun by kind, its exit code): launcher/errors.py.
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
@@ -25,7 +27,7 @@ spikes, evaluation and best, checkpointing, signals, budget, early stop, health,
 adding one is a new module there and its place in participants.ORDER, not an edit of the Trainer.
 
 The Trainer keeps what the participants share (the counters, the engine, save and rollback); what stands
-alone lives in components/ (StepLogger in metrics.py, DeepSpeed's internals in ds_compat.py).
+alone lives in components/ (StepLogger in observe/metrics.py, DeepSpeed's internals in ds_compat.py).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.dataio.reshard import reshard_loader_states
-from zerotrain import durable
+from zerotrain import durable, torch_private
 from zerotrain.launcher import planning
 from zerotrain.launcher.components import ds_compat, manifest, offload, oom
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
@@ -521,9 +523,7 @@ class Trainer:
         else:
             self.say(f"{stop.message}; saved checkpoint {self.last_saved}" if stop.save else stop.message)
         if self.plan.settings.compile:
-            from torch._dynamo.utils import counters
-
-            self.say(f"torch.compile: {counters['stats']['unique_graphs']} graphs compiled")
+            self.say(f"torch.compile: {torch_private.compiled_graphs()} graphs compiled")
         self.say(f"run directory: {self.plan.run_dir.resolve()}")
         return RunResult(run_dir=self.plan.run_dir, step=self.step, tokens_seen=self.tokens_seen, stop=stop.kind,
                          message=stop.message, exit_code=stop.exit_code, last_checkpoint=self.last_saved,

@@ -23,7 +23,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from zerotrain import ds_attributes
 from zerotrain.modeling.sizes import LLAMA3_SCALING_KEYS, ModelArgs
+from zerotrain.reading import read_json_object
 
 if TYPE_CHECKING:  # annotations only: torch is imported where tensors are handled
     import torch
@@ -76,13 +78,7 @@ def read_config(hf_dir: str | Path) -> dict:
         raise ValueError(f"{hf_dir}: no such directory")
     if not path.is_file():
         raise ValueError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return cfg
+    return read_json_object(path, str(path), ValueError, column=False)
 
 
 def args_from_config(cfg: dict, where: str) -> ModelArgs:
@@ -243,7 +239,7 @@ def load_weights(model, hf_dir: str | Path) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             with gathered(param):
-                if rank0 or not hasattr(param, "ds_id"):
+                if rank0 or not ds_attributes.is_partitioned(param):
                     with safe_open(str(files[hf_name(name)]), framework="pt") as f:
                         tensor = f.get_tensor(hf_name(name))
                     param[: tensor.shape[0]].copy_(tensor)

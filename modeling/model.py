@@ -18,7 +18,8 @@ Architecture choices, all of them:
   ``flex``  flex_attention with a block-causal document mask (torchtitan's form), compiled on a GPU;
   ``varlen`` PyTorch's own variable-length flash kernel (torch.nn.attention.varlen, CUDA in 16-bit
             only) over documents laid end to end with ``cu_seqlens``; GQA in the kernel;
-  all three are the same math (tests/test_attention.py);
+  all three are the same math (tests/test_attention.py); each is one entry of modeling/attention.py's
+  KERNELS (where it runs, its mask form, its memory terms), which sizes, the planner and the run read too;
 - the loss never holds (B, T, V) logits: `LMHead` computes the output projection and the
   cross-entropy in chunks of tokens, and its gradients with them (`chunked_next_token_loss`);
 - optional Ulysses sequence parallelism (`SequenceShard`, set by the engine builder): N ranks share
@@ -50,6 +51,8 @@ from torch import nn
 
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from zerotrain import ds_attributes, torch_private
+from zerotrain.modeling.attention import KERNELS
 from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
                                       check_sequence_parallel, choose_attention, count_params, flops_per_token,
                                       loss_chunk_tokens, mlp_tiles, preset,
@@ -185,15 +188,16 @@ class DocumentLayout(NamedTuple):
         from pinned memory), so the forward has no host sync. Without it, on position_ids' own device.
         """
         device = position_ids.device if device is None else torch.device(device)
-        if backend == "varlen":
+        layout = KERNELS[backend].layout if backend in KERNELS else None  # modeling/attention.py: the kernel's form
+        if layout == "cu_seqlens":
             # max_seqlen: the row length, a bound on the longest document. The flash kernel only sizes its grid
             # by it (blocks past a document's end exit at once); the same value for every batch keeps a compiled
             # block from specialising on it, and reading the longest document would be a host sync on a device.
             return DocumentLayout(backend, None, None, _to_device(document_bounds(position_ids), device),
                                   position_ids.shape[-1])
-        if backend == "flex":
+        if layout == "block_mask":
             return DocumentLayout(backend, block_mask=document_block_mask(_to_device(position_ids, device)))
-        if backend != "sdpa":
+        if layout != "mask":
             raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
         # A row of one document needs no mask, and without one SDPA may take its flash kernel and never builds
         # the O(T^2) mask. Read on the host when position_ids are there; else one host sync per forward.
@@ -250,7 +254,7 @@ def compiled_flex(q, k, v, block_mask: BlockMask, backend: str = "inductor"):
         _compiled_flex[backend] = torch.compile(flex_attention, backend=backend)
     for t in (q, k, v, *block_mask.as_tuple(flatten=True)):
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == q.shape[0]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch_private.mark_dynamic(t, 0)
     return _compiled_flex[backend](q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -268,11 +272,7 @@ def flex_on_cpu(q, k, v, block_mask: BlockMask):
     k/v) has both passes; we call that operator directly, with the public function's defaults
     (no score modification, scale 1/sqrt(head dim)). Checked against torch 2.13.
     """
-    try:
-        from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_op
-    except ImportError as e:  # a torch that moved it: say what to do instead of a bare import error
-        raise RuntimeError(f"flex attention on a CPU needs torch's flex_attention operator, checked on torch 2.13"
-                           f" ({e}); use sdpa") from None
+    flex_attention_op = torch_private.flex_attention_operator()
     out, _log2_sum_exp, _max = flex_attention_op(q, k, v, _identity_score, block_mask.as_tuple(),
                                                  q.shape[-1] ** -0.5, {})
     return out
@@ -306,7 +306,8 @@ def _varlen_keywords(fn) -> frozenset:
     return frozenset(inspect.signature(fn).parameters)
 
 
-ATTENTION_KERNELS = {"sdpa": sdpa_kernel, "flex": flex_kernel, "varlen": varlen_kernel}
+# name -> kernel function, one per modeling/attention.py KERNELS entry (its `function`, defined above)
+ATTENTION_KERNELS = {name: globals()[entry.function] for name, entry in KERNELS.items()}
 
 
 class SequenceShard(NamedTuple):
@@ -708,7 +709,7 @@ def init_generator() -> torch.Generator:
 
 def gathered(p):
     """Context in which a ZeRO-3 partitioned parameter is whole, and rank 0's writes to it are kept."""
-    if hasattr(p, "ds_id"):  # a ZeRO-3 partitioned parameter
+    if ds_attributes.is_partitioned(p):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters([p], modifier_rank=0)
@@ -717,4 +718,4 @@ def gathered(p):
 
 def held_numel(model: nn.Module) -> int:
     """Parameter elements this rank holds: its ZeRO-3 partition (padding included), else everything."""
-    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    return sum(ds_attributes.held(p).numel() for p in model.parameters())

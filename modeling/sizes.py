@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from zerotrain import resource_dir
+from zerotrain.modeling.attention import KERNELS, AttentionKernel
+from zerotrain.reading import read_yaml
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -163,7 +165,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
 # -- which attention kernel and loss chunk a run gets (modeling/model.py runs them; here without torch,
 # so that `zerotrain plan`, `--help` and the driver's start-up checks can decide before torch loads) --
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+ATTENTION_BACKENDS = ("auto", *KERNELS)  # modeling/attention.py: one entry per kernel
 # fp32 logits per chunk of the chunked loss (modeling/model.py LMHead): 261 tokens of a 128,256-token
 # vocabulary. The chunk's logits, their softmax (in place) and one 16-bit copy are alive at once.
 LOSS_CHUNK_BYTES = 128 * 2**20
@@ -192,42 +194,47 @@ def choose_attention(name: str, device_type: str, precision: str, varlen_install
                      gqa: bool = False) -> str:
     """The kernel `name` (one of ATTENTION_BACKENDS) means for activations in `precision` ("fp32",
     "bf16", "fp16") on `device_type` ("cuda", "cpu", ...); `varlen_installed`: torch has
-    torch.nn.attention.varlen (>= 2.9); `gqa`: the model has fewer kv heads than heads.
+    torch.nn.attention.varlen (>= 2.9), the module a kernel's `module` names; `gqa`: the model has fewer kv
+    heads than heads. Read from modeling/attention.py's KERNELS.
 
-    auto: varlen on CUDA in 16-bit (the flash kernel, no O(T^2) mask), else sdpa. An explicit name is
-    checked against what its kernel needs; ValueError (one line, saying why) if it cannot run there, or
-    if it would run PyTorch's math kernel: sdpa on CUDA with packed documents (a mask; every run packs)
-    and GQA, which neither the flash kernel (no mask) nor the memory-efficient one (no GQA) takes.
+    auto: the lowest `auto_rank` kernel that can run here (varlen on CUDA in 16-bit, the flash kernel, no O(T^2)
+    mask; else sdpa). An explicit name is checked against what its kernel needs; ValueError (one line, saying
+    why) if it cannot run there, or if it would run PyTorch's math kernel: sdpa on CUDA with packed documents (a
+    mask; every run packs) and GQA, which neither the flash kernel (no mask) nor the memory-efficient one (no GQA)
+    takes.
     """
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
-    half = precision in ("bf16", "fp16")
+    if name != "auto" and name not in KERNELS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(('auto', *KERNELS))}")
     if name == "auto":
-        return "varlen" if device_type == "cuda" and half and varlen_installed else "sdpa"
-    if name == "varlen":
-        if not varlen_installed:
-            raise ValueError("varlen needs torch.nn.attention.varlen (torch >= 2.9), which this torch lacks"
-                             " (use sdpa or flex)")
-        if device_type != "cuda":
-            raise ValueError(f"varlen runs PyTorch's flash kernels, CUDA only; this run is on {device_type}"
-                             " (use sdpa or flex)")
-        if not half:
-            raise ValueError(f"varlen runs flash kernels, which take bf16 or fp16; this run computes in {precision}"
-                             " (enable bf16 in the profile, or use sdpa or flex)")
-    if name == "sdpa" and math_kernel(name, device_type, gqa):
-        raise ValueError("on CUDA, sdpa with packed documents and fewer kv heads than heads (GQA) falls to PyTorch's"
-                         " math kernel, (B, H, T, T) fp32 scores per layer (the flash kernel takes no mask, the"
-                         " memory-efficient one no GQA): use varlen (bf16/fp16) or flex")
+        ranked = sorted((k for k in KERNELS.values() if k.auto_rank is not None), key=lambda k: k.auto_rank)
+        return next(k.name for k in ranked if _refusal(k, device_type, precision, varlen_installed) is None)
+    refusal = _refusal(KERNELS[name], device_type, precision, varlen_installed)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if math_kernel(name, device_type, gqa):
+        raise ValueError(KERNELS[name].math_refusal)
     return name
+
+
+def _refusal(kernel: AttentionKernel, device_type: str, precision: str, installed: bool) -> str | None:
+    """Why `kernel` cannot run on `device_type` in `precision` (its entry's one-line reason), or None."""
+    if kernel.module and not installed:
+        return kernel.module_refusal
+    if kernel.devices and device_type not in kernel.devices:
+        return kernel.device_refusal.format(device_type=device_type)
+    if kernel.precisions and precision not in kernel.precisions:
+        return kernel.precision_refusal.format(precision=precision)
+    return None
 
 
 def math_kernel(kernel: str, device_type: str, gqa: bool) -> bool:
     """PyTorch runs its math kernel for this attention: sdpa on CUDA with packed documents (a mask: every run
     packs) and fewer kv heads than heads, which neither the flash kernel (no mask) nor the memory-efficient one
-    (no GQA) takes. It upcasts q, k and v to fp32, repeats the kv heads and keeps each layer's (B, H, T, T) fp32
-    softmax for backward: `choose_attention` refuses sdpa named so, and the planner counts it where auto
-    resolves to it (fp32 on CUDA, or a torch without varlen)."""
-    return kernel == "sdpa" and device_type == "cuda" and gqa
+    (no GQA) takes (the kernels whose entry has `math_on_cuda_gqa`). It upcasts q, k and v to fp32, repeats the
+    kv heads and keeps each layer's (B, H, T, T) fp32 softmax for backward: `choose_attention` refuses sdpa named
+    so, and the planner counts it where auto resolves to it (fp32 on CUDA, or a torch without varlen)."""
+    entry = KERNELS.get(kernel)
+    return entry is not None and entry.math_on_cuda_gqa and device_type == "cuda" and gqa
 
 
 RULES_FILE = resource_dir("zerotrain.modeling", "scaling_rules.yaml")
@@ -256,15 +263,10 @@ def depth_args(depth: int, aspect_ratio: int = 64, head_dim: int = 128, **overri
 
 def load_rules(path: str | Path = RULES_FILE) -> dict[str, dict]:
     """The rules of a YAML file (safe_load: plain data only), each checked."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"scaling rules {path}: no such file")
-    try:
-        rules = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"scaling rules {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    rules = read_yaml(path, f"scaling rules {path}", ValueError)
     if not isinstance(rules, dict) or not rules:
         raise ValueError(f"scaling rules {path}: expected a mapping of rule names to rules")
     for name, rule in rules.items():

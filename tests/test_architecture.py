@@ -1,7 +1,7 @@
 """The layers import one way, read from the code itself: an AST walk of every module of
 zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
 
-    0  zerotrain (__version__, resource_dir, errors, cli_args, durable), the data packages ds_configs/ and recipes/
+    0  zerotrain (__version__, resource_dir, errors, cli_args, durable, ds_attributes, torch_private, reading), the data packages ds_configs/ and recipes/
     1  modeling/*, and dataio's format layer: errors, docstore (documents as index arrays), mix (the mix
        spec: sources, formats, weights), sft (chat and prompt/completion records rendered into tokens)
     2  dataio's sources: readers (local files), streamed (record streams), hub (Hub names and snapshots),
@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 # module (exact) or "package.*" (the package and every module under it) -> layer
 LAYERS = {
     "zerotrain": 0, "zerotrain.ds_configs": 0, "zerotrain.recipes": 0, "zerotrain.errors": 0, "zerotrain.cli_args": 0,
-    "zerotrain.durable": 0,
+    "zerotrain.durable": 0, "zerotrain.ds_attributes": 0,
+    "zerotrain.torch_private": 0, "zerotrain.reading": 0,
     "zerotrain.modeling.*": 1,
     "zerotrain.dataio": 1, "zerotrain.dataio.errors": 1, "zerotrain.dataio.docstore": 1, "zerotrain.dataio.mix": 1,
     "zerotrain.dataio.sft": 1,

@@ -2,7 +2,9 @@
 
 Each function below names the DeepSpeed file (and function) it matches and the releases it was
 checked against. Nothing else in the project touches a `_`-prefixed DeepSpeed attribute, replaces
-one of the engine's members, or depends on a name DeepSpeed keeps inside a C++ source.
+one of the engine's members, or depends on a name DeepSpeed keeps inside a C++ source; the few undocumented
+attributes modeling/ and the config layer read (they may not import this module) are read in
+zerotrain/ds_attributes.py, named in ELSEWHERE and listed in PRIVATE_NAMES (tests/test_ds_private_names.py).
 
 `check_deepspeed_version()` runs once in the driver, before the engine is built: inside the range in
 `VERIFIED` it is silent; outside it, every name in `PRIVATE_NAMES` is looked up in the installed
@@ -101,9 +103,31 @@ PRIVATE_NAMES = (
     PrivateName("deepspeed.runtime.swap_tensor.optimizer_utils", "SwapTensorContext.__init__", NVME_EXPORT, True,
                 source_has="f'{OptimizerSwapper.parameter_id(tensor)}.tensor.swp'"),
     PrivateName("deepspeed.utils.zero_to_fp32", "_get_fp32_state_dict_from_zero3_checkpoint", NVME_EXPORT, True),
+    PrivateName("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._configure_offloading", NVME_RESUME,
+                True, source_has="self.swap_optimizer = offload_optimizer_config.device == OffloadDeviceEnum.nvme"),
+    PrivateName("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._rigid_load_state_dict", NVME_RESUME,
+                True, source_has="self.loss_scaler = state_dict[LOSS_SCALER]"),
+    PrivateName("deepspeed.runtime.sequence_parallel.parallel_state_sp", "_SEQUENCE_PARALLEL_GROUP",
+                "--sequence-parallel: a second engine in one process reuses or replaces the groups", True),
+    *(PrivateName("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.__init__",
+                  "--sequence-parallel at ZeRO-3: the gradient factor of the engine's averaging path", True,
+                  source_has=f"self.{name} = {name}") for name in ("all2all_process_group", "reduce_scatter")),
+    # read in zerotrain/ds_attributes.py (ELSEWHERE below), for modeling/ and the config layer
+    *(PrivateName("deepspeed.runtime.zero.partition_parameters", "Init._convert_to_deepspeed_param", needed_for, True,
+                  source_has=text) for text, needed_for in (
+        ("param.ds_id = Init.param_id", "a ZeRO-3 model loads its initial weights (modeling gathered, hf load)"),
+        ("param.ds_shape = param.shape", "--optimizer muon at ZeRO-3: each matrix is checked by its real shape"),
+        ("param.ds_tensor = None", "zerotrain preflight and the parameter count read each rank's ZeRO-3 partition"))),
+    PrivateName("deepspeed.runtime.engine", "DeepSpeedEngine._configure_optimizer",
+                "--optimizer muon: the built engine is checked to step with DeepSpeed's Muon", True,
+                source_has="self.basic_optimizer = basic_optimizer"),
     PrivateName("deepspeed", "", "each CPU launch removes its 66 MB /dev/shm buffer", False,
                 source_has='#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"', file="ops/csrc/cpu/comm/shm.cpp"),
 )
+
+# The modules besides this one that read a DeepSpeed name listed above (the layers below components/ may not import
+# this module): module -> the attribute names it reads. tests/test_ds_private_names.py fails on any other.
+ELSEWHERE = {"zerotrain/ds_attributes.py": ("ds_id", "ds_shape", "ds_tensor", "basic_optimizer")}
 
 
 def deepspeed_version() -> str:

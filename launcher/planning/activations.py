@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotrain.launcher.profiles import precision
+from zerotrain.modeling.attention import KERNELS
 from zerotrain.modeling.sizes import loss_chunk_tokens, math_kernel, mlp_tiles
 
 
@@ -82,9 +83,10 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     d, f, H, KV, h, V, T = args.dim, args.ffn_hidden, args.n_heads, args.n_kv_heads, args.head_dim, \
         args.vocab_size, seq_len
     a = act_bytes
-    if attention not in ("sdpa", "flex", "varlen"):
-        raise ValueError(f"activation_bytes: attention must be a kernel (sdpa, flex or varlen), got {attention!r}")
-    sdpa, n = attention == "sdpa", sequence_parallel
+    if attention not in KERNELS:
+        raise ValueError(f"activation_bytes: attention must be a kernel ({_kernel_names()}), got {attention!r}")
+    kernel, n = KERNELS[attention], sequence_parallel
+    sdpa = kernel.row_mask  # the T x T document mask of every row (sdpa)
     math = math_kernel(attention, device_type, KV < H)
     norms = 2 * (a * d + 4) if compiled else 2 * (8 + a) * d
     kernel_kv = KV if n == 1 else max(KV, n)
@@ -100,9 +102,9 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     tokens = micro * seq_len // n
     head_grad = a * V * d
     kept_per_block = a * d if checkpointing else block
-    block_mask = flex_block_mask_bytes(micro, T) if attention == "flex" else 0
+    block_mask = flex_block_mask_bytes(micro, T) if kernel.block_mask else 0
     saved = tokens * (args.n_layers * kept_per_block + once) + head_grad + block_mask
-    kernel_workspace = 4 * H * T if math else 4 * H if attention == "flex" and device_type != "cpu" else 0
+    kernel_workspace = 4 * H * T if math else 4 * H if kernel.accelerator_workspace and device_type != "cpu" else 0
     backward = tokens * ((2 if checkpointing else 1) * block + kernel_workspace)
     backward += tiled_mlp_backward_bytes(tokens, a, d, swiglu, T // n) if tiled_mlp else 0
     head_accumulator = (4 + a) * V * d if a < 4 else 0
@@ -111,6 +113,12 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     at_loss = per_logit * chunk * V + head_accumulator
     transient = max(at_loss, backward)
     return Activations(saved, transient, block, chunk)
+
+
+def _kernel_names() -> str:
+    """"sdpa, flex or varlen": the registry's kernels (modeling/attention.py KERNELS), as a message lists them."""
+    names = list(KERNELS)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def tiled_mlp_backward_bytes(tokens: int, a: int, d: int, swiglu: int, positions: int) -> int:

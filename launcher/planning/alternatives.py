@@ -9,6 +9,7 @@ from zerotrain.launcher.planning.hardware import Setup
 from zerotrain.launcher.planning.memory import max_micro_batch, memory
 from zerotrain.launcher.planning.sequence import sequence_parallel_sizes
 from zerotrain.launcher.planning.units import gib
+from zerotrain.modeling.attention import KERNELS
 
 
 def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, checkpointing: bool) -> list[dict]:
@@ -28,10 +29,11 @@ def alternatives(args, setup: Setup, stage: int, micro: int, seq_len: int, check
     # long rows: flex instead of sdpa's T x T mask per row, and more ranks per row (sequence parallelism)
     sizes = [n for n in sequence_parallel_sizes(args, setup.world, seq_len) if n > setup.sequence_parallel]
     kinds = [(f"--sequence-parallel {n}", replace(setup, sequence_parallel=n)) for n in sizes]
-    if setup.kernel == "sdpa":  # flex (and varlen) keep no mask; sdpa keeps one of T x T per row on every rank
-        flex = replace(setup, attention="flex")
-        kinds = [("--attention flex", flex)] + kinds + [
-            (f"--attention flex + --sequence-parallel {n}", replace(flex, sequence_parallel=n)) for n in sizes]
+    lighter = KERNELS[setup.kernel].lighter  # sdpa: flex (flex and varlen keep no mask; sdpa one of T x T per row)
+    if lighter:
+        instead = replace(setup, attention=lighter)
+        kinds = [(f"--attention {lighter}", instead)] + kinds + [
+            (f"--attention {lighter} + --sequence-parallel {n}", replace(instead, sequence_parallel=n)) for n in sizes]
     for change, st in kinds:
         n = len(out)
         add(change, stage, micro, checkpointing, st)

@@ -11,6 +11,7 @@ import re
 import time
 from pathlib import Path
 
+from zerotrain import ds_attributes
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.hooks import SlowLoader, TestHooks
 from zerotrain.launcher.node import Node
@@ -68,7 +69,7 @@ def state_digests(engine) -> dict[str, tuple[str, float]]:
         out[name] = (hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:20], float(t.double().sum()))
 
     for name, p in engine.module.named_parameters():
-        add(f"parameter {name}", p.ds_tensor if hasattr(p, "ds_tensor") else p)
+        add(f"parameter {name}", ds_attributes.held(p))
     inner, masters = master_tensors(engine)
     for i, p in enumerate(masters):
         add(f"fp32 master partition {i}", p)

@@ -11,7 +11,8 @@ import statistics
 import time
 from pathlib import Path
 
-from zerotrain.launcher.errors import UsageError, read_json_object
+from zerotrain.launcher.errors import UsageError
+from zerotrain.reading import read_json_object
 
 GOLDEN_FORMAT, GOLDEN_VERSION = "zerotrain-golden", 1
 TOLERANCE = 0.10  # the doctrine: the full run hits the rehearsal's numbers within +-10%

@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from zerotrain import durable
+from zerotrain import durable, torch_private
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.observe.phases import PHASES
 from zerotrain.launcher.errors import EXIT_HUNG, StopRun, report_exit
@@ -184,12 +184,10 @@ def dump_flight_recorder(path: Path) -> bool:
     the GPU profiles do: the last collectives each process group issued, which one is still pending, and on
     which stream), as JSON in `path`: on NCCL a stuck collective shows only at the next host sync, so the phase
     the watchdog names can mislead and the recorder says where each rank really is. Through torch's own dump
-    (torch._C._distributed_c10d._dump_fr_trace_json, what torch's watchdog writes on a timeout; checked against
-    torch 2.13); False, with nothing written, where this torch has none or it fails."""
+    (zerotrain/torch_private.py flight_recorder_json, what torch's watchdog writes on a timeout); False, with
+    nothing written, where this torch has none or it fails."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # heavy: only when a hang is reported
-
-        trace = _dump_fr_trace_json(True, False)  # every collective recorded, not only the pending ones
+        trace = torch_private.flight_recorder_json()  # imports torch's C extension: only when a hang is reported
     except Exception:  # noqa: BLE001 - a hang report never fails for want of the recorder
         return False
     path.write_bytes(trace)
