@@ -108,8 +108,8 @@ def test_two_loopback_nodes_make_one_world_under_accelerate_and_a_hostfile(surfa
     # under accelerate the config file names the profile (not the default one: only the file can name it)
     saved = json.loads((surfaces["acc"] / "config.json").read_text())
     assert saved["profile"] == surfaces["profile"].stem and saved["run"]["profile"] == str(surfaces["profile"])
-    # the hostfile's launch went through DeepSpeed's multi-node runner, one process on each "node"
-    assert all("--no_ssh" in log or "no_ssh" in log for log in surfaces["hf_logs"]), surfaces["hf_logs"][0][-3000:]
+    # the hostfile's launch went through DeepSpeed's multi-node runner: its per-node launch.py on each "node"
+    assert all("[launch.py:" in log for log in surfaces["hf_logs"]), surfaces["hf_logs"][1][-3000:]
 
 
 @pytest.mark.launches
