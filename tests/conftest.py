@@ -5,6 +5,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,8 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
+from zerotrain import durable
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
+from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT
 from zerotrain.launcher.components.launching.jobs import free_port  # noqa: F401  (the tests take it from here)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,6 +60,29 @@ def pytest_configure(config):
     if (config.option.markexpr or "").strip() != "gpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sys.addaudithook(_audit)
+    if getattr(config.option, "numprocesses", None) and not WORKER:
+        hold_default_port()
+
+
+# -- `make test` runs two pytest-xdist workers (-n 2 --dist loadfile: a file's tests, and its module fixtures, on
+# one worker). Two launches at once must not share what one launch owns: the rendezvous port (held below), the
+# op builds (one build, under a lock), /dev/shm (DeepSpeed's buffers are named by the port) and tmp_path (per worker)
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...; None in a serial run and in the controller
+_held_port: list = []
+
+
+def hold_default_port() -> None:
+    """A `zerotrain launch -n N` without a port rendezvous on 29500 when it is free: two workers' launches would
+    both take it at once, and one would die with EADDRINUSE. The controller listens on 29500 for the session (if
+    something else holds it, it is busy all the same), so that every such launch takes a free port of its own and
+    says which: the two-jobs path (launching.jobs.rendezvous_port), which test_two_jobs.py tests."""
+    s = socket.socket()
+    try:
+        s.bind(("", DEFAULT_PORT))
+        s.listen()
+        _held_port.append(s)
+    except OSError:
+        s.close()
 
 
 # -- the `launches` marker: `make test-fast` (-m "not launches") runs every test that starts no process ------------
@@ -143,8 +170,10 @@ def pytest_collection_finish(session):
     if (os.environ.get("CUDA_VISIBLE_DEVICES") != "" or session.config.option.collectonly
             or not any(item.get_closest_marker("launches") for item in session.items)):
         return
-    build_shm_op()
-    if len(session.items) >= PREBUILD_MIN_TESTS:
+    # under xdist each worker collects the session: one builds while the other waits, and only one prebuilds
+    with FileLock(Path(tempfile.gettempdir()) / f"zerotrain-test-ops-{os.getuid()}.lock"):
+        build_shm_op()
+    if len(session.items) >= PREBUILD_MIN_TESTS and WORKER in (None, "gw0"):
         from zerotrain.launcher.components import offload
         _prebuild.append(prebuild_in_background(offload))
 
@@ -190,14 +219,16 @@ TRAIN_MODULE = "zerotrain.launcher.train"
 
 
 def launch(launcher: str, args: list[str], nproc: int = 2, timeout: int = 600, env_extra=None, module: bool = False,
-           cwd=REPO):
+           cwd=REPO, port: int | None = None):
     """Run the driver under `deepspeed`, `torchrun` or plain `python`: as the script launcher/train.py,
-    or with module=True as the module zerotrain.launcher.train (the form a wheel install uses)."""
+    or with module=True as the module zerotrain.launcher.train (the form a wheel install uses). `port`: the
+    rendezvous port (default: a free one), for a test that removes what the launch leaves under that port."""
     entry = (["--module", TRAIN_MODULE] if launcher == "deepspeed" else ["-m", TRAIN_MODULE]) if module else [str(TRAIN_PY)]
+    port = port or free_port()
     if launcher == "deepspeed":
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), *entry]
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port), *entry]
     elif launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()), *entry]
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(port), *entry]
     elif launcher == "python":
         cmd = [sys.executable, *entry]
     else:
@@ -307,3 +338,31 @@ def launched():
     procs = Launched()
     yield procs
     end_launched(procs)
+
+
+# -- one uninterrupted run, shared --------------------------------------------------------------------------------
+# The run that test_long_runs.py (SIGTERM, kill -9), test_restarts.py (a killed, then a frozen rank) and
+# test_watchdog.py (a rank blocked in a save, then in an evaluation) interrupt, with their own extra flags (saves,
+# rotation, a mirror, --hang-timeout, test hooks), none of which changes the training: each must log this run's
+# token digests and losses (and validation losses) bit for bit.
+REFERENCE_STEPS = 16
+REFERENCE_FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
+                   "--log-data-every-steps", "0", "--eval-tokens", "3000", "--max-steps", str(REFERENCE_STEPS)]
+
+
+@pytest.fixture(scope="session")
+def reference_history(tmp_path_factory) -> list[dict]:
+    """The per-step history of one uninterrupted 2-rank run of REFERENCE_FLAGS, evaluated every 2 steps (an evaluation
+    changes nothing in the training: a run without one has the same losses), on write_mix's data. Under xdist the
+    first worker to ask runs it and the other reads it (a file lock in the directory the workers share)."""
+    root = tmp_path_factory.getbasetemp()
+    root = (root.parent if WORKER else root) / "reference-run"
+    history = root / "history.json"
+    with FileLock(f"{root}.lock"):
+        if not history.is_file():
+            mix = write_mix(root / "data")
+            proc = launch("deepspeed", ["--data", str(mix), "--out", str(root), "--run-id", "r", *REFERENCE_FLAGS,
+                                        "--eval-every-steps", "2"])
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            durable.write_json(history, read_metrics(root / "r"))
+    return json.loads(history.read_text())

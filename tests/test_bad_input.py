@@ -1,4 +1,8 @@
-"""Bad input: exit status 2, one line naming the input, no traceback, run directory untouched."""
+"""Bad input: exit status 2, one line naming the input, no traceback, run directory untouched.
+
+Every case is refused by `plan_run` (what the driver runs before it builds or writes anything) with a UsageError
+(a DataError is one) of one line, in-process; two of them, a flag's and a data source's, through the real
+driver too, for its exit status 2, its one `zerotrain: error:` line and the absence of a traceback."""
 import hashlib
 import json
 from pathlib import Path
@@ -6,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import launch
-
-pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
+from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.run_plan import plan_run
 
 
 def snapshot(root: Path) -> dict:
@@ -66,15 +71,29 @@ def _write(p: Path, text: str) -> Path:
     return p
 
 
+def argv(existing_run, tmp_path, mix_path, case) -> list[str]:
+    make_args, _ = CASES[case]
+    return ["--data", str(mix_path), "--out", str(existing_run.parent), "--run-id", "r1", "--max-steps", "2",
+            *make_args(tmp_path, mix_path)]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_exits_2_with_one_line(case, tmp_path, mix_path, existing_run):
-    make_args, expected = CASES[case]
+def test_bad_input_is_refused_in_one_line_before_anything_is_written(case, tmp_path, mix_path, existing_run):
     before = snapshot(existing_run.parent)
-    args = ["--data", str(mix_path), "--out", str(existing_run.parent), "--run-id", "r1", "--max-steps", "2"]
-    proc = launch("python", args + make_args(tmp_path, mix_path))
+    with pytest.raises(UsageError) as err:
+        plan_run(resolve_config(argv(existing_run, tmp_path, mix_path, case)), world=1)
+    assert CASES[case][1] in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert snapshot(existing_run.parent) == before
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("case", ["unknown profile", "missing text field"])  # a flag's error, a data source's
+def test_bad_input_exits_2_with_one_line(case, tmp_path, mix_path, existing_run):
+    before = snapshot(existing_run.parent)
+    proc = launch("python", argv(existing_run, tmp_path, mix_path, case))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("zerotrain: error:"), proc.stderr
-    assert expected in lines[0]
+    assert CASES[case][1] in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert snapshot(existing_run.parent) == before

@@ -3,11 +3,13 @@ true}`, nothing else changed) on 2 ranks under the real `deepspeed` launcher, at
 (cpu), as every GPU profile trains. This CPU runs bf16 matmuls natively with AVX-512 BF16; where it is missing
 (AVX2 CI hosts) PyTorch emulates them, slowly: the shapes stay tiny (debug model, seq 64, 8 steps).
 
-Per stage two launches serve every assertion: one uninterrupted reference run (eval every 4 steps, saves at
-4 and 8) and one run killed with kill -9 after step 5 then resumed with `--resume auto`. Shown:
+Per stage two launches serve every assertion: one run (eval every 4 steps, saves at 4 and 8) killed with kill -9
+once its step-4 checkpoint is complete and step 7 is logged (rank 0 held on entering the step-8 save, so it
+cannot finish first), then resumed with `--resume auto` to the end; the steps logged before the kill are the
+uninterrupted history the resume must reproduce. Shown:
 - the loss falls, checkpoints save, and DeepSpeed's dict says bf16 with gradients accumulated in fp32;
 - ZeRO-2 and ZeRO-3 start from the same bf16 weights and train the same model (to bf16 rounding);
-- the killed-and-resumed run logs the reference's token digests and losses bit for bit;
+- the resumed run logs the killed run's token digests and losses bit for bit;
 - evaluation runs, best.json names the lowest validation loss, `zerotrain export --best` takes it;
 - `zerotrain export` writes a model transformers loads, whose logits match the live model's to bf16
   tolerance. The live model is the engine's bf16 weights (DeepSpeed copies the fp32 master into them after
@@ -19,6 +21,7 @@ is unit-tested without a process group in tests/test_gpu_path.py.
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,7 @@ import torch
 
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from conftest import BIN, REPO, TRAIN_PY, free_port, launch, read_metrics
-from test_long_runs import popen, wait_for_step
+from test_long_runs import popen
 
 pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
 
@@ -57,26 +60,31 @@ def runs(tmp_path_factory, mix_path):
     tmp = tmp_path_factory.mktemp("bf16")
     out = {}
     for stage, name in STAGES.items():
-        args = ["--profile", bf16_copy(tmp, name), "--data", str(mix_path), "--out", str(tmp / f"z{stage}"), *FLAGS]
-        ref = launch("deepspeed", args + ["--run-id", "ref", "--save-every-steps", "4"])
-        assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-        # kill -9 of the whole process group after step 5, with each save slowed so that steps 6-8 cannot
-        # finish first (a save may be cut in half: its marker is written last)
-        run, port = tmp / f"z{stage}" / "killed", free_port()
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(TRAIN_PY), *args,
-               "--run-id", "killed", "--save-every-steps", "2"]
-        proc = popen(cmd, {"ZEROTRAIN_TEST_SLOW_SAVE": "1"})
+        args = ["--profile", bf16_copy(tmp, name), "--data", str(mix_path), "--out", str(tmp / f"z{stage}"), *FLAGS,
+                "--run-id", "r", "--save-every-steps", "4"]
+        run, port = tmp / f"z{stage}" / "r", free_port()
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(TRAIN_PY), *args]
+        proc = popen(cmd, {"ZEROTRAIN_TEST_HANG": f"0:save:{N}"})
+        marker = run / "checkpoints" / "global_step4" / "zerotrain.json"
         try:
-            wait_for_step(run, 5, proc)
-            assert proc.poll() is None, "the run ended before it could be killed"
+            deadline = time.time() + 400
+            while time.time() < deadline and proc.poll() is None:
+                if marker.is_file() and any(m["step"] >= N - 1 for m in read_metrics(run)):
+                    break
+                time.sleep(0.1)
+            assert proc.poll() is None and marker.is_file(), "ended, or no step-4 checkpoint, before the kill"
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            proc.stdout.close()
             remove_shm(port)
-        resumed = launch("deepspeed", args + ["--run-id", "killed", "--save-every-steps", "2", "--resume", "auto"])
+        before = read_metrics(run)
+        resumed = launch("deepspeed", args + ["--resume", "auto"])
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-        out[stage] = {"ref": tmp / f"z{stage}" / "ref", "killed": run, "stdout": ref.stdout,
-                      "resumed_stdout": resumed.stdout}
+        out[stage] = {"ref": run, "before_kill": before, "stdout": resumed.stdout}
     return out
 
 
@@ -103,11 +111,11 @@ def test_bf16_trains_and_saves_under_zero2_and_zero3_with_fp32_accumulation(runs
 
 def test_kill_9_and_resume_auto_reproduce_the_losses_bit_for_bit(runs):
     for stage, r in runs.items():
-        ref, killed = read_metrics(r["ref"]), read_metrics(r["killed"])
-        assert "resumed from" in r["resumed_stdout"] and "killed/checkpoints/global_step" in r["resumed_stdout"]
-        assert [m["step"] for m in killed] == [m["step"] for m in ref] == list(range(1, N + 1)), stage
-        assert [m["tokens_sha"] for m in killed] == [m["tokens_sha"] for m in ref], stage
-        assert [m["loss"] for m in killed] == [m["loss"] for m in ref], stage  # full-precision floats, exactly
+        history, before = read_metrics(r["ref"]), r["before_kill"]
+        assert f"resumed from {r['ref'] / 'checkpoints' / 'global_step4'} at step 4" in r["stdout"], stage
+        assert [m["step"] for m in history] == list(range(1, N + 1)) and len(before) >= N - 1, stage
+        assert [m["tokens_sha"] for m in history[:len(before)]] == [m["tokens_sha"] for m in before], stage
+        assert [m["loss"] for m in history[:len(before)]] == [m["loss"] for m in before], stage  # exactly
 
 
 def test_evaluation_and_the_best_checkpoint(runs, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, TRAIN_PY, cpu_profile, free_port, read_metrics
+from conftest import REPO, free_port, read_metrics
 
 from zerotrain.launcher.components.launching import hostfile
 from zerotrain.launcher.errors import UsageError, final_exit_codes
@@ -27,7 +27,6 @@ from zerotrain.launcher.commands import launch as launch_cmd
 from zerotrain.launcher.commands.launch import plan_hostfile_launch
 from zerotrain.launcher.profiles import profile_from_accelerate
 
-BIN = Path(sys.executable).parent
 TRAIN = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--warmup-steps", "1"]
 SECRET = "s3cr3t-wandb-key-0123"
 
@@ -350,31 +349,6 @@ def test_config_from_applies_the_accelerate_rule(monkeypatch, mix_path):
     assert resolve_config(["--data", str(mix_path)]).profile == "h100-80g-x8"
     with pytest.raises(UsageError, match="--profile cpu and accelerate's deepspeed_config_file"):
         resolve_config(["--data", str(mix_path), "--profile", "cpu"])
-
-
-@pytest.mark.launches
-def test_two_node_accelerate_configs_on_loopback(tmp_path, mix_path):
-    """The shipped 2-node pair, made CPU-sized (1 process per node, cpu profile, loopback address):
-    two `accelerate launch` processes make one world of 2, and the profile is the config's file."""
-    port, out, cmds = free_port(), tmp_path / "runs", []
-    profile = cpu_profile(tmp_path, stage=2)  # not the default profile: only the config file can name it
-    for node in (0, 1):
-        cfg = yaml.safe_load((ACCELERATE_DIR / f"h100-2node-node{node}.yaml").read_text())
-        cfg.update(use_cpu=True, num_processes=2, main_process_ip="127.0.0.1", main_process_port=port)
-        cfg["deepspeed_config"]["deepspeed_config_file"] = profile
-        path = tmp_path / f"node{node}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        cmds.append([str(BIN / "accelerate"), "launch", "--config_file", str(path), str(TRAIN_PY), "--data",
-                     str(mix_path), "--out", str(out), "--run-id", "acc", *TRAIN, "--max-steps", "2"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in cmds]
-    logs = [n.communicate(timeout=600)[0] for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    saved = json.loads((out / "acc" / "config.json").read_text())
-    assert saved["world_size"] == 2 and saved["profile"] == Path(profile).stem and saved["run"]["profile"] == profile
-    assert json.loads((out / "acc" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2
-    assert [m["step"] for m in read_metrics(out / "acc")] == [1, 2]
 
 
 # -- Slurm ----------------------------------------------------------------------------------------

@@ -375,7 +375,9 @@ def test_fit_check_refuses_what_cannot_fit_fast(monkeypatch):
     refused = r"^does not fit: needs [\d.]+ [GTPE]iB per rank .*short by .*seq-len \d+ .*--no-fit-check"
     with pytest.raises(UsageError, match=refused):
         planner.fit_check(*fit_check_args(cfg(seq_len=99999999)))
-    assert time.time() - t0 < 2
+    # arithmetic on the sizes, milliseconds; building or running the model at that length would take minutes (or
+    # run out of memory): 20 s tells the two apart on any host, loaded or not
+    assert time.time() - t0 < 20
     m = planner.fit_check(*fit_check_args(cfg(seq_len=256)))  # the demo's config fits, with room to spare
     assert m.total < 2 * 2**30
 
@@ -397,14 +399,12 @@ def test_driver_refuses_before_writing_anything(tmp_path):
     mix = tmp_path / "mix.json"
     (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n')
     mix.write_text(json.dumps({"sources": [{"name": "a", "path": "a.jsonl", "weight": 1.0}]}))
-    t0 = time.time()
     r = subprocess.run([sys.executable, "launcher/train.py", "--data", str(mix), "--seq-len", "99999999",
-                        "--out", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                        "--out", str(tmp_path / "runs")], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("zerotrain: error: does not fit:")
-    assert not (tmp_path / "runs").exists()
-    assert time.time() - t0 < 30  # the interpreter and imports; the check itself is milliseconds
+    assert not (tmp_path / "runs").exists()  # refused before training: a run that trained would have written it
 
 
 PEAKS = {"a100-80g-x8": 312e12, "h100-80g-x8": 989e12, "h100-80g-2x8-multinode": 989e12,

@@ -7,6 +7,9 @@ rows of 512 tokens (256 positions per rank), the same data, seed and batch:
 - `accelerate launch` with the shipped 2-node pair made CPU-sized (two accelerate processes of one rank each,
   loopback), with --tiled-mlp (2 tiles of 128 positions per MLP);
 - `zerotrain launch --hostfile H --no_ssh --node_rank R` on two loopback "nodes" of one slot each, untiled.
+These are also the suite's loopback multi-node launches: two `accelerate launch` processes make one world of 2
+whose profile is the config file's, and DeepSpeed's multi-node launcher (a hostfile, --no_ssh, one process per
+node) makes one world of 2; each saves its last step's checkpoint whole.
 `zerotrain launch -n 2` runs `deepspeed --num_gpus 2 --module zerotrain.launcher.train`
 (components/launching/jobs.py deepspeed_command): the runner tests/test_sequence_parallel.py's driver runs use.
 """
@@ -93,6 +96,20 @@ def test_tiled_sp2_under_accelerate_trains_what_untiled_sp2_trains_from_a_hostfi
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
     assert len({m["loss"] for m in acc}) == STEPS
     assert abs(acc[-1]["val_loss"] - hf[-1]["val_loss"]) <= 1e-6 * hf[-1]["val_loss"]
+
+
+@pytest.mark.launches
+def test_two_loopback_nodes_make_one_world_under_accelerate_and_a_hostfile(surfaces):
+    for run in ("acc", "hf"):
+        saved = json.loads((surfaces[run] / "config.json").read_text())
+        assert saved["world_size"] == 2, run
+        assert [m["step"] for m in read_metrics(surfaces[run])] == list(range(1, STEPS + 1)), run
+        assert (surfaces[run] / "checkpoints" / f"global_step{STEPS}" / "zerotrain.json").is_file(), run
+    # under accelerate the config file names the profile (not the default one: only the file can name it)
+    saved = json.loads((surfaces["acc"] / "config.json").read_text())
+    assert saved["profile"] == surfaces["profile"].stem and saved["run"]["profile"] == str(surfaces["profile"])
+    # the hostfile's launch went through DeepSpeed's multi-node runner: its per-node launch.py on each "node"
+    assert all("[launch.py:" in log for log in surfaces["hf_logs"]), surfaces["hf_logs"][1][-3000:]
 
 
 @pytest.mark.launches

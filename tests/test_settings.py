@@ -33,10 +33,16 @@ def test_every_flag_and_every_profile_key_has_exactly_one_entry():
         zt = json.loads((PROFILE_DIR / f"{name}.json").read_text()).get("zerotrain", {})
         for key in zt:
             assert [s.name for s in entries if s.profile_key == f"zerotrain.{key}"], f"{name}: zerotrain.{key}"
-    # each declared entry says whether it is part of the run id and whether it may change on resume
+    # each declared entry says whether it is part of the run id and whether it may change on resume, as the run id
+    # itself has it: what RunConfig.identity() hashes for a config of defaults (identity-when-set: once set only)
+    hashed = set(resolve_config(["--data", "m.json"]).identity())
     for s in entries:
-        assert s.identity == (RunConfig.kind(s.name) != "run" if s.flag else s.identity)
-        assert s.resumable == (not s.identity)
+        assert s.resumable == (not s.identity), s.name
+        if not s.flag:  # a profile-only setting (how the run is run, watched or described): never in the run id
+            assert not s.identity and s.name not in hashed, s.name
+            continue
+        assert s.identity == (RunConfig.kind(s.name) != "run"), s.name
+        assert (s.name in hashed) == (RunConfig.kind(s.name) == "identity"), s.name
 
 
 def test_a_declared_flag_is_a_run_config_field_with_its_kind_and_check():

@@ -12,6 +12,7 @@ import pytest
 
 import conftest
 from conftest import Launched, end_launched, group_members, starts_a_launch
+from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT, port_is_free, rendezvous_port
 
 
 def test_launch_commands_are_told_from_cheap_ones():
@@ -60,3 +61,19 @@ def test_a_launch_outside_a_session_of_its_own_is_refused_and_killed():
     with pytest.raises(ValueError, match="start_new_session=True"):
         Launched().append((stray, 1))
     assert stray.wait(timeout=30) != 0
+
+
+def test_the_default_rendezvous_port_is_held_so_that_launches_take_free_ports():
+    """Under `make test`'s two xdist workers the controller holds 29500 (conftest.hold_default_port), so a `zerotrain
+    launch -n N` without a port takes a free one of its own instead of racing the other worker's for 29500.
+    Held here by this process if nothing holds it yet, and let go after."""
+    held = len(conftest._held_port)
+    conftest.hold_default_port()
+    try:
+        assert not port_is_free(DEFAULT_PORT)
+        port, line = rendezvous_port(None)
+        assert port != DEFAULT_PORT and line.startswith(f"launch: port {DEFAULT_PORT} is busy")
+    finally:
+        for s in conftest._held_port[held:]:
+            s.close()
+        del conftest._held_port[held:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import free_port
 from zerotrain.launcher.components import ds_compat
 from zerotrain.modeling.model import MLP, Transformer, mlp_tiles, preset
 
@@ -95,7 +96,7 @@ def test_a_tiled_model_trains_what_the_untiled_model_trains():
 
 
 ZERO3 = r"""
-import json, sys
+import json, os, sys
 import deepspeed, torch
 from deepspeed.utils import safe_get_full_grad
 from zerotrain.launcher.components import ds_compat
@@ -129,7 +130,7 @@ for tiled in (False, True):
     out[tiled] = {"loss": loss.item(), "seen": seen,
                   "grads": {n: safe_get_full_grad(p).tolist() for n, p in engine.module.named_parameters()}}
     engine.destroy()
-for path in ds_compat.allreduce_buffer_files():
+for path in ds_compat.allreduce_buffer_files(os.environ["MASTER_PORT"]):  # this process's, not a launch's beside it
     path.unlink(missing_ok=True)
 json.dump(out, open(sys.argv[1], "w"))
 """
@@ -147,7 +148,7 @@ def test_tiled_mlp_at_zero3_gathers_its_weights_and_reduces_each_gradient_once(t
     import sys
 
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "OMP_NUM_THREADS": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     r = subprocess.run([sys.executable, "-c", ZERO3, str(tmp_path / "out.json")], capture_output=True, text=True,
                        cwd=tmp_path, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,45 +1,16 @@
-"""The real driver under the real launchers: 2 CPU ranks with gloo, ZeRO-2 and ZeRO-3."""
-import json
+"""The real driver under the real launchers: 2 CPU ranks with gloo. Training, saving and resuming at ZeRO-2 and
+ZeRO-3 under `deepspeed` are in tests/test_resume_exact.py (whose launches also check that the driver trains); two
+loopback nodes (DeepSpeed's multi-node launcher from a hostfile, and accelerate's 2-node configs) are in
+tests/test_sequence_parallel_surfaces.py."""
 import re
 
 import pytest
 
-from conftest import REPO, cpu_profile, launch, read_metrics
+from conftest import REPO, launch, read_metrics
 
 pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
 
 COMMON = ["--model", "debug", "--seq-len", "128", "--micro-batch", "4", "--lr", "3e-3", "--warmup-steps", "1"]
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_two_ranks_train_save_and_resume(stage, tmp_path, mix_path):
-    out = tmp_path / "runs"
-    args = ["--profile", cpu_profile(tmp_path, stage=stage), "--data", str(mix_path), "--out", str(out),
-            "--run-id", "r", *COMMON, "--save-every-steps", "3"]
-    first = launch("deepspeed", args + ["--max-steps", "6"])
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    run = out / "r"
-    metrics = read_metrics(run)
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
-    losses = [m["loss"] for m in metrics]
-    assert all(map(lambda x: x == x and x < 20, losses))  # finite
-    assert losses[-1] < losses[0] - 0.3, losses
-    assert metrics[0]["lr"] == pytest.approx(3e-3)  # warmup of 1 step: step 1 already at peak
-    assert metrics[-1]["tokens_seen"] == 6 * 4 * 2 * 128
-    ds_config = json.loads((run / "ds_config.json").read_text())
-    assert ds_config["zero_optimization"]["stage"] == stage and ds_config["train_batch_size"] == 8
-    assert json.loads((run / "config.json").read_text())["world_size"] == 2
-    for step in (3, 6):
-        tag = run / "checkpoints" / f"global_step{step}"
-        assert (tag / "zerotrain.json").is_file() and any(tag.glob("*optim_states.pt"))
-
-    second = launch("deepspeed", args + ["--max-steps", "8", "--resume", "auto"])
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert re.search(r"resumed from .*global_step6 at step 6", second.stdout)
-    metrics = read_metrics(run)
-    assert [m["step"] for m in metrics] == list(range(1, 9))
-    assert metrics[-1]["tokens_seen"] == 8 * 4 * 2 * 128
-    assert (run / "checkpoints" / "global_step8" / "zerotrain.json").is_file()
 
 
 def test_resume_with_changed_config_is_refused(tmp_path, mix_path):
@@ -80,30 +51,6 @@ def test_other_launchers_start_the_same_driver(launcher, tmp_path, mix_path):
     assert "world 2" in proc.stdout
     assert [m["step"] for m in read_metrics(out / "r")] == [1, 2]
     assert (out / "r" / "checkpoints" / "global_step2" / "zerotrain.json").is_file()
-
-
-def test_two_nodes_from_a_hostfile_on_loopback(tmp_path, mix_path):
-    """DeepSpeed's multi-node launcher: a 2-node hostfile, each node started with --no_ssh --node_rank."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from conftest import TRAIN_PY, free_port
-
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
-    out, port = tmp_path / "runs", str(free_port())
-    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "mn", *COMMON, "--max-steps", "2"]
-    nodes = [subprocess.Popen([str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
-                               "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", port,
-                               str(TRAIN_PY), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}) for rank in (0, 1)]
-    logs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
-    assert json.loads((out / "mn" / "config.json").read_text())["world_size"] == 2
-    assert [m["step"] for m in read_metrics(out / "mn")] == [1, 2]
-    assert (out / "mn" / "checkpoints" / "global_step2" / "zerotrain.json").is_file()
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, mix_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch, read_metrics
+from conftest import REFERENCE_FLAGS, read_metrics
 from test_restarts import start  # zerotrain launch --hostfile --no_ssh on this node, a free port
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.observe import watchdog
@@ -27,9 +27,6 @@ from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_HUNG, UsageError
 from zerotrain.launcher.profiles import validate_profile
 from zerotrain.launcher.settings import comm_timeout_s
-
-FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--log-data-every-steps", "0"]
-
 
 # -- the policy, without a process group --------------------------------------------------------------
 
@@ -171,23 +168,15 @@ def hang_dir_of(run_dir: Path) -> Path:
     return hang_dir
 
 
-HANG_FLAGS = [*FLAGS, "--max-steps", "8", "--save-every-steps", "3", "--eval-every-steps", "2", "--eval-tokens", "3000"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, mix_path):
-    """The run the save and eval hangs interrupt, without a hang: the history their restarts must reproduce."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    proc = launch("deepspeed", ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *HANG_FLAGS],
-                  env_extra={"OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_metrics(out / "r")
+# the shared reference run's flags (conftest: evaluated every 2 steps), with a save every 3: the run the save and
+# eval hangs interrupt, whose history (conftest's reference_history) their restarts must reproduce
+HANG_FLAGS = [*REFERENCE_FLAGS, "--eval-every-steps", "2", "--save-every-steps", "3"]
 
 
 @pytest.mark.launches
 @pytest.mark.parametrize("phase, step", [("save", 3), ("eval", 2)])
 def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected_restarted_and_exact(
-        tmp_path, mix_path, launched, uninterrupted, phase, step):
+        tmp_path, mix_path, launched, reference_history, phase, step):
     """Rank 1 blocks inside a save (eval) once (the hook: once per run directory); rank 0 waits in that
     phase's collective until its watchdog fires; `zerotrain launch --max-restarts 1` starts the job again
     with --resume auto and the run ends with the uninterrupted run's losses, bit for bit."""
@@ -211,6 +200,6 @@ def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected_restarted_and
     assert [(r["kind"], r["exit_code"]) for r in record["restarts"]] == [("hung", EXIT_HUNG)]
     assert [s["end_reason"] for s in record["segments"]] == ["hung", "finished"]
     history = read_metrics(run_dir)
-    assert [m["loss"] for m in history] == [m["loss"] for m in uninterrupted]  # exact floats
-    assert [m["tokens_sha"] for m in history] == [m["tokens_sha"] for m in uninterrupted]
-    assert [m.get("val_loss") for m in history] == [m.get("val_loss") for m in uninterrupted]
+    assert [m["loss"] for m in history] == [m["loss"] for m in reference_history]  # exact floats
+    assert [m["tokens_sha"] for m in history] == [m["tokens_sha"] for m in reference_history]
+    assert [m.get("val_loss") for m in history] == [m.get("val_loss") for m in reference_history]
