@@ -342,10 +342,10 @@ def test_the_planners_host_memory_is_the_offloaded_state_measured_within_20_perc
         predicted = planner.host_memory(args, setup, row, ds["gradient_accumulation_steps"])
         measured = sum(sum(m["bytes"].values()) for m in ranks)
         print(f"{name}: measured {measured:,} B over 2 ranks {[m['bytes'] for m in ranks]}, planned"
-              f" {predicted['state']:,.0f} B")
+              f" {predicted.state:,.0f} B")
         assert predicted.state == pytest.approx(measured, rel=0.20), name
         for part in ("optimizer", "gradients", "parameters"):  # and component by component
-            assert predicted[part] == pytest.approx(sum(m["bytes"][part] for m in ranks), rel=0.20, abs=1), part
+            assert getattr(predicted, part) == pytest.approx(sum(m["bytes"][part] for m in ranks), rel=0.20, abs=1), part
 
 
 @pytest.mark.parametrize("copy,moved", [("one-rank", "parameters -> host memory"),

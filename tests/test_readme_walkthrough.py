@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, write_mix
+from conftest import REPO, free_port, write_mix
 
 SECTION = ("## Your first real run", "## Fine-tune a model")
 # README text -> its CPU form (applied in order, as whole words)
@@ -51,8 +51,9 @@ def cpu_form(command: str, run_id: str | None) -> list[str]:
     argv = shlex.split(command)
     if argv[0] == "zerotrain":
         return [sys.executable, "-m", "zerotrain", *argv[1:]]
-    if argv[0] == "deepspeed":
-        return [sys.executable, "-m", "deepspeed.launcher.runner", *argv[1:]]
+    if argv[0] == "deepspeed":  # a port of its own: DeepSpeed's default 29500 is held by the suite (tests/conftest.py)
+        port = [] if "--master_port" in argv else ["--master_port", str(free_port())]
+        return [sys.executable, "-m", "deepspeed.launcher.runner", *port, *argv[1:]]
     return argv
 
 

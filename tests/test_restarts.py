@@ -465,8 +465,9 @@ def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp
     (late,) = summary["behind"]
     assert late["rank"] == 1 and "stale heartbeat" in late["why"] and late["heartbeat_age_s"] >= 7
     stacks = (summary_path.parent / "rank-0.txt").read_text()
-    assert re.search(r"distributed_c10d\.py\", line \d+ in (all_gather|all_reduce|reduce_scatter|broadcast)",
-                     stacks), stacks
+    # a collective call, or (SIGSTOP caught rank 1 inside a ZeRO-3 gather) the wait on the gather's handle
+    assert re.search(r"distributed_c10d\.py\", line \d+ in (all_gather|all_reduce|reduce_scatter|broadcast)"
+                     r"|partition_parameters\.py\", line \d+ in wait", stacks), stacks
     assert "in _loop" in stacks
     line = next((x for x in text.splitlines() if "zerotrain: error: rank 0 hung in" in x), text[-3000:])
     assert f"behind: rank 1 (step {late['step']}, {late['phase']}" in line and str(summary_path.parent) in line
