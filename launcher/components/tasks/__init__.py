@@ -45,14 +45,6 @@ def split_specs(value) -> list[str]:
     return out
 
 
-def every_steps(every: tuple[int, str] | None, tokens_per_step: int) -> int:
-    """The cadence in optimizer steps (0: only at the end); a token cadence rounds up to whole steps."""
-    if every is None:
-        return 0
-    n, unit = every
-    return n if unit == "steps" else max(1, math.ceil(n / tokens_per_step))
-
-
 # -- which requests a rank scores ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -77,6 +69,17 @@ def shard(n_requests: int, dp_rank: int, dp_world: int, micro_batch: int, order:
     batches = [mine[i:i + micro_batch] for i in range(0, len(mine), micro_batch)]
     every_rank = math.ceil(math.ceil(n_requests / dp_world) / micro_batch)
     return Shard(batches, every_rank - len(batches))
+
+
+def forward_positions(row_lengths: list[int], dp_world: int, micro_batch: int, sequence_parallel: int) -> int:
+    """Positions one rank runs forward to score requests of these row lengths (`request_row`'s rows): rank 0's
+    batches (the busiest), each as wide as `batch_rows` makes it, a 1/N stretch of it under sequence
+    parallelism, and the padding passes. The planner's cost of a scoring (planning/evaluation.py)."""
+    order = sorted(range(len(row_lengths)), key=lambda i: -row_lengths[i])  # as LiveLM orders them
+    mine = shard(len(row_lengths), 0, dp_world, micro_batch, order)
+    n = sequence_parallel
+    widths = [max(n, math.ceil(max(row_lengths[i] - 1 for i in b) / n) * n) for b in mine.batches]
+    return sum(len(b) * w // n for b, w in zip(mine.batches, widths)) + mine.padding
 
 
 def request_row(context: list[int], continuation: list[int], max_length: int) -> tuple[list[int], int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,12 +160,13 @@ class LiveLM(TemplateLM):
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return super().loglikelihood(requests, disable_tqdm=True)  # no bar per rank
 
+    def _rows(self, requests) -> tuple[list[list[int]], list[int]]:
+        """lm-eval's (cache key, context tokens, continuation tokens) requests as rows and continuation lengths."""
+        pairs = [request_row(context, continuation, self.max_length) for _, context, continuation in requests]
+        return [row for row, _ in pairs], [n for _, n in pairs]
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        rows, conts = [], []
-        for _, context, continuation in requests:
-            row, n_cont = request_row(context, continuation, self.max_length)
-            rows.append(row)
-            conts.append(n_cont)
+        rows, conts = self._rows(requests)
         n = len(rows)
         order = sorted(range(n), key=lambda i: -len(rows[i]))  # alike lengths share a batch
         mine = shard(n, self.dp_rank, self.dp_world, self.micro_batch, order)
@@ -206,6 +208,28 @@ class LiveLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         raise NotImplementedError("generation tasks are refused at start-up (components/tasks/lm.py load_tasks)")
+
+
+class _Counter(LiveLM):
+    """LiveLM without a model: lm-eval builds and tokenizes every request as for a scoring, and the rows' lengths
+    are kept instead of scored (the planner's cost of a scoring: planning/evaluation.py)."""
+
+    def __init__(self, tokenizer, max_length: int):
+        super().__init__(None, tokenizer, max_length=max_length, micro_batch=1, device=torch.device("cpu"))
+        self.lengths: list[int] = []
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        self.lengths += [len(row) for row in self._rows(requests)[0]]
+        return [(0.0, False)] * len(requests)
+
+
+def row_lengths(tasks: Tasks, tokenizer, max_length: int, limit: int | None) -> list[int]:
+    """The length of every row one scoring runs (context + continuation, cut to the model's length; rolling
+    tasks: one per window), from lm-eval's own request building, without a forward."""
+    counter = _Counter(tokenizer, max_length)
+    with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's progress bars: a scoring says them, not the plan
+        evaluator.evaluate(counter, tasks.task_dict, limit=limit, bootstrap_iters=0, log_samples=False)
+    return counter.lengths
 
 
 def score(tasks: Tasks, lm: LiveLM, limit: int | None) -> tuple[dict, dict]:
