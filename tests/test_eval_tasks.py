@@ -362,32 +362,42 @@ def test_scorings_count_the_cadence_and_the_end_once(start, end, every, expected
 
 
 @pytest.mark.parametrize("world,micro,sp", [(1, 1, 1), (2, 1, 1), (2, 3, 1), (1, 2, 2), (3, 2, 1)])
-def test_forward_positions_are_what_the_busiest_rank_runs(world, micro, sp):
-    """The planner's positions per scoring equal what LiveLM feeds the model on rank 0 (its batches' widths,
-    its stretch under sequence parallelism, its padding passes), counted on a module that records its inputs."""
+def test_every_rank_runs_passes_of_the_same_widths_and_the_planner_counts_them(world, micro, sp):
+    """Every data-parallel rank feeds the model the same sequence of widths (a tiled MLP's tile count follows
+    the width, and at ZeRO-3 each tile gathers weights: other widths would hang), and the planner's positions
+    per scoring equal what rank 0 runs, counted on a module that records its inputs."""
     from zerotrain.launcher.components.tasks import forward_positions
     from zerotrain.launcher.components.tasks.lm import LiveLM
+    from zerotrain.modeling.sizes import mlp_tiles
 
     class Recorder(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.head = torch.nn.Linear(1, 11)
-            self.positions = 0
+            self.widths = []
 
         def forward(self, input_ids, position_ids):
-            self.positions += input_ids.numel() // sp  # a sequence-parallel rank runs its 1/sp of the row
-            return torch.zeros(*input_ids.shape[:1], input_ids.shape[1] // sp, 11)
+            self.widths.append((input_ids.shape[0], input_ids.shape[1]))
+            return torch.zeros(input_ids.shape[0], input_ids.shape[1] // sp, 11)
 
     class Tok:
         eos_id, bos_id = 0, None
 
     requests = [(None, [1] * c, [2] * k) for c, k in ((9, 1), (3, 4), (5, 2), (1, 1), (12, 3), (2, 2), (30, 1))]
-    model = Recorder()
-    lm = LiveLM(model, Tok(), max_length=16, micro_batch=micro, dp_rank=0, dp_world=world, sequence_parallel=sp)
-    lm._loglikelihood_tokens(requests)
-    lengths = [len(row) for row in lm._rows(requests)[0]]
-    assert max(lengths) == 17  # the 31-token request cut to the model's length + 1
-    assert forward_positions(lengths, world, micro, sp) == model.positions
+    seen = []
+    for rank in range(world):
+        model = Recorder()
+        lm = LiveLM(model, Tok(), max_length=16, micro_batch=micro, dp_rank=rank, dp_world=world,
+                    sequence_parallel=sp)
+        lm._loglikelihood_tokens(requests)
+        seen.append(model.widths)
+        if rank == 0:
+            lengths = [len(row) for row in lm._rows(requests)[0]]
+            assert max(lengths) == 17  # the 31-token request cut to the model's length + 1
+            # a sequence-parallel rank runs its 1/sp of each row
+            assert forward_positions(lengths, world, micro, sp) == sum(b * w // sp for b, w in model.widths)
+    assert len({tuple(w for _, w in widths) for widths in seen}) == 1, seen
+    assert len({tuple(mlp_tiles(w // sp, 4) for _, w in widths) for widths in seen}) == 1  # dim 4: tiles vary
 
 
 def test_eval_cost_from_flops_and_the_dry_run_states_it(tmp_path, mix_path, capsys):

@@ -36,8 +36,8 @@ from lm_eval.tasks import TaskManager, get_task_dict
 
 from zerotrain import resource_dir
 from zerotrain.dataio.errors import first_line
-from zerotrain.launcher.components.tasks import (GENERATION, batch_rows, flat_results, request_row, score_rows,
-                                                 shard)
+from zerotrain.launcher.components.tasks import (GENERATION, batch_rows, flat_results, longest_first, pass_widths,
+                                                 request_row, score_rows, shard)
 from zerotrain.launcher.errors import UsageError
 
 SHIPPED = resource_dir("zerotrain.recipes", "eval_tasks")
@@ -167,19 +167,20 @@ class LiveLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         rows, conts = self._rows(requests)
-        n = len(rows)
-        order = sorted(range(n), key=lambda i: -len(rows[i]))  # alike lengths share a batch
+        n, lengths = len(rows), [len(r) for r in rows]
+        order = longest_first(lengths)  # alike lengths share a batch
         mine = shard(n, self.dp_rank, self.dp_world, self.micro_batch, order)
+        widths = pass_widths(lengths, order, self.dp_world, self.micro_batch, self.sp)  # alike on every rank
         table = torch.zeros(n, 2, dtype=torch.float64)
         module = getattr(self.model, "module", self.model)
-        for batch in mine.batches:
-            ids = batch_rows([rows[i] for i in batch], self.sp, self.tok.eos_id)
+        for batch, width in zip(mine.batches, widths):
+            ids = batch_rows([rows[i] for i in batch], self.sp, self.tok.eos_id, width)
             logits = self._forward(ids)
             sp = getattr(module, "sequence_parallel", None)
             positions = sp.local(ids.shape[1]) if sp is not None else slice(0, ids.shape[1])
             table[batch] += score_rows(logits.cpu(), [rows[i] for i in batch], [conts[i] for i in batch], positions)
-        for _ in range(mine.padding):  # only so that this rank joins the others' parameter gathers (ZeRO-3)
-            self._forward(torch.full((1, self.sp), self.tok.eos_id, dtype=torch.long))
+        for width in widths[len(mine.batches):]:  # only so that this rank joins the others' gathers (ZeRO-3)
+            self._forward(torch.full((1, width), self.tok.eos_id, dtype=torch.long))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             summed = table.to(self.on)
             dist.all_reduce(summed)  # disjoint requests (data-parallel) and positions (sequence-parallel) add up
