@@ -100,7 +100,11 @@ def _bpe(tmp_path) -> str:
 @pytest.mark.parametrize("layout", ["zero3", "zero2_sp2"])
 def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, monkeypatch):
     """zero3: the cpu profile (ZeRO-3, partitioned parameters) on 2 data-parallel ranks, 21 requests: one rank
-    pads. zero2_sp2: ZeRO-2 with the 2 ranks sharing every row (sequence parallelism; one data-parallel rank)."""
+    pads; with the parameters and the optimizer offloaded (--offload all: each forward gathers the parameters
+    from host memory; DeepSpeed's CPU Adam). zero2_sp2: ZeRO-2 with the
+    2 ranks sharing every row (sequence parallelism; one data-parallel rank), with activation checkpointing and
+    DeepSpeed's TiledMLP (--tiled-mlp). Scoring is forward-only in eval mode: each engine must give lm-eval's
+    numbers."""
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
@@ -118,7 +122,9 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
         "    higher_is_better: false\n")
     specs = f"{TASKS},{tmp_path / 'one' / 'one.yaml'}"
     names = {"zerotrain_tiny_choice", "zerotrain_tiny_text", "zt_one_text"}
-    flags = [] if layout == "zero3" else ["--profile", cpu_profile(tmp_path, stage=2), "--sequence-parallel", "2"]
+    flags = ["--offload", "all"] if layout == "zero3" else [
+        "--profile", cpu_profile(tmp_path, stage=2), "--sequence-parallel", "2", "--activation-checkpointing",
+        "--tiled-mlp"]
     out = tmp_path / "runs"
     args = ["--data", str(mix_path), "--tokenizer", _bpe(tmp_path), "--model", "debug", "--seq-len", "64",
             "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "1", "--log-data-every-steps", "0",
@@ -128,6 +134,12 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
     proc = launch("deepspeed", args, nproc=2, env_extra={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "eval tasks: zerotrain_tiny_choice, zerotrain_tiny_text, zt_one_text" in proc.stdout
+    assert "eval tasks cost: 2 scoring(s) (every 2 steps and at the end)" in proc.stdout  # planning/evaluation.py
+    if layout == "zero3":  # the engines named above, as the start-up says them
+        assert ("offload (ZeRO-Offload): optimizer states and fp32 master weights -> host memory; parameters -> host"
+                " memory") in proc.stdout
+    else:
+        assert "activation-checkpointing True (flag)" in proc.stdout and "tiled MLP: 1 tile(s)" in proc.stdout
     run = out / "r"
     rows = {m["step"]: m for m in read_metrics(run)}
     scored = {s: m["eval"] for s, m in rows.items() if "eval" in m}

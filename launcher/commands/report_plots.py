@@ -101,10 +101,14 @@ def _throughput(ax, runs, labels):
 
 def _grad_norm(ax, runs, labels):
     drawn = _simple("grad_norm", "gradient norm", "global grad norm")(ax, runs, labels)
-    values = [v for run in runs for v in run.series("grad_norm")[1] if v > 0]
-    if values and max(values) / min(values) > 50:  # early steps dwarf the rest on a linear axis
-        ax.set_yscale("log")
+    _log_when_wide(ax, [v for run in runs for v in run.series("grad_norm")[1] if v > 0])  # early steps dwarf the rest
     return drawn
+
+
+def _log_when_wide(ax, positive: list[float]) -> None:
+    """A log y axis where the values span more than 50x (a linear one would flatten the small ones)."""
+    if positive and max(positive) / min(positive) > 50:
+        ax.set_yscale("log")
 
 
 def _shares(ax, runs, labels):
@@ -205,9 +209,8 @@ def _task(task: str):
                     ax.plot(xs, ys, color=f"C{j}", ls=styles[i % len(styles)], marker="o", ms=4,
                             label=_label(labels[i], metric, many))
                     values += ys
-        positive = [v for v in values if v > 0]
-        if positive and len(positive) == len(values) and max(positive) / min(positive) > 50:
-            ax.set_yscale("log")
+        if all(v > 0 for v in values):  # a zero (an accuracy) has no place on a log axis
+            _log_when_wide(ax, values)
         ax.set_title(f"task {task} (lm-evaluation-harness, --eval-tasks)")
         ax.set_xlabel("step")
         ax.set_ylabel("score")
