@@ -35,19 +35,20 @@ from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.schedule import Schedule
-from zerotrain.launcher.components.tasks import check_best_by, every_steps, need_lm_eval, split_specs
+from zerotrain.launcher.components.tasks import check_best_by, forward_positions, need_lm_eval, split_specs
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
 from zerotrain.launcher.errors import StopRun, UsageError, report_exit
 from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
-                                        run_tokens, size_in_tokens, token_budget)
+                                        run_end, run_tokens, size_in_tokens, token_budget)
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.optimizers import describe_implementation
-from zerotrain.launcher.planning import fit_check, offload_lines, run_loss_chunk
+from zerotrain.launcher.planning import (EvalCost, describe_cost, eval_cost, every_steps, fit_check, offload_lines,
+                                        run_loss_chunk)
 from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile
 from zerotrain.launcher.resolution import resolve, tokens_per_step
 from zerotrain.launcher.settings import BY_NAME, Settings, describe_settings, parse_every, with_schedule
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import count_params, mlp_tiles
+from zerotrain.modeling.sizes import count_params, flops_per_token, mlp_tiles
 
 
 def single_process_env() -> None:
@@ -331,7 +332,21 @@ def describe_eval_tasks(plan: RunPlan) -> list[str]:
     best = (f"; --best-by {s.best_by} ({'higher' if plan.best_higher else 'lower'} is better) chooses best.json"
             if s.best_by else "")
     return [f"eval tasks: {', '.join(plan.eval_tasks.names)} (lm-evaluation-harness, every rank){limit}, {when}"
-            f" (its own phase, eval_tasks){best}"]
+            f" (its own phase, eval_tasks){best}", describe_cost(eval_tasks_cost(plan), s.expected_mfu)]
+
+
+def eval_tasks_cost(plan: RunPlan) -> EvalCost:
+    """--eval-tasks' cost over this launch's steps (planning/evaluation.py), from the loaded tasks' rows."""
+    from zerotrain.launcher.components.tasks.lm import row_lengths  # lm_eval: checked when the tasks loaded
+
+    args, s = plan.model_args, plan.settings
+    lengths = row_lengths(plan.eval_tasks, plan.tokenizer, args.max_seq_len, s.eval_limit)
+    positions = forward_positions(lengths, plan.data_world, plan.ds_config["train_micro_batch_size_per_gpu"],
+                                  plan.sequence_parallel)
+    start = plan.resumed_at[0]
+    end = run_end(plan.cfg, plan.tokens_per_step, *plan.resumed_at)[0]
+    return eval_cost(start, end, plan.eval_tasks_every, len(lengths), positions,
+                     flops_per_token(args, args.max_seq_len) / 3, s.peak_flops_per_device, s.expected_mfu)
 
 
 def _started_stage(run_dir: Path) -> int | None:

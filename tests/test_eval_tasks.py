@@ -100,7 +100,11 @@ def _bpe(tmp_path) -> str:
 @pytest.mark.parametrize("layout", ["zero3", "zero2_sp2"])
 def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, monkeypatch):
     """zero3: the cpu profile (ZeRO-3, partitioned parameters) on 2 data-parallel ranks, 21 requests: one rank
-    pads. zero2_sp2: ZeRO-2 with the 2 ranks sharing every row (sequence parallelism; one data-parallel rank)."""
+    pads; with the parameters and the optimizer offloaded (--offload all: each forward gathers the parameters
+    from host memory; DeepSpeed's CPU Adam). zero2_sp2: ZeRO-2 with the
+    2 ranks sharing every row (sequence parallelism; one data-parallel rank), with activation checkpointing and
+    DeepSpeed's TiledMLP (--tiled-mlp). Scoring is forward-only in eval mode: each engine must give lm-eval's
+    numbers."""
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
@@ -118,7 +122,9 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
         "    higher_is_better: false\n")
     specs = f"{TASKS},{tmp_path / 'one' / 'one.yaml'}"
     names = {"zerotrain_tiny_choice", "zerotrain_tiny_text", "zt_one_text"}
-    flags = [] if layout == "zero3" else ["--profile", cpu_profile(tmp_path, stage=2), "--sequence-parallel", "2"]
+    flags = ["--offload", "all"] if layout == "zero3" else [
+        "--profile", cpu_profile(tmp_path, stage=2), "--sequence-parallel", "2", "--activation-checkpointing",
+        "--tiled-mlp"]
     out = tmp_path / "runs"
     args = ["--data", str(mix_path), "--tokenizer", _bpe(tmp_path), "--model", "debug", "--seq-len", "64",
             "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "1", "--log-data-every-steps", "0",
@@ -128,6 +134,12 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
     proc = launch("deepspeed", args, nproc=2, env_extra={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "eval tasks: zerotrain_tiny_choice, zerotrain_tiny_text, zt_one_text" in proc.stdout
+    assert "eval tasks cost: 2 scoring(s) (every 2 steps and at the end)" in proc.stdout  # planning/evaluation.py
+    if layout == "zero3":  # the engines named above, as the start-up says them
+        assert ("offload (ZeRO-Offload): optimizer states and fp32 master weights -> host memory; parameters -> host"
+                " memory") in proc.stdout
+    else:
+        assert "activation-checkpointing True (flag)" in proc.stdout and "tiled MLP: 1 tile(s)" in proc.stdout
     run = out / "r"
     rows = {m["step"]: m for m in read_metrics(run)}
     scored = {s: m["eval"] for s, m in rows.items() if "eval" in m}
@@ -295,3 +307,145 @@ def test_a_recipe_and_a_profile_give_the_tasks_each_recorded_with_its_source(tmp
     assert s.sources["eval_tasks_every"].endswith(": zerotrain.eval_tasks_every")
     assert plan.eval_tasks_every == 8  # 1,000 tokens at 128 tokens per step, rounded up
     assert not (tmp_path / "runs").exists()
+
+
+# -- zerotrain report: the task curves, from metrics.jsonl alone ---------------------------------------------
+
+def test_report_plots_each_task_over_the_steps_and_names_the_last_scores(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zerotrain.launcher.commands.report import load_run, report_main
+    from zerotrain.launcher.commands.report_plots import task_plots
+
+    run = tmp_path / "r"
+    run.mkdir()
+    rows = [{"step": s, "tokens_seen": 128 * s, "loss": 5.0 - s / 10, "elapsed_s": float(s)} for s in range(1, 7)]
+    scores = {2: (0.3, 0.4, 900.0, 9.8), 4: (0.5, 0.6, 400.0, 8.6), 6: (0.7, 0.6, 150.0, 7.2)}
+    for r in rows:
+        if r["step"] in scores:
+            acc, acc_norm, wppl, bpb = scores[r["step"]]
+            r["eval"] = {"zerotrain_tiny_choice": {"acc": acc, "acc_norm": acc_norm},
+                         "zerotrain_tiny_text": {"word_perplexity": wppl, "bits_per_byte": bpb}}
+            r["eval_tasks_s"] = 0.25
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "report").mkdir()
+    (run / "report" / "eval_gone_task.png").write_bytes(b"old")  # a task of an earlier report: removed
+
+    report_main([str(run)])
+    report = run / "report"
+    for name in ("eval_zerotrain_tiny_choice.png", "eval_zerotrain_tiny_text.png"):
+        data = (report / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert not (report / "eval_gone_task.png").exists()
+    text = (report / "report.md").read_text()
+    assert ("| task scores (step 6) | zerotrain_tiny_choice acc 0.7, acc_norm 0.6; zerotrain_tiny_text"
+            " bits_per_byte 7.2, word_perplexity 150 |") in text
+    assert "| task scorings | 3, 0.8 s (12.5%) |" in text  # 3 x 0.25 s of 6 s
+    assert "![eval_zerotrain_tiny_choice](eval_zerotrain_tiny_choice.png)" in text
+
+    # what each panel draws: every metric, at the scored steps, with its values
+    drawers = dict(task_plots([load_run(run)]))
+    fig, ax = plt.subplots()
+    assert drawers["eval_zerotrain_tiny_choice.png"](ax, [load_run(run)], ["r"])
+    curves = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    assert curves == {"acc": ([2, 4, 6], [0.3, 0.5, 0.7]), "acc_norm": ([2, 4, 6], [0.4, 0.6, 0.6])}
+    assert ax.get_yscale() == "linear"
+    fig2, ax2 = plt.subplots()
+    assert drawers["eval_zerotrain_tiny_text.png"](ax2, [load_run(run)], ["r"])
+    assert ax2.get_yscale() == "log"  # perplexities in the hundreds beside bits in single digits
+    plt.close(fig)
+    plt.close(fig2)
+
+
+# -- the cost of scoring: planning/evaluation.py -------------------------------------------------------------
+
+@pytest.mark.parametrize("start,end,every,expected", [(0, 10, 4, 3), (0, 8, 4, 2), (0, 10, 0, 1), (4, 10, 4, 2),
+                                                      (8, 8, 4, 0), (0, 3, 5, 1), (0, None, 4, None)])
+def test_scorings_count_the_cadence_and_the_end_once(start, end, every, expected):
+    from zerotrain.launcher.planning import scorings
+
+    assert scorings(start, end, every) == expected
+    if end is not None and end > start:  # as the participant decides: due at every multiple and at the last step
+        due = [s for s in range(start + 1, end + 1) if s == end or (every and s % every == 0)]
+        assert len(due) == expected
+
+
+@pytest.mark.parametrize("world,micro,sp", [(1, 1, 1), (2, 1, 1), (2, 3, 1), (1, 2, 2), (3, 2, 1)])
+def test_every_rank_runs_passes_of_the_same_widths_and_the_planner_counts_them(world, micro, sp):
+    """Every data-parallel rank feeds the model the same sequence of widths (a tiled MLP's tile count follows
+    the width, and at ZeRO-3 each tile gathers weights: other widths would hang), and the planner's positions
+    per scoring equal what rank 0 runs, counted on a module that records its inputs."""
+    from zerotrain.launcher.components.tasks import forward_positions
+    from zerotrain.launcher.components.tasks.lm import LiveLM
+    from zerotrain.modeling.sizes import mlp_tiles
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(1, 11)
+            self.widths = []
+
+        def forward(self, input_ids, position_ids):
+            self.widths.append((input_ids.shape[0], input_ids.shape[1]))
+            return torch.zeros(input_ids.shape[0], input_ids.shape[1] // sp, 11)
+
+    class Tok:
+        eos_id, bos_id = 0, None
+
+    requests = [(None, [1] * c, [2] * k) for c, k in ((9, 1), (3, 4), (5, 2), (1, 1), (12, 3), (2, 2), (30, 1))]
+    seen = []
+    for rank in range(world):
+        model = Recorder()
+        lm = LiveLM(model, Tok(), max_length=16, micro_batch=micro, dp_rank=rank, dp_world=world,
+                    sequence_parallel=sp)
+        lm._loglikelihood_tokens(requests)
+        seen.append(model.widths)
+        if rank == 0:
+            lengths = [len(row) for row in lm._rows(requests)[0]]
+            assert max(lengths) == 17  # the 31-token request cut to the model's length + 1
+            # a sequence-parallel rank runs its 1/sp of each row
+            assert forward_positions(lengths, world, micro, sp) == sum(b * w // sp for b, w in model.widths)
+    assert len({tuple(w for _, w in widths) for widths in seen}) == 1, seen
+    assert len({tuple(mlp_tiles(w // sp, 4) for _, w in widths) for widths in seen}) == 1  # dim 4: tiles vary
+
+
+def test_eval_cost_from_flops_and_the_dry_run_states_it(tmp_path, mix_path, capsys):
+    from zerotrain.launcher.components.tasks.lm import row_lengths
+    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.planning import eval_cost
+    from zerotrain.launcher.run_plan import describe, eval_tasks_cost, plan_run
+    from zerotrain.modeling.sizes import flops_per_token
+
+    cost = eval_cost(0, 10, 4, requests=21, positions=1000, forward_flops_per_position=3e6, peak_flops=1e9, mfu=0.5)
+    assert (cost.scorings, cost.seconds, cost.total_seconds) == (3, 6.0, 18.0)  # 1000 x 3e6 / (0.5 x 1e9) = 6 s
+
+    argv = ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--seq-len", "64", "--micro-batch", "2",
+            "--max-steps", "10", "--eval-tasks", "zerotrain_tiny_choice,zerotrain_tiny_text", "--eval-limit", "3",
+            "--eval-tasks-every", "4", "--dry-run"]
+    plan = plan_run(resolve_config(argv), world=1)
+    cost = eval_tasks_cost(plan)
+    lengths = row_lengths(plan.eval_tasks, plan.tokenizer, plan.model_args.max_seq_len, 3)
+    assert cost.scorings == 3 and cost.every == 4  # steps 4, 8 and the end, 10
+    assert cost.requests == len(lengths) >= 3 * 3 + 3  # 3 questions x 3 choices, 3 texts (one or more windows)
+    fpp = flops_per_token(plan.model_args, plan.model_args.max_seq_len) / 3
+    assert cost.seconds == pytest.approx(cost.positions * fpp / (0.35 * 75e9))  # ds_configs/cpu.json's MFU and peak
+    lines = describe(plan)
+    line = next(x for x in lines if x.startswith("eval tasks cost:"))
+    assert line.startswith(f"eval tasks cost: 3 scoring(s) (every 4 steps and at the end), {cost.requests}"
+                           f" requests per scoring ({cost.positions:,} forward positions on the busiest rank):"
+                           f" ~{cost.seconds:.3g} s per scoring at MFU 0.35"), line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_zerotrain_plan_counts_the_scorings_without_loading_tasks(capsys):
+    from zerotrain.launcher.commands.plan import plan_main
+
+    plan = plan_main(["--model", "debug", "--vocab-size", "512", "--seq-len", "64", "--micro-batch", "2",
+                      "--max-steps", "1000", "--eval-tasks", "no_such_task_is_loaded", "--eval-tasks-every", "300"])
+    assert plan["eval_tasks"]["scorings"] == 4 and plan["eval_tasks"]["seconds_per_scoring"] is None  # 300..900, 1000
+    out = capsys.readouterr().out
+    assert ("eval tasks cost: 4 scoring(s) (every 300 steps and at the end); the time per scoring is measured at"
+            " the first scoring") in out

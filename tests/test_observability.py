@@ -325,7 +325,8 @@ def copy_run(src: Path, dst: Path) -> Path:
 
 @pytest.mark.launches
 def test_report_compare_overlays_runs(real_run, tmp_path):
-    from zerotrain.launcher.commands.report import _loss_steps, load_run
+    from zerotrain.launcher.commands.report import load_run
+    from zerotrain.launcher.commands.report_plots import _loss_steps
 
     other = copy_run(real_run, tmp_path / "other-run")
     lines = [json.loads(line) for line in (other / "metrics.jsonl").read_text().splitlines()]

@@ -11,12 +11,13 @@ from zerotrain.dataio.errors import DataNotHere
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.node import Node
-from zerotrain.launcher.planning import STAGES, GiB, make_plan, render, setup_from
+from zerotrain.launcher.planning import STAGES, GiB, describe_cost, eval_cost, every_steps, make_plan, render, setup_from
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams
 from zerotrain.launcher.profiles import detect_profile, load_profile
 from zerotrain.launcher.resolution import resolve
+from zerotrain.launcher.settings import parse_every
 from zerotrain.launcher.settings import resolve as resolve_settings
 
 
@@ -86,6 +87,9 @@ def plan_main(argv: list[str]) -> dict:
     plan["profile"], plan["vocab_from"] = name, vocab_from
     if stage_line:
         plan["zero_note"] = stage_line
+    cost = plan_eval_tasks(cfg, settings, plan["tokens_per_step"], plan["steps"])
+    if cost is not None:
+        plan["eval_tasks"] = cost.as_dict()
     plan["warnings"], plan["data_unknown"] = data_checks(cfg, tokenizer, plan["tokens"], settings, data_here,
                                                          values.get("data"))
     unknown = f"\nepochs and repetition: unknown without the data ({plan['data_unknown']})" \
@@ -95,8 +99,19 @@ def plan_main(argv: list[str]) -> dict:
     print(json.dumps(plan, indent=2) if ns.json else (f"profile auto: {auto}\n" if auto else "")
           + f"profile {name}; vocabulary {vocab:,} ({vocab_from})\n"
           + render(plan) + (f"\nzero: {stage_line}" if stage_line else "") + unknown
+          + (f"\n{describe_cost(cost)}" if cost is not None else "")
           + "".join(f"\nwarning: {w}" for w in plan["warnings"]))
     return plan
+
+
+def plan_eval_tasks(cfg, settings, tokens_per_step: int, steps: int):
+    """--eval-tasks: the scorings over the planned steps (planning/evaluation.py). The tasks are not loaded here
+    (lm_eval and their data need not be on the planning machine), so their time is the first scoring's."""
+    if not settings.eval_tasks:
+        return None
+    every = settings.eval_tasks_every
+    every = every_steps(parse_every(every), tokens_per_step) if every is not None else cfg.eval_every_steps
+    return eval_cost(0, steps, every)
 
 
 def check_plan_flags(ns) -> None:

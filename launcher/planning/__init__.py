@@ -20,6 +20,7 @@ lowest first (each module's docstring holds its formulas):
     sequence      sequence parallelism: the N accepted, the all-to-all (AllToAll), the longest row that fits
     alternatives  what would fit instead
     budget        steps, tokens, hours, dollars, compute-optimal size
+    evaluation    --eval-tasks: the scorings over a run and the time of one from its forward FLOPs
     report        the plan (a JSON-ready dict: docs/planning.md), its verdict and its lines
     fit           the driver's fit check, the planned peak an out-of-memory end names, the start-up's offload
                   lines, the micro-batch of a --profile auto profile
@@ -29,6 +30,8 @@ Callers import from here (zerotrain.launcher.planning), not from the rooms.
 from zerotrain.launcher.planning.activations import (Activations, activation_bytes, flex_block_mask_bytes,
                                                      run_loss_chunk)
 from zerotrain.launcher.planning.budget import CHINCHILLA_TOKENS_PER_PARAM, budget
+from zerotrain.launcher.planning.evaluation import (EvalCost, describe_cost, eval_cost, every_steps,
+                                                   scorings)
 from zerotrain.launcher.planning.fit import fit_check, offload_lines, planned_here, size_auto_micro_batch
 from zerotrain.launcher.planning.hardware import (Setup, available_ram, device_memory_here, optimizer_state_bytes,
                                                   setup_from)
@@ -41,7 +44,7 @@ from zerotrain.launcher.planning.sequence import (AllToAll, all_to_all_bytes, ch
 from zerotrain.launcher.planning.units import GiB
 
 __all__ = ["Activations", "activation_bytes", "flex_block_mask_bytes", "run_loss_chunk", "CHINCHILLA_TOKENS_PER_PARAM",
-           "budget", "fit_check", "offload_lines", "planned_here", "size_auto_micro_batch", "Setup", "available_ram",
+           "budget", "EvalCost", "describe_cost", "eval_cost", "every_steps", "scorings", "fit_check", "offload_lines", "planned_here", "size_auto_micro_batch", "Setup", "available_ram",
            "device_memory_here", "optimizer_state_bytes", "setup_from", "HostMemory", "Traffic", "host_memory",
            "offload_traffic", "OFFLOAD", "STAGES", "Memory", "deepspeed_model_states", "largest_layer",
            "max_micro_batch", "memory", "stage_key", "make_plan", "render", "verdict", "AllToAll", "all_to_all_bytes",

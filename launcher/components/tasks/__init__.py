@@ -9,7 +9,9 @@ process group (tests/test_eval_tasks.py).
 
 Every rank scores: under ZeRO-3 each forward gathers the parameters with collectives, so every rank must
 run the same number of forwards. Requests are dealt round-robin over the data-parallel ranks
-(`shard`), each rank runs the passes rank 0 needs (the most), filling in with one-row padding passes;
+(`shard`), each rank runs the passes rank 0 needs (the most), filling in with one-row padding passes, and
+every rank's i-th pass is as wide as the widest of the ranks' i-th batches (`pass_widths`: a tiled MLP splits
+a forward by its width, and at ZeRO-3 each tile gathers weights);
 sequence-parallel ranks of a group score the same rows, each its stretch of positions. Each rank writes
 its share (log-likelihood sum, count of non-greedy tokens) into an (n_requests, 2) float64 table that
 one all-reduce sums: every rank then holds every result, and lm-eval computes the same metrics on each.
@@ -45,14 +47,6 @@ def split_specs(value) -> list[str]:
     return out
 
 
-def every_steps(every: tuple[int, str] | None, tokens_per_step: int) -> int:
-    """The cadence in optimizer steps (0: only at the end); a token cadence rounds up to whole steps."""
-    if every is None:
-        return 0
-    n, unit = every
-    return n if unit == "steps" else max(1, math.ceil(n / tokens_per_step))
-
-
 # -- which requests a rank scores ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -79,6 +73,36 @@ def shard(n_requests: int, dp_rank: int, dp_world: int, micro_batch: int, order:
     return Shard(batches, every_rank - len(batches))
 
 
+def pass_widths(row_lengths: list[int], order: list[int], dp_world: int, micro_batch: int, multiple: int) -> list[int]:
+    """Each pass's input width, the same on every data-parallel rank: the widest of that pass's batches over all
+    ranks (`shard`, every rank computes every rank's alike), rounded up to `multiple`. Why: a tiled MLP
+    (--tiled-mlp) splits a forward by its width (sizes.mlp_tiles) and at ZeRO-3 every tile gathers the MLP's
+    weights, so ranks running other widths would gather another number of times and hang. Right-padding a row
+    changes nothing before it (causal)."""
+    shards = [shard(len(row_lengths), r, dp_world, micro_batch, order) for r in range(dp_world)]
+    out = []
+    for i in range(shards[0].passes):
+        longest = max((row_lengths[j] - 1 for s in shards if i < len(s.batches) for j in s.batches[i]), default=1)
+        out.append(max(multiple, math.ceil(longest / multiple) * multiple))
+    return out
+
+
+def forward_positions(row_lengths: list[int], dp_world: int, micro_batch: int, sequence_parallel: int) -> int:
+    """Positions one rank runs forward to score requests of these row lengths (`request_row`'s rows): rank 0's
+    passes (the most), each `pass_widths` wide, a 1/N stretch of it under sequence parallelism, a padding pass
+    one row. The planner's cost of a scoring (planning/evaluation.py)."""
+    order = longest_first(row_lengths)
+    mine = shard(len(row_lengths), 0, dp_world, micro_batch, order)
+    widths = pass_widths(row_lengths, order, dp_world, micro_batch, sequence_parallel)
+    rows = [len(b) for b in mine.batches] + [1] * mine.padding
+    return sum(n * w // sequence_parallel for n, w in zip(rows, widths))
+
+
+def longest_first(row_lengths: list[int]) -> list[int]:
+    """The order requests are dealt in: longest first, so that a batch holds alike lengths."""
+    return sorted(range(len(row_lengths)), key=lambda i: -row_lengths[i])
+
+
 def request_row(context: list[int], continuation: list[int], max_length: int) -> tuple[list[int], int]:
     """lm-eval's HFLM row for one request: (context + continuation)[-(max_length + 1):][:-1] as the input
     (truncated from the left, as lm-eval does), and how many of its last positions predict the continuation."""
@@ -86,11 +110,12 @@ def request_row(context: list[int], continuation: list[int], max_length: int) ->
     return whole, len(continuation)
 
 
-def batch_rows(rows: list[list[int]], multiple: int, pad_id: int) -> torch.Tensor:
+def batch_rows(rows: list[list[int]], multiple: int, pad_id: int, width: int | None = None) -> torch.Tensor:
     """(B, T) input ids: each row's tokens but the last, right-padded to the longest, T rounded up to
-    `multiple` (sequence parallelism splits T). Padding on the right changes nothing before it (causal)."""
+    `multiple` (sequence parallelism splits T), or to `width` (`pass_widths`). Padding on the right changes
+    nothing before it (causal)."""
     longest = max(len(r) - 1 for r in rows)
-    width = max(multiple, math.ceil(longest / multiple) * multiple)
+    width = width or max(multiple, math.ceil(longest / multiple) * multiple)
     out = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r) - 1] = torch.tensor(r[:-1], dtype=torch.long)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,8 @@ from lm_eval.tasks import TaskManager, get_task_dict
 
 from zerotrain import resource_dir
 from zerotrain.dataio.errors import first_line
-from zerotrain.launcher.components.tasks import (GENERATION, batch_rows, flat_results, request_row, score_rows,
-                                                 shard)
+from zerotrain.launcher.components.tasks import (GENERATION, batch_rows, flat_results, longest_first, pass_widths,
+                                                 request_row, score_rows, shard)
 from zerotrain.launcher.errors import UsageError
 
 SHIPPED = resource_dir("zerotrain.recipes", "eval_tasks")
@@ -159,25 +160,27 @@ class LiveLM(TemplateLM):
     def loglikelihood(self, requests, disable_tqdm: bool = False):
         return super().loglikelihood(requests, disable_tqdm=True)  # no bar per rank
 
+    def _rows(self, requests) -> tuple[list[list[int]], list[int]]:
+        """lm-eval's (cache key, context tokens, continuation tokens) requests as rows and continuation lengths."""
+        pairs = [request_row(context, continuation, self.max_length) for _, context, continuation in requests]
+        return [row for row, _ in pairs], [n for _, n in pairs]
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        rows, conts = [], []
-        for _, context, continuation in requests:
-            row, n_cont = request_row(context, continuation, self.max_length)
-            rows.append(row)
-            conts.append(n_cont)
-        n = len(rows)
-        order = sorted(range(n), key=lambda i: -len(rows[i]))  # alike lengths share a batch
+        rows, conts = self._rows(requests)
+        n, lengths = len(rows), [len(r) for r in rows]
+        order = longest_first(lengths)  # alike lengths share a batch
         mine = shard(n, self.dp_rank, self.dp_world, self.micro_batch, order)
+        widths = pass_widths(lengths, order, self.dp_world, self.micro_batch, self.sp)  # alike on every rank
         table = torch.zeros(n, 2, dtype=torch.float64)
         module = getattr(self.model, "module", self.model)
-        for batch in mine.batches:
-            ids = batch_rows([rows[i] for i in batch], self.sp, self.tok.eos_id)
+        for batch, width in zip(mine.batches, widths):
+            ids = batch_rows([rows[i] for i in batch], self.sp, self.tok.eos_id, width)
             logits = self._forward(ids)
             sp = getattr(module, "sequence_parallel", None)
             positions = sp.local(ids.shape[1]) if sp is not None else slice(0, ids.shape[1])
             table[batch] += score_rows(logits.cpu(), [rows[i] for i in batch], [conts[i] for i in batch], positions)
-        for _ in range(mine.padding):  # only so that this rank joins the others' parameter gathers (ZeRO-3)
-            self._forward(torch.full((1, self.sp), self.tok.eos_id, dtype=torch.long))
+        for width in widths[len(mine.batches):]:  # only so that this rank joins the others' gathers (ZeRO-3)
+            self._forward(torch.full((1, width), self.tok.eos_id, dtype=torch.long))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             summed = table.to(self.on)
             dist.all_reduce(summed)  # disjoint requests (data-parallel) and positions (sequence-parallel) add up
@@ -206,6 +209,28 @@ class LiveLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False):
         raise NotImplementedError("generation tasks are refused at start-up (components/tasks/lm.py load_tasks)")
+
+
+class _Counter(LiveLM):
+    """LiveLM without a model: lm-eval builds and tokenizes every request as for a scoring, and the rows' lengths
+    are kept instead of scored (the planner's cost of a scoring: planning/evaluation.py)."""
+
+    def __init__(self, tokenizer, max_length: int):
+        super().__init__(None, tokenizer, max_length=max_length, micro_batch=1, device=torch.device("cpu"))
+        self.lengths: list[int] = []
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        self.lengths += [len(row) for row in self._rows(requests)[0]]
+        return [(0.0, False)] * len(requests)
+
+
+def row_lengths(tasks: Tasks, tokenizer, max_length: int, limit: int | None) -> list[int]:
+    """The length of every row one scoring runs (context + continuation, cut to the model's length; rolling
+    tasks: one per window), from lm-eval's own request building, without a forward."""
+    counter = _Counter(tokenizer, max_length)
+    with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's progress bars: a scoring says them, not the plan
+        evaluator.evaluate(counter, tasks.task_dict, limit=limit, bootstrap_iters=0, log_samples=False)
+    return counter.lengths
 
 
 def score(tasks: Tasks, lm: LiveLM, limit: int | None) -> tuple[dict, dict]:
