@@ -26,7 +26,7 @@ from zerotrain.launcher.components.observe.health import standing
 from zerotrain.launcher.components.manifest import read_manifest
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.components.checkpoints.run_lock import live_holder
-from zerotrain.launcher.commands.report_plots import _duration, _num, _tokens, write_plots
+from zerotrain.launcher.commands.report_plots import duration_text, number_text, tokens_text, write_plots
 
 RUN_FILES = ("metrics.jsonl", "config.json", "manifest.json")  # any one of them makes a run directory
 
@@ -184,9 +184,9 @@ def write_report(runs: list[Run], out: Path) -> Path:
                   " median tokens/s |", "|---|---|---|---|---|---|---|"]
         for r in runs:
             t = summarize(r)
-            lines.append(f"| {r.name} | {t['status']} | {t['step']} | {_tokens(t['tokens'])} | {_num(t['last_loss'])}"
-                         f" | {_num(t['best_val_loss'])} ({t['best_step'] if t['best_step'] is not None else '-'})"
-                         f" | {_num(t['tokens_per_s_median'])} |")
+            lines.append(f"| {r.name} | {t['status']} | {t['step']} | {tokens_text(t['tokens'])} | {number_text(t['last_loss'])}"
+                         f" | {number_text(t['best_val_loss'])} ({t['best_step'] if t['best_step'] is not None else '-'})"
+                         f" | {number_text(t['tokens_per_s_median'])} |")
         lines.append("")
     if plots:
         lines += ["## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots] + [""]
@@ -200,44 +200,44 @@ def _best_cell(s: dict) -> str:
     others = [str(b["step"]) for b in s["best_checkpoints"][1:]]
     steps = f"({s['best_step']}" + (f"; also {', '.join(others)})" if others else ")")
     if s["best_val_loss"] is None:
-        return f"{s['best_metric']} {_num(s['best_score'])} {steps}" if s.get("best_metric") else "-"
-    return f"{_num(s['best_val_loss'])} {steps}"
+        return f"{s['best_metric']} {number_text(s['best_score'])} {steps}" if s.get("best_metric") else "-"
+    return f"{number_text(s['best_val_loss'])} {steps}"
 
 
 def _summary_table(s: dict) -> list[str]:
     rows = [("steps", f"{s['step']}" + (f" of {s['max_steps']}" if s["max_steps"] else "")),
-            ("tokens seen", _tokens(s["tokens"])),
-            ("final train loss", f"{_num(s['last_loss'])} (mean of the last {min(10, s['step'])} steps"
-                                 f" {_num(s['last_loss_mean10'])})")]
+            ("tokens seen", tokens_text(s["tokens"])),
+            ("final train loss", f"{number_text(s['last_loss'])} (mean of the last {min(10, s['step'])} steps"
+                                 f" {number_text(s['last_loss_mean10'])})")]
     if s["best_val_loss"] is not None:
         where = f"step {s['best_step']}" + (f", checkpoint {s['best_tag']}" if s["best_tag"] else "")
-        rows.append(("best validation loss", f"{_num(s['best_val_loss'])} ({where})"))
+        rows.append(("best validation loss", f"{number_text(s['best_val_loss'])} ({where})"))
         if len(s["best_checkpoints"]) > 1:
-            rows.append(("best checkpoints kept", ", ".join(f"{b['tag']} ({_num(b.get('val_loss'))})"
+            rows.append(("best checkpoints kept", ", ".join(f"{b['tag']} ({number_text(b.get('val_loss'))})"
                                                             for b in s["best_checkpoints"])))
-        rows.append(("last validation loss", f"{_num(s['last_val_loss'])} (step {s['last_val_step']})"))
+        rows.append(("last validation loss", f"{number_text(s['last_val_loss'])} (step {s['last_val_step']})"))
     if s.get("best_metric"):  # --best-by: a task's score chose the checkpoints kept
-        rows.append((f"best {s['best_metric']}", f"{_num(s['best_score'])} (step {s['best_step']}, checkpoint"
+        rows.append((f"best {s['best_metric']}", f"{number_text(s['best_score'])} (step {s['best_step']}, checkpoint"
                                                 f" {s['best_tag']}; kept: "
-                                                + ", ".join(f"{b['tag']} ({_num(b['score'])})" for b in s["best_checkpoints"])
+                                                + ", ".join(f"{b['tag']} ({number_text(b['score'])})" for b in s["best_checkpoints"])
                                                 + ")"))
     if s["last_task_scores"]:  # --eval-tasks: the last scoring's numbers (the curves: eval_TASK.png)
         rows.append((f"task scores (step {s['last_task_step']})", "; ".join(
-            f"{task} " + ", ".join(f"{m} {_num(v)}" for m, v in sorted(metrics.items()))
+            f"{task} " + ", ".join(f"{m} {number_text(v)}" for m, v in sorted(metrics.items()))
             for task, metrics in sorted(s["last_task_scores"].items()))))
     if s["tokens_per_s_median"] is not None:
-        rows.append(("throughput", f"median {_num(s['tokens_per_s_median'])} tokens/s; 10th-90th percentile"
-                                   f" {_num(s['tokens_per_s_p10'])}-{_num(s['tokens_per_s_p90'])}"))
+        rows.append(("throughput", f"median {number_text(s['tokens_per_s_median'])} tokens/s; 10th-90th percentile"
+                                   f" {number_text(s['tokens_per_s_p10'])}-{number_text(s['tokens_per_s_p90'])}"))
     if s["mfu_median"] is not None:
         rows.append(("MFU", f"median {s['mfu_median']:.1%} of the profile's peak"))
     elapsed = s["elapsed_s"]
     if elapsed:
-        rows.append(("training wall time", _duration(elapsed) + " (over all launches)"))
-        rows.append(("evaluations", f"{s['evals']}, {_duration(s['eval_s'])} ({s['eval_s'] / elapsed:.1%})"))
+        rows.append(("training wall time", duration_text(elapsed) + " (over all launches)"))
+        rows.append(("evaluations", f"{s['evals']}, {duration_text(s['eval_s'])} ({s['eval_s'] / elapsed:.1%})"))
         if s["task_scorings"]:
-            rows.append(("task scorings", f"{s['task_scorings']}, {_duration(s['eval_tasks_s'])}"
+            rows.append(("task scorings", f"{s['task_scorings']}, {duration_text(s['eval_tasks_s'])}"
                                           f" ({s['eval_tasks_s'] / elapsed:.1%})"))
-        rows.append(("checkpoint saves", f"{s['saves']}, {_duration(s['save_s'])} blocking the loop"
+        rows.append(("checkpoint saves", f"{s['saves']}, {duration_text(s['save_s'])} blocking the loop"
                                          f" ({s['save_s'] / elapsed:.1%}; launches that ended without a stop"
                                          " record are not counted)"))
     if s["data_wait_median"] is not None:
@@ -348,9 +348,9 @@ def runs_main(argv: list[str]) -> None:
         return
     header = ("run", "status", "steps", "last loss", "best val (step)", "tokens", "last checkpoint", "health")
     rows = [(s["run"], s["status"] + (f" after {s['restarts']} restart(s)" if s["restarts"] else ""),
-             f"{s['step']}" + (f"/{s['max_steps']}" if s["max_steps"] else ""), _num(s["last_loss"]),
+             f"{s['step']}" + (f"/{s['max_steps']}" if s["max_steps"] else ""), number_text(s["last_loss"]),
              _best_cell(s),
-             _tokens(s["tokens"]), s["last_checkpoint"] or "-", s["health"] or "-") for s in summaries]
+             tokens_text(s["tokens"]), s["last_checkpoint"] or "-", s["health"] or "-") for s in summaries]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())

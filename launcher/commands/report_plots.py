@@ -81,7 +81,7 @@ def _simple(key: str, title: str, ylabel: str, median_line: bool = False):
             ax.plot(xs, ys, color=f"C{i}", lw=1, label=labels[i] if many else None)
             if median_line:
                 m = statistics.median(ys)
-                ax.axhline(m, color=f"C{i}", ls="--", lw=1, label=_label(labels[i], f"median {_num(m)}", many))
+                ax.axhline(m, color=f"C{i}", ls="--", lw=1, label=_label(labels[i], f"median {number_text(m)}", many))
             drawn = True
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -294,15 +294,15 @@ def _labels(runs: list["Run"]) -> list[str]:
 
 # -- number formatting ----------------------------------------------------------------------------
 
-def _num(v) -> str:
+def number_text(v) -> str:
     if v is None:
         return "-"
     if abs(v) >= 1e4:
-        return _tokens(v)
+        return tokens_text(v)
     return f"{v:.4g}"
 
 
-def _tokens(n) -> str:
+def tokens_text(n) -> str:
     if n is None:
         return "-"
     for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
@@ -311,7 +311,7 @@ def _tokens(n) -> str:
     return f"{n:g}"
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.1f} s"
     if seconds < 7200:
