@@ -100,3 +100,30 @@ def test_no_in_function_import_of_torch_where_the_module_loads_it():
                 bad += [f"{path.relative_to(REPO)}:{node.lineno}: {n}" for n in names if n in TORCH_CORE]
     assert not bad, ("in-function imports of torch in modules that load torch anyway (import it at the top):\n"
                      + "\n".join(sorted(set(bad))))
+
+
+def test_no_undefined_name_in_the_package():
+    """A name used and never bound (a function moved to another module without its imports): pyflakes' check,
+    which the interpreter only makes when the line runs (report's health row was one such, found by a launch)."""
+    from pyflakes.api import checkPath
+    from pyflakes.reporter import Reporter
+
+    class Undefined(Reporter):
+        def __init__(self):
+            self.found = []
+
+        def flake(self, message):
+            if type(message).__name__ in ("UndefinedName", "UndefinedExport", "UndefinedLocal"):
+                self.found.append(str(message))
+
+        def unexpectedError(self, filename, msg):
+            self.found.append(f"{filename}: {msg}")
+
+        def syntaxError(self, filename, msg, lineno, offset, text):
+            self.found.append(f"{filename}:{lineno}: {msg}")
+
+    reporter = Undefined()
+    for folder in ("launcher", "modeling", "dataio", "zerotrain", "benchmarks"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            checkPath(str(path), reporter)
+    assert not reporter.found, "\n".join(reporter.found)

@@ -22,7 +22,7 @@ from pathlib import Path
 from zerotrain.cli_args import Parser
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.errors import END_KINDS, UsageError, status_of
-from zerotrain.launcher.components.observe.health import standing
+from zerotrain.launcher.components.observe.health import label, standing
 from zerotrain.launcher.components.manifest import read_manifest
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.components.checkpoints.run_lock import live_holder

@@ -8,8 +8,12 @@ import math
 import re
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zerotrain.launcher.components.observe.health import label
+
+if TYPE_CHECKING:  # report.py imports this module
+    from zerotrain.launcher.commands.report import Run
 
 # -- plots ----------------------------------------------------------------------------------------
 # Each drawer draws every run on one matplotlib Axes and returns False when no run has its data.
