@@ -8,12 +8,8 @@ import math
 import re
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from zerotrain.launcher.components.observe.health import label
-
-if TYPE_CHECKING:  # report.py imports this module
-    from zerotrain.launcher.commands.report import Run
 
 # -- plots ----------------------------------------------------------------------------------------
 # Each drawer draws every run on one matplotlib Axes and returns False when no run has its data.
@@ -222,7 +218,7 @@ def _task(task: str):
     return draw
 
 
-def task_plots(runs: list["Run"]) -> list[tuple[str, object]]:
+def task_plots(runs: list) -> list[tuple[str, object]]:
     """(file name, drawer) per task any run scored: eval_TASK.png."""
     tasks = sorted({t for run in runs for r in run.history for t in (r.get("eval") or {})})
     return [(f"eval_{re.sub(r'[^A-Za-z0-9_.-]', '_', t)}.png", _task(t)) for t in tasks]
@@ -241,7 +237,7 @@ PLOTS = [  # file name, drawer
 ]
 
 
-def write_plots(runs: list["Run"], out: Path) -> list[str]:
+def write_plots(runs: list, out: Path) -> list[str]:
     """One PNG per plot that has data, plus overview.png with all of them; returns the file names."""
     import matplotlib
 
@@ -291,7 +287,7 @@ def _finish(ax) -> None:
         ax.legend(fontsize=8)
 
 
-def _labels(runs: list["Run"]) -> list[str]:
+def _labels(runs: list) -> list[str]:
     names = [r.name for r in runs]
     return names if len(set(names)) == len(names) else [str(r.path) for r in runs]
 

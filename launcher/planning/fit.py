@@ -8,7 +8,7 @@ import os
 from dataclasses import replace
 
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.planning import hardware
+import zerotrain.launcher.planning.hardware as hardware
 from zerotrain.launcher.planning.alternatives import alternatives
 from zerotrain.launcher.planning.hardware import Setup
 from zerotrain.launcher.planning.host import host_check, offload_devices, offload_summary
