@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from zerotrain.launcher.config import config_from
 from zerotrain.launcher.errors import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED, UsageError
 from zerotrain.launcher.components.observe.golden import GoldenCheck, golden_steps, make_golden
 from zerotrain.launcher.settings import DEFAULT_MFU_THRESHOLD, resolve
+from zerotrain.modeling.sizes import ModelArgs, flops_per_token
 
 PREFLIGHT = "zerotrain.launcher.commands.preflight"  # run as a module, like the driver
 
@@ -91,7 +93,7 @@ def healthy(setup):
 
 
 @pytest.mark.launches
-def test_healthy_run_passes_every_stage_on_two_ranks(healthy):
+def test_healthy_run_passes_every_stage_on_two_ranks(healthy, setup):
     proc, run_dir = healthy["proc"], healthy["run_dir"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     v1, v2, v3 = (report(run_dir, s) for s in ("v1", "v2", "v3"))
@@ -107,6 +109,19 @@ def test_healthy_run_passes_every_stage_on_two_ranks(healthy):
     assert status(v3) == {"rehearsal": "PASS", "utilisation": "PASS"}
     mfu = next(c for c in v3["checks"] if c["name"] == "utilisation")
     assert mfu["threshold"] == 0.001 and mfu["mfu"] > 0
+    # the figure is the rehearsal's own: the median of its step records' MFU after the first step, each record's
+    # MFU its tokens/s x our FLOPs per token over (peak x world), the peak the profile's (a wrong count, peak or
+    # world size fails here, not only a missing figure)
+    scratch = run_dir / "preflight" / "scratch" / "v3"
+    records = [r for r in map(json.loads, (scratch / "metrics.jsonl").read_text().splitlines()) if "mfu" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert mfu["mfu"] == pytest.approx(statistics.median(r["mfu"] for r in records[1:]))
+    peak = json.loads(Path(setup["profile"]).read_text())["zerotrain"]["peak_flops_per_device"]
+    assert mfu["peak_flops_per_device"] == peak
+    saved = json.loads((scratch / "config.json").read_text())
+    per_token = flops_per_token(ModelArgs(**saved["model"]), saved["run"]["seq_len"])
+    for r in records:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / (peak * 2), rel=2e-3, abs=1e-5)
     for line in ("  PASS  checkpoint read-back", "  PASS  data loader", "  PASS  utilisation"):
         assert line in proc.stdout
     golden = json.loads((run_dir / "preflight" / "golden.json").read_text())

@@ -6,9 +6,9 @@ file, exit code), the flag, the profile keys and the test hook. Then the real th
 `zerotrain launch` and DeepSpeed's launcher (gloo, ZeRO-3), one launch per scenario (a rank frozen from
 outside with SIGSTOP, rank 0 blocked inside a C++ gloo collective: tests/test_restarts.py, whose launch
 checks the watchdog's stacks, summary and line before the restart):
-- a rank that blocks inside a save, and one inside an evaluation (ZEROTRAIN_TEST_HANG, once per run):
-  detected and named, restarted by `zerotrain launch --max-restarts 1`, and the run's losses are the
-  uninterrupted run's, bit for bit.
+- a rank that blocks inside an evaluation, then (in the restarted job) inside a save, in one launch
+  (ZEROTRAIN_TEST_HANG, each once per run): detected and named, restarted by `zerotrain launch --max-restarts 2`,
+  and the run's losses are the uninterrupted run's, bit for bit.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from conftest import REFERENCE_FLAGS, read_metrics
 from test_restarts import start  # zerotrain launch --hostfile --no_ssh on this node, a free port
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.observe import watchdog
-from zerotrain.launcher.components.hooks import TestHooks
+from zerotrain.launcher.components.hooks import TestHooks, hang_reported
 from zerotrain.launcher.components.observe.phases import PhaseClock
 from zerotrain.launcher.config import resolve_config
 from zerotrain.launcher.errors import EXIT_HUNG, UsageError
@@ -153,52 +153,65 @@ def test_the_flag_and_the_profile_keys_are_checked():
     assert comm_timeout_s({"comm_timeout_s": 120}, 3600) == 120
 
 
-def test_the_hang_hook():
-    assert TestHooks.from_env({"ZEROTRAIN_TEST_HANG": "1:save:3"}).hang == (1, "save", 3)
-    for bad in ("1:compute:3", "1:save", "x:eval:2"):
+def test_the_hang_hook(tmp_path):
+    assert TestHooks.from_env({"ZEROTRAIN_TEST_HANG": "1:save:3"}).hang == {(1, "save", 3)}
+    assert TestHooks.from_env({"ZEROTRAIN_TEST_HANG": "1:eval:2,0:save:3"}).hang == {(1, "eval", 2), (0, "save", 3)}
+    for bad in ("1:compute:3", "1:save", "x:eval:2", "1:eval:2,", "1:eval:2,1:compute:3"):
         with pytest.raises(UsageError, match="ZEROTRAIN_TEST_HANG"):
             TestHooks.from_env({"ZEROTRAIN_TEST_HANG": bad})
     TestHooks().hang_here(1, "save", 3)  # no hook: returns
+    # each hang once per run directory: one the watchdog reported is gone past, another one still holds
+    hooks = TestHooks.from_env({"ZEROTRAIN_TEST_HANG": "1:eval:2,1:save:3"})
+    reported = tmp_path / "hangs" / "20261127-step2"
+    reported.mkdir(parents=True)
+    (reported / "summary.json").write_text(json.dumps({"phase": "eval", "step": 2}))
+    hooks.hang_here(1, "eval", 2, tmp_path)  # returns
+    hooks.hang_here(0, "save", 3, tmp_path)  # another rank: returns
+    assert hang_reported(tmp_path, "save", 3) is False and hang_reported(tmp_path, "eval", 2) is True
 
 
 # -- real ranks ---------------------------------------------------------------------------------------
 
-def hang_dir_of(run_dir: Path) -> Path:
-    (hang_dir,) = [p for p in (run_dir / "hangs").iterdir() if p.name != "heartbeat"]
-    return hang_dir
+def hang_dirs_of(run_dir: Path) -> dict[tuple[str, int], Path]:
+    """(phase, step) -> the hangs/<time>-step<S>/ directory the watchdog wrote for it."""
+    dirs = [p for p in (run_dir / "hangs").iterdir() if p.name != "heartbeat"]
+    return {(s["phase"], s["step"]): d for d in dirs for s in [json.loads((d / "summary.json").read_text())]}
 
 
 # the shared reference run's flags (conftest: evaluated every 2 steps), with a save every 3: the run the save and
 # eval hangs interrupt, whose history (conftest's reference_history) their restarts must reproduce
 HANG_FLAGS = [*REFERENCE_FLAGS, "--eval-every-steps", "2", "--save-every-steps", "3"]
+HANGS = [("eval", 2), ("save", 3)]
 
 
 @pytest.mark.launches
-@pytest.mark.parametrize("phase, step", [("save", 3), ("eval", 2)])
-def test_a_rank_blocked_inside_a_save_or_an_evaluation_is_detected_restarted_and_exact(
-        tmp_path, mix_path, launched, reference_history, phase, step):
-    """Rank 1 blocks inside a save (eval) once (the hook: once per run directory); rank 0 waits in that
-    phase's collective until its watchdog fires; `zerotrain launch --max-restarts 1` starts the job again
-    with --resume auto and the run ends with the uninterrupted run's losses, bit for bit."""
+def test_a_rank_blocked_inside_an_evaluation_then_a_save_is_detected_restarted_and_exact(
+        tmp_path, mix_path, launched, reference_history):
+    """Rank 1 blocks inside the step-2 evaluation, and (in the restarted job) inside the step-3 save (the hook:
+    each once per run directory); rank 0 waits in that phase's collective until its watchdog fires; `zerotrain
+    launch --max-restarts 2` starts the job again with --resume auto each time and the run ends with the
+    uninterrupted run's losses, bit for bit."""
     run_dir = tmp_path / "r"
-    proc = start(tmp_path, launched, ["--max-restarts", "1", "--restart-backoff", "0"],
+    proc = start(tmp_path, launched, ["--max-restarts", "2", "--restart-backoff", "0"],
                  ["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", *HANG_FLAGS, "--hang-timeout", "6"],
-                 {"ZEROTRAIN_TEST_HANG": f"1:{phase}:{step}"})
-    out, _ = proc.communicate(timeout=300)
+                 {"ZEROTRAIN_TEST_HANG": ",".join(f"1:{phase}:{step}" for phase, step in HANGS)})
+    out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
-    hang_dir = hang_dir_of(run_dir)
-    summary = json.loads((hang_dir / "summary.json").read_text())
-    assert (summary["phase"], summary["step"]) == (phase, step), summary
-    assert summary["stacks"] == ["rank-0.txt", "rank-1.txt"]  # both alive: one fired, the other joined
-    assert "hang_here" in (hang_dir / "rank-1.txt").read_text()
-    # rank 0 waits in a collective (the save's all-gather, ZeRO-3's gathers in the evaluation's forward);
-    # rank 1 does not: the summary and the line name it with its frame
-    assert summary["where"]["0"]["in_collective"] and summary["outside_collectives"] == [1], summary
-    assert f"hung in {phase} at step {step}" in out
-    assert "behind: none; outside any collective: rank 1 (hooks.py:" in out
+    hang_dirs = hang_dirs_of(run_dir)
+    assert sorted(hang_dirs) == sorted(HANGS), hang_dirs
+    for phase, step in HANGS:
+        hang_dir = hang_dirs[phase, step]
+        summary = json.loads((hang_dir / "summary.json").read_text())
+        assert summary["stacks"] == ["rank-0.txt", "rank-1.txt"]  # both alive: one fired, the other joined
+        assert "hang_here" in (hang_dir / "rank-1.txt").read_text()
+        # rank 0 waits in a collective (the save's all-gather, ZeRO-3's gathers in the evaluation's forward);
+        # rank 1 does not: the summary and the line name it with its frame
+        assert summary["where"]["0"]["in_collective"] and summary["outside_collectives"] == [1], summary
+        assert f"hung in {phase} at step {step}" in out
+    assert out.count("behind: none; outside any collective: rank 1 (hooks.py:") == 2
     record = manifest.read_manifest(run_dir)
-    assert [(r["kind"], r["exit_code"]) for r in record["restarts"]] == [("hung", EXIT_HUNG)]
-    assert [s["end_reason"] for s in record["segments"]] == ["hung", "finished"]
+    assert [(r["kind"], r["exit_code"]) for r in record["restarts"]] == [("hung", EXIT_HUNG)] * 2
+    assert [s["end_reason"] for s in record["segments"]] == ["hung", "hung", "finished"]
     history = read_metrics(run_dir)
     assert [m["loss"] for m in history] == [m["loss"] for m in reference_history]  # exact floats
     assert [m["tokens_sha"] for m in history] == [m["tokens_sha"] for m in reference_history]

@@ -28,13 +28,13 @@ the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install 
                                                      (RANK:S: that rank sleeps S instead), inside the
                                                      trainer's data phase as a slow source would (the
                                                      health check's data-wait and straggler tests)
-    ZEROTRAIN_TEST_HANG=RANK:PHASE:STEP              that rank blocks forever on entering PHASE (save or eval)
+    ZEROTRAIN_TEST_HANG=RANK:PHASE:STEP[,...]        that rank blocks forever on entering PHASE (save or eval)
                                                      at STEP (the step just trained): the main thread sleeps in
                                                      C (time.sleep, woken only to run signal handlers), as a
                                                      rank stuck in a driver call or a dead file system is; the
                                                      other ranks then block in their next collective (the
-                                                     hang watchdog's tests); once per run directory: a job
-                                                     restarted after the reported hang goes past it
+                                                     hang watchdog's tests); each once per run directory: a
+                                                     job restarted after that hang was reported goes past it
     ZEROTRAIN_TEST_DIE_AFTER_END=RANK                that rank SIGKILLs itself once the run's last checkpoint
                                                      is complete, before the end is recorded (a rank lost in
                                                      teardown: `zerotrain launch --max-restarts` restarts a
@@ -46,6 +46,7 @@ launch's segment of manifest.json (`test_hooks`): a user who exported one by mis
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -78,7 +79,7 @@ class TestHooks:
     preflight_readback: str | None = None  # "perturb"
     slow_loader_s: float = 0.0
     slow_data: frozenset[tuple[int | None, float]] = frozenset()  # (rank or None for every rank, seconds)
-    hang: tuple[int, str, int] | None = None  # (rank, phase, step)
+    hang: frozenset[tuple[int, str, int]] = frozenset()  # (rank, phase, step) each
     die_after_end: int | None = None  # the rank
     preflight_oom: tuple[int, int] | None = None  # (rank, micro-batch)
     oom: tuple[int, int] | None = None  # (rank, step)
@@ -118,13 +119,13 @@ class TestHooks:
             raise UsageError(f"{SLOW_DATA}={env[SLOW_DATA]}: expected S[,RANK:S...] (seconds)") from None
         if env.get(HANG):
             try:
-                rank, phase, step = env[HANG].split(":")
-                hooks["hang"] = (int(rank), phase, int(step))
-                if phase not in HANG_PHASES:
+                hangs = [s.split(":") for s in env[HANG].split(",")]
+                hooks["hang"] = frozenset((int(rank), phase, int(step)) for rank, phase, step in hangs)
+                if any(phase not in HANG_PHASES for _, phase, _ in hooks["hang"]):
                     raise ValueError
             except ValueError:
-                raise UsageError(f"{HANG}={env[HANG]}: expected RANK:PHASE:STEP, PHASE one of"
-                                 f" {', '.join(HANG_PHASES)}") from None
+                raise UsageError(f"{HANG}={env[HANG]}: expected RANK:PHASE:STEP[,RANK:PHASE:STEP...], PHASE one"
+                                 f" of {', '.join(HANG_PHASES)}") from None
         if env.get(DIE_AFTER_END):
             try:
                 hooks["die_after_end"] = int(env[DIE_AFTER_END])
@@ -165,8 +166,8 @@ class TestHooks:
 
     def hang_here(self, rank: int, phase: str, step: int, run_dir: Path | None = None) -> None:
         """ZEROTRAIN_TEST_HANG: never returns on that rank, in that phase, at that step, once per run
-        directory: not when RUN_DIR/hangs/ already holds a reported hang (a job restarted after it goes on)."""
-        if self.hang == (rank, phase, step) and not (run_dir is not None and _hang_reported(run_dir)):
+        directory: not when RUN_DIR/hangs/ already holds that hang reported (a job restarted after it goes on)."""
+        if (rank, phase, step) in self.hang and not (run_dir is not None and hang_reported(run_dir, phase, step)):
             while True:
                 time.sleep(3600)
 
@@ -227,7 +228,15 @@ class SlowLoader:
 NO_HOOKS = TestHooks()
 
 
-def _hang_reported(run_dir: Path) -> bool:
-    """Whether the watchdog has reported a hang of this run (a hangs/<time>-step<S>/ directory)."""
+def hang_reported(run_dir: Path, phase: str, step: int) -> bool:
+    """Whether the watchdog has reported this run's hang in `phase` at `step` (a hangs/<time>-step<S>/
+    directory whose summary.json names them)."""
     hangs = Path(run_dir) / "hangs"
-    return hangs.is_dir() and any(p.is_dir() and p.name != "heartbeat" for p in hangs.iterdir())
+    for summary in hangs.glob("*/summary.json") if hangs.is_dir() else ():
+        try:
+            said = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            continue  # a summary being written: not reported yet
+        if (said.get("phase"), said.get("step")) == (phase, step):
+            return True
+    return False
