@@ -1,8 +1,9 @@
 """--eval-tasks: lm-evaluation-harness tasks scored in the loop (launcher/components/tasks/).
 
 The sharding, padding and scoring are checked here without a process group; one 2-rank launch per layout
-(ZeRO-3; sequence parallelism over 2 ranks) checks the rest at once: the scores in metrics.jsonl and in
-RUN/eval_tasks/, --best-by choosing best.json and --keep-best, and that the in-loop score of a step equals
+(ZeRO-3, killed -9 and resumed; sequence parallelism over 2 ranks, compiled) checks the rest at once: the
+scores in metrics.jsonl and in RUN/eval_tasks/, --best-by choosing best.json and --keep-best, that a score
+recorded before the kill survives it unchanged, and that the in-loop score of a step equals
 lm-evaluation-harness's own (its HFLM) on that step's `zerotrain export`: accuracy identical, every
 example's log-likelihood within 1e-4.
 """
