@@ -2,7 +2,7 @@
 (`org/name[@revision]`, found as transformers finds it: zerotrain.dataio.hub), and BPE training.
 
 Both kinds expose `encode(text) -> list[int]`, `encode_batch(texts) -> list[np.ndarray]`,
-`decode(ids)`, `vocab_size`, `bos_id`, `eos_id`, `pad_id` (None when none), `name` and `sha256`
+`decode(ids)`, `special_text(id)`, `vocab_size`, `bos_id`, `eos_id`, `pad_id` (None when none), `name` and `sha256`
 (identifies the exact vocabulary; prepared shards record it and training refuses shards made with
 another one), and
 `chat_template` (None for the byte tokenizer; a Hugging Face directory's template, from
@@ -50,6 +50,10 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def special_text(self, token_id: int) -> str | None:
+        """A special token's text as transformers decodes it; None: BOS and EOS have no text here."""
+        return None
 
 
 class HFTokenizer:
@@ -115,6 +119,10 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def special_text(self, token_id: int) -> str | None:
+        """A special token's text, as transformers' tokenizer.decode(token_id) gives it (specials not skipped)."""
+        return self._tok.id_to_token(int(token_id))
 
     def encode_with_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(ids int32, (n, 2) character offsets) per text, without special tokens added (SFT masks).

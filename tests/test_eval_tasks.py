@@ -1,20 +1,23 @@
 """--eval-tasks: lm-evaluation-harness tasks scored in the loop (launcher/components/tasks/).
 
 The sharding, padding and scoring are checked here without a process group; one 2-rank launch per layout
-(ZeRO-3; sequence parallelism over 2 ranks) checks the rest at once: the scores in metrics.jsonl and in
-RUN/eval_tasks/, --best-by choosing best.json and --keep-best, and that the in-loop score of a step equals
+(ZeRO-3, killed -9 and resumed; sequence parallelism over 2 ranks, compiled) checks the rest at once: the
+scores in metrics.jsonl and in RUN/eval_tasks/, --best-by choosing best.json and --keep-best, that a score
+recorded before the kill survives it unchanged, and that the in-loop score of a step equals
 lm-evaluation-harness's own (its HFLM) on that step's `zerotrain export`: accuracy identical, every
 example's log-likelihood within 1e-4.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
 
 import pytest
 import torch
 
-from conftest import BIN, REPO, cpu_profile, launch, read_metrics, synthetic_docs
+from conftest import BIN, REPO, TRAIN_PY, cpu_profile, end_launched, free_port, launch, read_metrics, synthetic_docs
 from zerotrain.launcher.components.tasks import batch_rows, request_row, score_rows, shard
 
 lm_eval = pytest.importorskip("lm_eval")  # the `eval` extra (in the `test` extra too)
@@ -98,13 +101,15 @@ def _bpe(tmp_path) -> str:
 
 @pytest.mark.launches
 @pytest.mark.parametrize("layout", ["zero3", "zero2_sp2"])
-def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, monkeypatch):
+def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, monkeypatch, launched):
     """zero3: the cpu profile (ZeRO-3, partitioned parameters) on 2 data-parallel ranks, 21 requests: one rank
     pads; with the parameters and the optimizer offloaded (--offload all: each forward gathers the parameters
-    from host memory; DeepSpeed's CPU Adam). zero2_sp2: ZeRO-2 with the
-    2 ranks sharing every row (sequence parallelism; one data-parallel rank), with activation checkpointing and
-    DeepSpeed's TiledMLP (--tiled-mlp). Scoring is forward-only in eval mode: each engine must give lm-eval's
-    numbers."""
+    from host memory; DeepSpeed's CPU Adam). The run is killed -9 (its whole process group) once step 2 is
+    scored and saved, and resumed: step 2's scores stay as recorded (its metrics.jsonl row and eval_tasks file
+    untouched, not scored again), and step 4's, scored after the resume, equal lm-eval's on step 4's export.
+    zero2_sp2: ZeRO-2 with the 2 ranks sharing every row (sequence parallelism; one data-parallel rank), with
+    activation checkpointing, DeepSpeed's TiledMLP (--tiled-mlp) and --compile (inductor: the blocks scored
+    compiled). Scoring is forward-only in eval mode: each engine must give lm-eval's numbers."""
     from lm_eval import evaluator
     from lm_eval.models.huggingface import HFLM
 
@@ -124,23 +129,32 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
     names = {"zerotrain_tiny_choice", "zerotrain_tiny_text", "zt_one_text"}
     flags = ["--offload", "all"] if layout == "zero3" else [
         "--profile", cpu_profile(tmp_path, stage=2), "--sequence-parallel", "2", "--activation-checkpointing",
-        "--tiled-mlp"]
+        "--tiled-mlp", "--compile"]
     out = tmp_path / "runs"
     args = ["--data", str(mix_path), "--tokenizer", _bpe(tmp_path), "--model", "debug", "--seq-len", "64",
             "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "1", "--log-data-every-steps", "0",
             "--max-steps", "4", "--save-every-steps", "2", "--out", str(out), "--run-id", "r",
             "--eval-tasks", specs, "--eval-tasks-every", "2", "--eval-limit", str(LIMIT),
             "--best-by", "zerotrain_tiny_choice/acc_norm", "--keep-best", "2", *flags]
-    proc = launch("deepspeed", args, nproc=2, env_extra={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "eval tasks: zerotrain_tiny_choice, zerotrain_tiny_text, zt_one_text" in proc.stdout
-    assert "eval tasks cost: 2 scoring(s) (every 2 steps and at the end)" in proc.stdout  # planning/evaluation.py
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    run = out / "r"
+    if layout == "zero3":
+        text, before = killed_after_step_2(args, run, env, launched, tmp_path / "killed.log")
+        resumed = launch("deepspeed", args, nproc=2, env_extra=env)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert f"resumed from {run / 'checkpoints' / 'global_step2'} at step 2" in resumed.stdout
+    else:
+        proc = launch("deepspeed", args, nproc=2, env_extra=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        text = proc.stdout
+    assert "eval tasks: zerotrain_tiny_choice, zerotrain_tiny_text, zt_one_text" in text
+    assert "eval tasks cost: 2 scoring(s) (every 2 steps and at the end)" in text  # planning/evaluation.py
     if layout == "zero3":  # the engines named above, as the start-up says them
         assert ("offload (ZeRO-Offload): optimizer states and fp32 master weights -> host memory; parameters -> host"
-                " memory") in proc.stdout
+                " memory") in text
     else:
-        assert "activation-checkpointing True (flag)" in proc.stdout and "tiled MLP: 1 tile(s)" in proc.stdout
-    run = out / "r"
+        assert "activation-checkpointing True (flag)" in text and "tiled MLP: 1 tile(s)" in text
+        assert "torch.compile: the first step took" in text
     rows = {m["step"]: m for m in read_metrics(run)}
     scored = {s: m["eval"] for s, m in rows.items() if "eval" in m}
     assert sorted(scored) == [2, 4]  # every 2 steps, and the last
@@ -152,19 +166,56 @@ def test_in_loop_scores_equal_lm_eval_on_the_export(tmp_path, mix_path, layout, 
     assert [b["step"] for b in best["kept"]] == sorted(by, key=lambda s: (-by[s], s))
     assert best["metric"] == "zerotrain_tiny_choice/acc_norm" and best["score"] == by[best["step"]]
 
-    # lm-evaluation-harness's own score of the best step's export (`export --best` follows --best-by)
+    if layout == "zero3":  # the kill -9 lost nothing scored before it, and scored nothing twice
+        after = read_metrics(run)
+        assert [m for m in after if m["step"] <= 2] == before["rows"]
+        assert (run / "eval_tasks" / "step_00000002.json").read_bytes() == before["file"]
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        assert sum(1 for line in lines if line.startswith('{"step": 2,') and '"eval":' in line) == 1, lines
+    # lm-evaluation-harness's own score of a step's export: zero3, the last step (scored after the resume);
+    # zero2_sp2, the best (`export --best` follows --best-by)
     hf = tmp_path / "hf"
-    exported = subprocess.run([str(BIN / "zerotrain"), "export", str(run), "--best", "--to", str(hf)],
+    step = 4 if layout == "zero3" else best["step"]
+    which = [str(run / "checkpoints" / "global_step4")] if layout == "zero3" else [str(run), "--best"]
+    exported = subprocess.run([str(BIN / "zerotrain"), "export", *which, "--to", str(hf)],
                               capture_output=True, text=True, cwd=REPO)
     assert exported.returncode == 0, exported.stderr
-    assert f"exported {run / 'checkpoints' / best['tag']}" in exported.stdout
+    assert f"exported {run / 'checkpoints' / f'global_step{step}'}" in exported.stdout
     runs = subprocess.run([str(BIN / "zerotrain"), "runs", str(out)], capture_output=True, text=True, cwd=REPO)
     assert "zerotrain_tiny_choice/acc_norm" in runs.stdout, runs.stdout + runs.stderr
-    ours = json.loads((run / "eval_tasks" / f"step_{best['step']:08d}.json").read_text())
+    ours = json.loads((run / "eval_tasks" / f"step_{step:08d}.json").read_text())
     tasks = load_tasks(specs.split(","))
     theirs = evaluator.evaluate(HFLM(pretrained=str(hf), batch_size=4, device="cpu"), tasks.task_dict, limit=LIMIT,
                                 bootstrap_iters=0, log_samples=True)
-    for task in sorted(names):
+    same_as_lm_eval(ours, theirs, sorted(names))
+
+
+def killed_after_step_2(args: list[str], run, env: dict, launched, log) -> tuple[str, dict]:
+    """Launch, and kill -9 the whole job once step 2 is scored and its checkpoint complete (steps 3-4 and step 4's
+    scoring still to come). Returns its output and what step 2 left: its metrics rows, its eval_tasks file."""
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+                                 str(TRAIN_PY), *args], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **env}, start_new_session=True)
+    launched.append((proc, port))
+    marker = run / "checkpoints" / "global_step2" / "zerotrain.json"
+    t0 = time.time()
+    while not marker.is_file() and proc.poll() is None and time.time() - t0 < 400:
+        time.sleep(0.05)
+    assert proc.poll() is None and marker.is_file(), log.read_text()[-3000:]
+    end_launched([(proc, port)])  # SIGKILL to the process group: every rank and the launcher at once
+    text = log.read_text()
+    assert not (run / "checkpoints" / "global_step4").exists(), text[-3000:]  # killed before the end
+    rows = [m for m in read_metrics(run) if m["step"] <= 2]
+    assert "eval" in rows[-1]
+    return text, {"rows": rows, "file": (run / "eval_tasks" / "step_00000002.json").read_bytes()}
+
+
+def same_as_lm_eval(ours: dict, theirs: dict, names: list[str]) -> None:
+    """Our scoring (RUN/eval_tasks/step_N.json's metrics and samples) equals lm-eval's results: accuracy identical,
+    other metrics within 1e-4 relative, every example's log-likelihoods within 1e-4."""
+    for task in names:
         for metric, value in ours["metrics"][task].items():
             if metric.startswith("acc"):
                 assert theirs["results"][task][f"{metric},none"] == value, (task, metric)
@@ -449,3 +500,114 @@ def test_zerotrain_plan_counts_the_scorings_without_loading_tasks(capsys):
     out = capsys.readouterr().out
     assert ("eval tasks cost: 4 scoring(s) (every 300 steps and at the end); the time per scoring is measured at"
             " the first scoring") in out
+
+
+# -- when the tasks are scored: the end of a run that ends normally (participants/eval_tasks.py) -------------
+
+def test_tasks_are_scored_at_a_normal_end_and_not_at_a_signal_or_budget_stop():
+    """Scored at the cadence and at the last step of a run that ends normally: --max-steps, the data ran out (the
+    next step's batches, agreed at this step), an early stop (known at observe: its participant runs first).
+    Not at a signal's or a budget's stop, which must not wait for a scoring."""
+    from zerotrain.launcher.components import participants
+    from zerotrain.launcher.components.observe.phases import PhaseClock
+    from zerotrain.launcher.components.participants.base import Agreed, StepState
+    from zerotrain.launcher.components.participants.early_stop import EarlyStop
+    from zerotrain.launcher.components.participants.eval_tasks import EvalTasks
+
+    class Counted(EvalTasks):
+        def score(self):
+            return {"zerotrain_tiny_choice": {"acc": 0.5}}, {}
+
+    tasks = Counted(None, None, every=4, limit=None, clock=PhaseClock(), is_main=False, run_dir=None,
+                    checkpointer=None, best_by=None)
+    early = EarlyStop(patience=1)
+    order = [p for cls in participants.ORDER for p in (early, tasks) if isinstance(p, cls)]
+    assert order == [early, tasks]  # early stop decides before the tasks observe
+
+    def observe(step_no, last=False, val=None, **agreed):
+        step = StepState(step_no, "", 0.0, step_time=0.1, trained_at=0.0, last=last,
+                         agreed=Agreed({"data_ended": [0, 0], **agreed}), val=val)
+        for p in order:
+            p.observe(step)
+        return step
+
+    assert "eval" not in (observe(1).val or {})
+    assert observe(4).val["eval"] == {"zerotrain_tiny_choice": {"acc": 0.5}}  # the cadence
+    assert "eval" in observe(5, data_ended=[0, 1]).val  # one rank's data ran out: the run ends after step 5
+    assert "eval" in observe(6, last=True).val  # --max-steps
+    # a signal or a budget: the run stops after this step, unscored (both ride on the same gather)
+    assert observe(7, signal=True, over_budget=True).val is None
+    observe(8, val={"val_loss": 1.0})
+    stopped = observe(9, val={"val_loss": 2.0})  # no better: patience 1 is used up
+    assert stopped.ending == "early-stop" and "eval" in stopped.val
+    assert early.logged(stopped).kind == "early-stop"
+
+
+def test_only_rank_0_prints_while_tasks_are_scored(capfd):
+    """lm-eval's progress bars and log lines while scoring: on rank 0 only (LiveLM(quiet=True) on the others)."""
+    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.launcher.components.tasks.lm import LiveLM, load_tasks, score
+    from zerotrain.modeling.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=320, max_seq_len=64))
+    tasks = load_tasks(["zerotrain_tiny_choice"])
+    capfd.readouterr()
+    printed = {}
+    for quiet in (False, True):
+        lm = LiveLM(model, ByteTokenizer(), max_length=64, micro_batch=4, quiet=quiet)
+        metrics = score(tasks, lm, 3)[0]
+        out = capfd.readouterr()
+        printed[quiet] = out.out + out.err
+    assert printed[False]  # rank 0: lm-eval's bars ("building contexts"), as lm_eval prints them
+    assert printed[True] == "", printed[True]
+    assert set(metrics["zerotrain_tiny_choice"]) == {"acc", "acc_norm"}
+
+
+def _bos_tokenizer(tmp_path):
+    """A BPE whose post-processor prepends BOS (as Llama's and Gemma's do), built on disk."""
+    from tokenizers import Tokenizer, processors
+
+    from zerotrain.dataio.tokenizer import HFTokenizer
+
+    path = tmp_path / "bos"
+    path.mkdir()
+    tok = Tokenizer.from_file(str(_bpe(tmp_path) + "/tokenizer.json"))
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": "<|endoftext|>"}))
+    return HFTokenizer(path)
+
+
+def test_a_tokenizer_that_adds_bos_scores_as_lm_eval_does(tmp_path, monkeypatch):
+    """In-process: our scoring of a model whose tokenizer prepends BOS equals lm-eval's HFLM on its export
+    (accuracy identical, every example's log-likelihood within 1e-4); rolling windows of a 64-token model."""
+    from lm_eval import evaluator
+    from lm_eval.models.huggingface import HFLM
+
+    from zerotrain.launcher.commands.export import copy_tokenizer
+    from zerotrain.launcher.components.tasks.lm import LiveLM, load_tasks, score
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.model import ModelArgs, Transformer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = _bos_tokenizer(tmp_path)
+    assert tok.encode_as_transformers("Hello")[0] == tok.bos_id != tok.encode("Hello")[0]
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=448, max_seq_len=64)
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    out = tmp_path / "hf"
+    hf.save(out, model.state_dict(), args, bos_id=tok.bos_id, eos_id=tok.eos_id)
+    copy_tokenizer(tok, out, args.max_seq_len)
+    tasks = load_tasks(TASKS.split(","))
+    metrics, samples = score(tasks, LiveLM(model, tok, max_length=args.max_seq_len, micro_batch=4), LIMIT)
+    theirs = HFLM(pretrained=str(out), batch_size=4, device="cpu")
+    assert theirs.tok_encode("Hello")[0] == tok.bos_id  # lm-eval's tokenization adds the BOS too
+    lm = LiveLM(model, tok, max_length=args.max_seq_len, micro_batch=4)
+    for text in ("Hello there", "<|begin_of_text|>Hello there"):  # a string starting with BOS gets no second one
+        assert lm.tok_encode(text) == theirs.tok_encode(text), text
+    result = evaluator.evaluate(theirs, tasks.task_dict, limit=LIMIT, bootstrap_iters=0, log_samples=True)
+    same_as_lm_eval({"metrics": metrics, "samples": samples}, result, ["zerotrain_tiny_choice", "zerotrain_tiny_text"])

@@ -1,10 +1,11 @@
 """The training step's participants (components/participants/base.py: the protocol, and the layout of the
 step's one gather), one module each. ORDER is the order they are called at each hook (the first StopRun
-wins): before the step's record (observe), health's window, finite, spikes, evaluation and best, the
-lm-evaluation-harness tasks (and their best with --best-by), early
-stop's update; after it (logged), golden, health's verdicts, the save, then the stops by precedence:
-signal, budget, early stop. --torch-profile's window opens and closes first, so a stop never skips it. Adding a monitor is a new module here and its place in ORDER; the Trainer
-does not change.
+wins): before the step's record (observe), health's window, finite, spikes, evaluation and best, early
+stop's update, then the lm-evaluation-harness tasks (and their best with --best-by: after early stop, which
+says whether this step ends the run, when the tasks are scored too); after it (logged), golden, health's
+verdicts, the save, then the stops by precedence: signal, budget, early stop (the tasks have no `logged`).
+--torch-profile's window opens and closes first, so a stop never skips it. Adding a monitor is a new module here
+and its place in ORDER; the Trainer does not change.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from zerotrain.launcher.components.participants.spikes import Spikes
 from zerotrain.launcher.components.participants.torch_profile import TorchProfile
 
 ORDER: tuple[type[Participant], ...] = (TorchProfile, GoldenWatch, HealthWatch, Finite, Spikes, Evaluation,
-                                        EvalTasks, Checkpointing, Signals, BudgetStop, EarlyStop)
+                                        Checkpointing, Signals, BudgetStop, EarlyStop, EvalTasks)
 
 
 def build(run: Run) -> list[Participant]:

@@ -153,6 +153,14 @@ class StepState:
     best_value: float | None = None  # the value new_best was decided on
     record: dict | None = None  # the step's logged record
     saved: bool = False        # a checkpoint of this step was written in the loop
+    ending: str | None = None  # the end already known at observe for a run that ends normally after this step
+    #                            ("early-stop": set by its participant; "data-exhausted": the next step's data ran
+    #                            out), read by what acts at the end (the tasks' scoring); never a signal or budget
+
+    @property
+    def final(self) -> bool:
+        """The run ends normally after this step: --max-steps, an early stop, the data ran out."""
+        return self.last or self.ending is not None or any(self.agreed.get("data_ended") or ())
 
 
 class Run(Protocol):

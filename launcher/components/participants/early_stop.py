@@ -1,6 +1,7 @@
 """--early-stop-patience (guards.EarlyStopping): fed every evaluation's agreed val_loss before the step
 is saved (its state travels in the checkpoint under "early_stop"); stops last, after a signal or a
-budget would have (early-stop, exit 4)."""
+budget would have (early-stop, exit 4). The stop is known at observe (`step.ending`), so that the tasks
+scored at a run's end are scored at this step too."""
 from __future__ import annotations
 
 from zerotrain.launcher.components.guards import EarlyStopping
@@ -21,6 +22,8 @@ class EarlyStop(Participant):
     def observe(self, step: StepState) -> None:
         if self.early is not None and step.val is not None and "val_loss" in step.val:
             self.early.update(step.val["val_loss"])
+            if self.early.should_stop:
+                step.ending = "early-stop"  # the run's end, known before the tasks score (participants.ORDER)
 
     def logged(self, step: StepState) -> StopRun | None:
         if self.early is not None and self.early.should_stop:

@@ -1,5 +1,6 @@
 """--eval-tasks: lm-evaluation-harness tasks scored with the live model every --eval-tasks-every steps and at the
-last step (components/tasks/: every rank scores its share; lm-eval's metrics, the same on every rank).
+last step of a run that ends normally (`due`; components/tasks/: every rank scores its share; lm-eval's metrics,
+the same on every rank).
 
 The scores ride on the step's record (metrics.jsonl `eval: {TASK: {METRIC: value}}`, the sinks' scalars
 `eval/TASK/METRIC`) with `eval_tasks_s`, the time in its own phase ("eval_tasks": the health window's time
@@ -35,13 +36,18 @@ class EvalTasks(Participant):
         # the model's length, as lm-eval's HF model reads it from the export (max_position_embeddings)
         lm = LiveLM(run.engine, plan.tokenizer, max_length=plan.model_args.max_seq_len,
                     micro_batch=plan.ds_config["train_micro_batch_size_per_gpu"], dp_rank=plan.data_rank,
-                    dp_world=plan.data_world, sequence_parallel=plan.sequence_parallel, device=run.engine.device)
+                    dp_world=plan.data_world, sequence_parallel=plan.sequence_parallel, device=run.engine.device,
+                    quiet=not run.is_main)
         return cls(plan.eval_tasks, lm, plan.eval_tasks_every, plan.settings.eval_limit, clock=run.clock,
                    is_main=run.is_main, run_dir=plan.run_dir, checkpointer=run.checkpointer,
                    best_by=plan.settings.best_by)
 
     def due(self, step: StepState) -> bool:
-        return step.last or bool(self.every and step.step % self.every == 0)
+        """Every --eval-tasks-every steps, and at the last step of a run that ends normally (--max-steps, an early
+        stop, the data ran out: `step.final`). Not at a signal's or a budget's stop: a scoring takes as long as
+        the tasks make it, and those stops must come within the grace or the budget's reserve (the last save's
+        time); the last scored step stands (docs/evaluation.md)."""
+        return step.final or bool(self.every and step.step % self.every == 0)
 
     def observe(self, step: StepState) -> None:
         if not self.due(step):

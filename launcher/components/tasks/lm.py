@@ -32,6 +32,7 @@ from lm_eval import evaluator
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.task import Task
+from lm_eval.models.utils import has_bos_prefix
 from lm_eval.tasks import TaskManager, get_task_dict
 
 from zerotrain import resource_dir
@@ -77,7 +78,7 @@ def _manager(include: tuple[str, ...], defaults: bool) -> TaskManager:
 def load_tasks(specs: list[str]) -> Tasks:
     """Every spec (a task name, a YAML file or a folder of them) loaded with its data; UsageError (one line
     naming the task) for one that cannot be, or that generates text."""
-    logging.getLogger("lm-eval").setLevel(logging.WARNING)  # lm-eval says a line per task at INFO, on every rank
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # lm-eval says a line per task at INFO, on every rank
     folders = [Path(s) for s in specs if Path(s).is_dir()]
     include = [str(SHIPPED), *map(str, folders)]
     manager = _manager(tuple(include), False)
@@ -136,9 +137,11 @@ class LiveLM(TemplateLM):
     of 1): every rank runs lm-eval alike, and the sharding over ranks happens inside `_loglikelihood_tokens`."""
 
     def __init__(self, model, tokenizer, *, max_length: int, micro_batch: int, dp_rank: int = 0, dp_world: int = 1,
-                 sequence_parallel: int = 1, device=None):
+                 sequence_parallel: int = 1, device=None, quiet: bool = False):
+        """quiet: this process prints nothing while it scores (every rank but rank 0: lm-eval's progress bars and
+        log lines would repeat once per rank)."""
         super().__init__()
-        self.model, self.tok = model, tokenizer
+        self.model, self.tok, self.quiet = model, tokenizer, quiet
         self.max_length, self.micro_batch = max_length, micro_batch
         self.dp_rank, self.dp_world, self.sp = dp_rank, dp_world, sequence_parallel
         self.on = device if device is not None else next(getattr(model, "module", model).parameters()).device
@@ -154,7 +157,10 @@ class LiveLM(TemplateLM):
         return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        # HFLM calls tokenizer.encode(string) with transformers' default add_special_tokens=True
+        # HFLM's (add_bos_token left unset): tokenizer.encode(string) with the tokenizer's own special tokens (a
+        # BOS where its post-processor adds one), but none for a string that already starts with the prefix token
+        if add_special_tokens is None and has_bos_prefix(string, self.tok.special_text(self.prefix_token_id)):
+            add_special_tokens = False
         return self.tok.encode_as_transformers(string) if add_special_tokens is not False else self.tok.encode(string)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -240,7 +246,7 @@ def score(tasks: Tasks, lm: LiveLM, limit: int | None) -> tuple[dict, dict]:
     was_training = module.training
     lm.model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _silenced(lm.quiet):
             out = evaluator.evaluate(lm, tasks.task_dict, limit=limit, bootstrap_iters=0, log_samples=True)
     finally:
         lm.model.train(was_training)
@@ -250,6 +256,23 @@ def score(tasks: Tasks, lm: LiveLM, limit: int | None) -> tuple[dict, dict]:
                        **{k: float(s[k]) for k in metrics.get(task, {}) if isinstance(s.get(k), (int, float))}}
                       for s in rows] for task, rows in out.get("samples", {}).items()}
     return metrics, samples
+
+
+@contextlib.contextmanager
+def _silenced(quiet: bool):
+    """Nothing printed while lm-eval runs, when `quiet`: its progress bars (tqdm on sys.stderr) and its "lm_eval"
+    logger's lines (a handler of its own, holding the stream it was made with: raised to ERROR instead)."""
+    if not quiet:
+        yield
+        return
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _loglikelihoods(resps) -> list[float]:
