@@ -2,7 +2,7 @@
 
 A participant is a small object the Trainer calls at fixed points of every step (OLMo-core's callbacks,
 with one difference: every rank decides on the same values, because what a decision needs from other
-ranks rides on the step's one collective, `Trainer.agree`):
+ranks rides on the step's one collective, `StepRunner.agree`):
 
     fields()          the NAMED fields it adds to the step's gather (`Field`: how each is reduced over ranks)
     open()            once, when the loop starts (say what it watches)
@@ -15,7 +15,9 @@ ranks rides on the step's one collective, `Trainer.agree`):
 
 `observe` and `logged` return None to go on, a `StopRun` to end the run (its kind and message; the
 Trainer saves if the kind saves), or `REWOUND` when the step was abandoned (a rollback: the loop goes on
-from the restored step). Participants run in the order the Trainer lists them; the first StopRun wins.
+from the restored step). Each participant declares the StepState fields it `reads` and `writes`; `order` calls
+every writer before its readers (Evaluation's val before Checkpointing and EarlyStop), the listed order deciding
+the rest; the first StopRun wins.
 
 `Layout` packs the named fields of every rank into one int64 row (floats ride as their bits) and
 reduces the gathered table into an `Agreed` mapping: pure torch on tensors, no process group, so
@@ -24,13 +26,25 @@ may ask of the run is the `Run` protocol below.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import torch
 
+from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import StopRun
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
+    from zerotrain.launcher.components.evaluate import Evaluator
+    from zerotrain.launcher.components.guards import Budget, SignalStop
+    from zerotrain.launcher.components.observe.metrics import MetricsLogger
+    from zerotrain.launcher.components.observe.phases import PhaseClock
+    from zerotrain.launcher.components.run_state import Plan, RunState
 
 KINDS = ("int", "float", "flag", "optional")  # optional: a float or None (one more slot says which)
 REDUCTIONS = ("every", "sum", "any", "rank0")
@@ -155,40 +169,73 @@ class StepState:
     saved: bool = False        # a checkpoint of this step was written in the loop
 
 
+# What the step fills in before any participant sees it (the step runner; `record`: the trainer, between observe
+# and logged); the other StepState fields are the participants' (their `writes`).
+STEP_PROVIDES = ("step", "tokens_sha", "lr", "step_time", "trained_at", "last", "agreed", "loss", "grad_norm",
+                 "record")
+
+
+def order(listed: Sequence[type["Participant"]]) -> tuple[type["Participant"], ...]:
+    """The participants in the order they are called: each writer of a StepState field before every other
+    participant that reads it; otherwise as `listed` (the tie-break: the stops' precedence). A field nobody
+    writes and the step does not provide, an unknown field, or a cycle is refused (ValueError)."""
+    fields = {f.name for f in dataclasses.fields(StepState)}
+    writers: dict[str, list[type[Participant]]] = {}
+    for cls in listed:
+        unknown = sorted(set(cls.reads + cls.writes) - fields)
+        if unknown:
+            raise ValueError(f"participant {cls.__name__} names no StepState field: {', '.join(unknown)}")
+        for name in cls.writes:
+            writers.setdefault(name, []).append(cls)
+    before: dict[type[Participant], set] = {cls: set() for cls in listed}  # who must be called before each
+    for cls in listed:
+        for name in cls.reads:
+            if name not in STEP_PROVIDES and name not in writers:
+                raise ValueError(f"participant {cls.__name__} reads {name}, which no participant writes and the"
+                                 " step does not provide")
+            before[cls] |= {w for w in writers.get(name, ()) if w is not cls}
+    done: list[type[Participant]] = []
+    while len(done) < len(listed):
+        ready = [cls for cls in listed if cls not in done and before[cls] <= set(done)]
+        if not ready:
+            left = [cls for cls in listed if cls not in done]
+            raise ValueError("participants' reads and writes form a cycle: " + "; ".join(
+                f"{cls.__name__} reads what {', '.join(sorted(w.__name__ for w in before[cls] - set(done)))}"
+                f" writes" for cls in left))
+        done.append(ready[0])
+    return tuple(done)
+
+
 class Run(Protocol):
     """What a participant may ask of the run (the Trainer satisfies it; participants never import it):
-    what it is built from (`from_run`), and the counters and actions the participants share."""
-    plan: Any                  # the RunPlan: run_dir, ckpt_dir, golden, model_args, zt
-    cfg: Any                   # the resolved RunConfig
+    what it is built from (`from_run`), and the run's state they share (counters, save, rollback)."""
+    plan: Plan                 # what of the RunPlan components read (run_state.Plan)
+    cfg: RunConfig             # the resolved RunConfig
     rank: int
     world: int
     is_main: bool
-    dist: Any                  # torch.distributed
-    engine: Any                # the DeepSpeed engine
-    clock: Any                 # observe.phases.PhaseClock
-    hooks: Any                 # hooks.TestHooks
-    metrics: Any               # observe.metrics.MetricsLogger
-    checkpointer: Any          # checkpoints.checkpointer.Checkpointer
-    signals: Any               # guards.SignalStop
-    budget: Any                # guards.Budget
-    evaluator: Any             # evaluate.Evaluator, or None
+    dist: ModuleType           # torch.distributed
+    engine: DeepSpeedEngine
+    clock: PhaseClock
+    metrics: MetricsLogger
+    checkpointer: Checkpointer
+    signals: SignalStop
+    budget: Budget
+    evaluator: Evaluator | None
     tokens_per_step: int
-    step: int
-    tokens_seen: int
-    rollbacks: int
-    last_saved: Path | None
-    last_save_s: float
+    state: RunState            # the counters (step, tokens_seen, last_saved, ...), save(), rollback(what)
 
     def say(self, line: str) -> None: ...
-    def elapsed(self, at: float | None = None) -> float: ...
-    def save(self) -> Path: ...
-    def rollback(self, what: str) -> None: ...
 
 
 class Participant:
-    """A monitor of the step. Every hook is optional; see the module docstring for when each runs."""
+    """A monitor of the step. Every hook is optional; see the module docstring for when each runs.
+    `reads` and `writes` name the StepState fields it reads and fills in: the order the participants are called in
+    follows from them (`order`)."""
     name = "participant"
     saved_as: str | None = None  # its key under the checkpoint's "guards" (None: nothing to keep)
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
 
     @classmethod
     def from_run(cls, run: Run) -> "Participant | None":

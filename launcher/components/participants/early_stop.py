@@ -10,6 +10,7 @@ from zerotrain.launcher.errors import StopRun
 
 class EarlyStop(Participant):
     name, saved_as = "early-stop", "early_stop"
+    reads = ("val",)
 
     def __init__(self, patience: int | None):
         self.early = EarlyStopping(patience) if patience else None

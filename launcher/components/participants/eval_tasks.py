@@ -18,6 +18,8 @@ from zerotrain.launcher.components.participants.base import Participant, Run, St
 
 class EvalTasks(Participant):
     name = "eval_tasks"
+    reads = ("last", "val")  # val: the validation loss's, when the same step evaluated
+    writes = ("val", "new_best", "best_value")
 
     def __init__(self, tasks, lm, every: int, limit: int | None, *, clock: PhaseClock, is_main: bool, run_dir: Path,
                  checkpointer, best_by: str | None):

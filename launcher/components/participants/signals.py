@@ -12,6 +12,7 @@ from zerotrain.launcher.errors import StopRun
 
 class Signals(Participant):
     name = "signals"
+    reads = ("agreed", "val", "saved")
 
     def __init__(self, signals: SignalStop, dist, device):
         self.signals, self.dist, self.device = signals, dist, device
