@@ -155,17 +155,21 @@ class Trainer:
         self.runner.compute = faults.spiked(self.hooks, self.runner.compute, self.rank, self.state)  # a test's spike
 
     def _build_step(self) -> StepRunner:
+        plan = self.plan
+        return StepRunner(engine=self.engine, loader=self._build_data(), clock=self.clock, dist=self.dist,
+                          accel=self.accel, rank=self.rank, world=self.world,
+                          accum=plan.ds_config["gradient_accumulation_steps"], data_world=plan.data_world,
+                          sequence_parallel=plan.sequence_parallel, token_weighted=plan.data.token_weighted,
+                          max_steps=self.cfg.max_steps)
+
+    def _build_data(self):
         plan, cfg = self.plan, self.cfg
-        accum = plan.ds_config["gradient_accumulation_steps"]
         # sequence parallelism: the N ranks of a group read the same rows (each model keeps its stretch of them)
         loader = Batches(plan.data, plan.data_rank, plan.data_world, cfg.seed, cfg.seq_len,
                          plan.ds_config["train_micro_batch_size_per_gpu"], plan.loader_settings,
                          plan.loader_settings["packing"])
-        loader = self.hooks.slow_training_data(loader, self.rank, accum)  # a test's slow data or OOM: wrapped
-        return StepRunner(engine=self.engine, loader=loader, clock=self.clock, dist=self.dist, accel=self.accel,
-                          rank=self.rank, world=self.world, accum=accum, data_world=plan.data_world,
-                          sequence_parallel=plan.sequence_parallel, token_weighted=plan.data.token_weighted,
-                          max_steps=cfg.max_steps)
+        # a test's slow data or OOM: the loader wrapped (components/hooks.py)
+        return self.hooks.slow_training_data(loader, self.rank, plan.ds_config["gradient_accumulation_steps"])
 
     @property
     def loader(self):
