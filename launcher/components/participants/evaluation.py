@@ -6,6 +6,7 @@ rank (the decision to save is collective), again after a rollback."""
 from __future__ import annotations
 
 import time
+
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.components.observe.phases import PhaseClock
 from zerotrain.launcher.components.participants.base import Participant, Run, StepState
