@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from conftest import BIN, REPO, free_port
 from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, check_mirror, complete_checkpoints,
                                                                   find_resume, read_best, read_best_list, read_meta,
                                                                   rotation_victims, tag_for, verify)
+from zerotrain.launcher.components import faults
 from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.checkpoints.run_lock import LOCK, RunLock
@@ -57,9 +59,11 @@ def engine():
     return Engine()
 
 
-def make(tmp_path, **kw) -> tuple[Checkpointer, list[str]]:
+def make(tmp_path, hooks: TestHooks | None = None, **kw) -> tuple[Checkpointer, list[str]]:
+    """A Checkpointer, or (`hooks`) the faulty stand-in the run builds when a test hook is set."""
     said: list[str] = []
-    return Checkpointer(tmp_path / "run" / "checkpoints", "run", 0, 1, say=said.append, **kw), said
+    build = Checkpointer if hooks is None else partial(faults.checkpointer, hooks)
+    return build(tmp_path / "run" / "checkpoints", "run", 0, 1, say=said.append, **kw), said
 
 
 def save(ckpt, engine, step):
@@ -180,9 +184,8 @@ def test_resume_falls_back_past_a_corrupted_checkpoint_saying_so(tmp_path, engin
 # -- failed saves -------------------------------------------------------------------------------------
 
 def test_a_failed_write_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(tmp_path, engine, monkeypatch):
-    ckpt, _ = make(tmp_path)
+    ckpt, _ = make(tmp_path, hooks=TestHooks(fail_save=frozenset({(0, 2)})))
     save(ckpt, engine, 1)
-    monkeypatch.setattr(ckpt, "hooks", TestHooks(fail_save=frozenset({(0, 2)})))
     with pytest.raises(CheckpointError) as e:
         save(ckpt, engine, 2)
     msg = str(e.value)
@@ -431,8 +434,7 @@ def test_two_ranks_failed_saves_rotation_mirror_and_load(tmp_path):
 
 def test_slow_save_hook_leaves_a_half_written_tag_for_the_kill_tests(tmp_path, engine, monkeypatch):
     """ZEROTRAIN_TEST_SLOW_SAVE: inside the save, after the first file, nothing complete on disk."""
-    ckpt, _ = make(tmp_path)
-    monkeypatch.setattr(ckpt, "hooks", TestHooks(slow_save_s=1.0))
+    ckpt, _ = make(tmp_path, hooks=TestHooks(slow_save_s=1.0))
     saver = threading.Thread(target=save, args=(ckpt, engine, 1))
     saver.start()
     tag_dir = ckpt.ckpt_dir / "global_step1"

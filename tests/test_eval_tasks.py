@@ -531,15 +531,15 @@ def test_tasks_are_scored_at_a_normal_end_and_not_at_a_signal_or_budget_stop():
             p.observe(step)
         return step
 
-    assert "eval" not in (observe(1).val or {})
-    assert observe(4).val["eval"] == {"zerotrain_tiny_choice": {"acc": 0.5}}  # the cadence
-    assert "eval" in observe(5, data_ended=[0, 1]).val  # one rank's data ran out: the run ends after step 5
-    assert "eval" in observe(6, last=True).val  # --max-steps
+    assert observe(1).scores is None
+    assert observe(4).scores["eval"] == {"zerotrain_tiny_choice": {"acc": 0.5}}  # the cadence
+    assert "eval" in observe(5, data_ended=[0, 1]).scores  # one rank's data ran out: the run ends after step 5
+    assert "eval" in observe(6, last=True).scores  # --max-steps
     # a signal or a budget: the run stops after this step, unscored (both ride on the same gather)
-    assert observe(7, signal=True, over_budget=True).val is None
+    assert observe(7, signal=True, over_budget=True).scores is None
     observe(8, val={"val_loss": 1.0})
     stopped = observe(9, val={"val_loss": 2.0})  # no better: patience 1 is used up
-    assert stopped.ending == "early-stop" and "eval" in stopped.val
+    assert stopped.ending == "early-stop" and "eval" in stopped.scores
     assert early.logged(stopped).kind == "early-stop"
 
 

@@ -1,5 +1,5 @@
 """The step's participants without a process group (fakes for the run; the gather done by hand over the
-rows of a few ranks, as Trainer.agree does with one all-gather): the named fields reduce the same on every
+rows of a few ranks, as StepRunner.agree does with one all-gather): the named fields reduce the same on every
 rank, each monitor's decision is the one the loop acts on, and what survives a resume round-trips."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from zerotrain.launcher.components import participants
 from zerotrain.launcher.components.guards import Budget, SignalStop
 from zerotrain.launcher.components.observe.phases import PhaseClock
-from zerotrain.launcher.components.participants.base import (REWOUND, STEP_FIELDS, Agreed, Field, Layout,
-                                                             Participant, StepState)
+from zerotrain.launcher.components.participants.base import (REWOUND, STEP_FIELDS, STEP_PROVIDES, Agreed, Field,
+                                                             Layout, Participant, StepState, order)
 from zerotrain.launcher.components.participants.budget import BudgetStop
 from zerotrain.launcher.components.participants.early_stop import EarlyStop
 from zerotrain.launcher.components.participants.finite import Finite
@@ -25,7 +25,7 @@ from zerotrain.modeling.sizes import PRESETS
 
 
 def gather(layout: Layout, rows: list[dict]) -> Agreed:
-    """What Trainer.agree's all-gather returns on every rank, from each rank's values."""
+    """What StepRunner.agree's all-gather returns on every rank, from each rank's values."""
     return layout.unpack(torch.stack([layout.pack(values) for values in rows]))
 
 
@@ -35,11 +35,13 @@ def a_step(step: int = 5, **kw) -> StepState:
 
 
 class FakeRun:
-    """The counters and actions a participant may use (participants/base.py Run), recorded."""
+    """The counters and actions a participant may use (participants/base.py Run, and its `state`: the counters,
+    save and rollback of components/run_state.py RunState, the same fake), recorded."""
 
     def __init__(self, **kw):
         self.step, self.tokens_seen, self.rollbacks, self.last_saved, self.last_save_s = 5, 0, 0, None, 0.0
         self.said, self.rolled_back, self.saves = [], [], 0
+        self.state = self
         self.__dict__.update(kw)
 
     def say(self, line):
@@ -174,3 +176,86 @@ def test_early_stopping_learns_from_evaluations_and_its_state_survives_a_resume(
     resumed.load_state_dict(early.state_dict())
     assert resumed.logged(a_step(30)).kind == "early-stop"
     assert EarlyStop(patience=None).state_dict() is None and EarlyStop(None).logged(a_step()) is None
+
+
+# -- the order, from what each participant reads and writes ------------------------------------------------------
+
+def test_the_shipped_order_puts_every_writer_before_its_readers():
+    """The derived order holds every shipped participant once; each StepState field a participant reads is the
+    step's own or written by an earlier participant in the same hook (or itself, or in observe for a logged
+    reader); the listed order decides the rest, so the stops keep their precedence (signal, budget, early stop)."""
+    derived = participants.ORDER
+    assert sorted(c.__name__ for c in derived) == sorted(c.__name__ for c in participants.LISTED)
+    for i, reader in enumerate(derived):
+        for name, writes in [(n, "writes") for n in reader.reads] + [(n, "writes_logged") for n in reader.reads_logged]:
+            writers = [w for w in derived if name in getattr(w, writes)]  # health reads the window it wrote
+            in_observe = [w for w in derived if name in w.writes]
+            assert name in STEP_PROVIDES or writers or (writes == "writes_logged" and in_observe), (reader, name)
+            assert all(derived.index(w) < i for w in writers if w is not reader), (reader.__name__, name, writers)
+    at = {c.__name__: derived.index(c) for c in derived}
+    # the tasks score after early stop has said whether this step ends the run (a final step is scored)
+    assert at["Evaluation"] < at["EarlyStop"] < at["EvalTasks"]
+    assert at["Checkpointing"] < at["Signals"]  # a signal during the save is asked for once the save is done
+    assert at["Signals"] < at["BudgetStop"] < at["EarlyStop"]  # the stops' precedence, from the listed order
+
+
+def test_a_logged_read_of_a_field_written_in_observe_orders_nothing():
+    """Every observe runs before any logged: a participant that reads in logged what another writes in observe
+    keeps its listed place (the save reads the best that the tasks decide in observe, yet is listed, and called,
+    before them); a field written only in logged is not there for an observe reader."""
+    class Saver(Participant):
+        reads_logged = ("new_best",)
+
+    class Scorer(Participant):
+        writes = ("new_best",)
+
+    assert order((Saver, Scorer)) == (Saver, Scorer)
+
+    class LateWriter(Participant):
+        writes_logged = ("saved",)
+
+    class EarlyReader(Participant):
+        reads = ("saved",)
+
+    with pytest.raises(ValueError, match="^participant EarlyReader reads saved, which no participant writes"):
+        order((LateWriter, EarlyReader))
+
+
+def test_the_order_follows_the_declarations_not_the_listing():
+    """A reader listed before its writer is called after it; the others keep their listed order."""
+    class Reader(Participant):
+        reads = ("val",)
+
+    class Other(Participant):
+        pass
+
+    class Writer(Participant):
+        writes = ("val",)
+
+    assert order((Reader, Other, Writer)) == (Other, Writer, Reader)
+    assert order((Other, Writer, Reader)) == (Other, Writer, Reader)
+
+
+def test_a_cycle_or_a_field_nobody_writes_is_refused():
+    class First(Participant):
+        reads, writes = ("saved",), ("val",)
+
+    class Second(Participant):
+        reads, writes = ("val",), ("saved",)
+
+    with pytest.raises(ValueError, match=r"^participants' reads and writes form a cycle: First reads what Second"
+                                         r" writes; Second reads what First writes$"):
+        order((First, Second))
+
+    class Orphan(Participant):
+        reads = ("new_best",)
+
+    with pytest.raises(ValueError, match="^participant Orphan reads new_best, which no participant writes and the"
+                                         " step does not provide$"):
+        order((Orphan,))
+
+    class Typo(Participant):
+        writes = ("vall",)
+
+    with pytest.raises(ValueError, match="^participant Typo names no StepState field: vall$"):
+        order((Typo,))

@@ -458,10 +458,10 @@ def test_a_killed_rank_then_a_frozen_rank_are_restarted_and_the_run_is_exact(tmp
     (summary_path,) = (run / "hangs").glob("*/summary.json")
     summary = json.loads(summary_path.read_text())
     assert summary["fired_by"] == 0 and summary["stacks"] == ["rank-0.txt"], summary
-    # where rank 0 waits depends on where the SIGSTOP caught rank 1: the step's collective (trainer.py) or a ZeRO-3
+    # where rank 0 waits depends on where the SIGSTOP caught rank 1: the step's collective (step_runner.py) or a ZeRO-3
     # gather inside the forward or backward (model.py); either way a frame of ours inside a real collective
     assert summary["where"]["0"]["in_collective"] and \
-        summary["where"]["0"]["ours"].split(":")[0] in ("trainer.py", "model.py"), summary["where"]["0"]
+        summary["where"]["0"]["ours"].split(":")[0] in ("step_runner.py", "model.py"), summary["where"]["0"]
     (late,) = summary["behind"]
     assert late["rank"] == 1 and "stale heartbeat" in late["why"] and late["heartbeat_age_s"] >= 7
     stacks = (summary_path.parent / "rank-0.txt").read_text()

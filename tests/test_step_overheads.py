@@ -1,5 +1,5 @@
 """What was made fast stays fast: the driver's per-step agreement is one collective (an
-all-gather in Trainer.agree; nothing else of ours, the trainer or a participant of the step, runs a
+all-gather in StepRunner.agree; nothing else of ours, the trainer, the step or a participant of it, runs a
 collective every step), and checkpoint
 files are written without torch's zip CRC-32 (the marker's sha256 is the integrity check) while
 torch's process-wide setting is left as it was; a step's clock is read once the device has finished it.
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zerotrain.launcher import trainer
+from zerotrain.launcher.components import step_runner
 from zerotrain.launcher.components.checkpoints import checkpointer
 from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
 
@@ -27,15 +27,16 @@ import collections, json, os, sys
 import torch.distributed as dist
 from zerotrain.launcher.config import config_from
 from zerotrain.launcher import trainer
-from zerotrain.launcher.components import participants
+from zerotrain.launcher.components import participants, run_state, step_runner
 OURS = os.path.dirname(participants.__file__)  # the step's monitors: each adds fields to agree's one gather
+FILES = (trainer.__file__, step_runner.__file__, run_state.__file__)  # the loop, the step, the run's state
 calls = collections.Counter()
 for name in ("all_gather", "all_reduce", "all_gather_object", "broadcast", "broadcast_object_list", "barrier"):
     fn = getattr(dist, name)
     def counted(*a, _fn=fn, _name=name, **k):
         f = sys._getframe(1)
         where = f.f_code.co_filename
-        if where == trainer.__file__ or where.startswith(OURS + os.sep):  # ours only, not DeepSpeed's
+        if where in FILES or where.startswith(OURS + os.sep):  # ours only, not DeepSpeed's
             # agree() times _agree() in the phase clock: count both under the method's name
             calls[f"{f.f_code.co_name.lstrip('_')}:{_name}"] += 1
         return _fn(*a, **k)
@@ -140,10 +141,10 @@ def test_the_step_clock_is_read_after_the_device_has_finished_the_step():
     clock = PhaseClock(clock=lambda: order.append("clock read") or float(len(order)))
     events = []
     accel = SimpleNamespace(Event=lambda: events.append(FakeEvent(order)) or events[-1])  # the class, called
-    fake = SimpleNamespace(clock=clock, accel=accel, _train_step=lambda batches: order.append("step queued") or 2.0)
+    fake = SimpleNamespace(clock=clock, accel=accel, compute=lambda batches: order.append("step queued") or 2.0)
     order.clear()
     for _ in range(2):
-        assert trainer.Trainer.train_step(fake, ["a batch"]) == 2.0
+        assert step_runner.StepRunner.train_step(fake, ["a batch"]) == 2.0
     assert order == ["clock read", "step queued", "event recorded", "event waited on", "clock read"] * 2
     assert len(events) == 2
     device_done(SimpleNamespace(Event=None))  # DeepSpeed's CPU accelerator has none: nothing to wait for

@@ -2,9 +2,10 @@
 
 The tests launch real ranks (deepspeed, torchrun, python), so the environment is how a hook reaches
 those processes. It is read ONCE, at start (`TestHooks.from_env()`, built by the Trainer and by
-pre-flight, handed to the Checkpointer), never in the step loop; with no ZEROTRAIN_TEST_* variable set
-the object is `NO_HOOKS`, whose every hook is a no-op. In-process tests install one with
-`monkeypatch.setattr(checkpointer, "hooks", TestHooks(...))`.
+pre-flight), never in the step loop; with no ZEROTRAIN_TEST_* variable set the object is `NO_HOOKS`. The faults
+are planted by stand-ins that exist only when their variable is set (components/faults.py: a clock, a
+checkpointer, the step's compute; here: the loaders), so the production step, checkpointer and evaluation have
+no test branch. This module stays light (no torch): pre-flight and the plan read it.
 
     ZEROTRAIN_TEST_SPIKE=RANK:FIRST-LAST:FACTOR      the loss that rank reports for steps FIRST..LAST is
                                                      multiplied by FACTOR (the spike detector's input only;
@@ -65,7 +66,7 @@ PREFLIGHT_OOM = PREFIX + "PREFLIGHT_OOM"
 OOM = PREFIX + "OOM"
 KNOWN = (SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER, SLOW_DATA, HANG, DIE_AFTER_END,
          PREFLIGHT_OOM, OOM)
-HANG_PHASES = ("save", "eval")  # where the trainer calls TestHooks.hang_here
+HANG_PHASES = ("save", "eval")  # the phases FaultyClock blocks in (TestHooks.hang_here)
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def main(mix: str, out_dir: str) -> None:
         engine.step()
         loss_sum += loss.detach().double()
     dist.all_reduce(loss_sum)
-    step_loss = float(loss_sum) / (ACCUM * world)  # what the trainer logs (Trainer.agree)
+    step_loss = float(loss_sum) / (ACCUM * world)  # what the trainer logs (StepRunner.agree)
     after = whole_weights()
     everyone = [None] * world
     dist.all_gather_object(everyone, [{k: b[k] for k in MODEL_KEYS} for b in batches])

@@ -15,13 +15,12 @@ rotation, best.json and the mirror copy. The format it writes and verifies is co
   storage, verified, renamed into place).
 
 Not here: what goes into client_state and meta (the Trainer's), and sharing `hours_due` between
-ranks (rank 0 decides, the Trainer broadcasts). Test hooks (failed and slow saves, slow markers and
-mirror copies) come in as one `TestHooks` object (components/hooks.py), read once at start.
+ranks (rank 0 decides, the Trainer broadcasts). Test faults (failed and slow saves, slow
+mirror copies) are components/hooks.py's FaultyCheckpointer, built in place of this one only when a test asks.
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import os
 import queue
@@ -41,7 +40,6 @@ from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, 
                                                       best_entry, best_json, best_rank, one_line, rank_best,
                                                       read_best_list, same_criterion, read_meta,
                                                       rotation_victims, step_of, tag_dirs, tag_for)
-from zerotrain.launcher.components.hooks import NO_HOOKS, TestHooks
 from zerotrain.launcher.errors import CheckpointError, UsageError
 
 
@@ -80,30 +78,30 @@ class _WriteGuard:
     then agrees on the outcome with one all_gather. Outside a save it passes everything through.
     """
 
-    def __init__(self, inner, rank: int, hooks: TestHooks = NO_HOOKS):
-        self.inner, self.rank, self.hooks = inner, rank, hooks
+    def __init__(self, inner, rank: int):
+        self.inner, self.rank = inner, rank
+        self.writer = inner  # what a save's files are written through (begin)
         self.active = False
         self.error: str | None = None
         self.written: list[str] = []
 
     @classmethod
-    def install(cls, engine, rank: int, hooks: TestHooks = NO_HOOKS) -> "_WriteGuard":
+    def install(cls, engine, rank: int) -> "_WriteGuard":
         inner = engine.checkpoint_engine
         if isinstance(inner, cls):
-            inner.hooks = hooks
             return inner
         if inner.is_decoupled():  # files would still be in flight when save_checkpoint returns
             raise UsageError(f"checkpoint engine {inner.name}: decoupled (asynchronous) engines are not supported")
-        guard = cls(inner, rank, hooks)
+        guard = cls(inner, rank)
         ds_compat.route_checkpoint_writes(engine, guard)  # and rank 0's copy of zero_to_fp32.py inside the save
         return guard
 
-    def begin(self, step: int) -> None:
-        self.active, self.error, self.written, self.step = True, None, [], step
-        self.inject_failure = self.hooks.fails_save(self.rank, step)
+    def begin(self, step: int, writer) -> None:
+        """A save of `step` starts; its files are written through `writer` (Checkpointer.writer)."""
+        self.active, self.error, self.written, self.step, self.writer = True, None, [], step, writer
 
     def end(self) -> None:
-        self.active = False
+        self.active, self.writer = False, self.inner
 
     def run(self, fn, *args, where: str | None = None, **kwargs):
         if not self.active:
@@ -121,16 +119,9 @@ class _WriteGuard:
 
     def save(self, state_dict, path: str):
         def write():
-            if self.inject_failure:
-                self.inject_failure = False
-                with open(path, "wb") as f:
-                    f.write(b"half a file")
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (ZEROTRAIN_TEST_FAIL_SAVE)", path)
             with _no_zip_crc32():
-                self.inner.save(state_dict, path)
+                self.writer.save(state_dict, path)
             self.written.append(path)
-            if len(self.written) == 1:
-                self.hooks.sleep(self.hooks.slow_save_s)
         return self.run(write, where=path)
 
     def makedirs(self, path, exist_ok=False):
@@ -201,7 +192,7 @@ class Checkpointer:
     def __init__(self, ckpt_dir: Path, run_id: str, rank: int, world: int, save_every_steps: int = 0,
                  save_every_hours: float | None = None, keep_last: int = 0, keep_best: int = 1,
                  mirror: Path | str | None = None, say: Callable[[str], None] = print, clock: Callable[[], float] = time.time,
-                 hooks: TestHooks = NO_HOOKS, best_by: tuple[str, bool] | None = None):
+                 best_by: tuple[str, bool] | None = None):
         """best_by: (metric, higher is better) when --best-by ranks the K best; None: the validation loss."""
         for flag, value in (("--save-every-steps", save_every_steps), ("--keep-last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -215,7 +206,7 @@ class Checkpointer:
         self.save_every_steps, self.save_every_hours, self.keep_last = save_every_steps, save_every_hours, keep_last
         self.keep_best, self.best_by = keep_best, best_by
         self.kept: list[dict] = []  # the K best, best first: the same on every rank (sync_best)
-        self.say, self.clock, self.hooks = say, clock, hooks
+        self.say, self.clock = say, clock
         self.mirror_dir = Path(mirror) / run_id / "checkpoints" if mirror else None
         self.last_saved_step: int | None = None
         self._last_saved_dir: Path | None = None
@@ -305,6 +296,11 @@ class Checkpointer:
         return victims
 
     # -- the save (collective) -----------------------------------------------------------------
+    def writer(self, inner, step: int):
+        """What the save of `step` writes its files through: DeepSpeed's checkpoint engine `inner` (components/hooks.py's
+        FaultyCheckpointer plants failed and slow writes here)."""
+        return inner
+
     def save(self, engine, step: int, client_state: dict, meta: dict) -> Path:
         """Write tag global_stepN on every rank; returns its path once every rank's files are written.
 
@@ -318,13 +314,13 @@ class Checkpointer:
         if step == self.last_saved_step:
             return tag_dir
         t0 = time.perf_counter()
-        guard = _WriteGuard.install(engine, self.rank, self.hooks)
+        guard = _WriteGuard.install(engine, self.rank)
         if self.rank == 0:
             with self._lock:
                 self._writing = tag
             if tag_dir.exists():  # left by a failed save or an abandoned timeline: never mix its files with ours
                 drop_tag(tag_dir)
-        guard.begin(step)
+        guard.begin(step, self.writer(guard.inner, step))
         error = None
         try:
             engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
@@ -434,7 +430,6 @@ class Checkpointer:
         try:
             if self._mirror_hold is not None:
                 self._mirror_hold.wait()
-            self.hooks.sleep(self.hooks.slow_mirror_s)
             src = self.ckpt_dir / tag
             files = read_meta(src)["files"]
             self.mirror_dir.mkdir(parents=True, exist_ok=True)

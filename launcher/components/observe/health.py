@@ -10,7 +10,7 @@ A policy object fed numbers (no torch, no process group; rank 0 owns one, tests 
   agree, eval, save, mirror, log; "start" after
   the first step is the time between the measured phases, shown as "other").
 - `rank_seconds` is every rank's (step work, data wait) of its previous step, carried on the step's one
-  collective (Trainer.agree): step work is the rank's wall time outside the collectives where ranks
+  collective (StepRunner.agree): step work is the rank's wall time outside the collectives where ranks
   wait for each other (the step's agreement, evaluation, saving, mirror waits), so a rank that makes
   the others wait shows more of it. Under ZeRO, waits inside DeepSpeed's own collectives (forward,
   backward) are counted as compute on every rank: a rank slow *there* shows only in part.

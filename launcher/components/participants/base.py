@@ -2,7 +2,7 @@
 
 A participant is a small object the Trainer calls at fixed points of every step (OLMo-core's callbacks,
 with one difference: every rank decides on the same values, because what a decision needs from other
-ranks rides on the step's one collective, `Trainer.agree`):
+ranks rides on the step's one collective, `StepRunner.agree`):
 
     fields()          the NAMED fields it adds to the step's gather (`Field`: how each is reduced over ranks)
     open()            once, when the loop starts (say what it watches)
@@ -15,7 +15,11 @@ ranks rides on the step's one collective, `Trainer.agree`):
 
 `observe` and `logged` return None to go on, a `StopRun` to end the run (its kind and message; the
 Trainer saves if the kind saves), or `REWOUND` when the step was abandoned (a rollback: the loop goes on
-from the restored step). Participants run in the order the Trainer lists them; the first StopRun wins.
+from the restored step). Each participant declares the StepState fields it `reads` and `writes` in observe (and
+contribute), and `reads_logged`/`writes_logged` in logged; `order` calls every writer before its readers in the
+same hook (Evaluation's val before EarlyStop, EarlyStop's ending before the tasks, Checkpointing's saved before
+Signals): every observe runs before any logged, so a field written in observe constrains no logged reader. The
+listed order decides the rest; the first StopRun wins.
 
 `Layout` packs the named fields of every rank into one int64 row (floats ride as their bits) and
 reduces the gathered table into an `Agreed` mapping: pure torch on tensors, no process group, so
@@ -24,13 +28,25 @@ may ask of the run is the `Run` protocol below.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import torch
 
+from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import StopRun
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
+    from zerotrain.launcher.components.evaluate import Evaluator
+    from zerotrain.launcher.components.guards import Budget, SignalStop
+    from zerotrain.launcher.components.observe.metrics import MetricsLogger
+    from zerotrain.launcher.components.observe.phases import PhaseClock
+    from zerotrain.launcher.components.run_state import Plan, RunState
 
 KINDS = ("int", "float", "flag", "optional")  # optional: a float or None (one more slot says which)
 REDUCTIONS = ("every", "sum", "any", "rank0")
@@ -149,6 +165,7 @@ class StepState:
     grad_norm: float | None = None  # rank 0's, agreed
     window: Any = None         # the health check's (window, verdicts) when a window closed here (rank 0)
     val: dict | None = None    # the evaluation's metrics at an eval step
+    scores: dict | None = None  # the lm-evaluation-harness tasks' metrics at a scoring step ({"eval", "eval_tasks_s"})
     new_best: bool = False     # among the K best: by validation loss, or by --best-by's score
     best_value: float | None = None  # the value new_best was decided on
     record: dict | None = None  # the step's logged record
@@ -158,45 +175,94 @@ class StepState:
     #                            out), read by what acts at the end (the tasks' scoring); never a signal or budget
 
     @property
+    def evaluated(self) -> dict | None:
+        """What the step's record carries of its evaluations: the validation loss's figures and the tasks' scores."""
+        if self.val is None and self.scores is None:
+            return None
+        return {**(self.val or {}), **(self.scores or {})}
+
+    @property
     def final(self) -> bool:
         """The run ends normally after this step: --max-steps, an early stop, the data ran out."""
         return self.last or self.ending is not None or any(self.agreed.get("data_ended") or ())
 
 
+# What the step fills in before any participant sees it (the step runner; `record`: the trainer, between observe
+# and logged); the other StepState fields are the participants' (their `writes`).
+STEP_PROVIDES = ("step", "tokens_sha", "lr", "step_time", "trained_at", "last", "agreed", "loss", "grad_norm",
+                 "record")
+
+
+def order(listed: Sequence[type["Participant"]]) -> tuple[type["Participant"], ...]:
+    """The participants in the order they are called: each writer of a StepState field before every other
+    participant that reads it in the same hook (observe: `reads`/`writes`; logged: `reads_logged`/`writes_logged`;
+    every observe runs before any logged, so a logged read of a field written in observe orders nothing);
+    otherwise as `listed` (the tie-break: the stops' precedence). A field nobody writes (by then) and the step
+    does not provide, an unknown field, or a cycle is refused (ValueError)."""
+    fields = {f.name for f in dataclasses.fields(StepState)}
+    in_observe: dict[str, list[type[Participant]]] = {}
+    in_logged: dict[str, list[type[Participant]]] = {}
+    for cls in listed:
+        unknown = sorted(set(cls.reads + cls.writes + cls.reads_logged + cls.writes_logged) - fields)
+        if unknown:
+            raise ValueError(f"participant {cls.__name__} names no StepState field: {', '.join(unknown)}")
+        for name in cls.writes:
+            in_observe.setdefault(name, []).append(cls)
+        for name in cls.writes_logged:
+            in_logged.setdefault(name, []).append(cls)
+    before: dict[type[Participant], set] = {cls: set() for cls in listed}  # who must be called before each
+    for cls in listed:
+        for name, writers, written in ([(n, in_observe, in_observe) for n in cls.reads]
+                                       + [(n, in_logged, {**in_observe, **in_logged}) for n in cls.reads_logged]):
+            if name not in STEP_PROVIDES and name not in written:
+                raise ValueError(f"participant {cls.__name__} reads {name}, which no participant writes and the"
+                                 " step does not provide")
+            before[cls] |= {w for w in writers.get(name, ()) if w is not cls}
+    done: list[type[Participant]] = []
+    while len(done) < len(listed):
+        ready = [cls for cls in listed if cls not in done and before[cls] <= set(done)]
+        if not ready:
+            left = [cls for cls in listed if cls not in done]
+            raise ValueError("participants' reads and writes form a cycle: " + "; ".join(
+                f"{cls.__name__} reads what {', '.join(sorted(w.__name__ for w in before[cls] - set(done)))}"
+                f" writes" for cls in left))
+        done.append(ready[0])
+    return tuple(done)
+
+
 class Run(Protocol):
     """What a participant may ask of the run (the Trainer satisfies it; participants never import it):
-    what it is built from (`from_run`), and the counters and actions the participants share."""
-    plan: Any                  # the RunPlan: run_dir, ckpt_dir, golden, model_args, zt
-    cfg: Any                   # the resolved RunConfig
+    what it is built from (`from_run`), and the run's state they share (counters, save, rollback)."""
+    plan: Plan                 # what of the RunPlan components read (run_state.Plan)
+    cfg: RunConfig             # the resolved RunConfig
     rank: int
     world: int
     is_main: bool
-    dist: Any                  # torch.distributed
-    engine: Any                # the DeepSpeed engine
-    clock: Any                 # observe.phases.PhaseClock
-    hooks: Any                 # hooks.TestHooks
-    metrics: Any               # observe.metrics.MetricsLogger
-    checkpointer: Any          # checkpoints.checkpointer.Checkpointer
-    signals: Any               # guards.SignalStop
-    budget: Any                # guards.Budget
-    evaluator: Any             # evaluate.Evaluator, or None
+    dist: ModuleType           # torch.distributed
+    engine: DeepSpeedEngine
+    clock: PhaseClock
+    metrics: MetricsLogger
+    checkpointer: Checkpointer
+    signals: SignalStop
+    budget: Budget
+    evaluator: Evaluator | None
     tokens_per_step: int
-    step: int
-    tokens_seen: int
-    rollbacks: int
-    last_saved: Path | None
-    last_save_s: float
+    state: RunState            # the counters (step, tokens_seen, last_saved, ...), save(), rollback(what)
 
     def say(self, line: str) -> None: ...
-    def elapsed(self, at: float | None = None) -> float: ...
-    def save(self) -> Path: ...
-    def rollback(self, what: str) -> None: ...
 
 
 class Participant:
-    """A monitor of the step. Every hook is optional; see the module docstring for when each runs."""
+    """A monitor of the step. Every hook is optional; see the module docstring for when each runs.
+    `reads` and `writes` name the StepState fields it reads and fills in in observe (and contribute),
+    `reads_logged` and `writes_logged` in logged: the order the participants are called in follows from them
+    (`order`)."""
     name = "participant"
     saved_as: str | None = None  # its key under the checkpoint's "guards" (None: nothing to keep)
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    reads_logged: tuple[str, ...] = ()
+    writes_logged: tuple[str, ...] = ()
 
     @classmethod
     def from_run(cls, run: Run) -> "Participant | None":

@@ -4,28 +4,30 @@ step's save-worthy work, on every rank at once (budget, exit 5)."""
 from __future__ import annotations
 
 from zerotrain.launcher.components.guards import Budget
+from zerotrain.launcher.components.run_state import RunState
 from zerotrain.launcher.components.participants.base import Field, Participant, Run, StepState
 from zerotrain.launcher.errors import StopRun
 
 
 class BudgetStop(Participant):
     name = "budget"
+    reads, reads_logged = ("step_time", "trained_at"), ("agreed",)  # contribute's, logged's
 
-    def __init__(self, run: Run, budget: Budget, tokens_per_step: int):
-        self.run, self.budget, self.tokens_per_step = run, budget, tokens_per_step
+    def __init__(self, state: RunState, budget: Budget, tokens_per_step: int):
+        self.state, self.budget, self.tokens_per_step = state, budget, tokens_per_step
         self.why: str | None = None
 
     @classmethod
     def from_run(cls, run: Run) -> "BudgetStop":
-        return cls(run, run.budget, run.tokens_per_step)
+        return cls(run.state, run.budget, run.tokens_per_step)
 
     def fields(self) -> list[Field]:
         return [Field("over_budget", "rank0", "flag")]
 
     def contribute(self, step: StepState) -> dict:
         tps = self.tokens_per_step
-        self.why = self.budget.exceeded_after_next(self.run.elapsed(step.trained_at), step.step_time,
-                                                   self.run.tokens_seen + tps, tps, reserve_s=self.run.last_save_s)
+        self.why = self.budget.exceeded_after_next(self.state.elapsed(step.trained_at), step.step_time,
+                                                   self.state.tokens_seen + tps, tps, reserve_s=self.state.last_save_s)
         return {"over_budget": self.why is not None}
 
     def logged(self, step: StepState) -> StopRun | None:

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from zerotrain.launcher.components.checkpoints.checkpoint import tag_for
 from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
+from zerotrain.launcher.components.run_state import RunState
 from zerotrain.launcher.components.participants.base import Field, Participant, Run, StepState
 
 
 class Checkpointing(Participant):
     name = "checkpointing"
+    reads_logged = ("agreed", "last", "new_best", "best_value")
+    writes_logged = ("saved",)
 
-    def __init__(self, run: Run, checkpointer: Checkpointer, is_main: bool):
-        self.run, self.checkpointer, self.is_main = run, checkpointer, is_main
+    def __init__(self, state: RunState, checkpointer: Checkpointer, is_main: bool):
+        self.state, self.checkpointer, self.is_main = state, checkpointer, is_main
 
     @classmethod
     def from_run(cls, run: Run) -> "Checkpointing":
-        return cls(run, run.checkpointer, run.is_main)
+        return cls(run.state, run.checkpointer, run.is_main)
 
     def fields(self) -> list[Field]:
         return [Field("save_hours", "rank0", "flag")]
@@ -27,7 +30,7 @@ class Checkpointing(Participant):
     def logged(self, step: StepState) -> None:
         due = self.checkpointer.due(step.step, step.agreed["save_hours"], step.last) and not step.last
         if due or step.new_best:
-            self.run.save()
+            self.state.save()
             step.saved = True
         if step.new_best:
             self.checkpointer.mark_best(tag_for(step.step), step.step, step.best_value)

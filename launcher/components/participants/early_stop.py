@@ -11,6 +11,7 @@ from zerotrain.launcher.errors import StopRun
 
 class EarlyStop(Participant):
     name, saved_as = "early-stop", "early_stop"
+    reads, writes = ("val",), ("ending",)
 
     def __init__(self, patience: int | None):
         self.early = EarlyStopping(patience) if patience else None

@@ -19,6 +19,8 @@ from zerotrain.launcher.components.participants.base import Participant, Run, St
 
 class EvalTasks(Participant):
     name = "eval_tasks"
+    reads = ("last", "agreed", "ending")  # step.final: after EarlyStop, which says whether this step ends the run
+    writes = ("scores", "new_best", "best_value")
 
     def __init__(self, tasks, lm, every: int, limit: int | None, *, clock: PhaseClock, is_main: bool, run_dir: Path,
                  checkpointer, best_by: str | None):
@@ -55,7 +57,7 @@ class EvalTasks(Participant):
         t0 = time.time()
         with self.clock.phase("eval_tasks"):
             metrics, samples = self.score()
-        step.val = {**(step.val or {}), "eval": metrics, "eval_tasks_s": round(time.time() - t0, 3)}
+        step.scores = {"eval": metrics, "eval_tasks_s": round(time.time() - t0, 3)}
         if self.is_main:
             (self.run_dir / "eval_tasks").mkdir(exist_ok=True)
             durable.write_json(self.run_dir / "eval_tasks" / f"step_{step.step:08d}.json",

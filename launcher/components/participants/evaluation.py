@@ -6,29 +6,26 @@ rank (the decision to save is collective), again after a rollback."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from zerotrain.launcher.components.evaluate import Evaluator
-from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.observe.phases import PhaseClock
 from zerotrain.launcher.components.participants.base import Participant, Run, StepState
 
 
 class Evaluation(Participant):
     name = "evaluation"
+    writes = ("val", "new_best", "best_value")
 
-    def __init__(self, evaluator: Evaluator | None, every: int, engine, *, clock: PhaseClock, hooks: TestHooks,
-                 rank: int, run_dir: Path, checkpointer, chooses_best: bool = True):
+    def __init__(self, evaluator: Evaluator | None, every: int, engine, *, clock: PhaseClock, checkpointer,
+                 chooses_best: bool = True):
         """chooses_best: the validation loss decides the K best (not when --best-by names a task's metric)."""
         self.evaluator, self.every, self.engine, self.chooses_best = evaluator, every, engine, chooses_best
-        self.clock, self.hooks, self.rank, self.run_dir = clock, hooks, rank, run_dir
-        self.checkpointer = checkpointer
+        self.clock, self.checkpointer = clock, checkpointer
         checkpointer.sync_best()
 
     @classmethod
     def from_run(cls, run: Run) -> "Evaluation":
-        return cls(run.evaluator, run.cfg.eval_every_steps, run.engine, clock=run.clock, hooks=run.hooks,
-                   rank=run.rank, run_dir=run.plan.run_dir, checkpointer=run.checkpointer,
+        return cls(run.evaluator, run.cfg.eval_every_steps, run.engine, clock=run.clock, checkpointer=run.checkpointer,
                    chooses_best=run.plan.best_higher is None)
 
     def observe(self, step: StepState) -> None:
@@ -36,7 +33,6 @@ class Evaluation(Participant):
             return
         t0 = time.time()
         with self.clock.phase("eval"):
-            self.hooks.hang_here(self.rank, "eval", step.step, self.run_dir)
             val = self.evaluator.evaluate(self.engine, device=self.engine.device)
         val.pop("val_tokens", None)
         val["eval_s"] = round(time.time() - t0, 3)

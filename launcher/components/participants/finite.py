@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import math
 
+from zerotrain.launcher.components.run_state import RunState
 from zerotrain.launcher.components.participants.base import Participant, Run, StepState
 from zerotrain.launcher.errors import StopRun
 
 
 class Finite(Participant):
     name = "finite"
+    reads = ("loss", "grad_norm")
 
-    def __init__(self, run: Run):
-        self.run = run
+    def __init__(self, state: RunState):
+        self.state = state
 
     @classmethod
     def from_run(cls, run: Run) -> "Finite":
-        return cls(run)
+        return cls(run.state)
 
     def observe(self, step: StepState) -> StopRun | None:
         bad = None if math.isfinite(step.loss) else f"loss is {step.loss}"
@@ -24,5 +26,5 @@ class Finite(Participant):
             bad = f"gradient norm is {float(step.grad_norm)}"  # rank 0's, from the step's collective
         if bad:
             return StopRun("diverged", f"step {step.step}: {bad}; stopping. Last checkpoint:"
-                                       f" {self.run.last_saved or 'none'}")
+                                       f" {self.state.last_saved or 'none'}")
         return None

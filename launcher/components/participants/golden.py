@@ -14,6 +14,7 @@ from zerotrain.launcher.errors import StopRun
 
 class GoldenWatch(Participant):
     name = "golden"
+    reads_logged = ("record",)
 
     def __init__(self, golden: GoldenCheck, strict: bool, dist, *, clock: PhaseClock, say: Callable[[str], None],
                  metrics: MetricsLogger):

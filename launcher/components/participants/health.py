@@ -15,6 +15,7 @@ from zerotrain.modeling.model import flops_per_token
 
 class HealthWatch(Participant):
     name = "health"
+    reads, writes, reads_logged = ("agreed",), ("window",), ("window",)
 
     def __init__(self, clock: PhaseClock, build: Callable[[], HealthCheck] | None, say: Callable[[str], None],
                  metrics: MetricsLogger):

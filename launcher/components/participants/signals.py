@@ -12,6 +12,7 @@ from zerotrain.launcher.errors import StopRun
 
 class Signals(Participant):
     name = "signals"
+    reads_logged = ("agreed", "val", "scores", "saved")
 
     def __init__(self, signals: SignalStop, dist, device):
         self.signals, self.dist, self.device = signals, dist, device
@@ -28,7 +29,7 @@ class Signals(Participant):
 
     def logged(self, step: StepState) -> StopRun | None:
         signalled = step.agreed["signal"]
-        if step.val is not None or step.saved:
+        if step.evaluated is not None or step.saved:
             signalled = signalled or self.seen()  # a signal during the evaluation or the save
         if signalled:
             return StopRun("signal", f"stopped by {self.signals.requested or 'a signal on another rank'}"

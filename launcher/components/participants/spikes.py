@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from zerotrain.launcher.components.guards import SpikeDetector
+from zerotrain.launcher.components.run_state import RunState
 from zerotrain.launcher.components.participants.base import REWOUND, Participant, Run, StepState
 from zerotrain.launcher.errors import StopRun
 
@@ -15,29 +16,31 @@ ROLLBACKS_MAX = 3  # --on-spike rollback gives up (exit 3) after this many rollb
 
 class Spikes(Participant):
     name, saved_as = "spikes", "spike"
+    reads = ("loss",)
 
-    def __init__(self, run: Run, on_spike: str, say: Callable[[str], None], detector: SpikeDetector | None = None):
-        self.run, self.on_spike, self.say = run, on_spike, say
+    def __init__(self, state: RunState, on_spike: str, say: Callable[[str], None],
+                 detector: SpikeDetector | None = None):
+        self.state, self.on_spike, self.say = state, on_spike, say
         self.detector = detector if detector is not None else SpikeDetector()
 
     @classmethod
     def from_run(cls, run: Run) -> "Spikes":
-        return cls(run, run.cfg.on_spike, run.say)
+        return cls(run.state, run.cfg.on_spike, run.say)
 
     def observe(self, step: StepState):
         if not self.detector.update(step.loss):
             return None
         what = f"loss spike at step {step.step}: {self.detector.explain()}"
-        last = self.run.last_saved
+        last = self.state.last_saved
         if self.on_spike == "warn":
             self.say(f"zerotrain: warning: {what}")
             return None
         if self.on_spike == "stop":
             return StopRun("diverged", f"{what}; stopping (--on-spike stop). Last checkpoint: {last or 'none'}")
-        if last is None or self.run.rollbacks >= ROLLBACKS_MAX:
+        if last is None or self.state.rollbacks >= ROLLBACKS_MAX:
             why = "no checkpoint to roll back to" if last is None else f"{ROLLBACKS_MAX} rollbacks already"
             return StopRun("diverged", f"{what}; {why}; stopping. Last checkpoint: {last or 'none'}")
-        self.run.rollback(what)
+        self.state.rollback(what)
         return REWOUND
 
     def state_dict(self) -> dict:

@@ -24,11 +24,11 @@ class TorchProfile(Participant):
         return cls(run, *torch_profile_window(run.cfg.torch_profile))
 
     def open(self) -> None:
-        if self.run.step >= self.start:  # a resume past the window: nothing to profile
+        if self.run.state.step >= self.start:  # a resume past the window: nothing to profile
             return
         self.run.say(f"torch.profiler: steps {self.start}-{self.start + self.count - 1}, written to"
                      f" {self.run.plan.run_dir / 'torch_profile'}")
-        if self.start == self.run.step + 1:
+        if self.start == self.run.state.step + 1:
             self._begin()
 
     def _begin(self) -> None:
