@@ -37,7 +37,8 @@ from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.components.tasks import check_best_by, forward_positions, need_lm_eval, split_specs
 from zerotrain.launcher.config import RunConfig, check_nvme_dir
-from zerotrain.launcher.errors import StopRun, UsageError, report_exit
+from zerotrain.launcher.errors import StopRun, UsageError
+from zerotrain.launcher.rank_ends import report_exit
 from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
                                         run_end, run_tokens, size_in_tokens, token_budget)
 from zerotrain.launcher.node import Node

@@ -67,8 +67,9 @@ from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.components.schedule import reapply
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.errors import (END_KINDS, CheckpointError, StopRun, report_exit,  # report_exit: pre-flight too
-                                       report_rank_end)
+from zerotrain.launcher.ends import END_KINDS
+from zerotrain.launcher.errors import CheckpointError, StopRun
+from zerotrain.launcher.rank_ends import report_exit, report_rank_end  # report_exit: pre-flight too
 from zerotrain.launcher.optimizers import describe as describe_optimizer
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.settings import profile_value

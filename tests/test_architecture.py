@@ -8,7 +8,8 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
        tokenizer, shards (prepared token shards), tokenfile (flat token files)
     3  dataio's pipeline: packing, pieces, holdout, loader (a run's batches), reshard
     4  dataio's commands (`zerotrain data ...`)
-    5  launcher/errors
+    5  launcher/errors (exceptions, StopRun, fail), ends (the table of how a run ends: kinds, exit codes), rank_ends
+       (a rank's exit code left for `zerotrain launch`)
     6  the config layer: config, settings (the settings table), node (the machine), hparams, profiles, model_spec,
        optimizers, client_optimizers
     7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner)
@@ -51,7 +52,7 @@ LAYERS = {
     "zerotrain.dataio.packing": 3, "zerotrain.dataio.pieces": 3, "zerotrain.dataio.holdout": 3,
     "zerotrain.dataio.loader": 3, "zerotrain.dataio.reshard": 3,
     "zerotrain.dataio.commands": 4,
-    "zerotrain.launcher.errors": 5,
+    "zerotrain.launcher.errors": 5, "zerotrain.launcher.ends": 5, "zerotrain.launcher.rank_ends": 5,
     "zerotrain.launcher.config": 6, "zerotrain.launcher.profiles": 6, "zerotrain.launcher.model_spec": 6,
     "zerotrain.launcher.optimizers": 6, "zerotrain.launcher.client_optimizers": 6, "zerotrain.launcher.hparams": 6,
     "zerotrain.launcher.settings": 6, "zerotrain.launcher.node": 6,

@@ -26,7 +26,8 @@ from zerotrain.launcher.components import hooks
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from zerotrain.launcher.components.observe import golden
 from zerotrain.launcher.config import config_from
-from zerotrain.launcher.errors import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED, UsageError
+from zerotrain.launcher.ends import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.components.observe.golden import GoldenCheck, golden_steps, make_golden
 from zerotrain.launcher.settings import DEFAULT_MFU_THRESHOLD, resolve
 
