@@ -5,17 +5,11 @@
     Trainer(plan)          process group, run directory, model, engine, data, components, resume
     Trainer.train()        the loop: a list of calls to small components
 
-The components (launcher/components/, each its own module, unit-tested without a process group where
-possible): checkpoints/ (checkpointer.py: when to save, completion, rotation, best, mirror; checkpoint.py: the
-on-disk format and its verification; universal.py: a resume on another world size; run_lock.py), engine.py (the
-one engine builder: tests and benchmarks build through it too), process_group.py (shared with pre-flight),
-hooks.py (test hooks, read once here), evaluate.py (all-rank evaluation), guards.py (signals, spikes, budgets,
-early stop), schedule.py (the lr schedules), offload.py, oom.py, determinism.py, manifest.py (who ran what, when,
-and how each launch ended), ds_compat.py (every DeepSpeed internal we rely on), observe/ (metrics.py: sinks, and
-StepLogger, each step's record and the progress bar; phases.py, the clock of where this rank is; watchdog.py, the
-thread reading it: a rank stuck in one phase past --hang-timeout dumps the stacks and ends the run, exit 11;
-started by run(), not by pre-flight's Trainers; health.py, golden.py, torch_profile.py).
-How a run ends (StopRun by kind, its exit code): launcher/errors.py.
+The Trainer calls the components (launcher/components/: one concern each, listed in its __init__; the one engine
+builder, the checkpointer, evaluation, guards, the step's participants, DeepSpeed's private names in ds_compat/),
+the feature rooms (launcher/offload/, launcher/sequence/, launcher/resize/: ZeRO-Offload, sequence parallelism,
+a resume on another world size) and the planner (launcher/planning/). How a run ends: StopRun by kind
+(launcher/errors.py), each kind's exit code in launcher/ends.py's END_KINDS.
 
 Per step there is one small collective besides DeepSpeed's own, and one host sync: an all-gather
 (Trainer.agree) of each rank's row of NAMED fields: this step's loss sum, rank 0's gradient norm and the
@@ -27,7 +21,7 @@ spikes, evaluation and best, checkpointing, signals, budget, early stop, health,
 adding one is a new module there and its place in participants.ORDER, not an edit of the Trainer.
 
 The Trainer keeps what the participants share (the counters, the engine, save and rollback); what stands
-alone lives in components/ (StepLogger in observe/metrics.py, DeepSpeed's internals in ds_compat.py).
+alone lives in components/ (StepLogger in observe/metrics.py, DeepSpeed's internals in ds_compat/).
 """
 from __future__ import annotations
 
@@ -52,8 +46,8 @@ from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain import durable, torch_private
 from zerotrain.launcher import planning
-from zerotrain.launcher.components import ds_compat, manifest, offload, oom
-from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
+from zerotrain.launcher.components import ds_compat, manifest, oom
+from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
@@ -70,6 +64,8 @@ from zerotrain.launcher.config import RunConfig, config_from
 from zerotrain.launcher.ends import END_KINDS
 from zerotrain.launcher.errors import CheckpointError, StopRun
 from zerotrain.launcher.rank_ends import report_exit, report_rank_end  # report_exit: pre-flight too
+from zerotrain.launcher.resize import universal
+from zerotrain.launcher.offload import ops as offload
 from zerotrain.launcher.optimizers import describe as describe_optimizer
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.settings import profile_value

@@ -11,8 +11,10 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
     5  launcher/errors (exceptions, StopRun, fail), ends (the table of how a run ends: kinds, exit codes), rank_ends
        (a rank's exit code left for `zerotrain launch`)
     6  the config layer: config, settings (the settings table), node (the machine), hparams, profiles, model_spec,
-       optimizers, client_optimizers
-    7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner)
+       optimizers, client_optimizers, offload.keys
+    7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner); the
+       feature rooms launcher/offload/ (its keys module, what --offload writes into the DeepSpeed dict, is in the
+       config layer, 6), launcher/sequence/ and launcher/resize/
     8  launcher/components/launching/*: starting ranks and restarting jobs
     9  the run: resolution (flags to a plan, once), run_plan, trainer
     10 entry points: launcher/commands/*, cli, train, launcher/__init__ (the notebook's finetune), zerotrain/__main__
@@ -59,6 +61,8 @@ LAYERS = {
     "zerotrain.launcher.components.*": 7,
     "zerotrain.launcher.components.launching.*": 8,
     "zerotrain.launcher.planning.*": 7,
+    "zerotrain.launcher.offload": 6, "zerotrain.launcher.offload.keys": 6, "zerotrain.launcher.offload.*": 7,
+    "zerotrain.launcher.sequence.*": 7, "zerotrain.launcher.resize.*": 7,
     "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9, "zerotrain.launcher.resolution": 9,
     "zerotrain.launcher.commands.*": 10, "zerotrain.launcher.cli": 10, "zerotrain.launcher.train": 10,
     "zerotrain.launcher": 10, "zerotrain.__main__": 10,

@@ -40,7 +40,7 @@ from zerotrain.launcher.ends import EXIT_PREFLIGHT_FAILED, EXIT_USAGE
 from zerotrain.launcher.errors import UsageError, ZerotrainError, fail
 from zerotrain.launcher.hparams import size_in_tokens
 from zerotrain.launcher.profiles import resolve_ds_config
-from zerotrain.launcher.resolution import check_sequence_parallel_plan
+from zerotrain.launcher.sequence.checks import check_sequence_parallel_plan
 from zerotrain.launcher.run_plan import identify, load_eval_tasks, plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 
