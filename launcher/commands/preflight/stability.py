@@ -117,9 +117,9 @@ class Stability:
             {"allreduce_16mib_s": round(dt, 4), "bus_gb_s": bus and round(bus / 1e9, 3)}
 
     def c_sequence_parallel(self):
-        """--sequence-parallel N: the run's own checks (launcher/run_plan.py), then one layer's forward all-to-all
-        (q, k, v and the kernel's output at the run's shapes and dtype) timed over DeepSpeed's sequence-parallel
-        group, next to the planner's figure for the profile's link (planning.all_to_all_bytes, sequence_link)."""
+        """--sequence-parallel N: the run's own checks (launcher/sequence/checks.py), then one layer's forward
+        all-to-all (q, k, v and the kernel's output at the run's shapes and dtype) timed over DeepSpeed's
+        sequence-parallel group, next to the planner's figure for the profile's link (planning.all_to_all_bytes, sequence_link)."""
         pf, sp, cfg, args = self.pf, self.pf.settings.sequence_parallel, self.pf.cfg, self.pf.model_args
         check_sequence_parallel_plan(cfg, pf.settings, args, pf.world)  # UsageError: this check's FAIL, one line
         torch, dist = pf.torch, pf.dist

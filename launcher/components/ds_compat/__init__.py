@@ -43,7 +43,8 @@ from zerotrain.launcher.components.ds_compat.offload import (OFFLOADED_STATE, of
                                                              restore_swapped_optimizer_state, swapped_fp32_state_dict)
 from zerotrain.launcher.components.ds_compat.sequence import (sequence_all_to_all, sequence_parallel_gradient_factor,
                                                               sequence_parallel_mpu, tiled_mlp)
-from zerotrain.launcher.components.ds_compat.zero import muon_optimizer_class, release_zero3_globals, zero_master_tensors
+from zerotrain.launcher.components.ds_compat.zero import (muon_optimizer_class, release_zero3_globals,
+                                                          zero_master_tensors)
 from zerotrain.launcher.errors import UsageError
 
 __all__ = ["VERIFIED", "PrivateName", "PRIVATE_NAMES", "PARTS", "ELSEWHERE", "OFFLOADED_STATE", "SHM_BUFFER_NAME",

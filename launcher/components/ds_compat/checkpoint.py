@@ -1,5 +1,5 @@
 """DeepSpeed's checkpoint internals: every rank's save fails together (the write guard), and a rollback after
-a resume on another world size (a universal load) reads its own checkpoint again. Matches deepspeed/runtime/engine.py."""
+a resume on another world size (a universal load) reads its own checkpoint again (deepspeed/runtime/engine.py)."""
 from __future__ import annotations
 
 from zerotrain.launcher.components.ds_compat.names import PrivateName
