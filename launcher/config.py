@@ -28,7 +28,8 @@ from pathlib import Path
 from zerotrain import resource_dir
 from zerotrain.cli_args import TOKEN_COUNT_FORMS, Parser, exact_integer, token_count
 from zerotrain.launcher import model_spec, settings
-from zerotrain.launcher.errors import UsageError, exit_status_help
+from zerotrain.launcher.ends import exit_status_help
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_schedule, hashed_warmup, is_resolved, resolve_hparams
 from zerotrain.launcher.optimizers import check_optimizer
 from zerotrain.launcher.profiles import profile_from_accelerate

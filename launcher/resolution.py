@@ -16,9 +16,10 @@ from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import size_in_tokens
 from zerotrain.launcher.node import Node
-from zerotrain.launcher.planning import check_sequence_parallel, size_auto_micro_batch, stage_key
+from zerotrain.launcher.planning import size_auto_micro_batch, stage_key
 from zerotrain.launcher.profiles import one_device_stage, resolve_ds_config
 from zerotrain.launcher.profiles import precision as profile_precision  # attention_kernel has a local `precision`
+from zerotrain.launcher.sequence.checks import check_sequence_parallel_plan
 from zerotrain.launcher.settings import GIVEN, Settings, compile_at_stage
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.attention import KERNELS
@@ -92,16 +93,6 @@ def resolve(cfg: RunConfig, profile_name: str, profile: dict, world: int, node: 
         ds_config, stage_line = one_device_stage(ds_config, world, node.device, started_stage)
     settings = compile_at_stage(settings, ds_config)
     return Resolved(cfg, profile, settings, ds_config, world, stage_line)
-
-
-def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: int,
-                                 one_rank: str = "this launch has 1") -> int:
-    """--sequence-parallel N checked against the launch and the model (UsageError, one line, before anything
-    is written): planning.check_sequence_parallel."""
-    sp = settings.sequence_parallel
-    check_sequence_parallel(sp, f"--sequence-parallel {sp} ({settings.sources['sequence_parallel']})", cfg.seq_len,
-                            model_args, world, one_rank)
-    return sp
 
 
 def attention_kernel(cfg: RunConfig, settings: Settings, ds_config: dict, node: Node, model_args: ModelArgs) -> Settings:

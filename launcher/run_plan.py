@@ -24,31 +24,34 @@ from zerotrain.dataio.commands import describe_data
 from zerotrain.dataio.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.loader import dataloader_settings, load_data, open_data
 from zerotrain.dataio.packing import check_packing
-from zerotrain.dataio.reshard import check_reshard
 from zerotrain.dataio.pieces import default_piece_len
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
-from zerotrain.launcher.components import determinism, manifest, offload
-from zerotrain.launcher.components.checkpoints import checkpoint, universal
+from zerotrain.launcher.components import determinism, manifest
+from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.launching.jobs import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.components.tasks import check_best_by, forward_positions, need_lm_eval, split_specs
-from zerotrain.launcher.config import RunConfig, check_nvme_dir
-from zerotrain.launcher.errors import StopRun, UsageError, report_exit
+from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.errors import StopRun, UsageError
+from zerotrain.launcher.rank_ends import report_exit
 from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
                                         run_end, run_tokens, size_in_tokens, token_budget)
 from zerotrain.launcher.node import Node
+from zerotrain.launcher.offload import ops as offload
+from zerotrain.launcher.offload.ops import check_offload_here
 from zerotrain.launcher.optimizers import describe_implementation
 from zerotrain.launcher.planning import (EvalCost, describe_cost, eval_cost, every_steps, fit_check, offload_lines,
                                         run_loss_chunk)
 from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile
+from zerotrain.launcher.resize.layout import resize_layout
 from zerotrain.launcher.resolution import resolve, tokens_per_step
 from zerotrain.launcher.settings import BY_NAME, Settings, describe_settings, parse_every, with_schedule
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import count_params, flops_per_token, mlp_tiles
+from zerotrain.modeling.sizes import flops_per_token, mlp_tiles
 
 
 def single_process_env() -> None:
@@ -366,18 +369,7 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
     length counted from its tokens, the loader's workers, NVMe state. Returns (cfg, ds_config, meta); UsageError
     (one line) for what cannot be resumed."""
     meta = checkpoint.read_meta(resume_from)
-    saved_sp = meta.get("sequence_parallel", 1)
-    saved_data_world = meta["world_size"] // saved_sp  # the row groups that saved the loader states
-    if meta["world_size"] != world and saved_sp != sp:  # universal load AND new row groups at once: untested
-        raise UsageError(f"--sequence-parallel {sp}: checkpoint {resume_from} was saved by {meta['world_size']}"
-                         f" rank(s) at --sequence-parallel {saved_sp}; a resume may change the world size or N,"
-                         f" not both (resume at --sequence-parallel {saved_sp}, or on {meta['world_size']} ranks)")
-    if meta["world_size"] != world:  # ZeRO state re-partitioned over all ranks, the data over the row groups
-        ds_config = resume_on_new_world(ds_config, resume_from, saved_data_world, data_world, data,
-                                        run_dir / "ds_config.json")
-    elif saved_sp != sp:  # the same ranks and ZeRO partitions, other row groups: the data re-splits, the batch stays
-        ds_config = keep_global_batch(ds_config, resume_from, saved_data_world, data_world,
-                                      run_dir / "ds_config.json", data)
+    ds_config = resize_layout(ds_config, resume_from, meta, world, sp, data_world, data, run_dir / "ds_config.json")
     # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
     # warmup stays the one the run started with
     cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len), (meta["step"], meta["tokens_seen"]),
@@ -409,18 +401,6 @@ def finished_again(plan: RunPlan) -> StopRun:
         report_exit(stop.exit_code)
         print(stop.message, flush=True)
     return stop
-
-
-def check_offload_here(ds_config: dict, model_args, world: int, dry_run: bool) -> None:
-    """NVMe offload: its directory (a profile's too) takes files and has room for this node's share, and the
-    async I/O op can be built (libaio); a dry run checks libaio and the directory, not the room."""
-    for path in offload.nvme_paths(ds_config):
-        check_nvme_dir(path, "--nvme-path")
-        offload.check_libaio(ds_config, f"--nvme-path {path}")
-        if not dry_run:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            need = offload.nvme_bytes(count_params(model_args)["total"], ds_config, local, world)
-            offload.check_nvme_space(path, need, "--nvme-path")
 
 
 def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
@@ -498,41 +478,6 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
         raise UsageError(f"--eval-every-steps {cfg.eval_every_steps}: no eval data (every source is streamed);"
                          " give --eval-data MIX.json")
     return data, eval_rows
-
-
-def resume_on_new_world(ds_config: dict, tag_dir: Path, saved_data_world: int, data_world: int, data,
-                        saved_ds: Path) -> dict:
-    """The DeepSpeed dict for resuming a checkpoint saved by another number of ranks.
-
-    Model and optimizer go through DeepSpeed's universal checkpoint (launcher/components/checkpoints/universal.py,
-    converted on rank 0 at start-up; with sequence parallelism ZeRO partitions over every rank, so the
-    conversion is the same); the data re-splits what the old row groups had left of the epoch
-    (dataio/reshard.py), from the checkpoint's `saved_data_world` row groups to `data_world` (without sequence
-    parallelism, the world sizes). The global batch stays what it was: grad-accum absorbs the change.
-    """
-    check_reshard(data, saved_data_world, data_world)  # the data first: a streamed source is named before the stages
-    universal.check_supported(ds_config, tag_dir)
-    return universal.ds_config_for_universal(keep_global_batch(ds_config, tag_dir, saved_data_world, data_world,
-                                                                saved_ds, data, checked=True))
-
-
-def keep_global_batch(ds_config: dict, tag_dir: Path, saved_world: int, world: int, saved_ds: Path, data,
-                      checked: bool = False) -> dict:
-    """The DeepSpeed dict whose gradient accumulation keeps the checkpoint's global batch on `world`
-    data-parallel ranks (row groups, with sequence parallelism), its data re-split from `saved_world`'s
-    (`checked`: the caller has checked that re-split already)."""
-    if not checked:
-        check_reshard(data, saved_world, world)
-    saved = json.loads(saved_ds.read_text()) if saved_ds.is_file() else None
-    global_batch = saved["train_batch_size"] if saved else ds_config["train_batch_size"]
-    micro = ds_config["train_micro_batch_size_per_gpu"]
-    if global_batch % (micro * world):
-        raise UsageError(f"checkpoint {tag_dir}: its global batch of {global_batch} rows cannot be kept on {world}"
-                         f" rank(s) x micro-batch {micro}; pick a --micro-batch that divides {global_batch // world}"
-                         if global_batch % world == 0 else
-                         f"checkpoint {tag_dir}: its global batch of {global_batch} rows is not divisible by {world}"
-                         " ranks")
-    return {**ds_config, "gradient_accumulation_steps": global_batch // (micro * world), "train_batch_size": global_batch}
 
 
 EVAL_TOKENS_DEFAULT = 65536  # --eval-data without --eval-tokens: tokens per evaluation

@@ -304,7 +304,7 @@ TABLE: tuple[Setting, ...] = (
             check=boolean),
     Setting("compile_backend", "torch.compile's backend (default: the accelerator's)",
             profile_key="zerotrain.compile_backend", check=text),
-    # where ZeRO's state lives (launcher/profiles.py apply_offload; launcher/components/offload.py)
+    # where ZeRO's state lives (launcher/offload/: keys.py apply_offload, ops.py)
     Setting("offload", "move ZeRO state to host memory (or NVMe with --nvme-path): optimizer (its states and fp32"
                        " master weights, with DeepSpeed's CPU Adam) or all (the parameters too; ZeRO-3 only); none:"
                        " neither. Default: the profile's zerotrain.offload, else its DeepSpeed offload keys. Moves"

@@ -12,7 +12,9 @@ evaluation and best, checkpointing, signals, budget, early stop, health, golden;
 writes of the step, and their order follows from that). Adding a monitor is a new participant, not an edit of the
 Trainer. The other components are listed in docs/layout.md. Test faults are planted by stand-ins (a clock, a
 checkpointer, a loader, the step's compute: components/faults.py), built in place of the real ones only when a
-ZEROTRAIN_TEST_* variable is set. How a run ends (StopRun by kind, its exit code): launcher/errors.py.
+ZEROTRAIN_TEST_* variable is set. The feature rooms (launcher/offload/, launcher/sequence/, launcher/resize/:
+ZeRO-Offload, sequence parallelism, a resume on another world size) and the planner (launcher/planning/) are
+called, not held. How a run ends: StopRun by kind (launcher/errors.py), each kind's exit code in launcher/ends.py.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from zerotrain.dataio.hub import hub_lines
 from zerotrain.dataio.loader import Batches
 from zerotrain import durable, torch_private
 from zerotrain.launcher import planning
-from zerotrain.launcher.components import ds_compat, faults, manifest, offload, oom
-from zerotrain.launcher.components.checkpoints import checkpoint, universal
+from zerotrain.launcher.components import ds_compat, faults, manifest, oom
+from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.evaluate import Evaluator
@@ -47,8 +49,11 @@ from zerotrain.launcher.components.step_runner import QuietExit, StepRunner  # n
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import RunConfig, config_from
-from zerotrain.launcher.errors import (END_KINDS, CheckpointError, StopRun, report_exit,  # report_exit: pre-flight too
-                                       report_rank_end)
+from zerotrain.launcher.ends import END_KINDS
+from zerotrain.launcher.errors import CheckpointError, StopRun
+from zerotrain.launcher.rank_ends import report_exit, report_rank_end  # report_exit: pre-flight too
+from zerotrain.launcher.resize import universal
+from zerotrain.launcher.offload import ops as offload
 from zerotrain.launcher.optimizers import describe as describe_optimizer
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.settings import profile_value

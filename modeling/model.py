@@ -314,7 +314,7 @@ class SequenceShard(NamedTuple):
     """Ulysses sequence parallelism as the model sees it: `size` ranks share every row; this rank holds
     positions [rank * T/size, (rank + 1) * T/size) of it. `exchange` is a differentiable all-to-all over
     dimension 0 (whose length is `size`) within those ranks: slice i goes to rank i, and slice i of the
-    result came from rank i (DeepSpeed's: launcher/components/ds_compat.py sequence_all_to_all).
+    result came from rank i (DeepSpeed's: launcher/components/ds_compat/sequence.py sequence_all_to_all).
     `gradient_factor` multiplies the gradient (not the value) of this rank's loss share: the engine's
     gradient reduction divides the sum over all ranks by world/size in some DeepSpeed paths and by the
     whole world in others (ds_compat.sequence_parallel_gradient_factor says which, for the built engine)."""
@@ -393,7 +393,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.ffn_hidden, args.dim, bias=False)
         # --tiled-mlp: (this module, x, tiles) -> `compute` over `tiles` stretches of the positions, recomputed
         # in backward, so the (positions x ffn_hidden) intermediates are never held for the whole row (set by
-        # the engine builder: DeepSpeed's TiledMLP, launcher/components/ds_compat.py tiled_mlp)
+        # the engine builder: DeepSpeed's TiledMLP, launcher/components/ds_compat/sequence.py tiled_mlp)
         self.tiled: Callable | None = None
 
     def forward(self, x):  # x: (B, T, dim), T this rank's positions

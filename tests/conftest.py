@@ -147,7 +147,7 @@ def build_shm_op() -> None:
     extension lock, on which every later launch of the session waits until its own timeout. A lock already
     stale (older than any build takes: a killed build of an earlier session) is removed first, and said.
     Called once the tests are collected, only where one of them launches (`make test-fast` builds nothing)."""
-    from zerotrain.launcher.components import offload
+    from zerotrain.launcher.offload import ops as offload
     for lock in offload.stale_build_locks():
         print(f"conftest: removing {lock}, a build lock left by a killed build", file=sys.stderr)
         lock.unlink(missing_ok=True)
@@ -174,7 +174,7 @@ def pytest_collection_finish(session):
     with FileLock(Path(tempfile.gettempdir()) / f"zerotrain-test-ops-{os.getuid()}.lock"):
         build_shm_op()
     if len(session.items) >= PREBUILD_MIN_TESTS and WORKER in (None, "gw0"):
-        from zerotrain.launcher.components import offload
+        from zerotrain.launcher.offload import ops as offload
         _prebuild.append(prebuild_in_background(offload))
 
 

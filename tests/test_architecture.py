@@ -8,10 +8,13 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
        tokenizer, shards (prepared token shards), tokenfile (flat token files)
     3  dataio's pipeline: packing, pieces, holdout, loader (a run's batches), reshard
     4  dataio's commands (`zerotrain data ...`)
-    5  launcher/errors
+    5  launcher/errors (exceptions, StopRun, fail), ends (the table of how a run ends: kinds, exit codes), rank_ends
+       (a rank's exit code left for `zerotrain launch`)
     6  the config layer: config, settings (the settings table), node (the machine), hparams, profiles, model_spec,
-       optimizers, client_optimizers
-    7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner)
+       optimizers, client_optimizers, offload.keys
+    7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner); the
+       feature rooms launcher/offload/ (its keys module, what --offload writes into the DeepSpeed dict, is in the
+       config layer, 6), launcher/sequence/ and launcher/resize/
     8  launcher/components/launching/*: starting ranks and restarting jobs
     9  the run: resolution (flags to a plan, once), run_plan, trainer
     10 entry points: launcher/commands/*, cli, train, launcher/__init__ (the notebook's finetune), zerotrain/__main__
@@ -51,13 +54,15 @@ LAYERS = {
     "zerotrain.dataio.packing": 3, "zerotrain.dataio.pieces": 3, "zerotrain.dataio.holdout": 3,
     "zerotrain.dataio.loader": 3, "zerotrain.dataio.reshard": 3,
     "zerotrain.dataio.commands": 4,
-    "zerotrain.launcher.errors": 5,
+    "zerotrain.launcher.errors": 5, "zerotrain.launcher.ends": 5, "zerotrain.launcher.rank_ends": 5,
     "zerotrain.launcher.config": 6, "zerotrain.launcher.profiles": 6, "zerotrain.launcher.model_spec": 6,
     "zerotrain.launcher.optimizers": 6, "zerotrain.launcher.client_optimizers": 6, "zerotrain.launcher.hparams": 6,
     "zerotrain.launcher.settings": 6, "zerotrain.launcher.node": 6,
     "zerotrain.launcher.components.*": 7,
     "zerotrain.launcher.components.launching.*": 8,
     "zerotrain.launcher.planning.*": 7,
+    "zerotrain.launcher.offload": 6, "zerotrain.launcher.offload.keys": 6, "zerotrain.launcher.offload.*": 7,
+    "zerotrain.launcher.sequence.*": 7, "zerotrain.launcher.resize.*": 7,
     "zerotrain.launcher.run_plan": 9, "zerotrain.launcher.trainer": 9, "zerotrain.launcher.resolution": 9,
     "zerotrain.launcher.commands.*": 10, "zerotrain.launcher.cli": 10, "zerotrain.launcher.train": 10,
     "zerotrain.launcher": 10, "zerotrain.__main__": 10,

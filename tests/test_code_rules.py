@@ -1,7 +1,7 @@
 """Rules the code keeps, read from the source (AST and text, nothing run): each guards a leftover that was
 cleaned up from coming back.
 
-- DeepSpeed's shared-memory buffer name is spelled in launcher/components/ds_compat.py only (tests and
+- DeepSpeed's shared-memory buffer name is spelled in launcher/components/ds_compat/launching.py only (tests and
   benchmarks list leaked buffers with `ds_compat.allreduce_buffer_files`).
 - One way to pick a free port (`launching.jobs.free_port`), not a socket snippet per file.
 - Comments and docstrings say what they mean, never "issue N" (DeepSpeed's own issues, "#N", may be cited).
@@ -17,7 +17,7 @@ import sys
 
 from test_architecture import REPO, _resolve, _sources, project_modules
 
-DS_COMPAT = "launcher/components/ds_compat.py"
+DS_COMPAT = "launcher/components/ds_compat/launching.py"
 JOBS = "launcher/components/launching/jobs.py"
 # What `import torch` loads itself (checked below): importing one of these again in a function is free and
 # only hides the dependency. Submodules torch loads on first use (torch._dynamo, the varlen kernel) may be

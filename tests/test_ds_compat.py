@@ -1,4 +1,4 @@
-"""launcher/components/ds_compat.py: the DeepSpeed internals zerotrain relies on are where it says, in the
+"""launcher/components/ds_compat/: the DeepSpeed internals zerotrain relies on are where it says, in the
 DeepSpeed installed here, and a DeepSpeed outside the verified range is met with one line at start-up.
 
 Only our own function that reads the version string (and, for the refusal, our own table of names) is

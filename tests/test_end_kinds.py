@@ -1,4 +1,4 @@
-"""How a run can end is one table (launcher/errors.py END_KINDS), and everything reads it: docs/exit-codes.md's
+"""How a run can end is one table (launcher/ends.py END_KINDS), and everything reads it: docs/exit-codes.md's
 table, StopRun, the manifest, `zerotrain runs`/`report`; and a run directory written before the table
 (manifest segments with only `end_reason`) still reads. No process group, no torch."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from zerotrain.launcher.commands import report
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.config import build_parser
-from zerotrain.launcher.errors import END_KINDS, StopRun, exit_code_table, exit_status_help, kind_of_exit, status_of
+from zerotrain.launcher.ends import END_KINDS, exit_code_table, exit_status_help, kind_of_exit, status_of
+from zerotrain.launcher.errors import StopRun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +27,7 @@ def docs_exit_codes() -> list[str]:
 def test_docs_exit_codes_are_the_table():
     rows = docs_exit_codes()
     assert rows == exit_code_table(), (
-        "docs/exit-codes.md's table and launcher/errors.py END_KINDS differ; the table as it should read:\n"
+        "docs/exit-codes.md's table and launcher/ends.py END_KINDS differ; the table as it should read:\n"
         + "\n".join(exit_code_table()))
     kinds = [re.match(r"\| (\d+) \| `([^`]+)` \|", r).groups() for r in rows[2:]]
     assert {k: int(c) for c, k in kinds} == {k: e.exit_code for k, e in END_KINDS.items()}

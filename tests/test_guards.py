@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from zerotrain.launcher.components.guards import Budget, EarlyStopping, SignalStop, SpikeDetector
-from zerotrain.launcher.errors import EXIT_SIGNAL_HARD, UsageError
+from zerotrain.launcher.ends import EXIT_SIGNAL_HARD
+from zerotrain.launcher.errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,8 @@ import yaml
 from conftest import REPO, free_port, read_metrics
 
 from zerotrain.launcher.components.launching import hostfile
-from zerotrain.launcher.errors import UsageError, final_exit_codes
+from zerotrain.launcher.ends import final_exit_codes
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.commands import launch as launch_cmd
 from zerotrain.launcher.commands.launch import plan_hostfile_launch
 from zerotrain.launcher.profiles import profile_from_accelerate

@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 
-from zerotrain.launcher.components import offload
+from zerotrain.launcher.offload import ops as offload
 from zerotrain.launcher.errors import UsageError
-from zerotrain.launcher.profiles import apply_offload, check_offload, validate_profile
+from zerotrain.launcher.offload.keys import apply_offload, check_offload
+from zerotrain.launcher.profiles import validate_profile
 
 
 # -- the settings, in-process ----------------------------------------------------------------------

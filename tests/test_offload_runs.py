@@ -43,7 +43,7 @@ import torch
 from conftest import BIN, REPO, TRAIN_PY, cpu_profile, free_port, launch, read_metrics
 from test_bf16 import remove_shm
 from test_long_runs import popen, zerotrain_launch_cmd
-from zerotrain.launcher.components import offload
+from zerotrain.launcher.offload import ops as offload
 from zerotrain.launcher.errors import UsageError
 
 pytestmark = pytest.mark.launches  # every test here starts a process (make test-fast leaves them out)
@@ -353,7 +353,7 @@ def test_the_planners_host_memory_is_the_offloaded_state_measured_within_20_perc
 def test_a_world_size_change_with_offload_in_host_memory_resumes(runs, copy, moved):
     """The killed --offload all run's (ZeRO-3) and --offload optimizer run's (ZeRO-2) step-3 checkpoints (saved by
     2 ranks), copied, resumed by 1 rank, offload kept: DeepSpeed's universal conversion carries the offloaded
-    ZeRO state (host memory; NVMe is refused in one line, components/checkpoints/universal.py check_supported),
+    ZeRO state (host memory; NVMe is refused in one line, launcher/resize/universal.py check_supported),
     and each run ends finished at step N."""
     r = runs[copy]
     out = r["proc"].stdout

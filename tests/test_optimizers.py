@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, free_port, launch, read_metrics
-from zerotrain.launcher.components.offload import offloaded
+from zerotrain.launcher.offload.ops import offloaded
 from zerotrain.launcher.cli import main as cli
 from zerotrain.launcher.config import RunConfig, config_from, resolve_config
 from zerotrain.launcher.errors import UsageError

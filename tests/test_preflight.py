@@ -27,7 +27,8 @@ from zerotrain.launcher.components import hooks
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from zerotrain.launcher.components.observe import golden
 from zerotrain.launcher.config import config_from
-from zerotrain.launcher.errors import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED, UsageError
+from zerotrain.launcher.ends import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.components.observe.golden import GoldenCheck, golden_steps, make_golden
 from zerotrain.launcher.settings import DEFAULT_MFU_THRESHOLD, resolve
 from zerotrain.modeling.sizes import ModelArgs, flops_per_token
@@ -379,8 +380,8 @@ def test_nvme_throughput_is_measured_in_the_directory_and_leaves_nothing(tmp_pat
     """v2's NVMe check (at --nvme-path): the bytes written are fsync'd and read back, both rates positive, the
     probe file removed; a directory that cannot be written fails (the check's FAIL with the OS's message)."""
     from zerotrain.launcher.commands.preflight.measure import disk_throughput
-    from zerotrain.launcher.components import offload
-    from zerotrain.launcher.profiles import apply_offload
+    from zerotrain.launcher.offload import ops as offload
+    from zerotrain.launcher.offload.keys import apply_offload
 
     m = disk_throughput(tmp_path, size=3 * 2**20 + 5, block=2**20)  # a last block shorter than the others
     assert m["bytes"] == 3 * 2**20 + 5

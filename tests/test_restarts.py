@@ -31,7 +31,9 @@ from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching import launcher_watch
 from zerotrain.launcher.components.launching.restarts import (
     JobEnd, RankExit, RankWatch, Restarts, rank_processes, stat_fields, take_restart_flags, with_resume_auto)
-from zerotrain.launcher.errors import END_KINDS, RANK_ENDS, UsageError, final_exit_codes, kind_of_exit
+from zerotrain.launcher.ends import END_KINDS, final_exit_codes, kind_of_exit
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.rank_ends import RANK_ENDS
 
 N, K = 16, 4  # steps of every run; the checkpoint a test waits for before it strikes
 FLAGS = ["--model", "debug", "--seq-len", "64", "--micro-batch", "2", "--lr", "3e-3", "--warmup-steps", "2",
@@ -292,7 +294,7 @@ FAKE_LAUNCH_REAPS_AT_ONCE = STEP + r"""
 import signal, subprocess
 # rank 0 is SIGKILLed and reaped at once (before the watch can read its status), rank 1 then fails because of it,
 # as a rank lost after the final save and its peer's broken collective (a fresh-clone run of 2026-11-27); rank 2
-# finished before both and left its code 0 (errors.report_rank_end)
+# finished before both and left its code 0 (rank_ends.report_rank_end)
 ends = sys.argv[1]
 code = STEP + "step('rank2-finishes'); open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write('0')"
 ranks = [subprocess.Popen([sys.executable, "-c", c, ends], env={**os.environ, "RANK": str(r)})

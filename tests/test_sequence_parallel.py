@@ -1,5 +1,5 @@
 """Ulysses sequence parallelism (modeling/model.py SequenceShard; launcher/components/engine.py builds it with
-DeepSpeed's sequence-parallel mpu and all-to-all, ds_compat.py).
+DeepSpeed's sequence-parallel mpu and all-to-all, ds_compat/sequence.py).
 
 The proof is a real `deepspeed` launch at SP=2 (tests/helpers/sp_harness.py), on 2 ranks (one row group) and on
 4 (two row groups: sequence and data parallelism together): packed rows whose documents start inside either half

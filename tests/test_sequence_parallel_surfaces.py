@@ -154,10 +154,10 @@ def test_export_of_an_sp2_run_checks_and_holds_its_weights(surfaces, tmp_path, c
 
 
 def test_each_exchange_is_measured_as_the_all_to_all_phase_forward_and_backward():
-    """The engine builder's wrapper (components/engine.py _MeasuredExchange) around an exchange that is its own
+    """The engine builder's wrapper (launcher/sequence/groups.py _MeasuredExchange) around an exchange that is its own
     adjoint, as the dimension-0 all-to-all is (here a flip of dimension 0, one process): the phase is entered once
     in forward and once in backward, inside "compute", and the gradient is the exchange's own."""
-    from zerotrain.launcher.components.engine import _MeasuredExchange
+    from zerotrain.launcher.sequence.groups import _MeasuredExchange
     from zerotrain.launcher.components.observe.phases import PhaseClock
     from zerotrain.launcher.components.observe.watchdog import phase_words, timeout_for
 

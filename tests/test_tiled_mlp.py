@@ -1,5 +1,5 @@
-"""--tiled-mlp: every MLP through DeepSpeed's TiledMLP (launcher/components/ds_compat.py tiled_mlp, set on the model
-by the engine builder), in process, fp32, on the debug model's MLP (dim 128, ffn 384 hidden).
+"""--tiled-mlp: every MLP through DeepSpeed's TiledMLP (launcher/components/ds_compat/sequence.py tiled_mlp, set on
+the model by the engine builder), in process, fp32, on the debug model's MLP (dim 128, ffn 384 hidden).
 
 The tiled MLP is the same math: each position's output depends on that position alone, so splitting the positions
 changes no product; only each weight's gradient, a sum over every position of the batch, is summed tile by tile

@@ -1,4 +1,4 @@
-"""Resume on another world size through DeepSpeed's universal checkpoint (launcher/components/checkpoints/universal.py).
+"""Resume on another world size through DeepSpeed's universal checkpoint (launcher/resize/universal.py).
 
 One chain of three real `deepspeed` launches (tests/helpers/universal_harness.py, CPU, gloo, fp32):
 2 ranks train 3 steps and save; 1 rank converts, resumes, takes a step and saves; 2 ranks convert
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, free_port
-from zerotrain.launcher.components.checkpoints import universal
+from zerotrain.launcher.resize import universal
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from zerotrain.launcher.errors import UsageError
 

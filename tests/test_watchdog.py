@@ -24,7 +24,8 @@ from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.hooks import TestHooks, hang_reported
 from zerotrain.launcher.components.observe.phases import PhaseClock
 from zerotrain.launcher.config import resolve_config
-from zerotrain.launcher.errors import EXIT_HUNG, UsageError
+from zerotrain.launcher.ends import EXIT_HUNG
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import validate_profile
 from zerotrain.launcher.settings import comm_timeout_s
 

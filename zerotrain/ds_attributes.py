@@ -1,5 +1,5 @@
 """The DeepSpeed attributes read below launcher/components: modeling/ and the config layer (launcher/optimizers.py)
-may not import launcher/components/ds_compat.py, so the undocumented attributes they need are read here, and only
+may not import launcher/components/ds_compat/, so the undocumented attributes they need are read here, and only
 here. ds_compat.PRIVATE_NAMES lists each with the DeepSpeed source that sets it (looked up by
 `check_deepspeed_version` outside the verified releases) and names this module in its ELSEWHERE.
 

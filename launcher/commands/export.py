@@ -29,7 +29,7 @@ The batch is up to CHECK_ROWS x CHECK_LEN tokens of the documents the run held o
 pseudo-random token ids (seed 0), and the check says which. Both models see plain causal rows
 (transformers' Llama has no document mask). The relative difference |export - live| / live is printed
 and written into the model card. Beyond CHECK_TOLERANCE the command exits 10
-(`export-check-failed`, launcher/errors.py) with one line, and DIR stays for inspection, its card
+(`export-check-failed`, launcher/ends.py) with one line, and DIR stays for inspection, its card
 saying the check failed. The tolerance: fp32 1e-4 (the same weights in two implementations:
 measured 8e-8 to 1e-7 on the tests' models); bf16 1e-2 (the weights are rounded to bf16's 8
 significant bits, up to 2^-9 relative each, and the export computes in bf16 too: the bound leaves room
@@ -59,7 +59,8 @@ from zerotrain.dataio.sft import PLAIN_CHAT_TEMPLATE
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint
-from zerotrain.launcher.errors import EXIT_EXPORT_CHECK, UsageError, ZerotrainError, fail
+from zerotrain.launcher.ends import EXIT_EXPORT_CHECK
+from zerotrain.launcher.errors import UsageError, ZerotrainError, fail
 from zerotrain.modeling import hf
 from zerotrain.modeling.sizes import ModelArgs, count_params
 

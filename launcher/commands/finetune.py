@@ -53,7 +53,8 @@ from zerotrain.launcher.components.launching.jobs import (RANK_VARS, TRAIN_MODUL
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.config import config_from
-from zerotrain.launcher.errors import END_KINDS, EXIT_USAGE, UsageError, ZerotrainError, kind_of_exit
+from zerotrain.launcher.ends import END_KINDS, EXIT_USAGE, kind_of_exit
+from zerotrain.launcher.errors import UsageError, ZerotrainError
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.run_plan import plan_run
 from zerotrain.launcher.settings import INIT_FROM
@@ -79,7 +80,7 @@ class RunFailed(ZerotrainError):
 class FinetuneResult:
     """A finished run: where it is, how it ended, and its trained weights."""
     run_dir: Path
-    stop: str  # the end kind: a key of launcher/errors.py END_KINDS (finished, budget, signal, diverged, ...)
+    stop: str  # the end kind: a key of launcher/ends.py END_KINDS (finished, budget, signal, diverged, ...)
     exit_code: int
     message: str
     checkpoint: Path | None  # the last complete checkpoint: the trained weights

@@ -48,7 +48,8 @@ from zerotrain.launcher.components.launching.restarts import (DEFAULT_BACKOFF_S,
                                                               misplaced_restart_flag, take_restart_flags)
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.config import resolve_config
-from zerotrain.launcher.errors import EXIT_SIGNAL, UsageError, ZerotrainError, final_exit_codes
+from zerotrain.launcher.ends import EXIT_SIGNAL, final_exit_codes
+from zerotrain.launcher.errors import UsageError, ZerotrainError
 from zerotrain.launcher.profiles import detect_profile, load_profile
 from zerotrain.launcher.run_plan import identify
 from zerotrain.launcher.settings import profile_value

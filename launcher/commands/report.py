@@ -21,7 +21,8 @@ from pathlib import Path
 
 from zerotrain.cli_args import Parser
 from zerotrain.launcher.components.checkpoints import checkpoint
-from zerotrain.launcher.errors import END_KINDS, UsageError, status_of
+from zerotrain.launcher.ends import END_KINDS, status_of
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.components.observe.health import label, standing
 from zerotrain.launcher.components.manifest import read_manifest
 from zerotrain.launcher.components.observe.metrics import read_metrics
@@ -90,7 +91,7 @@ def run_status(run: Run) -> str:
         reason = stops[-1].get("reason") if stops else None
     if reason is None:
         return "unknown (no launch recorded)"
-    return status_of(reason)  # the words of launcher/errors.py's END_KINDS
+    return status_of(reason)  # the words of launcher/ends.py's END_KINDS
 
 
 def summarize(run: Run) -> dict:

@@ -2,7 +2,7 @@
 
 Starts the same way under `deepspeed`, `torchrun`, `accelerate launch` and plain `python`
 (one process: it sets up the single-rank environment itself). Bad input is refused before
-anything is built or written (exit status 2, one line). Exit codes: launcher/errors.py and
+anything is built or written (exit status 2, one line). Exit codes: launcher/ends.py and
 README.md ("Long runs"). See README.md for the flags, or `--help`.
 """
 from __future__ import annotations
@@ -13,7 +13,9 @@ import sys
 
 from zerotrain.launcher.components.launching.launcher_watch import leave_if_launcher_gone, watch_launcher
 from zerotrain.launcher.config import resolve_config
-from zerotrain.launcher.errors import EXIT_USAGE, UsageError, fail, report_rank_end
+from zerotrain.launcher.ends import EXIT_USAGE
+from zerotrain.launcher.errors import UsageError, fail
+from zerotrain.launcher.rank_ends import report_rank_end
 from zerotrain.launcher.trainer import QuietExit, report_exit, run
 
 

@@ -14,14 +14,13 @@ What is not here: the start-up lines about the engine (the Trainer says them), t
 Settings the spec carries through untouched are DeepSpeed's own: optimizer and parameter offload
 (`zero_optimization.offload_optimizer` / `offload_param` in ds_config), a model-parallel unit (`mpu`)
 handed to both `zero.Init` and `deepspeed.initialize`. `sequence_parallel` N > 1 (Ulysses) makes that unit
-DeepSpeed's sequence-parallel one (ds_compat.sequence_parallel_mpu) and gives the model its shard
-(modeling/model.py SequenceShard, with DeepSpeed's all-to-all); ds_config's batch is then counted over
+DeepSpeed's sequence-parallel one and gives the model its shard (launcher/sequence/groups.py sequence_shard:
+modeling/model.py SequenceShard, with DeepSpeed's all-to-all); ds_config's batch is then counted over
 world/N ranks. `tiled_mlp` gives every MLP DeepSpeed's TiledMLP (ds_compat.tiled_mlp).
 deepspeed is imported inside the functions (heavy, and its import logs a line).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,9 +31,10 @@ from zerotrain.launcher.components import determinism, ds_compat
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.schedule import make_scheduler
 from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
+from zerotrain.launcher.sequence.groups import sequence_shard, with_gradient_factor
 from zerotrain.launcher.settings import COMM_TIMEOUT_S
 from zerotrain.modeling.hf import load_weights
-from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, check_sequence_parallel, held_numel
+from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, held_numel
 
 
 @dataclass(frozen=True)
@@ -101,32 +101,8 @@ def sequence_parallel(spec: EngineSpec) -> tuple[Any, SequenceShard | None]:
         return spec.mpu, None
     if spec.mpu is not None:
         raise ValueError("EngineSpec: sequence_parallel > 1 brings its own mpu; give one or the other")
-    check_sequence_parallel(spec.model_args, spec.sequence_parallel)
-    mpu = ds_compat.sequence_parallel_mpu(spec.sequence_parallel)
-    exchange = ds_compat.sequence_all_to_all(mpu.get_sequence_parallel_group())
-    if spec.exchange_phase is not None and not spec.compile:
-        exchange = functools.partial(_MeasuredExchange.apply, around=spec.exchange_phase, exchange=exchange)
-    return mpu, SequenceShard(spec.sequence_parallel, mpu.get_sequence_parallel_rank(), exchange)
-
-
-class _MeasuredExchange(torch.autograd.Function):
-    """`exchange(x)` inside `around()` (the health check's and the watchdog's phase "all_to_all"), in forward
-    and in backward. A dimension-0 all-to-all is its own adjoint (DeepSpeed's backward of it is the same op on
-    the gradient: deepspeed/sequence/layer.py _dim_zero_all_to_all_backward), so backward calls `exchange` on
-    the gradient. Both run without grad (an autograd.Function's passes do), so nothing is recorded twice. The
-    phase is the host's wall time in the call: the exchange itself on a CPU (gloo returns when it is done);
-    on a GPU the time to queue it (not measured)."""
-
-    @staticmethod
-    def forward(ctx, x, exchange, around):
-        ctx.exchange, ctx.around = exchange, around
-        with around():
-            return exchange(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        with ctx.around():
-            return ctx.exchange(grad), None, None
+    return sequence_shard(spec.sequence_parallel, spec.model_args,
+                          spec.exchange_phase if not spec.compile else None)
 
 
 def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
@@ -176,8 +152,7 @@ def build_engine(spec: EngineSpec) -> Built:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
                                            config=ds_config, lr_scheduler=scheduler, mpu=mpu)
     if shard is not None:  # known only now: which reduction DeepSpeed built
-        model.sequence_parallel = shard._replace(
-            gradient_factor=ds_compat.sequence_parallel_gradient_factor(engine, shard.size))
+        model.sequence_parallel = with_gradient_factor(shard, engine)
     if spec.run is not None:
         check_engine(spec.run, engine, model, ds_compat.muon_optimizer_class)
     if spec.compile:

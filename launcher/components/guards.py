@@ -19,7 +19,8 @@ import threading
 import time
 from collections import deque
 
-from zerotrain.launcher.errors import EXIT_SIGNAL_HARD, UsageError
+from zerotrain.launcher.ends import EXIT_SIGNAL_HARD
+from zerotrain.launcher.errors import UsageError
 
 
 # -- signals --------------------------------------------------------------------------------

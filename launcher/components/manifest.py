@@ -6,7 +6,7 @@ source tree is a git checkout), hosts, world size, start time. `segments` holds 
 launch, the first included: time, hosts, world size, the checkpoint it resumed from, versions
 and commit (an upgrade between resumes shows), any ZEROTRAIN_TEST_* test hooks it ran with
 (`test_hooks`), and, once `record_end` ran, when and how it ended:
-`ended`, `end_step`, `end_reason` (the end kind of launcher/errors.py's END_KINDS: the key keeps its
+`ended`, `end_step`, `end_reason` (the end kind of launcher/ends.py's END_KINDS: the key keeps its
 first name, so manifests of every version read alike), `end_exit_code` and `end_message` (older
 manifests may lack these two: readers take the code from the table). A segment without `ended` was
 killed (kill -9, node loss) or crashed before it could say so. `restarts` (written by `zerotrain launch
@@ -29,7 +29,8 @@ from pathlib import Path
 
 from zerotrain import durable, resource_dir
 from zerotrain.launcher.components.observe.metrics import read_metrics
-from zerotrain.launcher.errors import StopRun, end_kind
+from zerotrain.launcher.ends import end_kind
+from zerotrain.launcher.errors import StopRun
 
 MANIFEST = "manifest.json"
 FORMAT = 1

@@ -1,7 +1,7 @@
 """A rank out of memory: CUDA's `torch.OutOfMemoryError`, or the host's `MemoryError` (an allocation Python or torch
 could not get; a rank the kernel's OOM killer SIGKILLs cannot say anything and ends as a lost rank, a "crash").
 
-The run ends as END_KINDS' "oom" (launcher/errors.py): its own exit code, never restarted by `zerotrain launch
+The run ends as END_KINDS' "oom" (launcher/ends.py): its own exit code, never restarted by `zerotrain launch
 --max-restarts` or the sbatch requeue, since the same run would run out of memory at the same place again. One line
 names the step, the planner's peak for this configuration (launcher/planning `planned_here`, what the fit check
 compared), the peak measured on this rank, and what to change. docs/troubleshooting.md says the rest.

@@ -18,7 +18,8 @@ from zerotrain import durable
 from zerotrain.dataio.loader import Batches
 from zerotrain.dataio.reshard import reshard_loader_states
 from zerotrain.launcher.components import ds_compat
-from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer, universal
+from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer
+from zerotrain.launcher.resize import universal
 from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.observe.metrics import MetricsLogger

@@ -39,7 +39,7 @@ CASES = {  # world -> (ZeRO stage, attention, kv heads, loss reduction, activati
         (3, "sdpa", 2, "mean", True, "fp32"),  # the recomputed blocks exchange again in backward
         (3, "varlen", 2, "mean", False, "fp32"), (2, "varlen", 1, "mean", False, "fp32"),  # reference_flash.py
         (3, "sdpa", 2, "mean", False, "bf16"), (2, "flex", 1, "mean", False, "bf16")],
-    # two row groups: ZeRO-3 divides the all-rank gradient sum by the world, ZeRO-2 by world/N (ds_compat.py
+    # two row groups: ZeRO-3 divides the all-rank gradient sum by the world, ZeRO-2 by world/N (ds_compat/sequence.py
     # sequence_parallel_gradient_factor); 4 ranks on 2 cores are slow, so the cases that tell the divisors apart
     4: [(3, "sdpa", 2, "mean", False, "fp32"), (2, "flex", 1, "mean", False, "fp32"),
         (3, "flex", 1, "sum", False, "fp32")],

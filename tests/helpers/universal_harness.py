@@ -33,7 +33,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 
-from zerotrain.launcher.components.checkpoints import universal  # noqa: E402
+from zerotrain.launcher.resize import universal  # noqa: E402
 from zerotrain.launcher.components.engine import EngineSpec, build_engine  # noqa: E402
 from zerotrain.launcher.components.process_group import init_process_group  # noqa: E402
 from zerotrain.launcher.errors import UsageError  # noqa: E402

@@ -9,7 +9,7 @@ Run it with exactly the flags, the launcher and the world size of the intended r
 run, reduced in steps. Every rank runs every check; each check's verdict is agreed by all ranks
 (one all-gather), rank 0 prints it as PASS/FAIL/SKIP with its time and writes
 RUN_DIR/preflight/<stage>.json (RUN_DIR: the directory the real run will use). Any FAIL exits with the
-"preflight-failed" code of launcher/errors.py's END_KINDS and says what to fix. The training it does
+"preflight-failed" code of launcher/ends.py's END_KINDS and says what to fix. The training it does
 runs in scratch run directories, RUN_DIR/preflight/scratch/<name>/ (wiped before use, checkpoints
 deleted after), built with the driver's own pieces (`plan_run`, `Trainer`) from the run's RunConfig
 with only run-kind fields changed (steps, out, run id, resume; no mirror, no sinks, no budgets):

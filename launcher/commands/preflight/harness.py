@@ -4,7 +4,7 @@ rank agrees on for each check, and what is printed and written. The stages thems
 
 Every rank runs every check; each check's verdict is agreed by all ranks (one all-gather), rank 0
 prints it as PASS/FAIL/SKIP with its time and writes RUN_DIR/preflight/<stage>.json. Any FAIL exits
-with the "preflight-failed" code (launcher/errors.py) and says what to fix. The training it does runs in
+with the "preflight-failed" code (launcher/ends.py) and says what to fix. The training it does runs in
 scratch run directories, RUN_DIR/preflight/scratch/<name>/ (wiped before use, checkpoints deleted
 after), built with the driver's own pieces (`plan_run`, `Trainer`) from the run's RunConfig with only
 run-kind fields changed (steps, out, run id, resume; no mirror, no sinks, no budgets): nothing of the
@@ -36,10 +36,11 @@ from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.components.process_group import init_process_group, rendezvous_store
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import resolve_config
-from zerotrain.launcher.errors import EXIT_PREFLIGHT_FAILED, EXIT_USAGE, UsageError, ZerotrainError, fail
+from zerotrain.launcher.ends import EXIT_PREFLIGHT_FAILED, EXIT_USAGE
+from zerotrain.launcher.errors import UsageError, ZerotrainError, fail
 from zerotrain.launcher.hparams import size_in_tokens
 from zerotrain.launcher.profiles import resolve_ds_config
-from zerotrain.launcher.resolution import check_sequence_parallel_plan
+from zerotrain.launcher.sequence.checks import check_sequence_parallel_plan
 from zerotrain.launcher.run_plan import identify, load_eval_tasks, plan_run, single_process_env
 from zerotrain.launcher.trainer import Trainer, report_exit
 

@@ -27,12 +27,12 @@ from zerotrain.dataio.streamed import open_streamed, record_text
 from zerotrain.dataio.tokenizer import load_tokenizer
 from zerotrain.launcher.commands.preflight.measure import all_to_all_seconds, master_tensors, state_digests
 from zerotrain.launcher import planning
-from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import precision, resolve_ds_config
-from zerotrain.launcher.resolution import check_sequence_parallel_plan
+from zerotrain.launcher.sequence.checks import check_sequence_parallel_plan
+from zerotrain.launcher.sequence.groups import sequence_groups
 
 
 class Stability:
@@ -117,18 +117,17 @@ class Stability:
             {"allreduce_16mib_s": round(dt, 4), "bus_gb_s": bus and round(bus / 1e9, 3)}
 
     def c_sequence_parallel(self):
-        """--sequence-parallel N: the run's own checks (launcher/run_plan.py), then one layer's forward all-to-all
-        (q, k, v and the kernel's output at the run's shapes and dtype) timed over DeepSpeed's sequence-parallel
-        group, next to the planner's figure for the profile's link (planning.all_to_all_bytes, sequence_link)."""
+        """--sequence-parallel N: the run's own checks (launcher/sequence/checks.py), then one layer's forward
+        all-to-all (q, k, v and the kernel's output at the run's shapes and dtype) timed over DeepSpeed's
+        sequence-parallel group, next to the planner's figure for the profile's link (planning.all_to_all_bytes, sequence_link)."""
         pf, sp, cfg, args = self.pf, self.pf.settings.sequence_parallel, self.pf.cfg, self.pf.model_args
         check_sequence_parallel_plan(cfg, pf.settings, args, pf.world)  # UsageError: this check's FAIL, one line
         torch, dist = pf.torch, pf.dist
         ds = resolve_ds_config(pf.profile, cfg, pf.world // sp, f"profile {pf.profile_name}")
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision(ds)]
         micro = ds["train_micro_batch_size_per_gpu"]
-        mpu = ds_compat.sequence_parallel_mpu(sp)  # the groups the engine builder uses (made once per process)
+        mpu, exchange = sequence_groups(sp)  # the groups the engine builder uses (made once per process)
         group = mpu.get_sequence_parallel_group()
-        exchange = ds_compat.sequence_all_to_all(group)
         kv = max(args.n_kv_heads, sp)  # fewer kv heads than N are repeated before the exchange
         shapes = [(sp, micro, cfg.seq_len // sp, heads // sp, args.head_dim) for heads in (args.n_heads, kv, kv,
                                                                                            args.n_heads)]

@@ -19,7 +19,7 @@ from pathlib import Path
 from zerotrain.dataio.loader import Batches
 from zerotrain.launcher.commands.preflight.measure import (DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, disk_throughput,
                                                            peak_rss, rate, slowed)
-from zerotrain.launcher.components import offload
+from zerotrain.launcher.offload import ops as offload
 from zerotrain.launcher.planning import device_memory_here, fit_check
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import resolve_ds_config

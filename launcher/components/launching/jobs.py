@@ -26,7 +26,9 @@ from pathlib import Path
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
 from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
-from zerotrain.launcher.errors import END_KINDS, RANK_ENDS, UsageError
+from zerotrain.launcher.ends import END_KINDS
+from zerotrain.launcher.errors import UsageError
+from zerotrain.launcher.rank_ends import RANK_ENDS
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
 # launch -m`): that form works the same for a checkout and for a wheel in site-packages, and never
@@ -120,7 +122,7 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zerotrain-exit-") as tmp:
         exit_file = Path(tmp) / "exit_code"
-        ends = Path(tmp) / "rank_ends"  # each local rank's own exit code (errors.report_rank_end), for the watch
+        ends = Path(tmp) / "rank_ends"  # each local rank's own exit code (rank_ends.report_rank_end), for the watch
         ends.mkdir()
         pipe = subprocess.PIPE if relay is not None else None
         # the ranks watch us (launcher_watch.py): a kill -9 of this process ends the job within seconds

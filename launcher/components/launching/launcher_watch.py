@@ -23,7 +23,8 @@ import sys
 import threading
 
 from zerotrain.launcher.components.launching.restarts import stat_fields
-from zerotrain.launcher.errors import EXIT_SIGNAL_HARD, RANK_ENDS
+from zerotrain.launcher.ends import EXIT_SIGNAL_HARD
+from zerotrain.launcher.rank_ends import RANK_ENDS
 
 LAUNCHER = "ZEROTRAIN_LAUNCHER"
 INTERVAL_S = 1.0

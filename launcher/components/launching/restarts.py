@@ -6,7 +6,7 @@
 - `Restarts`: the policy (`--max-restarts`, `--restart-backoff`), read from launch's own flags;
 - `JobEnd`: how one launch ended: the code (rank 0's own, from ZEROTRAIN_EXIT_FILE, else the runner's), whether
   we were told to stop (SIGTERM/SIGINT to `zerotrain launch`: never restarted), and the first rank that exited;
-  `restartable` is END_KINDS' (launcher/errors.py): hung and crash, a lost rank included: DeepSpeed's
+  `restartable` is END_KINDS' (launcher/ends.py): hung and crash, a lost rank included: DeepSpeed's
   launch.py exits with a killed rank's negative return code, 256 - signal (247 for SIGKILL), a code no kind
   has, so a "crash";
 - `RankWatch`: a thread that follows the local rank processes (/proc: the runner's descendants with RANK in
@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerotrain.launcher.errors import END_KINDS, UsageError, kind_of_exit
+from zerotrain.launcher.ends import END_KINDS, kind_of_exit
+from zerotrain.launcher.errors import UsageError
 
 DEFAULT_BACKOFF_S = 10.0
 STOPPED_GRACE_S = 2.0  # after a rank ended, before stopped ranks are killed: launch.py (polling each 1 s) has
@@ -213,7 +214,7 @@ class RankWatch(threading.Thread):
         # every `interval_s` the known ranks' /proc/PID/stat (a few reads); every `discover_s` the whole of
         # /proc for ranks not seen yet (a read per process of the node)
         self.root, self.interval_s, self.discover_s = root, interval_s, discover_s
-        # where each rank leaves its exit code as it leaves (errors.report_rank_end): for a rank its launcher
+        # where each rank leaves its exit code as it leaves (rank_ends.report_rank_end): for a rank its launcher
         # reaped before its status was read, that code; none there, it was killed or crashed (a failure)
         self.ends = ends
         self._discovered_at = float("-inf")

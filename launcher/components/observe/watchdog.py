@@ -45,7 +45,9 @@ from pathlib import Path
 from zerotrain import durable, torch_private
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.observe.phases import PHASES
-from zerotrain.launcher.errors import EXIT_HUNG, StopRun, report_exit
+from zerotrain.launcher.ends import EXIT_HUNG
+from zerotrain.launcher.errors import StopRun
+from zerotrain.launcher.rank_ends import report_exit
 
 HANGS = "hangs"
 DEFAULT_FLOOR_S = 600.0  # the default timeout is never shorter than this

@@ -1,6 +1,7 @@
 """ZeRO-Offload before anything is built: the DeepSpeed ops a run will JIT-build (and how long that takes here),
 libaio for NVMe, and room in --nvme-path. What --offload writes into the DeepSpeed dict is
-launcher/profiles.py's `apply_offload`; the host memory and traffic it costs, launcher/planning's.
+launcher/offload/keys.py's `apply_offload`; the host memory and traffic it costs, launcher/planning/host.py's.
+`check_offload_here` (moved from launcher/run_plan.py) runs these checks for a run before anything is built.
 
 DeepSpeed builds its C++ ops on first use (torch.utils.cpp_extension, cached per user in
 ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR): DeepSpeedCPUAdam for an offloaded optimizer, the async
@@ -16,8 +17,10 @@ import shutil
 import time
 from pathlib import Path
 
+from zerotrain.launcher.config import check_nvme_dir
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import precision
+from zerotrain.modeling.sizes import count_params
 
 # op name (the extension's name) -> (what it is for, measured build seconds on this 2-core machine)
 OPS = {"cpu_adam": ("DeepSpeedCPUAdam, the offloaded optimizer's step", 45),
@@ -172,3 +175,15 @@ def check_resume(ds: dict, tag_dir: Path) -> None:
     if here and not saved:
         raise UsageError(f"checkpoint {tag_dir}: its optimizer state was saved from memory, and DeepSpeed loads an"
                          " optimizer on NVMe only from a checkpoint saved with it there: resume without --nvme-path")
+
+
+def check_offload_here(ds_config: dict, model_args, world: int, dry_run: bool) -> None:
+    """NVMe offload: its directory (a profile's too) takes files and has room for this node's share, and the
+    async I/O op can be built (libaio); a dry run checks libaio and the directory, not the room."""
+    for path in nvme_paths(ds_config):
+        check_nvme_dir(path, "--nvme-path")
+        check_libaio(ds_config, f"--nvme-path {path}")
+        if not dry_run:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            need = nvme_bytes(count_params(model_args)["total"], ds_config, local, world)
+            check_nvme_space(path, need, "--nvme-path")
