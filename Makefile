@@ -25,10 +25,11 @@ demo: install
 
 # Two pytest-xdist workers: a launch's start-up and its ranks' waits leave about half of 2 cores idle in a serial
 # run. --dist loadfile keeps each file (and its module-scoped runs, shared by its tests) on one worker;
-# tests/conftest.py keeps the two workers' launches apart (rendezvous port, op builds). TEST_WORKERS=0: serial.
+# tests/conftest.py keeps the two workers' launches apart (rendezvous port, op builds) and orders the files longest
+# first (--no-loadscope-reorder keeps that order: xdist would sort them by test count). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # For edit loops: every test that starts no process (no ranks, no python subprocess, no kernel); the tests
 # marked `launches` are left out (tests/conftest.py fails a test that launches without the marker).

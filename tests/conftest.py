@@ -164,6 +164,23 @@ PREBUILD_MIN_TESTS = 100  # a session this large runs long enough to gain from b
 _prebuild: list[subprocess.Popen] = []
 
 
+# The files that take longest, longest first (per-file seconds of a fresh-clone `make test`, 2026-11-27): under
+# `--dist loadfile` a worker takes the next file when it runs dry, so a long file taken last leaves the other worker
+# idle until it ends; longest-first keeps the two busy to the end. An ordering hint only (a file not listed runs
+# after these, in collection order; a stale entry costs time, never a result).
+LONGEST_FIRST = ("test_offload_runs", "test_sequence_parallel", "test_restarts", "test_preflight", "test_eval_tasks",
+                 "test_optimizers", "test_launch_surfaces", "test_long_runs", "test_universal", "test_attention",
+                 "test_planner", "test_data_sft", "test_recipes", "test_benchmarks", "test_gpu_speed", "test_health",
+                 "test_watchdog", "test_checkpointer", "test_workstation_recipes", "test_evaluate",
+                 "test_sequence_parallel_surfaces", "test_observability")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files in LONGEST_FIRST's order, each file's tests in their own (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 def pytest_collection_finish(session):
     """The ops CPU launches load, built before the first test where any test of the session launches (the GPU
     tier, `make test-gpu`, has no CPU launch)."""
