@@ -67,3 +67,14 @@ def test_the_preflight_oom_loader_raises_on_its_second_batch_on_that_rank_and_mi
     assert planted.next() == "batch"
     with pytest.raises(torch.OutOfMemoryError):
         planted.next()
+
+
+def test_the_production_run_gets_the_plain_pieces_and_a_hook_its_stand_in(tmp_path):
+    """No ZEROTRAIN_TEST_* variable: the run's clock is a plain PhaseClock (no test branch in the production
+    step); a hang or a rank death planted: the FaultyClock that plants it."""
+    from zerotrain.launcher.components import faults
+    from zerotrain.launcher.components.observe.phases import PhaseClock
+
+    assert type(faults.clock(TestHooks.from_env({}), 0, tmp_path, lambda: 1)) is PhaseClock
+    for env in ({"ZEROTRAIN_TEST_HANG": "1:save:3"}, {"ZEROTRAIN_TEST_DIE_AFTER_END": "1"}):
+        assert isinstance(faults.clock(TestHooks.from_env(env), 0, tmp_path, lambda: 1), faults.FaultyClock)

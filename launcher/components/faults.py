@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 def clock(hooks: TestHooks, rank: int, run_dir: Path, step_of: Callable[[], int]) -> PhaseClock:
     """The run's phase clock: FaultyClock with ZEROTRAIN_TEST_HANG or ZEROTRAIN_TEST_DIE_AFTER_END (`step_of`: the
     step just trained), else a plain one."""
-    if hooks.hang is None and hooks.die_after_end is None:
+    if not hooks.hang and hooks.die_after_end is None:
         return PhaseClock()
     return FaultyClock(hooks, rank, run_dir, step_of)
 
