@@ -201,7 +201,7 @@ class Stability:
             {"loss": r["loss"], "seconds": r["step_s"]}
 
     def c_write(self):
-        t0, tag = time.time(), self.a.last_saved
+        t0, tag = time.time(), self.a.state.last_saved
         if tag is None:
             return False, "no checkpoint was written after the step", {}
         problem, files = self.pf.from_main(lambda: (checkpoint.verify(tag) if (tag / checkpoint.MARKER).is_file() else
@@ -221,7 +221,7 @@ class Stability:
         """A fresh engine resumed from the checkpoint holds what the first one wrote, tensor by tensor."""
         a = self.a
         written, loader_state, counters, tag = state_digests(a.engine), a.loader.state_dict(), \
-            (a.step, a.tokens_seen), a.last_saved
+            (a.state.step, a.state.tokens_seen), a.state.last_saved
         self.pf.release(a)  # never two engines at once: the real model may fill the device
         self.a = None
         found = checkpoint.find_resume(tag.parent, None, say=lambda *_: None)  # the resume path: files verified
@@ -239,8 +239,8 @@ class Stability:
         problems += [f"{k} differs (sum {written[k][1]:.9g} written, {read[k][1]:.9g} read)" for k in differ[:3]]
         if len(differ) > 3:
             problems.append(f"and {len(differ) - 3} more tensor(s)")
-        if (b.step, b.tokens_seen) != counters:
-            problems.append(f"step/tokens {b.step}/{b.tokens_seen} read, {counters[0]}/{counters[1]} written")
+        if (b.state.step, b.state.tokens_seen) != counters:
+            problems.append(f"step/tokens {b.state.step}/{b.state.tokens_seen} read, {counters[0]}/{counters[1]} written")
         if json.dumps(b.loader.state_dict(), sort_keys=True) != json.dumps(loader_state, sort_keys=True):
             problems.append("the data loader's state differs")
         optimizer = sum("fp32 master" in k for k in written)
@@ -265,7 +265,7 @@ class Stability:
                     " rank" if ok else f"val_loss per rank {losses}"), {"val_loss": val["val_loss"]}
 
     def c_resume(self):
-        start = self.b.step
+        start = self.b.state.step
         result = self.b.train()
         records, events = self.pf.records("v1")
         last = records[-1] if records else {}
