@@ -32,9 +32,10 @@ test: install
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # For edit loops: every test that starts no process (no ranks, no python subprocess, no kernel); the tests
-# marked `launches` are left out (tests/conftest.py fails a test that launches without the marker).
+# marked `launches` are left out (tests/conftest.py fails a test that launches without the marker). On the same
+# workers as `make test` (TEST_WORKERS=0: serial).
 test-fast: install
-	$(BIN)/python -m pytest -m "not launches"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not launches"
 
 # On a CUDA host: what torch and DeepSpeed do on the GPU (tests/test_gpu_cuda.py); each test says why it is
 # skipped where no GPU (or a second one) is visible.
