@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
     from zerotrain.launcher.components import participants
     from zerotrain.launcher.components.participants.health import HealthWatch
     from zerotrain.launcher.components.observe.metrics import StepLogger
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.profiles import load_profile
 
     _, prof = load_profile("cpu")

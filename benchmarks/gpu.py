@@ -42,7 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -231,9 +231,9 @@ def tokenizer_for(vocab_size: int, out: Path) -> str:
 
 def grid_configs(a, name: str, profile: dict, out: Path):
     """--model: (row, profile, driver values) for each ZeRO stage x attention kernel, on the profile's settings."""
-    from zerotrain.launcher.config import RunConfig
+    from zerotrain.launcher.config import SETTINGS
 
-    has_attention = "attention" in {f.name for f in fields(RunConfig)}  # a driver older than --attention has none
+    has_attention = "attention" in SETTINGS  # a driver older than --attention has none
     backends = a.attention.split(",") if has_attention else ["(the driver's default)"]
     tokenizer = tokenizer_for(a.vocab_size, out)
     for stage in (int(s) for s in a.stages.split(",")):
@@ -282,7 +282,7 @@ def plan_micro(values: dict, device_bytes: float, nproc: int = 1) -> dict:
     the recipe's, lowered to `fit`, the most the planner fits in FIT_FRACTION of the device), its attention
     kernel and the planner's memory for that micro-batch; or {"result": why not} for a refusal or no fit."""
     from zerotrain.launcher import planning as planner
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.errors import UsageError
     from zerotrain.launcher.run_plan import plan_run
 
@@ -294,7 +294,7 @@ def plan_micro(values: dict, device_bytes: float, nproc: int = 1) -> dict:
     setup = planner.setup_from(plan.ds_config, plan.settings.values, world=nproc, nodes=1, device_bytes=device_bytes,
                                args=plan.model_args, attention=plan.attention)
     ac = bool(plan.settings.activation_checkpointing)
-    seq_len = plan.cfg.seq_len
+    seq_len = plan.cfg.data.seq_len
     fit = planner.max_micro_batch(plan.model_args, replace(setup, device_bytes=FIT_FRACTION * device_bytes),
                                   stage, seq_len, ac)
     micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit)

@@ -222,7 +222,7 @@ def interleaved(programs: list[str], rounds: int) -> list[tuple[int, str]]:
 
 class Bench:
     def __init__(self, a, work: Path, device: str, device_bytes: float | None):
-        from zerotrain.launcher.config import build_parser, config_from
+        from zerotrain.launcher.config_resolve import build_parser, config_from
         from zerotrain.launcher.run_plan import plan_run
 
         self.a, self.work, self.device, self.device_bytes = a, work, device, device_bytes

@@ -277,7 +277,7 @@ def bench_planner_rss():
                 raise RuntimeError(f"planner_rss {run_id}: exit {r.returncode}: {r.stderr[-1500:]}")
             lines = (root / "runs" / run_id / "metrics.jsonl").read_text().splitlines()
             measured = max(rec["peak_rss_gib"] for rec in map(json.loads, lines) if "peak_rss_gib" in rec)
-            cfg = RunConfig(data="-", profile=profile, model=model, seq_len=256, micro_batch=2)
+            cfg = RunConfig.from_flat(dict(data="-", profile=profile, model=model, seq_len=256, micro_batch=2))
             args, _, _ = model_spec.resolve(cfg, 258)
             prof = load_profile(profile)[1]
             setup = planner.setup_from(prof, resolve_settings(None, profile, prof).values, world=2, nodes=1, device_bytes=float("inf"))

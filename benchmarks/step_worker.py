@@ -236,7 +236,7 @@ def loop(a, model, setup: dict, rank: int, forward) -> None:
 
 
 def run_zt(a, setup: dict) -> None:
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.run_plan import plan_run, single_process_env
     from zerotrain.launcher.trainer import Trainer
 

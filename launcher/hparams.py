@@ -3,7 +3,7 @@ came from.
 
     resolve_hparams(cfg, profile_name=None, profile=None) -> RunConfig
         lr, min_lr, warmup_steps, max_steps, schedule, decay_fraction made concrete against the profile (loaded
-        from cfg.profile when not given) and the model; cfg.sources names where each came from.
+        from cfg.parallel.profile when not given) and the model; cfg.sources names where each came from.
         Idempotent: a resolved config comes back as it is.
     describe_hparams(cfg) -> str        the start-up (and --dry-run) line: each value and its source
     size_in_tokens(cfg, tokens_per_step, resumed, started) -> RunConfig
@@ -50,10 +50,10 @@ had; the CPU profiles' lr is 3e-3, the value every CPU run without --lr has trai
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from zerotrain.launcher import model_spec, optimizers
+from zerotrain.launcher.config import LEAVES, value, with_values
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.modeling.sizes import ModelArgs, count_params, default_lr
@@ -71,8 +71,8 @@ SHOWN = ("lr", "min_lr", "warmup_steps", "max_steps", "schedule", "decay_fractio
 
 
 def is_resolved(cfg) -> bool:
-    return (cfg.lr is not None and cfg.min_lr is not None and cfg.warmup_steps is not None
-            and (cfg.schedule != "wsd" or cfg.decay_fraction is not None))
+    return (cfg.schedule.lr is not None and cfg.schedule.min_lr is not None and cfg.schedule.warmup_steps is not None
+            and (cfg.schedule.shape != "wsd" or cfg.schedule.decay_fraction is not None))
 
 
 def given(cfg, name: str) -> str | None:
@@ -81,17 +81,17 @@ def given(cfg, name: str) -> str | None:
     default counts as given."""
     if cfg.sources and name in cfg.sources:
         return cfg.sources[name] if cfg.sources[name] in ("flag", "recipe", "given") else None
-    default = type(cfg).__dataclass_fields__[name].default
-    return "given" if getattr(cfg, name) is not None and getattr(cfg, name) != default else None
+    v = value(cfg, name)
+    return "given" if v is not None and v != LEAVES[name].default else None
 
 
 def resolve_hparams(cfg, profile_name: str | None = None, profile: dict | None = None):
     """The config with every schedule hyper-parameter concrete (see the module docstring); UsageError for a
     profile scheduler section that cannot be honoured or values that do not fit together."""
     if profile is None:
-        if cfg.profile == "auto":
+        if cfg.parallel.profile == "auto":
             raise RuntimeError("resolve_hparams: --profile auto is resolved on the rank, after detection (plan_run)")
-        profile_name, profile = load_profile(cfg.profile)
+        profile_name, profile = load_profile(cfg.parallel.profile)
     where = f"profile {profile_name}"
     sources = dict(cfg.sources or {})
     if is_resolved(cfg) and all(n in sources for n in ("lr", "min_lr", "warmup_steps", "max_steps", "schedule")):
@@ -105,7 +105,7 @@ def resolve_hparams(cfg, profile_name: str | None = None, profile: dict | None =
 
     lr, lr_source = _lr(cfg, where, profile)
     values["lr"], sources["lr"] = lr, sources.get("lr") or lr_source
-    if cfg.min_lr is None:
+    if cfg.schedule.min_lr is None:
         if "min_ratio" in sched:
             values["min_lr"], sources["min_lr"] = _round(lr * sched["min_ratio"]), f"{where}: scheduler cos_min_ratio x lr"
         elif given(cfg, "lr") and lr >= LEGACY_MIN_LR:
@@ -113,31 +113,31 @@ def resolve_hparams(cfg, profile_name: str | None = None, profile: dict | None =
         else:
             values["min_lr"], sources["min_lr"] = _round(lr / 10), "lr / 10"
     if given(cfg, "max_steps"):
-        if sched.get("max_steps", cfg.max_steps) != cfg.max_steps:
+        if sched.get("max_steps", cfg.schedule.max_steps) != cfg.schedule.max_steps:
             sources["max_steps"] += f"; {where}'s scheduler total_num_steps {sched['max_steps']} not used"
-    elif cfg.total_tokens is not None:  # provisional until the tokens per step are known (size_in_tokens)
+    elif cfg.schedule.total_tokens is not None:  # provisional until the tokens per step are known (size_in_tokens)
         sources["max_steps"] = RULE_MAX_STEPS + (f"; {where}'s scheduler total_num_steps {sched['max_steps']} not"
                                                  " used" if "max_steps" in sched else "")
     elif "max_steps" in sched:
         values["max_steps"], sources["max_steps"] = sched["max_steps"], f"{where}: scheduler total_num_steps"
     else:
         sources["max_steps"] = "default"
-    if cfg.warmup_steps is None:
-        if cfg.warmup_tokens is not None:  # provisional until the tokens per step are known (size_in_tokens)
-            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.max_steps)), \
+    if cfg.schedule.warmup_steps is None:
+        if cfg.schedule.warmup_tokens is not None:  # provisional until the tokens per step are known (size_in_tokens)
+            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.schedule.max_steps)), \
                 RULE_WARMUP_TOKENS
         elif "warmup_steps" in sched:
             values["warmup_steps"], sources["warmup_steps"] = sched["warmup_steps"], f"{where}: scheduler warmup_num_steps"
         else:
-            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.max_steps)), \
+            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.schedule.max_steps)), \
                 RULE_WARMUP
-    schedule = cfg.schedule or "cosine"
+    schedule = cfg.schedule.shape or "cosine"
     if schedule == "cosine":
         values["schedule"] = None  # the default, spelled out or not: the same run id
         sources["schedule"] = sources.get("schedule") or "default"
-    if schedule == "wsd" and cfg.decay_fraction is None:
+    if schedule == "wsd" and cfg.schedule.decay_fraction is None:
         values["decay_fraction"], sources["decay_fraction"] = DEFAULTS["decay_fraction"], "default"
-    out = dataclasses.replace(cfg, **values, sources=sources)
+    out = with_values(cfg, values, sources=sources)
     check_schedule(out)
     return out
 
@@ -165,32 +165,32 @@ def size_in_tokens(cfg, tokens_per_step: int, resumed: tuple[int, int] | None = 
     if length_from_tokens(cfg):
         if resumed is not None:
             step, seen = resumed
-            values["max_steps"] = step + steps_for(max(0, cfg.total_tokens - seen), tokens_per_step)
-            sources["max_steps"] = (f"{RULE_MAX_STEPS}: step {step:,} + {max(0, cfg.total_tokens - seen):,} tokens"
+            values["max_steps"] = step + steps_for(max(0, cfg.schedule.total_tokens - seen), tokens_per_step)
+            sources["max_steps"] = (f"{RULE_MAX_STEPS}: step {step:,} + {max(0, cfg.schedule.total_tokens - seen):,} tokens"
                                     f" left / {tokens_per_step:,}")
         else:
-            values["max_steps"] = steps_for(cfg.total_tokens, tokens_per_step)
+            values["max_steps"] = steps_for(cfg.schedule.total_tokens, tokens_per_step)
     warmup_source = sources.get("warmup_steps", "")
     if warmup_source.startswith((RULE_WARMUP, RULE_WARMUP_TOKENS)):
         if started is not None and isinstance(started.get("warmup_steps"), int):
             values["warmup_steps"] = started["warmup_steps"]
             sources["warmup_steps"] = warmup_source.removesuffix(KEPT) + KEPT
         elif warmup_source.startswith(RULE_WARMUP_TOKENS):
-            values["warmup_steps"] = steps_for(cfg.warmup_tokens, tokens_per_step)
+            values["warmup_steps"] = steps_for(cfg.schedule.warmup_tokens, tokens_per_step)
         else:
-            values["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.max_steps))
-    return dataclasses.replace(cfg, **values, sources=sources)
+            values["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.schedule.max_steps))
+    return with_values(cfg, values, sources=sources)
 
 
 def length_from_tokens(cfg) -> bool:
     """Whether --total-tokens sets the run's length (max_steps from the rule), rather than being a budget."""
-    return cfg.total_tokens is not None and (cfg.sources or {}).get("max_steps", "").startswith(RULE_MAX_STEPS)
+    return cfg.schedule.total_tokens is not None and (cfg.sources or {}).get("max_steps", "").startswith(RULE_MAX_STEPS)
 
 
 def token_budget(cfg) -> int | None:
     """--total-tokens as a budget stop (components/guards.py Budget): only when something else sets the run's
     length. When it sets the length itself the run ends at max_steps, its last step whole."""
-    return None if length_from_tokens(cfg) else cfg.total_tokens
+    return None if length_from_tokens(cfg) else cfg.schedule.total_tokens
 
 
 def run_end(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int = 0) -> tuple[int, str]:
@@ -199,9 +199,9 @@ def run_end(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int = 0) -> t
     budget = token_budget(cfg)
     if budget is not None:
         last = step + max(0, budget - tokens_seen) // tokens_per_step
-        if last < cfg.max_steps:
+        if last < cfg.schedule.max_steps:
             return last, "total-tokens"
-    return cfg.max_steps, "max-steps"
+    return cfg.schedule.max_steps, "max-steps"
 
 
 def run_tokens(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int = 0) -> int:
@@ -216,15 +216,15 @@ def describe_length(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int =
     tokens = run_tokens(cfg, tokens_per_step, step, tokens_seen)
     per = f"{tokens_per_step:,} tokens per step"
     if length_from_tokens(cfg):
-        return (f"run length: --total-tokens {cfg.total_tokens:,} -> {end:,} steps of {per} = {tokens:,} tokens"
+        return (f"run length: --total-tokens {cfg.schedule.total_tokens:,} -> {end:,} steps of {per} = {tokens:,} tokens"
                 f" ({src}, rounded up); the schedule spans them")
     if ender == "total-tokens":
-        return (f"run length: --total-tokens {cfg.total_tokens:,} ends the run at step {end:,} ({tokens:,} tokens at"
-                f" {per}; a budget stop, exit 5), before --max-steps {cfg.max_steps:,} ({src}): the schedule spans"
-                f" {cfg.max_steps:,} steps and stops at {end / cfg.max_steps:.0%} of it")
-    line = f"run length: --max-steps {cfg.max_steps:,} ({src}) x {per} = {tokens:,} tokens"
-    if cfg.total_tokens is not None:
-        line += f"; --total-tokens {cfg.total_tokens:,} never binds (the run ends first)"
+        return (f"run length: --total-tokens {cfg.schedule.total_tokens:,} ends the run at step {end:,} ({tokens:,} tokens at"
+                f" {per}; a budget stop, exit 5), before --max-steps {cfg.schedule.max_steps:,} ({src}): the schedule spans"
+                f" {cfg.schedule.max_steps:,} steps and stops at {end / cfg.schedule.max_steps:.0%} of it")
+    line = f"run length: --max-steps {cfg.schedule.max_steps:,} ({src}) x {per} = {tokens:,} tokens"
+    if cfg.schedule.total_tokens is not None:
+        line += f"; --total-tokens {cfg.schedule.total_tokens:,} never binds (the run ends first)"
     return line
 
 
@@ -261,7 +261,7 @@ def hashed_warmup(cfg) -> int | None:
         return None
     if source.startswith(RULE_WARMUP):
         return DEFAULTS["warmup_steps"]
-    return cfg.warmup_steps
+    return cfg.schedule.warmup_steps
 
 
 def profile_schedule(profile: dict, where: str) -> dict:
@@ -305,12 +305,12 @@ def profile_schedule(profile: dict, where: str) -> dict:
 
 
 def _lr(cfg, where: str, profile: dict) -> tuple[float, str]:
-    if cfg.lr is not None:
-        return cfg.lr, "given"
-    names = optimizers.law_names(cfg.optimizer if isinstance(cfg.optimizer, str) else None)
-    law = model_spec.rule_law_lr(vars(cfg), names)
+    if cfg.schedule.lr is not None:
+        return cfg.schedule.lr, "given"
+    names = optimizers.law_names(cfg.schedule.optimizer if isinstance(cfg.schedule.optimizer, str) else None)
+    law = model_spec.rule_law_lr(vars(cfg.model), names)
     if law is not None:
-        return law, f"rule {cfg.scaling_rule}: lr law for {names[0]}"
+        return law, f"rule {cfg.model.scaling_rule}: lr law for {names[0]}"
     section = profile.get("optimizer")
     if isinstance(section, dict) and _runs_profile_optimizer(cfg, section):
         lr = (section.get("params") or {}).get("lr", "auto")
@@ -318,9 +318,9 @@ def _lr(cfg, where: str, profile: dict) -> tuple[float, str]:
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
                 raise UsageError(f"{where}: optimizer.params.lr must be a positive number or \"auto\", got {lr!r}")
             return float(lr), f"{where}: optimizer.params.lr"
-    own = optimizers.default_lr(cfg.optimizer if isinstance(cfg.optimizer, str) else None)
+    own = optimizers.default_lr(cfg.schedule.optimizer if isinstance(cfg.schedule.optimizer, str) else None)
     if own is not None:
-        return own, f"optimizer {cfg.optimizer}'s default"
+        return own, f"optimizer {cfg.schedule.optimizer}'s default"
     args, _, _ = model_spec.resolve(cfg, ModelArgs.vocab_size)  # the vocabulary does not count
     p = count_params(args)["non_embedding"]
     return float(f"{default_lr(p):.3g}"), f"per-size rule for {p / 1e6:,.1f}M non-embedding parameters"
@@ -335,9 +335,9 @@ def _round(x: float) -> float:
 def _runs_profile_optimizer(cfg, section: dict) -> bool:
     """Whether the run trains with the profile's optimizer section (launcher/optimizers.py resolve_ds_optimizer):
     the default optimizer, or adamw given by name when the profile's section is an AdamW."""
-    if cfg.optimizer is None and not cfg.optimizer_args:
+    if cfg.schedule.optimizer is None and not cfg.schedule.optimizer_args:
         return True
-    return cfg.optimizer in (None, "adamw") and str(section.get("type", "")).lower() == "adamw"
+    return cfg.schedule.optimizer in (None, "adamw") and str(section.get("type", "")).lower() == "adamw"
 
 
 def check_schedule(cfg) -> None:
@@ -345,19 +345,19 @@ def check_schedule(cfg) -> None:
     src = cfg.sources or {}
 
     def named(name):
-        return f"{flag(name)} {getattr(cfg, name):g} ({src.get(name, 'given')})"
+        return f"{flag(name)} {value(cfg, name):g} ({src.get(name, 'given')})"
 
     for name in ("lr", "min_lr"):
-        v = getattr(cfg, name)
+        v = value(cfg, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise UsageError(f"{flag(name)}: must be a non-negative number, got {v!r}")
-    if cfg.lr == 0 or cfg.min_lr > cfg.lr:
+    if cfg.schedule.lr == 0 or cfg.schedule.min_lr > cfg.schedule.lr:
         raise UsageError(f"{named('lr')} / {named('min_lr')}: need 0 <= min-lr <= lr and lr > 0")
-    if cfg.schedule not in (None, *SCHEDULES):
-        raise UsageError(f"--schedule: must be cosine or wsd, got {cfg.schedule!r}")
-    if cfg.decay_fraction is not None:
-        f = cfg.decay_fraction
-        if cfg.schedule != "wsd":
+    if cfg.schedule.shape not in (None, *SCHEDULES):
+        raise UsageError(f"--schedule: must be cosine or wsd, got {cfg.schedule.shape!r}")
+    if cfg.schedule.decay_fraction is not None:
+        f = cfg.schedule.decay_fraction
+        if cfg.schedule.shape != "wsd":
             raise UsageError(f"--decay-fraction {f}: only used with --schedule wsd")
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise UsageError(f"--decay-fraction: must be a number in (0, 1], got {f!r}")
@@ -368,7 +368,7 @@ def describe_hparams(cfg) -> str:
     src = cfg.sources or {}
     parts = []
     for name in SHOWN:
-        v = getattr(cfg, name)
+        v = value(cfg, name)
         if name == "schedule":
             v = v or "cosine"
         if v is None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from zerotrain.dataio.errors import DataError
 from zerotrain.dataio.hub import model_snapshot, split_name
 from zerotrain.dataio.tokenizer import ByteTokenizer, load_tokenizer, same_vocabulary
+from zerotrain.launcher.config import value
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import hf, sizes
 from zerotrain.modeling.sizes import count_params, preset
@@ -39,7 +40,7 @@ def _flag(name: str) -> str:
 
 
 def _given(cfg, names) -> list[str]:
-    return [n for n in names if getattr(cfg, n) is not None]
+    return [n for n in names if value(cfg, n) is not None]
 
 
 def resolve(cfg, vocab_size: int) -> tuple:
@@ -47,26 +48,26 @@ def resolve(cfg, vocab_size: int) -> tuple:
     sources = _given(cfg, ("depth", "scaling_rule", "init_from"))
     if len(sources) > 1:
         raise UsageError(f"{_flag(sources[0])} and {_flag(sources[1])}: give one way to pick the model")
-    if sources and cfg.model is not None:
-        raise UsageError(f"--model {cfg.model} and {_flag(sources[0])}: give one way to pick the model")
+    if sources and cfg.model.preset is not None:
+        raise UsageError(f"--model {cfg.model.preset} and {_flag(sources[0])}: give one way to pick the model")
     for name in DEPTH_ONLY:
-        if getattr(cfg, name) is not None and cfg.depth is None:
+        if value(cfg, name) is not None and cfg.model.depth is None:
             raise UsageError(f"{_flag(name)}: only used with --depth")
-    if (cfg.heads is not None or cfg.rules_file is not None) and cfg.scaling_rule is None:
-        raise UsageError(f"{'--heads' if cfg.heads is not None else '--rules-file'}: only used with --scaling-rule")
-    common = dict(vocab_size=vocab_size, max_seq_len=cfg.seq_len)
-    if cfg.qk_norm is not None:
-        common["qk_norm"] = cfg.qk_norm
-    if cfg.rope_theta is not None:
-        if isinstance(cfg.rope_theta, bool) or not isinstance(cfg.rope_theta, (int, float)) or not cfg.rope_theta > 1:
-            raise UsageError(f"--rope-theta: must be a number above 1, got {cfg.rope_theta!r}")
-        common["rope_theta"] = float(cfg.rope_theta)
+    if (cfg.model.heads is not None or cfg.model.rules_file is not None) and cfg.model.scaling_rule is None:
+        raise UsageError(f"{'--heads' if cfg.model.heads is not None else '--rules-file'}: only used with --scaling-rule")
+    common = dict(vocab_size=vocab_size, max_seq_len=cfg.data.seq_len)
+    if cfg.model.qk_norm is not None:
+        common["qk_norm"] = cfg.model.qk_norm
+    if cfg.model.rope_theta is not None:
+        if isinstance(cfg.model.rope_theta, bool) or not isinstance(cfg.model.rope_theta, (int, float)) or not cfg.model.rope_theta > 1:
+            raise UsageError(f"--rope-theta: must be a number above 1, got {cfg.model.rope_theta!r}")
+        common["rope_theta"] = float(cfg.model.rope_theta)
 
-    if cfg.init_from is not None:
-        if cfg.qk_norm is not None:
+    if cfg.model.init_from is not None:
+        if cfg.model.qk_norm is not None:
             raise UsageError("--qk-norm and --init-from: the Hugging Face config.json decides")
-        where = f"--init-from {cfg.init_from}"
-        directory = init_from_dir(cfg.init_from)
+        where = f"--init-from {cfg.model.init_from}"
+        directory = init_from_dir(cfg.model.init_from)
         try:
             hf_cfg = hf.read_config(directory)
             args = hf.args_from_config(hf_cfg, where)
@@ -78,26 +79,26 @@ def resolve(cfg, vocab_size: int) -> tuple:
             raise UsageError(f"{where}: vocab_size {hf_cfg['vocab_size']} is smaller than the tokenizer's {vocab_size}")
         if "rope_theta" in common:  # the weights load by name: the base is free to change (context extension)
             args = replace(args, rope_theta=common["rope_theta"])
-        return args, "hf-" + _safe(cfg.init_from), str(directory)
-    if cfg.depth is not None:
+        return args, "hf-" + _safe(cfg.model.init_from), str(directory)
+    if cfg.model.depth is not None:
         try:
-            args = sizes.depth_args(cfg.depth, cfg.aspect_ratio or 64, cfg.head_dim or 128, **common)
+            args = sizes.depth_args(cfg.model.depth, cfg.model.aspect_ratio or 64, cfg.model.head_dim or 128, **common)
         except ValueError as e:
-            raise UsageError(f"--depth {cfg.depth}: {e}") from None
-        return args, f"d{cfg.depth}", None
-    if cfg.scaling_rule is not None:
-        if cfg.heads is None:
-            raise UsageError(f"--scaling-rule {cfg.scaling_rule}: needs --heads H")
+            raise UsageError(f"--depth {cfg.model.depth}: {e}") from None
+        return args, f"d{cfg.model.depth}", None
+    if cfg.model.scaling_rule is not None:
+        if cfg.model.heads is None:
+            raise UsageError(f"--scaling-rule {cfg.model.scaling_rule}: needs --heads H")
         try:
-            rule = sizes.get_rule(cfg.scaling_rule, cfg.rules_file or sizes.RULES_FILE)
+            rule = sizes.get_rule(cfg.model.scaling_rule, cfg.model.rules_file or sizes.RULES_FILE)
         except ValueError as e:
-            raise UsageError(f"--scaling-rule {cfg.scaling_rule}: {e}") from None
+            raise UsageError(f"--scaling-rule {cfg.model.scaling_rule}: {e}") from None
         try:
-            args = sizes.rule_args(rule, cfg.heads, **common)
+            args = sizes.rule_args(rule, cfg.model.heads, **common)
         except ValueError as e:
-            raise UsageError(f"--scaling-rule {cfg.scaling_rule} --heads {cfg.heads}: {e}") from None
-        return args, f"{cfg.scaling_rule}-h{cfg.heads}", None
-    name = cfg.model or "debug"
+            raise UsageError(f"--scaling-rule {cfg.model.scaling_rule} --heads {cfg.model.heads}: {e}") from None
+        return args, f"{cfg.model.scaling_rule}-h{cfg.model.heads}", None
+    name = cfg.model.preset or "debug"
     try:
         args = preset(name, **common)
     except (KeyError, ValueError) as e:

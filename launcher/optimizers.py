@@ -144,7 +144,7 @@ def _adamw_configure(ds, hp, cfg):
     if str(section.get("type", "")).lower() != "adamw":  # a profile naming another type: --optimizer adamw means AdamW
         section = {"type": "AdamW", "params": dict(ADAMW_FALLBACK)}
     given = {k: v for k, v in hp.items() if v is not None}  # None: the profile's value
-    params = {**section.get("params", {}), **given, "lr": cfg.lr}
+    params = {**section.get("params", {}), **given, "lr": cfg.schedule.lr}
     if params.get("torch_adam") is False:  # DeepSpeed's FusedAdam / CPU Adam take no `fused` (TypeError)
         params.pop("fused", None)
     ds = {**ds, "optimizer": {**section, "params": params}}
@@ -173,7 +173,7 @@ def _cpu_adam_when_offloaded(ds: dict) -> dict:
 
 
 def _muon_configure(ds, hp, cfg):
-    params = {"lr": cfg.lr, "muon_lr": cfg.lr, **hp,
+    params = {"lr": cfg.schedule.lr, "muon_lr": cfg.schedule.lr, **hp,
               # The AdamW half as torch.optim.AdamW: what ran in the verification (no FusedAdam JIT
               # build, no silent fallback to Muon's inline Adam where FusedAdam is unavailable).
               "torch_adam": True}
@@ -201,7 +201,7 @@ def _lion_client(params, hp, cfg):
         from deepspeed.ops.lion import DeepSpeedCPULion as kernel
     else:
         from deepspeed.ops.lion import FusedLion as kernel
-    return sign_zero_safe(kernel)(params, lr=cfg.lr, **hp)
+    return sign_zero_safe(kernel)(params, lr=cfg.schedule.lr, **hp)
 
 
 def _client_configure(ds, hp, cfg):
@@ -214,15 +214,15 @@ def _client_configure(ds, hp, cfg):
 def _decaying_wd_client(params, hp, cfg):
     from zerotrain.launcher.client_optimizers import AdamWDecayingWD
 
-    timescale = hp["wd_timescale"] if hp["wd_timescale"] is not None else max(1, cfg.max_steps // 10)
-    return AdamWDecayingWD(params, lr=cfg.lr, **{**hp, "wd_timescale": timescale})
+    timescale = hp["wd_timescale"] if hp["wd_timescale"] is not None else max(1, cfg.schedule.max_steps // 10)
+    return AdamWDecayingWD(params, lr=cfg.schedule.lr, **{**hp, "wd_timescale": timescale})
 
 
 def _ademamix_client(params, hp, cfg):
     from zerotrain.launcher.client_optimizers import AdEMAMix
 
-    warmup = hp["warmup_steps"] if hp["warmup_steps"] is not None else cfg.max_steps
-    return AdEMAMix(params, lr=cfg.lr, **{**hp, "warmup_steps": warmup})
+    warmup = hp["warmup_steps"] if hp["warmup_steps"] is not None else cfg.schedule.max_steps
+    return AdEMAMix(params, lr=cfg.schedule.lr, **{**hp, "warmup_steps": warmup})
 
 
 ADAMW = Spec("adamw", "DeepSpeed (torch AdamW or FusedAdam, as the profile says)",
@@ -316,7 +316,7 @@ def _user_spec(name: str) -> Spec:
     hparams = {p.name: (None if p.default is p.empty else p.default, lambda v: v) for p in named if p.name != "lr"}
 
     def client(params, hp, cfg):
-        return cls(params, lr=cfg.lr, **hp)
+        return cls(params, lr=cfg.schedule.lr, **hp)
 
     return Spec(name, f"user class {cls.__module__}.{cls.__qualname__}", hparams, "the class's", _client_configure,
                 client=client, stages=tuple(getattr(cls, "zero_stages", ALL_STAGES)), open_args=open_kwargs,
@@ -430,10 +430,10 @@ def law_names(name: str | None) -> list[str]:
 
 def resolve_ds_optimizer(ds: dict, cfg, where: str) -> dict:
     """The DeepSpeed dict with this run's optimizer in it (called by profiles.resolve_ds_config)."""
-    name, args = getattr(cfg, "optimizer", None), getattr(cfg, "optimizer_args", None)
+    name, args = cfg.schedule.optimizer, cfg.schedule.optimizer_args
     if name is None and not args:  # the default: exactly what the driver did before the registry
         ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
-        ds["optimizer"].setdefault("params", {})["lr"] = cfg.lr
+        ds["optimizer"].setdefault("params", {})["lr"] = cfg.schedule.lr
         return _cpu_adam_when_offloaded(ds)
     spec, hp = resolve(name, args)
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
@@ -472,7 +472,7 @@ def prepare_optimizer(cfg, ds_config: dict, model):
     params = model.parameters()
     if "optimizer" in ds_config:
         return ds_config, None, params
-    spec, hp = resolve(getattr(cfg, "optimizer", None), getattr(cfg, "optimizer_args", None))
+    spec, hp = resolve(cfg.schedule.optimizer, cfg.schedule.optimizer_args)
     return ds_config, spec.client(list(params), hp, cfg), model.parameters()
 
 
@@ -487,7 +487,7 @@ def check_engine(cfg, engine, model, muon_class=None) -> None:
     """After deepspeed.initialize: refuse (one line) an engine that would train with another rule.
     `muon_class`: a callable returning DeepSpeed's Muon class (components.ds_compat.muon_optimizer_class:
     its module path is DeepSpeed-internal, so it is named there, in the layer above this one)."""
-    if getattr(cfg, "optimizer", None) != "muon":
+    if cfg.schedule.optimizer != "muon":
         return
     MuonWithAuxAdam = muon_class()
     basic = ds_attributes.basic_optimizer(engine)
@@ -508,11 +508,11 @@ def implementation(cfg, ds_config: dict, accelerator: str) -> tuple[str, str | N
     for it or None): the choice DeepSpeed 0.19.8 makes in engine.py `_configure_basic_optimizer` /
     `get_optimizer_configuration` (torch_adam first, then CPU Adam under optimizer offload, else FusedAdam),
     or our client optimizer. DeepSpeed's ops are JIT-built on first use unless pre-built (docs/gpu.md)."""
-    name = getattr(cfg, "optimizer", None)
+    name = cfg.schedule.optimizer
     section = ds_config.get("optimizer")
     cuda = accelerator != "cpu"
     if section is None:  # a client optimizer (launcher/optimizers.py REGISTRY or a user's class)
-        spec, _ = resolve(name, getattr(cfg, "optimizer_args", None))
+        spec, _ = resolve(name, cfg.schedule.optimizer_args)
         if spec.name == "lion":
             return (("deepspeed.ops.lion.FusedLion", "DeepSpeed's fused_lion CUDA op: nvcc, or DS_BUILD_FUSED_LION=1")
                     if cuda else ("deepspeed.ops.lion.DeepSpeedCPULion", "DeepSpeed's cpu_lion C++ op: a host C++"
@@ -542,13 +542,13 @@ def describe_implementation(cfg, ds_config: dict, accelerator: str) -> str:
 
 def describe(cfg, ds_config: dict) -> str:
     """One start-up line: which optimizer runs, where it comes from, its lr(s) and hyper-parameters."""
-    name = getattr(cfg, "optimizer", None)
+    name = cfg.schedule.optimizer
     section = ds_config.get("optimizer")
-    if name is None and not getattr(cfg, "optimizer_args", None):
+    if name is None and not cfg.schedule.optimizer_args:
         params = {k: v for k, v in (section or {}).get("params", {}).items() if k != "lr"}
-        return f"optimizer adamw (DeepSpeed {(section or {}).get('type', 'AdamW')}, the profile's): lr {cfg.lr:g}, {params}"
-    spec, hp = resolve(name, getattr(cfg, "optimizer_args", None))
-    line = f"optimizer {spec.name} ({spec.origin}): lr {cfg.lr:g}, {hp}"
+        return f"optimizer adamw (DeepSpeed {(section or {}).get('type', 'AdamW')}, the profile's): lr {cfg.schedule.lr:g}, {params}"
+    spec, hp = resolve(name, cfg.schedule.optimizer_args)
+    line = f"optimizer {spec.name} ({spec.origin}): lr {cfg.schedule.lr:g}, {hp}"
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if spec.name == "muon" and stage >= 1:
         line += (f"; gradient clipping off: under ZeRO-{stage} DeepSpeed would clip Muon's orthogonalized update"

@@ -60,7 +60,7 @@ class Resolved:
 
     @property
     def tokens_per_step(self) -> int:
-        return tokens_per_step(self.ds_config, self.cfg.seq_len)
+        return tokens_per_step(self.ds_config, self.cfg.data.seq_len)
 
     @property
     def zero_stage(self) -> int:
@@ -86,7 +86,7 @@ def resolve(cfg: RunConfig, profile_name: str, profile: dict, world: int, node: 
     profile = size_auto_micro_batch(profile, cfg, model_args, settings.values, world)
     ds_config = resolve_ds_config(profile, cfg, world // settings.sequence_parallel, f"profile {profile_name}")
     # the run's length and warmup when given in tokens, at this world's tokens per step (not part of the run id)
-    cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len))
+    cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.data.seq_len))
     settings = attention_kernel(cfg, settings, ds_config, node, model_args)
     stage_line = ""
     if one_device:

@@ -17,7 +17,7 @@ import json
 import os
 import re
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from zerotrain.dataio.commands import describe_data
@@ -35,7 +35,9 @@ from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.schedule import Schedule
 from zerotrain.launcher.components.tasks import check_best_by, forward_positions, need_lm_eval, split_specs
-from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.config import RunConfig, value, with_values
+from zerotrain.launcher.config_resolve import config_warnings, identity_hash
+from zerotrain.launcher.config_resolve import drift as config_drift
 from zerotrain.launcher.errors import StopRun, UsageError
 from zerotrain.launcher.rank_ends import report_exit
 from zerotrain.launcher.hparams import (check_repeats, describe_hparams, describe_length, resolve_hparams,
@@ -132,11 +134,11 @@ class RunPlan:
     def finished(self) -> bool:
         """The checkpoint it resumes from is at --max-steps: the run is over (started again by a restart or a
         requeue after its last save); `run` says so and exits 0 without building anything."""
-        return self.resume_meta is not None and self.resume_meta["step"] == self.cfg.max_steps
+        return self.resume_meta is not None and self.resume_meta["step"] == self.cfg.schedule.max_steps
 
     @property
     def tokens_per_step(self) -> int:
-        return tokens_per_step(self.ds_config, self.cfg.seq_len)
+        return tokens_per_step(self.ds_config, self.cfg.data.seq_len)
 
     @property
     def resumed_at(self) -> tuple[int, int]:
@@ -154,7 +156,7 @@ class RunPlan:
 
     @property
     def mirror_ckpt_dir(self) -> Path | None:
-        return Path(self.cfg.mirror) / self.run_dir.name / "checkpoints" if self.cfg.mirror else None
+        return Path(self.cfg.checkpoints.mirror) / self.run_dir.name / "checkpoints" if self.cfg.checkpoints.mirror else None
 
 
 @dataclass(frozen=True)
@@ -177,16 +179,16 @@ def identify(cfg: RunConfig) -> RunIdentity:
     """The run's identity: pre-flight, `zerotrain launch` (where restarts are recorded) and plan() start
     here. Raises UsageError."""
     why = None
-    profile_spec = cfg.profile
+    profile_spec = cfg.parallel.profile
     if profile_spec == "auto":
         profile_spec, why = detect_profile()
     profile_name, profile = load_profile(profile_spec)
     cfg = resolve_hparams(cfg, profile_name, profile)  # lr, schedule: flag > recipe > profile > rule (hparams.py)
-    tokenizer = load_tokenizer(cfg.tokenizer)  # its vocabulary size is part of the model's label
+    tokenizer = load_tokenizer(cfg.data.tokenizer)  # its vocabulary size is part of the model's label
     cfg = without_spelled_defaults(cfg, profile_name, profile, tokenizer.vocab_size)
     settings = resolve_settings(cfg, profile_name, profile)  # every other setting, each with its source
     model_args, model_label, init_from = model_spec.resolve(cfg, tokenizer.vocab_size)
-    run_dir = Path(cfg.out) / run_id_of(cfg, model_label, profile_name)
+    run_dir = Path(cfg.run.out) / run_id_of(cfg, model_label, profile_name)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"run directory {run_dir}: exists and is not a directory")
     return RunIdentity(cfg, profile_name, why, profile, settings, tokenizer, model_args, model_label, init_from,
@@ -206,21 +208,21 @@ def resolved_value(name: str, settings: Settings, model_args) -> object:
 
 def without_spelled_defaults(cfg: RunConfig, profile_name: str, profile: dict, vocab_size: int) -> RunConfig:
     """`cfg` with each SPELLED_DEFAULTS value that equals what the run resolves without it left unset."""
-    given = {k: getattr(cfg, k) for k in SPELLED_DEFAULTS if getattr(cfg, k) is not None}
+    given = {k: value(cfg, k) for k in SPELLED_DEFAULTS if value(cfg, k) is not None}
     if not given:
         return cfg
-    bare = replace(cfg, **{k: None for k in given})
+    bare = with_values(cfg, {k: None for k in given})
     settings, model_args = resolve_settings(bare, profile_name, profile), model_spec.resolve(bare, vocab_size)[0]
     same = [k for k, v in given.items() if resolved_value(k, settings, model_args) == v]
     if not same:
         return cfg
-    return replace(cfg, **{k: None for k in same},
-                   sources={k: v for k, v in (cfg.sources or {}).items() if k not in same})
+    return with_values(cfg, {k: None for k in same},
+                       sources={k: v for k, v in (cfg.sources or {}).items() if k not in same})
 
 
 def run_id_of(cfg: RunConfig, model_label: str, profile_name: str) -> str:
     """The run id: --run-id, else the model, the profile and the hash of the config's identity fields."""
-    return cfg.run_id or f"{model_label}-{profile_slug(profile_name)}-{cfg.identity_hash()}"
+    return cfg.run.run_id or f"{model_label}-{profile_slug(profile_name)}-{identity_hash(cfg)}"
 
 
 def profile_slug(profile_name: str) -> str:
@@ -241,8 +243,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     cfg, profile_name, profile, settings = ident.cfg, ident.profile_name, ident.profile, ident.settings
     tokenizer, model_args, run_dir = ident.tokenizer, ident.model_args, ident.run_dir
     run_id = run_dir.name
-    node = Node.of_profile(settings.hardware) if cfg.dry_run else Node.here()  # the machine, asked once
-    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.dry_run else (node.device, node.count)),
+    node = Node.of_profile(settings.hardware) if cfg.run.dry_run else Node.here()  # the machine, asked once
+    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.run.dry_run else (node.device, node.count)),
                                     detect=detect_profile)
     # the batch, the schedule sized in tokens, every setting and the DeepSpeed dict: as `zerotrain plan` has them
     resolved = resolve(cfg, profile_name, profile, world, node, model_args, settings=settings,
@@ -250,21 +252,21 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     cfg, settings, ds_config, stage_line = resolved.cfg, resolved.settings, resolved.ds_config, resolved.stage_line
     sp, data_world = resolved.sequence_parallel, resolved.data_world  # the data and loader states count row groups
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
-    data = open_data(cfg.data, tokenizer, fetch=not cfg.dry_run)
+    data = open_data(cfg.data.path, tokenizer, fetch=not cfg.run.dry_run)
     loader_settings = dataloader_settings(settings.dataloader, f"profile {profile_name}")
-    loader_settings["packing"] = check_packing(cfg.packing or "best-fit", data.specs)  # SFT needs best-fit
-    check_offload_here(ds_config, model_args, world, dry_run=cfg.dry_run)
+    loader_settings["packing"] = check_packing(cfg.data.packing or "best-fit", data.specs)  # SFT needs best-fit
+    check_offload_here(ds_config, model_args, world, dry_run=cfg.run.dry_run)
     # host memory and traffic on the profile's hardware; a dry run refuses what its host cannot hold (a real
     # run: fit_check, against the RAM available now)
-    host_lines = offload_lines(model_args, ds_config, settings.values, world, cfg.seq_len, settings.attention,
-                               refuse=cfg.dry_run and cfg.fit_check is not False)
-    if cfg.fit_check is not False and not cfg.dry_run:  # refuse what cannot fit before anything is built/written
+    host_lines = offload_lines(model_args, ds_config, settings.values, world, cfg.data.seq_len, settings.attention,
+                               refuse=cfg.run.dry_run and cfg.observe.fit_check is not False)
+    if cfg.observe.fit_check is not False and not cfg.run.dry_run:  # refuse what cannot fit before anything is built/written
         fit_check(cfg, model_args, ds_config, settings.values, world, attention=settings.attention)
 
-    if cfg.mirror is not None:
-        checkpoint.check_mirror(cfg.mirror, run_dir, run_id)
+    if cfg.checkpoints.mirror is not None:
+        checkpoint.check_mirror(cfg.checkpoints.mirror, run_dir, run_id)
     ckpt_dir = run_dir / "checkpoints"
-    mirror_ckpt = Path(cfg.mirror) / run_id / "checkpoints" if cfg.mirror else None
+    mirror_ckpt = Path(cfg.checkpoints.mirror) / run_id / "checkpoints" if cfg.checkpoints.mirror else None
     resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
     meta = None
     saved = run_dir / "config.json"
@@ -274,32 +276,32 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         cfg, ds_config, meta = _resume_layout(cfg, ds_config, resume_from, world, sp, data_world, data,
                                               loader_settings, run_dir, (ckpt_dir, mirror_ckpt), saved_run)
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
-        drift = cfg.drift(saved_run, saved.get("run_sources"),
-                          {k: resolved_value(k, settings, model_args) for k in SPELLED_DEFAULTS})
+        drift = config_drift(cfg, saved_run, saved.get("run_sources"),
+                             {k: resolved_value(k, settings, model_args) for k in SPELLED_DEFAULTS})
         if drift:
             raise UsageError(f"config drift against {run_dir / 'config.json'}: " + ", ".join(drift)
                              + "; start a new --run-id instead")
     golden = None
-    if cfg.golden:  # --golden: a golden file of another config or world size is refused here
-        golden = GoldenCheck.load(cfg.golden, cfg, world)
-    Budget(cfg.max_hours, cfg.total_tokens, cfg.budget_usd, cfg.gpu_hour_usd, world).check_tokens_per_step(
-        tokens_per_step(ds_config, cfg.seq_len))  # --total-tokens as given, even when it sets the length
+    if cfg.observe.golden:  # --golden: a golden file of another config or world size is refused here
+        golden = GoldenCheck.load(cfg.observe.golden, cfg, world)
+    Budget(cfg.budget.max_hours, cfg.schedule.total_tokens, cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, world).check_tokens_per_step(
+        tokens_per_step(ds_config, cfg.data.seq_len))  # --total-tokens as given, even when it sets the length
     # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
-    budget = Budget(cfg.max_hours, token_budget(cfg), cfg.budget_usd, cfg.gpu_hour_usd, world)
+    budget = Budget(cfg.budget.max_hours, token_budget(cfg), cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, world)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, data_world, loader_settings["workers"], saved_run)
-    tasks, tasks_every, best_higher = load_eval_tasks(cfg, settings, tokens_per_step(ds_config, cfg.seq_len))
+    tasks, tasks_every, best_higher = load_eval_tasks(cfg, settings, tokens_per_step(ds_config, cfg.data.seq_len))
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
-    repeats = check_repeats(data, run_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len), *resumed),
+    repeats = check_repeats(data, run_tokens(cfg, tokens_per_step(ds_config, cfg.data.seq_len), *resumed),
                             settings.max_epochs, settings.sources["max_epochs"])
     settings = with_schedule(settings, cfg)  # the schedule's values and sources final (a resumed run's kept)
     return RunPlan(cfg=cfg, world=world, rank=rank, profile_name=profile_name, profile_why=ident.profile_why,
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *cfg.warnings(), *repeats),
+                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *config_warnings(cfg), *repeats),
                    golden=golden, node=node, budget=budget,
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
-                   loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.seq_len,
+                   loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.data.seq_len,
                                                     bool(settings.activation_checkpointing), settings.attention,
                                                     node.device, sp, bool(settings.tiled_mlp)),
                    sequence_parallel=sp, offload_lines=tuple(host_lines), stage_line=stage_line,
@@ -320,7 +322,7 @@ def load_eval_tasks(cfg: RunConfig, settings: Settings, tokens_per_step: int):
 
     tasks = load_tasks(split_specs(settings.eval_tasks))
     every = settings.eval_tasks_every
-    steps = every_steps(parse_every(every), tokens_per_step) if every is not None else cfg.eval_every_steps
+    steps = every_steps(parse_every(every), tokens_per_step) if every is not None else cfg.eval.eval_every_steps
     higher = check_best_by(settings.best_by, tasks.higher) if settings.best_by else None
     return tasks, steps, higher
 
@@ -372,15 +374,15 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
     ds_config = resize_layout(ds_config, resume_from, meta, world, sp, data_world, data, run_dir / "ds_config.json")
     # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
     # warmup stays the one the run started with
-    cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.seq_len), (meta["step"], meta["tokens_seen"]),
+    cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.data.seq_len), (meta["step"], meta["tokens_seen"]),
                          saved_run if resume_from.parent in own_dirs else None)
     if meta.get("loader_workers", 0) != loader_settings["workers"]:
         raise UsageError(f"checkpoint {resume_from}: its data loader ran {meta.get('loader_workers', 0)} worker(s)"
                          f" per rank, this profile has {loader_settings['workers']}; the document order depends"
                          " on it (set zerotrain.dataloader.workers back)")
     offload.check_resume(ds_config, resume_from)
-    if meta["step"] > cfg.max_steps:
-        raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.max_steps}"
+    if meta["step"] > cfg.schedule.max_steps:
+        raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.schedule.max_steps}"
                          f" ({cfg.sources.get('max_steps', 'given')})")
     return cfg, ds_config, meta
 
@@ -393,8 +395,8 @@ def finished_again(plan: RunPlan) -> StopRun:
     stop = StopRun("finished", f"run {plan.run_dir.name} is finished: checkpoint {plan.resume_from} is at --max-steps"
                                f" {step}; nothing to train (a larger --max-steps extends it)")
     if plan.rank == 0:
-        manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=plan.cfg.identity_hash(),
-                                 profile=plan.profile_name, seed=plan.cfg.seed, world_size=plan.world,
+        manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=identity_hash(plan.cfg),
+                                 profile=plan.profile_name, seed=plan.cfg.run.seed, world_size=plan.world,
                                  hosts=[socket.gethostname()], resumed_from=str(plan.resume_from),
                                  test_hooks=dict(TestHooks.from_env().variables))
         manifest.record_end(plan.run_dir, stop, step)
@@ -409,12 +411,12 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
     optimizer's implementation on this machine (a dry run: the profile's), the settings that a profile or
     a rule decided, the warnings, and the data."""
     cfg, ds = plan.cfg, plan.ds_config
-    lines = [*model_spec.describe_init_from(cfg.init_from),  # a hub model: its commit, from the cache or fetched
+    lines = [*model_spec.describe_init_from(cfg.model.init_from),  # a hub model: its commit, from the cache or fetched
              describe_hparams(cfg),  # each value and where it came from (launcher/hparams.py)
              describe_length(cfg, plan.tokens_per_step, *plan.resumed_at)]
     if schedule:
-        lines.append(Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
-                              cfg.decay_fraction).describe(cfg.lr))
+        lines.append(Schedule(cfg.schedule.lr, cfg.schedule.min_lr, cfg.schedule.warmup_steps, cfg.schedule.max_steps, cfg.schedule.shape or "cosine",
+                              cfg.schedule.decay_fraction).describe(cfg.schedule.lr))
     lines += [*([f"profile auto: {plan.profile_why}"] if plan.profile_why else []),  # what --profile auto saw and took
               f"attention: {plan.attention} ({plan.attention_why})",
               describe_precision(ds),
@@ -434,7 +436,7 @@ def describe_tiled_mlp(plan: RunPlan) -> list[str]:
     """--tiled-mlp: how many tiles each MLP runs (sizes.mlp_tiles, the rule the model applies to its rows)."""
     if not plan.settings.tiled_mlp:
         return []
-    positions = plan.cfg.seq_len // plan.sequence_parallel
+    positions = plan.cfg.data.seq_len // plan.sequence_parallel
     tiles = mlp_tiles(positions, plan.model_args.dim)
     return [f"tiled MLP: {tiles} tile(s) of up to {-(-positions // tiles)} of this rank's {positions} positions"
             f" (DeepSpeed's TiledMLP: ceil({positions} / dim {plan.model_args.dim}); recomputed in backward)"]
@@ -442,40 +444,40 @@ def describe_tiled_mlp(plan: RunPlan) -> list[str]:
 
 def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:
     """The checkpoint --resume names (verified), or None; --resume never refuses a run holding checkpoints."""
-    if cfg.resume == "auto":
+    if cfg.checkpoints.resume == "auto":
         return checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=say_rank0(rank))
-    if cfg.resume == "never":
+    if cfg.checkpoints.resume == "never":
         if checkpoint.complete_checkpoints(ckpt_dir):
             raise UsageError(f"--resume never: {run_dir} already holds checkpoints; pick another --run-id")
         return None
-    resume_from = Path(cfg.resume)
+    resume_from = Path(cfg.checkpoints.resume)
     if not (resume_from / checkpoint.MARKER).is_file():
-        raise UsageError(f"--resume {cfg.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
+        raise UsageError(f"--resume {cfg.checkpoints.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
     problem = checkpoint.verify(resume_from)
     if problem:
-        raise UsageError(f"--resume {cfg.resume}: {problem}")
+        raise UsageError(f"--resume {cfg.checkpoints.resume}: {problem}")
     return resume_from
 
 
 def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, saved_run: dict | None):
     """Reads every source / verifies every shard, cuts pieces, holds out eval documents: bad data stops
     here, identically on every rank. Returns (data, eval rows or None)."""
-    piece_len = cfg.piece_len or default_piece_len(cfg.seq_len)
+    piece_len = cfg.data.piece_len or default_piece_len(cfg.data.seq_len)
     if saved_run is not None and "piece_len" not in saved_run:
-        piece_len = cfg.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
-    holdout = (cfg.seed, cfg.eval_tokens) if cfg.eval_tokens and cfg.eval_data is None else None
+        piece_len = cfg.data.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
+    holdout = (cfg.run.seed, cfg.eval.eval_tokens) if cfg.eval.eval_tokens and cfg.eval.eval_data is None else None
     # seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
-    data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.seq_len, verify=cfg.verify_data or "quick")
-    if not cfg.eval_every_steps:
+    data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.data.seq_len, verify=cfg.data.verify_data or "quick")
+    if not cfg.eval.eval_every_steps:
         return data, None
-    if cfg.eval_data is not None:
-        eval_data = load_data(open_data(cfg.eval_data, tokenizer, fetch=not cfg.dry_run), seq_len=cfg.seq_len)
-        eval_rows = mix_rows(eval_data, cfg.seq_len, cfg.eval_tokens or EVAL_TOKENS_DEFAULT)
+    if cfg.eval.eval_data is not None:
+        eval_data = load_data(open_data(cfg.eval.eval_data, tokenizer, fetch=not cfg.run.dry_run), seq_len=cfg.data.seq_len)
+        eval_rows = mix_rows(eval_data, cfg.data.seq_len, cfg.eval.eval_tokens or EVAL_TOKENS_DEFAULT)
     else:
-        eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.seq_len)
-    if not eval_rows and not (cfg.dry_run and any(s.download and s.streamed for s in data.specs)):
+        eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.data.seq_len)
+    if not eval_rows and not (cfg.run.dry_run and any(s.download and s.streamed for s in data.specs)):
         # (a dry run leaves "download": true sources not cached yet as hub names: the run holds them out)
-        raise UsageError(f"--eval-every-steps {cfg.eval_every_steps}: no eval data (every source is streamed);"
+        raise UsageError(f"--eval-every-steps {cfg.eval.eval_every_steps}: no eval data (every source is streamed);"
                          " give --eval-data MIX.json")
     return data, eval_rows
 

@@ -1,7 +1,7 @@
 """Every setting once: the declared table, and its resolution into values that each name their source.
 
 A setting is a knob a run is given: by flag (and the same key in a recipe), by the profile, or by a rule.
-`TABLE` declares each one that is more than a plain flag: its name, whether it is a flag, its profile key,
+`TABLE` declares each one that is more than a plain flag: its name, its RunConfig field if it is a flag, its profile key,
 its default or the rule that derives it (which may read settings resolved before it), its check, and its
 kind (launcher/config.py: "identity" and "identity-when-set" are hashed into the run id and may not change
 on resume; "run" may). The plain flags (a RunConfig field with nothing but a default) are entries too,
@@ -21,11 +21,13 @@ schedule's values (lr, min_lr, warmup_steps, max_steps, schedule, decay_fraction
 group, by launcher/hparams.py, whose sources are kept (a rule's prefixed "rule: ").
 
 To add a setting, add ONE `Setting` to TABLE:
-    Setting("offload", help="...", flag=True, type="str | None", kind=RUN, profile_key="zerotrain.offload",
-            default="none", check=one_of(("none", "cpu")))
-- `flag=True` makes it a RunConfig field (so a --flag, a recipe key, a notebook keyword and a line of
-  `zerotrain train --help`: regenerate docs/cli.md with `python docs/generate_cli.py`); its value in the
-  config stays None when not given, so the run ids of earlier runs do not change;
+    Setting("offload", field="parallel.offload", kind=RUN, choices=OFFLOAD_CHOICES,
+            profile_key="zerotrain.offload", check=one_of(OFFLOAD_CHOICES))
+- `field="GROUP.NAME"` names the typed RunConfig field it sets (launcher/config.py: written there, with its --help
+  text, type, default and kind; so a --flag, a recipe key, a notebook keyword and a line of `zerotrain train
+  --help`: regenerate docs/cli.md with `python docs/generate_cli.py`); `type`, `kind`, `field_default` and
+  `choices` repeat the field's (tests/test_settings.py checks both ways); its value in the config stays None when
+  not given, so the run ids of earlier runs do not change;
 - `profile_key`: "zerotrain.KEY" is read from the profile's own section and checked when the profile loads;
 - `default`: the value when nothing says; `rule(values, node) -> (value, why) | None` derives it from the
   settings above it (`values`) and the machine (`node`, launcher/node.py; None before it is probed);
@@ -36,10 +38,11 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 from zerotrain.cli_args import exact_integer
+from zerotrain.launcher.config import LEAVES, OFFLOAD_CHOICES, value
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling.sizes import ATTENTION_BACKENDS
 
@@ -50,7 +53,6 @@ SOURCE_WORDS = (*GIVEN, "default", "profile ", "rule: ", INIT_FROM)  # every sou
 
 COMM_TIMEOUT_S = 1800.0  # torch's own default for gloo; DeepSpeed's init_distributed would give 10 minutes
 HEALTH_DEFAULTS = {"window_s": 60.0, "windows": 3, "straggler_ratio": 1.2, "repeat_s": 1800.0}
-OFFLOAD_CHOICES = ("none", "optimizer", "all")  # --offload / zerotrain.offload
 DEFAULT_MFU_THRESHOLD = 0.30  # 0.75 x a typical dense bf16 MFU of 0.4, when the profile says nothing
 
 
@@ -198,9 +200,9 @@ def mfu_threshold_rule(values: dict, node):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    help: str = ""  # a flag's --help line; for a profile-only key, what it is for
-    flag: bool = False  # a --flag and recipe key: a RunConfig field (launcher/config.py)
-    type: str = "str | None"  # the RunConfig field's annotation (a flag's argparse type and bool-ness)
+    help: str = ""  # for a profile-only key, what it is for (a flag's --help is its RunConfig field's)
+    field: str | None = None  # a --flag and recipe key: its RunConfig field by dotted path ("schedule.lr")
+    type: str = "str | None"  # the RunConfig field's annotation (tests/test_settings.py checks they agree)
     kind: str = RUN  # identity, identity-when-set (hashed once set), run (may change on resume)
     profile_key: str | None = None  # "zerotrain.KEY" (the profile's own section), or a DeepSpeed path
     default: object = None  # the value when nothing says
@@ -210,6 +212,11 @@ class Setting:
     choices: tuple | None = None
     group: str | None = None  # "hparams": resolved by launcher/hparams.py as one group
     note: bool = False  # documentation in the profile (a free text), not a setting the run reads
+
+    @property
+    def flag(self) -> bool:
+        """A --flag, a recipe key and a notebook keyword: a RunConfig field (launcher/config.py)."""
+        return self.field is not None
 
     @property
     def identity(self) -> bool:
@@ -228,112 +235,64 @@ class Setting:
         return None
 
 
-HANG_HELP = ("seconds a rank may stay in one phase (data, compute, the step's collective, eval, save, ...) before its"
-             " watchdog dumps every rank's stacks to RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the"
-             " profile's zerotrain.hang_timeout, else the larger of 600 s and 5x the slowest phase so far (start-up and"
-             " the first step: at least 1800 s)")
-ATTENTION_HELP = ("attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex or varlen (CUDA,"
-                  " bf16/fp16); default: the profile's zerotrain.attention, else auto. The same math whichever runs:"
-                  " not part of the run id")
-
 TABLE: tuple[Setting, ...] = (
     # the schedule (launcher/hparams.py resolves these as a group: flag > recipe > rule/profile > default)
-    Setting("lr", "peak learning rate (default: the scaling rule's law, else the profile's optimizer.params.lr,"
-                  " else the optimizer's own, else a per-size rule; the start-up line says which)",
-            flag=True, type="float | None", kind=IDENTITY, profile_key="optimizer.params.lr", check=nonneg_number,
-            group="hparams"),
-    Setting("min_lr", "learning rate at the end of the decay (default: the profile scheduler's cos_min_ratio x lr,"
-                      " else lr / 10)", flag=True, type="float | None", kind=IDENTITY,
+    Setting("lr", field="schedule.lr", type="float | None", kind=IDENTITY, profile_key="optimizer.params.lr",
+            check=nonneg_number, group="hparams"),
+    Setting("min_lr", field="schedule.min_lr", type="float | None", kind=IDENTITY,
             profile_key="scheduler.params.cos_min_ratio", check=nonneg_number, group="hparams"),
-    Setting("warmup_steps", "linear warmup steps (default: from --warmup-tokens, else the profile scheduler's, else"
-                            " max(20, 1% of --max-steps): Pythia's warmup)", flag=True,
+    Setting("warmup_steps", field="schedule.warmup_steps",
             type="int | None", kind=IDENTITY, profile_key="scheduler.params.warmup_num_steps", default=20,
             check=nonneg_int, group="hparams"),
-    Setting("warmup_tokens", "linear warmup over N training tokens, rounded up to whole steps (instead of"
-                             " --warmup-steps)", flag=True, type="int | None", kind=IDENTITY_WHEN_SET,
+    Setting("warmup_tokens", field="schedule.warmup_tokens", type="int | None", kind=IDENTITY_WHEN_SET,
             check=positive_int, group="hparams"),
-    Setting("max_steps", "optimizer steps of the whole run (default: from --total-tokens, else the profile"
-                         " scheduler's, else 100); may grow on resume (see --schedule)", flag=True,
+    Setting("max_steps", field="schedule.max_steps",
             type="int", kind=RUN, profile_key="scheduler.params.total_num_steps", default=100, field_default=100,
             check=positive_int, group="hparams"),
-    Setting("total_tokens", "training tokens of the whole run: without --max-steps it sets the run's length (steps ="
-                            " N / tokens per step, rounded up; the schedule spans them); with --max-steps, a budget:"
-                            " stop (after saving) at the last step within N tokens", flag=True, type="int | None",
+    Setting("total_tokens", field="schedule.total_tokens", type="int | None",
             kind=RUN, check=positive_int, group="hparams"),
-    Setting("schedule", "after warmup, cosine (default): decay to --min-lr at --max-steps; wsd (warmup-stable-decay):"
-                        " hold the peak, then decay linearly over the last --decay-fraction of the steps. A wsd run"
-                        " resumed in its stable phase with a larger --max-steps re-plans its decay; a cosine one keeps"
-                        " its length", flag=True, kind=IDENTITY_WHEN_SET, choices=("cosine", "wsd"), default="cosine",
+    Setting("schedule", field="schedule.shape", kind=IDENTITY_WHEN_SET, choices=("cosine", "wsd"), default="cosine",
             check=one_of(("cosine", "wsd")), group="hparams"),
-    Setting("decay_fraction", "with --schedule wsd: the fraction of --max-steps spent decaying (default 0.2)",
-            flag=True, type="float | None", kind=IDENTITY_WHEN_SET, default=0.2, check=nonneg_number,
-            group="hparams"),
+    Setting("decay_fraction", field="schedule.decay_fraction", type="float | None", kind=IDENTITY_WHEN_SET,
+            default=0.2, check=nonneg_number, group="hparams"),
     # the data read over the run (launcher/hparams.py check_repeats)
-    Setting("max_epochs", "refuse a run that reads any source more than E times (default: the profile's"
-                          " zerotrain.max_epochs, else no limit; above 4 a warning)", flag=True, type="float | None",
+    Setting("max_epochs", field="data.max_epochs", type="float | None",
             kind=RUN, profile_key="zerotrain.max_epochs", check=positive_number),
     # the model's execution
-    Setting("activation_checkpointing", "recompute activations in backward (default: the profile's)", flag=True,
+    Setting("activation_checkpointing", field="parallel.activation_checkpointing",
             type="bool | None", kind=IDENTITY, profile_key="zerotrain.activation_checkpointing", default=False,
             check=boolean),
-    Setting("attention", ATTENTION_HELP, flag=True, kind=RUN, choices=ATTENTION_BACKENDS,
+    Setting("attention", field="parallel.attention", kind=RUN, choices=ATTENTION_BACKENDS,
             profile_key="zerotrain.attention", default="auto", check=one_of(ATTENTION_BACKENDS)),
-    Setting("deterministic", "deterministic kernels: torch.use_deterministic_algorithms (flash and varlen"
-                             " attention take their deterministic backward) and a fixed cuBLAS workspace"
-                             " (CUBLAS_WORKSPACE_CONFIG=:4096:8); slower on a GPU (no effect on a CPU, whose kernels are deterministic). A"
-                             " GPU resume is bit-identical only with it. Default: the profile's"
-                             " zerotrain.deterministic, else off", flag=True, type="bool | None", kind=RUN,
+    Setting("deterministic", field="parallel.deterministic", type="bool | None", kind=RUN,
             profile_key="zerotrain.deterministic", default=False, check=boolean),
-    Setting("sequence_parallel", "Ulysses sequence parallelism: N ranks share every row (each computes T/N of its"
-                                 " positions; an all-to-all around attention), data parallelism over world/N. N"
-                                 " must divide the world, the attention heads and --seq-len; kv heads must divide"
-                                 " by N or divide it. The same math: not part of the run id. Default: the"
-                                 " profile's zerotrain.sequence_parallel, else 1", flag=True, type="int | None",
+    Setting("sequence_parallel", field="parallel.sequence_parallel", type="int | None",
             kind=RUN, profile_key="zerotrain.sequence_parallel", default=1, check=positive_int),
-    Setting("tiled_mlp", "compute every MLP over tiles of positions and recompute it in backward (DeepSpeed's"
-                         " TiledMLP, ceil(positions per rank / dim) tiles), so its ffn-wide activations are never"
-                         " held for a whole row: for long rows, with --sequence-parallel or without. The same math"
-                         " to rounding (the weights' gradients are summed tile by tile): part of the run id once"
-                         " given. Default: the profile's zerotrain.tiled_mlp, else off", flag=True,
+    Setting("tiled_mlp", field="parallel.tiled_mlp",
             type="bool | None", kind=IDENTITY_WHEN_SET, profile_key="zerotrain.tiled_mlp", default=False,
             check=boolean),
-    Setting("compile", "torch.compile every transformer block in place (regional: one graph per block shape,"
-                       " fusing norms, RoPE, SwiGLU and residual adds; parameter names unchanged). Default: the"
-                       " profile's zerotrain.compile (on in the GPU profiles), else off", flag=True,
+    Setting("compile", field="parallel.compile",
             type="bool | None", kind=IDENTITY_WHEN_SET, profile_key="zerotrain.compile", default=False,
             check=boolean),
     Setting("compile_backend", "torch.compile's backend (default: the accelerator's)",
             profile_key="zerotrain.compile_backend", check=text),
     # where ZeRO's state lives (launcher/offload/: keys.py apply_offload, ops.py)
-    Setting("offload", "move ZeRO state to host memory (or NVMe with --nvme-path): optimizer (its states and fp32"
-                       " master weights, with DeepSpeed's CPU Adam) or all (the parameters too; ZeRO-3 only); none:"
-                       " neither. Default: the profile's zerotrain.offload, else its DeepSpeed offload keys. Moves"
-                       " state, not the math: not part of the run id", flag=True, kind=RUN,
+    Setting("offload", field="parallel.offload", kind=RUN,
             choices=OFFLOAD_CHOICES, profile_key="zerotrain.offload", check=one_of(OFFLOAD_CHOICES)),
-    Setting("nvme_path", "with --offload: swap the offloaded state to files in DIR (an NVMe mount) instead of host"
-                         " memory; default: the profile's zerotrain.nvme_path", flag=True, kind=RUN,
+    Setting("nvme_path", field="parallel.nvme_path", kind=RUN,
             profile_key="zerotrain.nvme_path", check=directory_path),
     # checkpoints kept (components/checkpoints/checkpointer.py)
-    Setting("keep_best", "keep the K checkpoints of lowest validation loss, or best --best-by score"
-                         " (checkpoints/best.json lists them, best first); --keep-last never removes them", flag=True, type="int", kind=RUN, default=1,
+    Setting("keep_best", field="checkpoints.keep_best", type="int", kind=RUN, default=1,
             field_default=1, check=positive_int),
     # lm-evaluation-harness tasks scored in the loop (components/tasks/, docs/evaluation.md)
-    Setting("eval_tasks", "lm-evaluation-harness tasks scored with the live model on every rank: task names, task"
-                          " YAML files or folders, comma-separated (needs pip install 'zerotrain[eval]'); scored every"
-                          " --eval-tasks-every and at the end. Default: the profile's zerotrain.eval_tasks, else none",
-            flag=True, kind=RUN, profile_key="zerotrain.eval_tasks", check=task_list),
-    Setting("eval_tasks_every", "with --eval-tasks: score every N steps, or every COUNT-tokens (e.g. 50M-tokens,"
-                                " rounded up to whole steps). Default: the profile's zerotrain.eval_tasks_every, else"
-                                " --eval-every-steps, else only at the end", flag=True, kind=RUN,
+    Setting("eval_tasks", field="eval.eval_tasks", kind=RUN, profile_key="zerotrain.eval_tasks", check=task_list),
+    Setting("eval_tasks_every", field="eval.eval_tasks_every", kind=RUN,
             profile_key="zerotrain.eval_tasks_every", check=cadence),
-    Setting("eval_limit", "with --eval-tasks: the first N examples of each task (lm-eval's --limit). Default: the"
-                          " profile's zerotrain.eval_limit, else every example", flag=True, type="int | None",
+    Setting("eval_limit", field="eval.eval_limit", type="int | None",
             kind=RUN, profile_key="zerotrain.eval_limit", check=positive_int),
-    Setting("best_by", "with --eval-tasks: TASK/METRIC (e.g. zerotrain_tiny_choice/acc) chooses the --keep-best"
-                       " checkpoints and best.json instead of the validation loss (higher is better where lm-eval's"
-                       " task says so); `zerotrain export --best` follows it", flag=True, kind=RUN, check=text),
+    Setting("best_by", field="eval.best_by", kind=RUN, check=text),
     # hangs and the process group
-    Setting("hang_timeout", HANG_HELP, flag=True, type="float | None", kind=RUN,
+    Setting("hang_timeout", field="observe.hang_timeout", type="float | None", kind=RUN,
             profile_key="zerotrain.hang_timeout", rule=hang_timeout_rule, check=seconds),
     Setting("comm_timeout_s", "seconds one collective may wait before the backend fails it",
             profile_key="zerotrain.comm_timeout_s", rule=comm_timeout_rule, check=positive_seconds),
@@ -361,15 +320,15 @@ TABLE: tuple[Setting, ...] = (
     Setting("mfu_note", profile_key="zerotrain.mfu_note", note=True, check=text),
 )
 BY_NAME = {s.name: s for s in TABLE}
-FLAGS = tuple(s for s in TABLE if s.flag)  # the RunConfig fields the table generates
+FLAGS = tuple(s for s in TABLE if s.flag)  # the declared settings that are RunConfig fields
 BY_ZT_KEY = {s.zt_key: s for s in TABLE if s.zt_key}
 
 
-def table(config_cls) -> tuple[Setting, ...]:
+def table() -> tuple[Setting, ...]:
     """Every setting: the declared ones, then each other RunConfig field (a plain flag) as its own entry."""
-    plain = tuple(Setting(f.name, f.metadata["help"], flag=True, type=str(f.type), kind=f.metadata["kind"],
-                          field_default=f.default, default=f.default, choices=f.metadata.get("choices"))
-                  for f in fields(config_cls) if f.name not in BY_NAME and f.metadata["kind"] != "sources")
+    plain = tuple(Setting(leaf.name, leaf.help, field=leaf.path, type=leaf.type, kind=leaf.kind,
+                          field_default=leaf.default, default=leaf.default, choices=leaf.choices)
+                  for leaf in LEAVES.values() if leaf.name not in BY_NAME)
     return TABLE + plain
 
 
@@ -407,7 +366,7 @@ def check_section(zt, where: str) -> None:
 def check_flags(cfg, flag: Callable[[str], str]) -> None:
     """UsageError (one line) for a declared flag's value its check refuses (None: not given)."""
     for s in FLAGS:
-        v = getattr(cfg, s.name)
+        v = value(cfg, s.name)
         if v is None or s.check is None:
             continue
         problem = s.check(v)
@@ -461,7 +420,7 @@ def given(cfg, s: Setting) -> str | None:
     recorded sources (a RunConfig built directly) a value differing from the field's default counts as given."""
     if cfg.sources is not None:
         return cfg.sources[s.name] if cfg.sources.get(s.name) in GIVEN else None
-    v = getattr(cfg, s.name)
+    v = value(cfg, s.name)
     return "given" if v is not None and v != s.field_default else None
 
 
@@ -472,10 +431,10 @@ def resolve(cfg, profile_name: str, profile: dict, node=None) -> Settings:
     given_sources = (cfg.sources or {}) if cfg is not None else {}
     zt = section(profile)
     values, sources = {}, {}
-    for s in (table(type(cfg)) if cfg is not None else TABLE):
+    for s in (table() if cfg is not None else TABLE):
         if s.note:
             continue
-        v = getattr(cfg, s.name, None) if s.flag and cfg is not None else None
+        v = value(cfg, s.name) if s.flag and cfg is not None else None
         if s.group == "hparams" and cfg is None:
             continue
         if s.group == "hparams":
@@ -505,10 +464,10 @@ def with_schedule(settings: Settings, cfg) -> Settings:
     """The settings with the schedule's entries `cfg`'s: once the schedule is sized in tokens at the run's world or
     kept by a resume (launcher/hparams.py size_in_tokens), after everything else was resolved once."""
     values, sources = dict(settings.values), dict(settings.sources)
-    for s in table(type(cfg)):
+    for s in table():
         if s.group == "hparams":
-            value = getattr(cfg, s.name, None) if s.flag else None
-            values[s.name], sources[s.name] = schedule_entry(s, value, cfg.sources or {})
+            values[s.name], sources[s.name] = schedule_entry(s, value(cfg, s.name) if s.flag else None,
+                                                             cfg.sources or {})
     return Settings(values, sources)
 
 

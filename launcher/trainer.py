@@ -48,7 +48,8 @@ from zerotrain.launcher.components.run_state import RunState
 from zerotrain.launcher.components.step_runner import QuietExit, StepRunner  # noqa: F401
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
-from zerotrain.launcher.config import RunConfig, config_from
+from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.config_resolve import config_from, identity_hash
 from zerotrain.launcher.ends import END_KINDS
 from zerotrain.launcher.errors import CheckpointError, StopRun
 from zerotrain.launcher.rank_ends import report_exit, report_rank_end  # report_exit: pre-flight too
@@ -140,9 +141,9 @@ class Trainer:
     def _build_components(self, hard_exit: bool, universal_dir: Path | None) -> None:
         plan, cfg = self.plan, self.cfg
         self.checkpointer = faults.checkpointer(  # a test's failed or slow saves: its stand-in
-            self.hooks, plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=cfg.save_every_steps,
-            save_every_hours=cfg.save_every_hours, keep_last=cfg.keep_last, keep_best=cfg.keep_best,
-            mirror=Path(cfg.mirror) if cfg.mirror else None, say=self.say,
+            self.hooks, plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=cfg.checkpoints.save_every_steps,
+            save_every_hours=cfg.checkpoints.save_every_hours, keep_last=cfg.checkpoints.keep_last, keep_best=cfg.checkpoints.keep_best,
+            mirror=Path(cfg.checkpoints.mirror) if cfg.checkpoints.mirror else None, say=self.say,
             best_by=(plan.settings.best_by, plan.best_higher) if plan.best_higher is not None else None)
         self.tokens_per_step = plan.tokens_per_step
         self.metrics = MetricsLogger(plan.run_dir, self.is_main, cfg, say=self.say)  # --log sinks
@@ -165,12 +166,12 @@ class Trainer:
                           accel=self.accel, rank=self.rank, world=self.world,
                           accum=plan.ds_config["gradient_accumulation_steps"], data_world=plan.data_world,
                           sequence_parallel=plan.sequence_parallel, token_weighted=plan.data.token_weighted,
-                          max_steps=self.cfg.max_steps)
+                          max_steps=self.cfg.schedule.max_steps)
 
     def _build_data(self):
         plan, cfg = self.plan, self.cfg
         # sequence parallelism: the N ranks of a group read the same rows (each model keeps its stretch of them)
-        loader = Batches(plan.data, plan.data_rank, plan.data_world, cfg.seed, cfg.seq_len,
+        loader = Batches(plan.data, plan.data_rank, plan.data_world, cfg.run.seed, cfg.data.seq_len,
                          plan.ds_config["train_micro_batch_size_per_gpu"], plan.loader_settings,
                          plan.loader_settings["packing"])
         # a test's slow data or OOM: the loader wrapped (components/hooks.py)
@@ -193,13 +194,13 @@ class Trainer:
             resolved = {"run": self.cfg.to_dict(), "run_id": plan.run_dir.name, "profile": plan.profile_name,
                         "world_size": self.world, "model": plan.model_args.to_dict(),
                         "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
-                        "identity_hash": self.cfg.identity_hash(),
+                        "identity_hash": identity_hash(self.cfg),
                         "run_sources": plan.settings.sources,  # where every setting came from (settings.py)
                         "attention": plan.attention, "deterministic": plan.deterministic}  # the kernel resolved
             durable.write_json(plan.run_dir / "config.json", resolved)  # read back: drift checks, export, resume
             durable.write_json(plan.run_dir / "ds_config.json", plan.ds_config)
-            manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=self.cfg.identity_hash(),
-                                     profile=plan.profile_name, seed=self.cfg.seed, world_size=self.world,
+            manifest.write_or_extend(plan.run_dir, run_id=plan.run_dir.name, config_hash=identity_hash(self.cfg),
+                                     profile=plan.profile_name, seed=self.cfg.run.seed, world_size=self.world,
                                      hosts=hosts, resumed_from=str(plan.resume_from or "") or None,
                                      test_hooks=dict(self.hooks.variables))
         self.dist.barrier()
@@ -233,7 +234,7 @@ class Trainer:
         self.say(f"model {plan.model_label}: {n_params['total'] / 1e6:.2f}M params"
                  f" ({n_params['non_embedding'] / 1e6:.2f}M non-embedding),"
                  f" profile {plan.profile_name}, ZeRO-{ds_config['zero_optimization'].get('stage', 0)},"
-                 f" world {self.world}, batch {plan.batch_shape} x {cfg.seq_len} tokens")
+                 f" world {self.world}, batch {plan.batch_shape} x {cfg.data.seq_len} tokens")
         self.say(f"parameters held per rank after construction: {', '.join(f'{n:,}' for n in held)}"
                  f" of {n_params['total']:,}" + (", compiled with torch.compile" if self.plan.settings.compile else ""))
         return engine
@@ -245,9 +246,9 @@ class Trainer:
         for p in self.participants:
             p.open()
         logger = StepLogger(self.metrics, self.budget, is_main=self.is_main, world=self.world,
-                            tokens_per_step=self.tokens_per_step, max_steps=self.cfg.max_steps,
+                            tokens_per_step=self.tokens_per_step, max_steps=self.cfg.schedule.max_steps,
                             first_step=self.state.step,
-                            flops_per_token=flops_per_token(self.plan.model_args, self.cfg.seq_len),
+                            flops_per_token=flops_per_token(self.plan.model_args, self.cfg.data.seq_len),
                             peak_flops=self.plan.settings.peak_flops_per_device, accelerator=self.accel)
         self.clock.take_window()  # set-up is not a window
         try:
@@ -271,7 +272,7 @@ class Trainer:
         pending, runner = None, self.runner  # pending: every rank's fields for the fetched batches
         first = self.plan.settings.compile  # the first step compiles the blocks: say how long that took
         try:
-            while self.state.step < self.cfg.max_steps:
+            while self.state.step < self.cfg.schedule.max_steps:
                 if pending is None:  # the first step (or a rollback from the last): fetch and agree alone
                     pending = runner.agree(runner.fetch())
                 step = runner.step_once(pending, self.state)
@@ -286,7 +287,7 @@ class Trainer:
                     outcome = self.call("logged", step)
                 if isinstance(outcome, StopRun):
                     return outcome
-            return StopRun("finished", f"reached --max-steps {self.cfg.max_steps}")
+            return StopRun("finished", f"reached --max-steps {self.cfg.schedule.max_steps}")
         except StopRun as s:
             return s
         except CheckpointError as e:
@@ -352,7 +353,7 @@ class Trainer:
     def data_shares(self) -> list[tuple[str, float, float]] | None:
         """Every --log-data-every-steps: each source's share of the tokens trained so far, summed over the
         ranks (an all-reduce, every rank), with its weight in the mix; None at other steps."""
-        every = self.cfg.log_data_every_steps
+        every = self.cfg.data.log_data_every_steps
         if not every or self.state.step % every:
             return None
         per_source = torch.tensor(self.loader.tokens_per_source(), dtype=torch.float64, device=self.engine.device)
@@ -374,7 +375,7 @@ def run(cfg: RunConfig | dict, *, hard_exit: bool = True) -> RunResult:
     """
     if isinstance(cfg, dict):
         cfg = config_from(cfg)
-    if cfg.dry_run:
+    if cfg.run.dry_run:
         return dry_run(cfg)
     single_process_env()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -422,18 +423,18 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     """`--dry-run`: the run resolved against its profile's hardware (or the launch's world size when
     launched), printed; nothing built, nothing written. Recipes are checked this way in CI."""
     if world is None:
-        hw = profile_value(load_profile(cfg.profile)[1], "hardware", {}) if cfg.profile != "auto" else {}
+        hw = profile_value(load_profile(cfg.parallel.profile)[1], "hardware", {}) if cfg.parallel.profile != "auto" else {}
         world = int(os.environ.get("WORLD_SIZE") or hw.get("devices_per_node", 1) * hw.get("nodes", 1))
-    plan = plan_run(dataclasses.replace(cfg, dry_run=True), world, 0)  # no fit check against this machine
+    plan = plan_run(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dry_run=True)), world, 0)  # no fit check against this machine
     cfg = plan.cfg  # resolved: lr and the schedule from the flags, the recipe, the profile or the model
     ds, s, args = plan.ds_config, plan.settings, plan.model_args
     n = count_params(args)
     lines = [f"dry run: {plan.run_dir} (nothing built or written)",
              f"profile {plan.profile_name}, world {world}, ZeRO-{ds['zero_optimization'].get('stage', 0)},"
-             f" batch {plan.batch_shape} x {cfg.seq_len} = {ds['train_batch_size'] * cfg.seq_len:,} tokens per step",
+             f" batch {plan.batch_shape} x {cfg.data.seq_len} = {ds['train_batch_size'] * cfg.data.seq_len:,} tokens per step",
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" vocab {args.vocab_size:,} (tokenizer {plan.tokenizer.name}: {plan.tokenizer.vocab_size:,}),"
-             f" optimizer {cfg.optimizer or 'adamw'}",
+             f" optimizer {cfg.schedule.optimizer or 'adamw'}",
              *describe(plan),  # the start-up's lines (run_plan.describe)
              *(f"zerotrain: warning: {line}" for line in offload.describe_stale_locks())]
     lines += hub_lines(plan.data.specs, plan.tokenizer)  # each hub name: cached, reachable, or refused (exit 2)
@@ -441,13 +442,13 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     hw = s.hardware
     if "device_memory_gib" in hw or hw.get("accelerator") == "cpu":
         nodes = hw.get("nodes", 1) if world >= hw.get("nodes", 1) else 1
-        setup = planning.setup_from(ds, s.values, world=world, nodes=nodes, optimizer=cfg.optimizer, args=args,
+        setup = planning.setup_from(ds, s.values, world=world, nodes=nodes, optimizer=cfg.schedule.optimizer, args=args,
                                    attention=plan.attention)
         p = planning.make_plan(args, setup, planning.stage_key(ds), ds["train_micro_batch_size_per_gpu"],
-                              ds["gradient_accumulation_steps"], cfg.seq_len, bool(s.activation_checkpointing),
+                              ds["gradient_accumulation_steps"], cfg.data.seq_len, bool(s.activation_checkpointing),
                               peak_flops=s.peak_flops_per_device, mfu=s.expected_mfu,
-                              total_tokens=cfg.total_tokens, max_hours=cfg.max_hours, budget_usd=cfg.budget_usd,
-                              gpu_hour_usd=cfg.gpu_hour_usd, max_steps=cfg.max_steps)
+                              total_tokens=cfg.schedule.total_tokens, max_hours=cfg.budget.max_hours, budget_usd=cfg.budget.budget_usd,
+                              gpu_hour_usd=cfg.budget.gpu_hour_usd, max_steps=cfg.schedule.max_steps)
         fits = p["fits"]
         lines.append("plan: " + planning.verdict(p))
     for line in lines:

@@ -10,8 +10,9 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
     4  dataio's commands (`zerotrain data ...`)
     5  launcher/errors (exceptions, StopRun, fail), ends (the table of how a run ends: kinds, exit codes), rank_ends
        (a rank's exit code left for `zerotrain launch`)
-    6  the config layer: config, settings (the settings table), node (the machine), hparams, profiles, model_spec,
-       optimizers, client_optimizers, offload.keys
+    6  the config layer: config (the typed tree of settings: a leaf, importing nothing of this layer or above),
+       config_resolve (its validation, resolution and run id), settings (the settings table), node (the machine),
+       hparams, profiles, model_spec, optimizers, client_optimizers, offload.keys
     7  launcher/components/*: the flat modules, checkpoints/ and observe/; launcher/planning/* (the planner); the
        feature rooms launcher/offload/ (its keys module, what --offload writes into the DeepSpeed dict, is in the
        config layer, 6), launcher/sequence/ and launcher/resize/
@@ -57,7 +58,7 @@ LAYERS = {
     "zerotrain.launcher.errors": 5, "zerotrain.launcher.ends": 5, "zerotrain.launcher.rank_ends": 5,
     "zerotrain.launcher.config": 6, "zerotrain.launcher.profiles": 6, "zerotrain.launcher.model_spec": 6,
     "zerotrain.launcher.optimizers": 6, "zerotrain.launcher.client_optimizers": 6, "zerotrain.launcher.hparams": 6,
-    "zerotrain.launcher.settings": 6, "zerotrain.launcher.node": 6,
+    "zerotrain.launcher.settings": 6, "zerotrain.launcher.node": 6, "zerotrain.launcher.config_resolve": 6,
     "zerotrain.launcher.components.*": 7,
     "zerotrain.launcher.components.launching.*": 8,
     "zerotrain.launcher.planning.*": 7,
@@ -179,6 +180,17 @@ def test_imports_go_down_only():
                     upward.append(f"{where} imports {target}: {wall} and {other[0]} never import each other")
     assert not upward, "imports that go up a layer:\n" + "\n".join(upward)
 
+
+
+def test_the_config_is_a_leaf():
+    """launcher/config.py (the typed tree of settings) imports nothing that resolves it: no module of its own layer
+    (settings, hparams, profiles, model_spec, optimizers, ...) or above, only the root helpers, errors and modeling's
+    names (launcher/config_resolve.py validates, resolves and hashes it)."""
+    modules, graph = import_graph()
+    config = "zerotrain.launcher.config"
+    above = [f"{modules[config].relative_to(REPO)}:{line} imports {target} (layer {layer_of(target)})"
+             for target, line in graph[config] if layer_of(target) >= layer_of("zerotrain.launcher.errors") + 1]
+    assert not above, "the config must stay a leaf:\n" + "\n".join(above)
 
 def test_no_import_cycles():
     modules, graph = import_graph()

@@ -11,7 +11,8 @@ import torch
 
 from zerotrain.errors import UsageError
 from zerotrain.launcher import run_plan, settings
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config import with_values
+from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.planning import activation_bytes
@@ -64,10 +65,10 @@ def test_a_fake_kernel_is_seen_by_sizes_model_and_planner(monkeypatch):
 def test_the_runs_attention_check_reads_the_entry(mix_path, tmp_path, monkeypatch):
     """resolution.attention_kernel refuses --compile on a CPU for the kernel whose entry says so (flex today)."""
     monkeypatch.setitem(KERNELS, "sdpa", replace(KERNELS["sdpa"], compile_on_cpu_refusal="fake refusal"))
-    cfg = replace(resolve_config(["--profile", "cpu", "--model", "debug", "--seq-len", "128", "--attention", "sdpa",
+    cfg = with_values(resolve_config(["--profile", "cpu", "--model", "debug", "--seq-len", "128", "--attention", "sdpa",
                                   "--compile", "--data", str(mix_path), "--out", str(tmp_path / "runs")]),
-                  fit_check=False)
-    hardware = profile_value(load_profile(cfg.profile)[1], "hardware", {})
+                  {"fit_check": False})
+    hardware = profile_value(load_profile(cfg.parallel.profile)[1], "hardware", {})
     monkeypatch.setattr(Node, "here", staticmethod(lambda: Node.of_profile(hardware)))  # the profile's machine
     with pytest.raises(UsageError, match="^--attention sdpa with --compile: fake refusal$"):
         run_plan.plan_run(cfg, 1, 0)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from zerotrain.launcher.commands.plan import plan_main
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.profiles import (AUTO_BASE, PROFILE_DIR, build_profile, detect_profile, load_profile,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launch
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.run_plan import plan_run
 

@@ -146,7 +146,7 @@ def live_model(run_dir: Path):
 
 def eval_rows(config: dict, tmp: Path) -> dict:
     """The run's eval rows, as its plan made them (a dry run of the same settings elsewhere)."""
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.run_plan import plan_run
 
     values = {k: v for k, v in config["run"].items() if v is not None}

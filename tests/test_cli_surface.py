@@ -13,7 +13,7 @@ from zerotrain.cli_args import Parser
 from zerotrain.errors import UsageError
 from zerotrain.launcher.cli import COMMANDS
 from zerotrain.launcher.cli import main as cli
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config_resolve import resolve_config
 
 
 def listing(root) -> list[str]:
@@ -68,7 +68,7 @@ def test_plan_help_lists_its_own_flags_before_the_training_flags(capsys):
 def test_underscore_spellings_are_aliases_of_the_dashed_flags():
     dashed = resolve_config(["--data", "m.json", "--micro-batch", "4", "--seq-len", "64", "--warmup-steps", "2"])
     under = resolve_config(["--data", "m.json", "--micro_batch", "4", "--seq_len=64", "--warmup_steps", "2"])
-    assert under == dashed and under.micro_batch == 4 and under.seq_len == 64
+    assert under == dashed and under.schedule.micro_batch == 4 and under.data.seq_len == 64
     assert under.sources["micro_batch"] == "flag"
     p = Parser(prog="x")
     p.add_argument("--max-shard-size", default="5GB")

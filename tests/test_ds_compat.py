@@ -14,7 +14,7 @@ import pytest
 
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.ds_compat import PrivateName
-from zerotrain.launcher.config import config_from
+from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.trainer import run
 

@@ -11,7 +11,7 @@ import pytest
 
 from zerotrain.launcher.commands import report
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.config import build_parser
+from zerotrain.launcher.config_resolve import build_parser
 from zerotrain.launcher.ends import END_KINDS, exit_code_table, exit_status_help, kind_of_exit, status_of
 from zerotrain.launcher.errors import StopRun
 

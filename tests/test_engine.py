@@ -123,7 +123,7 @@ def test_the_runs_spec_carries_what_the_plan_decided():
     from types import SimpleNamespace
 
     from zerotrain.launcher.components.engine import spec_from_plan
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
 
     cfg = config_from({"data": "mix.json", "seed": 7})
     from zerotrain.launcher.settings import resolve

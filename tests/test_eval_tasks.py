@@ -250,7 +250,7 @@ def test_tasks_refused_in_one_line_before_anything_is_written(case, dry, tmp_pat
     import datasets
     import huggingface_hub
 
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.errors import UsageError
     from zerotrain.launcher.run_plan import plan_run
 
@@ -274,7 +274,7 @@ def test_tasks_refused_in_one_line_before_anything_is_written(case, dry, tmp_pat
 
 def test_preflight_refuses_a_task_as_the_run_does_before_writing(tmp_path, mix_path, monkeypatch):
     from zerotrain.launcher.commands.preflight.harness import Preflight, parse_args
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.errors import UsageError
 
     for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
@@ -290,7 +290,7 @@ def test_preflight_refuses_a_task_as_the_run_does_before_writing(tmp_path, mix_p
 def test_a_missing_extra_is_one_line(tmp_path, mix_path, monkeypatch):
     import importlib.util
 
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.errors import UsageError
     from zerotrain.launcher.run_plan import plan_run
 
@@ -341,7 +341,7 @@ def test_scores_before_a_kill_survive_the_resume(tmp_path):
 
 
 def test_a_recipe_and_a_profile_give_the_tasks_each_recorded_with_its_source(tmp_path, mix_path):
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.run_plan import plan_run
 
     profile = json.loads((REPO / "ds_configs" / "cpu.json").read_text())
@@ -465,7 +465,7 @@ def test_every_rank_runs_passes_of_the_same_widths_and_the_planner_counts_them(w
 
 def test_eval_cost_from_flops_and_the_dry_run_states_it(tmp_path, mix_path, capsys):
     from zerotrain.launcher.components.tasks.lm import row_lengths
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.planning import eval_cost
     from zerotrain.launcher.run_plan import describe, eval_tasks_cost, plan_run
     from zerotrain.modeling.sizes import flops_per_token

@@ -79,7 +79,7 @@ def test_the_driver_on_cuda_resumes_bit_for_bit_with_deterministic(tmp_path, mix
 @pytest.mark.launches
 def test_the_planners_peak_memory_covers_the_measured_one(tmp_path, mix_path):
     from zerotrain.launcher import planning as planner
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.run_plan import plan_run
 
     values = {"profile": gpu_profile(tmp_path, stage=3), "data": str(mix_path), "model": "small", "seq_len": 1024,

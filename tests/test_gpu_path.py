@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from conftest import REPO
 from zerotrain.launcher.components import determinism
 from zerotrain.launcher.components.evaluate import Evaluator
-from zerotrain.launcher.config import config_from
+from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.optimizers import NO_BUILD_ADAMW, implementation
 from zerotrain.launcher.profiles import accumulate_in_fp32, list_profiles, load_profile, precision, resolve_ds_config

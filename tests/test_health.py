@@ -228,7 +228,7 @@ def test_wandb_gets_the_verdict_and_the_shares(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     run = tmp_path / "wb-run"
     run.mkdir()
-    logger = MetricsLogger(run, True, RunConfig(data="mix.json", log="wandb"))
+    logger = MetricsLogger(run, True, RunConfig.from_flat(dict(data="mix.json", log="wandb")))
     logger.log({"step": 1, "loss": 2.0})
     logger.log({"step": 2, "loss": 1.0, "time_shares": {"data": 0.75, "compute": 0.25}, "window_mfu": 0.1})
     logger.event("health", 2, topic="throughput", verdict="slow", ok=False, message="data wait 75% of wall time",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launch, synthetic_docs
+from zerotrain.launcher.config_resolve import config_warnings
 
 TRAIN = ["--seq-len", "64", "--micro-batch", "2", "--max-steps", "2", "--warmup-steps", "1",
          "--log-data-every-steps", "0"]
@@ -80,7 +81,7 @@ def refused(argv: list[str], capsys) -> str:
 
 @pytest.mark.launches
 def test_a_tokenizer_other_than_the_models_is_refused_unless_swapped(tuned, tmp_path, capsys):
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
 
     export_a, out = tuned["root"] / "export-a", tmp_path / "runs"
     base = ["--data", str(tuned["mix"]), "--out", str(out), "--init-from", str(export_a)]
@@ -88,8 +89,8 @@ def test_a_tokenizer_other_than_the_models_is_refused_unless_swapped(tuned, tmp_
     assert line.startswith(f"--tokenizer bytes (vocabulary 258) is not the tokenizer of --init-from {export_a}"), line
     assert "--swap-tokenizer" in line
     cfg = resolve_config(base + ["--tokenizer", "bytes", "--swap-tokenizer"])
-    assert cfg.tokenizer == "bytes" and cfg.sources["tokenizer"] == "flag"
-    assert any("--swap-tokenizer" in w for w in cfg.warnings())
+    assert cfg.data.tokenizer == "bytes" and cfg.sources["tokenizer"] == "flag"
+    assert any("--swap-tokenizer" in w for w in config_warnings(cfg))
     assert resolve_config(base + ["--tokenizer", str(tuned["tok"])]).tokenizer == str(tuned["tok"])  # the same one
     assert refused(base[:4] + ["--swap-tokenizer"], capsys).startswith("--swap-tokenizer: only with --init-from")
     assert not out.exists()
@@ -98,7 +99,7 @@ def test_a_tokenizer_other_than_the_models_is_refused_unless_swapped(tuned, tmp_
 def test_a_directory_without_a_tokenizer_needs_one_unless_its_vocabulary_is_bytes(tmp_path, capsys):
     import torch
 
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.modeling import hf
     from zerotrain.modeling.model import ModelArgs, Transformer
 
@@ -114,7 +115,7 @@ def test_a_directory_without_a_tokenizer_needs_one_unless_its_vocabulary_is_byte
     assert line == (f"--init-from {tmp_path / 'bpe'}: no tokenizer.json in the directory, and its vocabulary (1024)"
                     " is not the byte tokenizer's; give --tokenizer (the one the model was trained with)")
     cfg = resolve_config(base + ["--init-from", str(tmp_path / "bytes")])
-    assert cfg.tokenizer == "bytes" and cfg.sources["tokenizer"] == "init-from"
+    assert cfg.data.tokenizer == "bytes" and cfg.sources["tokenizer"] == "init-from"
     assert not (tmp_path / "runs").exists()
 
 

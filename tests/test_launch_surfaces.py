@@ -344,10 +344,10 @@ def test_profile_comes_from_accelerates_deepspeed_config_file(tmp_path):
 
 
 def test_config_from_applies_the_accelerate_rule(monkeypatch, mix_path):
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
 
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(REPO / "ds_configs" / "h100-80g-x8.json"))
-    assert resolve_config(["--data", str(mix_path)]).profile == "h100-80g-x8"
+    assert resolve_config(["--data", str(mix_path)]).parallel.profile == "h100-80g-x8"
     with pytest.raises(UsageError, match="--profile cpu and accelerate's deepspeed_config_file"):
         resolve_config(["--data", str(mix_path), "--profile", "cpu"])
 

@@ -3,14 +3,15 @@ bad input. In-process; what reaches the user is the UsageError's one line (exit 
 import pytest
 
 from zerotrain.launcher.cli import main as cli
-from zerotrain.launcher.config import RunConfig, resolve_config
+from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.config_resolve import drift, identity, identity_hash, resolve_config
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.model_spec import resolve
 from zerotrain.modeling.model import count_params, preset
 
 
 def spec(**kw):
-    return resolve(RunConfig(data="mix.json", **kw), vocab_size=258)
+    return resolve(RunConfig.from_flat(dict(data="mix.json", **kw)), vocab_size=258)
 
 
 def test_each_way_of_picking_the_model():
@@ -58,16 +59,16 @@ def test_scaling_rule_lr_law_applies_only_without_lr(tmp_path):
     args, label, _ = resolve(cfg, 258)
     p = count_params(args)["non_embedding"]
     assert (args.n_layers, args.dim) == (4, 512)
-    assert cfg.lr == pytest.approx(2.0 * (1e5 + p) ** -0.5) and cfg.min_lr == pytest.approx(cfg.lr / 10)
-    assert resolve_config(base + ["--lr", "1e-3"]).lr == 1e-3
-    assert resolve_config(["--data", "mix.json", "--scaling-rule", "enoki", "--heads", "8"]).lr == 3e-3  # no law
+    assert cfg.schedule.lr == pytest.approx(2.0 * (1e5 + p) ** -0.5) and cfg.schedule.min_lr == pytest.approx(cfg.schedule.lr / 10)
+    assert resolve_config(base + ["--lr", "1e-3"]).schedule.lr == 1e-3
+    assert resolve_config(["--data", "mix.json", "--scaling-rule", "enoki", "--heads", "8"]).schedule.lr == 3e-3  # no law
 
 
 def test_new_flags_leave_earlier_run_ids_alone():
     # the identity hashes of the foundation commit (launcher/config.py at f7f5f05): auto run ids still resume
-    assert RunConfig(data="mix.json").identity_hash() == "cea5eb6e"
-    assert RunConfig(data="mix.json", model="small", lr=1e-3).identity_hash() == "7a3aa8e4"
-    assert RunConfig(data="mix.json", depth=12).identity_hash() != RunConfig(data="mix.json", depth=16).identity_hash()
+    assert identity_hash(RunConfig.from_flat(dict(data="mix.json"))) == "cea5eb6e"
+    assert identity_hash(RunConfig.from_flat(dict(data="mix.json", model="small", lr=1e-3))) == "7a3aa8e4"
+    assert identity_hash(RunConfig.from_flat(dict(data="mix.json", depth=12))) != identity_hash(RunConfig.from_flat(dict(data="mix.json", depth=16)))
 
 
 def test_params_prints_counts_for_presets_and_rules(capsys):
@@ -134,9 +135,9 @@ def test_rope_theta_sets_the_base_for_every_way_of_picking_the_model(tmp_path):
 def test_rope_theta_is_recorded_in_the_run_id_and_a_resume_with_another_is_drift():
     base = ["--data", "mix.json", "--lr", "1e-3", "--warmup-steps", "2"]
     plain, extended = resolve_config(base), resolve_config(base + ["--rope-theta", "500000"])
-    assert plain.identity_hash() != extended.identity_hash()
-    assert extended.identity()["rope_theta"] == 500000.0
+    assert identity_hash(plain) != identity_hash(extended)
+    assert identity(extended)["rope_theta"] == 500000.0
     saved = extended.to_dict()  # config.json's "run" of a run started with --rope-theta 500000
-    assert resolve_config(base + ["--rope-theta", "500000"]).drift(saved) == []
-    assert resolve_config(base + ["--rope-theta", "1000000"]).drift(saved) == ["rope_theta 500000.0 -> 1000000.0"]
-    assert resolve_config(base).drift(saved) == ["rope_theta 500000.0 -> None"]
+    assert drift(resolve_config(base + ["--rope-theta", "500000"]), saved) == []
+    assert drift(resolve_config(base + ["--rope-theta", "1000000"]), saved) == ["rope_theta 500000.0 -> 1000000.0"]
+    assert drift(resolve_config(base), saved) == ["rope_theta 500000.0 -> None"]

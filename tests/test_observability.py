@@ -21,7 +21,8 @@ import pytest
 from conftest import launch
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.checkpoints.run_lock import RunLock
-from zerotrain.launcher.config import RunConfig, config_from
+from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher.errors import StopRun, UsageError
 from zerotrain.launcher.components.observe.metrics import MetricsLogger, read_metrics, scalars, step_measurements
 from zerotrain.launcher.config import parse_sinks
@@ -110,7 +111,7 @@ def no_wandb_account(tmp_path, monkeypatch):
 def test_tensorboard_events_equal_the_effective_metrics(tmp_path):
     run = tmp_path / RUN_ID
     run.mkdir()
-    cfg = RunConfig(data="mix.json", log="tensorboard")
+    cfg = RunConfig.from_flat(dict(data="mix.json", log="tensorboard"))
     logger = MetricsLogger(run, True, cfg)
     for step in range(1, 6):
         logger.log(step_record(step, 5.0 - 0.1 * step))
@@ -134,7 +135,7 @@ def test_tensorboard_events_equal_the_effective_metrics(tmp_path):
 def test_wandb_offline_run_holds_the_steps_and_a_resume_continues_it(tmp_path, no_wandb_account, capsys):
     run = tmp_path / RUN_ID
     run.mkdir()
-    cfg = RunConfig(data="mix.json", log="wandb", wandb_project="proj", wandb_group="g")
+    cfg = RunConfig.from_flat(dict(data="mix.json", log="wandb", wandb_project="proj", wandb_group="g"))
     logger = MetricsLogger(run, True, cfg)
     for step in range(1, 5):
         logger.log(step_record(step, 5.0 - 0.1 * step))
@@ -165,7 +166,7 @@ def test_wandb_asks_nothing_with_a_terminal_attached(tmp_path, no_wandb_account)
 
     script = ("import sys; from pathlib import Path; from zerotrain.launcher.config import RunConfig;"
               " from zerotrain.launcher.components.observe.metrics import MetricsLogger; print('tty', sys.stdin.isatty(), flush=True);"
-              f" m = MetricsLogger(Path({str(tmp_path)!r}), True, RunConfig(data='m', log='wandb'));"
+              f" m = MetricsLogger(Path({str(tmp_path)!r}), True, RunConfig.from_flat(dict(data='m', log='wandb')));"
               " m.log({'step': 1, 'loss': 2.5}); m.close(); print('done', flush=True)")
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
@@ -205,17 +206,17 @@ def test_wandb_settings_users_set_in_the_environment_are_kept(tmp_path, no_wandb
     run.mkdir()
     env = {"WANDB_PROJECT": "x", "WANDB_NAME": "their-name", "WANDB_RUN_ID": "their-id",
            "WANDB_DIR": str(tmp_path / "wb"), "WANDB_RESUME": "must", "WANDB_RUN_GROUP": "g"}
-    defaults = wandb_init_args(run, RunConfig(data="m", log="wandb"), {})
+    defaults = wandb_init_args(run, RunConfig.from_flat(dict(data="m", log="wandb")), {})
     assert defaults == {"project": "zerotrain", "entity": None, "group": None, "name": RUN_ID, "id": RUN_ID,
                         "dir": str(run), "resume": "allow"}
-    flags = RunConfig(data="m", log="wandb", wandb_project="flag", wandb_name="flag-name", wandb_group="fg")
+    flags = RunConfig.from_flat(dict(data="m", log="wandb", wandb_project="flag", wandb_name="flag-name", wandb_group="fg"))
     assert wandb_init_args(run, flags, env) == {"project": "flag", "entity": None, "group": "fg",
                                                 "name": "flag-name", "id": "their-id", "dir": str(tmp_path / "wb"),
                                                 "resume": "must"}
     for name, value in {**env, "WANDB_RESUME": "allow"}.items():  # "must" needs a run on the server
         monkeypatch.setenv(name, value)
     (tmp_path / "wb").mkdir()
-    logger = MetricsLogger(run, True, RunConfig(data="m", log="wandb"))
+    logger = MetricsLogger(run, True, RunConfig.from_flat(dict(data="m", log="wandb")))
     logger.log(step_record(1, 3.0))
     logger.close()
     (recorded,) = wandb_offline_runs(tmp_path / "wb")  # WANDB_DIR: not under the run directory
@@ -227,7 +228,7 @@ def test_wandb_settings_users_set_in_the_environment_are_kept(tmp_path, no_wandb
 def test_only_rank_0_writes(tmp_path, no_wandb_account):
     run = tmp_path / RUN_ID
     run.mkdir()
-    logger = MetricsLogger(run, False, RunConfig(data="m", log="tensorboard,wandb"))
+    logger = MetricsLogger(run, False, RunConfig.from_flat(dict(data="m", log="tensorboard,wandb")))
     logger.log(step_record(1, 3.0))
     logger.close()
     assert list(run.iterdir()) == []

@@ -92,7 +92,7 @@ def nvme_argv(tmp_path, mix_path):
 
 def test_nvme_without_libaio_is_refused_before_anything_is_written(tmp_path, mix_path, monkeypatch):
     from test_bad_input import snapshot
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.run_plan import plan_run
 
     run, argv, before = nvme_argv(tmp_path, mix_path)
@@ -110,7 +110,7 @@ def test_nvme_full_disk_is_refused_before_anything_is_written(tmp_path, mix_path
     """The disk-space check comes after the libaio check: where libaio is missing (and async_io not built) it
     is never reached, and the test says so as its skip reason (CI installs libaio-dev; a user may not)."""
     from test_bad_input import snapshot
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.run_plan import plan_run
 
     run, argv, before = nvme_argv(tmp_path, mix_path)
@@ -157,7 +157,7 @@ def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(tmp_path, mix_path, 
     os.utime(stale, (old, old))
     assert offload.stale_build_locks(tmp_path) == [stale]
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    dry_run(RunConfig(data=str(mix_path), profile="cpu", model="debug", out=str(tmp_path / "runs"), dry_run=True))
+    dry_run(RunConfig.from_flat(dict(data=str(mix_path), profile="cpu", model="debug", out=str(tmp_path / "runs"), dry_run=True)))
     said = [line for line in capsys.readouterr().out.splitlines() if "warning" in line and "lock" in line]
     assert said == [f"zerotrain: warning: {stale} is 11 min old: a DeepSpeed op build that was killed leaves it, and"
                     " loading deepspeed_shm_comm then waits on it forever; remove it if no other run here is"

@@ -22,7 +22,8 @@ import torch
 from conftest import BIN, REPO, free_port, launch, read_metrics
 from zerotrain.launcher.offload.ops import offloaded
 from zerotrain.launcher.cli import main as cli
-from zerotrain.launcher.config import RunConfig, config_from, resolve_config
+from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.config_resolve import config_from, drift, identity_hash, resolve_config
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.model_spec import rule_law_lr
 from zerotrain.launcher.optimizers import REGISTRY, law_names, prepare_optimizer, resolve
@@ -55,11 +56,11 @@ def cfg(**kw):
 # ------------------------------------------------------------------------------------------------
 
 def test_default_keeps_run_ids_and_the_deepspeed_dict():
-    assert RunConfig(data="mix.json").identity_hash() == "cea5eb6e"  # the foundation commit's id
-    assert cfg(optimizer="adamw").identity_hash() == "cea5eb6e"  # the default spelled out: the same run
-    assert cfg(optimizer="adamw").optimizer is None
-    assert cfg(optimizer="muon").identity_hash() != "cea5eb6e"
-    assert cfg(optimizer="adamw", optimizer_args='{"weight_decay": 0.0}').identity_hash() != "cea5eb6e"
+    assert identity_hash(RunConfig.from_flat(dict(data="mix.json"))) == "cea5eb6e"  # the foundation commit's id
+    assert identity_hash(cfg(optimizer="adamw")) == "cea5eb6e"  # the default spelled out: the same run
+    assert cfg(optimizer="adamw").schedule.optimizer is None
+    assert identity_hash(cfg(optimizer="muon")) != "cea5eb6e"
+    assert identity_hash(cfg(optimizer="adamw", optimizer_args='{"weight_decay": 0.0}')) != "cea5eb6e"
     for name in list_profiles():  # exactly what resolve_ds_config wrote before the registry
         _, profile = load_profile(name)
         hardware = profile["zerotrain"].get("hardware", {})
@@ -75,9 +76,9 @@ def test_default_keeps_run_ids_and_the_deepspeed_dict():
 def test_optimizer_and_its_arguments_are_identity():
     saved = cfg(optimizer="muon", optimizer_args='{"momentum": 0.9}').to_dict()
     assert saved["optimizer_args"] == {"momentum": 0.9}  # normalised: a dict in config.json
-    assert cfg(optimizer="muon", optimizer_args='{ "momentum":0.9 }').drift(saved) == []  # spacing is not drift
-    assert cfg(optimizer="muon").drift(saved) == ["optimizer_args {'momentum': 0.9} -> None"]
-    assert cfg(optimizer="lion", optimizer_args='{"betas": [0.9, 0.99]}', lr=0.02, min_lr=0.002).drift(saved) == [
+    assert drift(cfg(optimizer="muon", optimizer_args='{ "momentum":0.9 }'), saved) == []  # spacing is not drift
+    assert drift(cfg(optimizer="muon"), saved) == ["optimizer_args {'momentum': 0.9} -> None"]
+    assert drift(cfg(optimizer="lion", optimizer_args='{"betas": [0.9, 0.99]}', lr=0.02, min_lr=0.002), saved) == [
         "optimizer 'muon' -> 'lion'", "optimizer_args {'momentum': 0.9} -> {'betas': [0.9, 0.99]}"]
 
 
@@ -133,7 +134,7 @@ def ds_for(stage: int, **kw):
 
 def test_muon_section_and_what_we_change_for_deepspeed():
     run = cfg(optimizer="muon", optimizer_args='{"adam_lr": 1e-3}')
-    assert (run.lr, run.min_lr) == (0.02, 0.002)  # Muon's own default peak lr when --lr is not given
+    assert (run.schedule.lr, run.schedule.min_lr) == (0.02, 0.002)  # Muon's own default peak lr when --lr is not given
     ds = ds_for(3, optimizer="muon", optimizer_args='{"adam_lr": 1e-3}')
     params = ds["optimizer"]["params"]
     assert ds["optimizer"]["type"] == "Muon" and (params["muon_lr"], params["adam_lr"]) == (0.02, 1e-3)
@@ -176,7 +177,7 @@ def test_client_optimizer_matches_the_reference(name, args):
     for step in range(6):
         factor = 1.0 - 0.1 * step  # a schedule moving the lr, as LambdaLR does
         for group in optimizer.param_groups:
-            group["lr"] = run.lr * factor
+            group["lr"] = run.schedule.lr * factor
         for n, p in model.named_parameters():
             p.grad = torch.randn_like(p)
             update(n, expected[n], p.grad.double(), state.setdefault(n, {}), factor)
@@ -243,7 +244,7 @@ def test_user_class(tmp_path, monkeypatch):
     (tmp_path / "mylab_opt.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     run = cfg(optimizer="mylab_opt:SignSGD", optimizer_args='{"momentum": 0.5}', lr=0.1)
-    assert run.optimizer_args == {"momentum": 0.5}
+    assert run.schedule.optimizer_args == {"momentum": 0.5}
     with pytest.raises(UsageError, match="mylab_opt:SignSGD takes no argument 'nesterov' \\(known: momentum\\)"):
         cfg(optimizer="mylab_opt:SignSGD", optimizer_args='{"nesterov": true}')
     with pytest.raises(UsageError, match="NoLr.__init__ takes no lr"):
@@ -271,10 +272,10 @@ def test_per_optimizer_lr_laws(tmp_path):
     rule = sizes.get_rule("mine", rules)
     p = count_params(sizes.rule_args(rule, 8))["non_embedding"]
     base = {"data": "mix.json", "scaling_rule": "mine", "heads": 8, "rules_file": str(rules)}
-    assert cfg(**base).lr == pytest.approx(2.0 * (1e5 + p) ** -0.5)  # adamw: the default optimizer
-    assert cfg(**base, optimizer="muon").lr == pytest.approx(40.0 * p ** -0.5)
-    assert cfg(**base, optimizer="lion").lr == 3e-4  # no law for it: Lion's own default
-    assert cfg(**base, optimizer="muon", lr=1e-3).lr == 1e-3  # --lr wins
+    assert cfg(**base).schedule.lr == pytest.approx(2.0 * (1e5 + p) ** -0.5)  # adamw: the default optimizer
+    assert cfg(**base, optimizer="muon").schedule.lr == pytest.approx(40.0 * p ** -0.5)
+    assert cfg(**base, optimizer="lion").schedule.lr == 3e-4  # no law for it: Lion's own default
+    assert cfg(**base, optimizer="muon", lr=1e-3).schedule.lr == 1e-3  # --lr wins
     # a user's class finds its law by its class name (no import needed to pick the lr)
     assert rule_law_lr(base, law_names("mylab.dana:ADana")) == pytest.approx(p ** -0.25)
     old = tmp_path / "old.yaml"  # the single-law form: AdamW's

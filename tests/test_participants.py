@@ -20,6 +20,7 @@ from zerotrain.launcher.components.participants.early_stop import EarlyStop
 from zerotrain.launcher.components.participants.finite import Finite
 from zerotrain.launcher.components.participants.signals import Signals
 from zerotrain.launcher.components.participants.spikes import ROLLBACKS_MAX, Spikes
+from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import StopRun
 from zerotrain.modeling.sizes import PRESETS
 
@@ -92,8 +93,8 @@ def test_every_participant_of_the_run_fits_one_gather():
                                        tokenizer=None, ds_config={"train_micro_batch_size_per_gpu": 1}, data_rank=1,
                                        data_world=2, sequence_parallel=1,
                                        settings=SimpleNamespace(eval_limit=None, best_by=None)),
-                  cfg=SimpleNamespace(on_spike="rollback", eval_every_steps=10, golden_strict=False,
-                                      early_stop_patience=2, seq_len=8, torch_profile="5:3"),
+                  cfg=RunConfig.from_flat(dict(on_spike="rollback", eval_every_steps=10, golden_strict=False,
+                                               early_stop_patience=2, seq_len=8, torch_profile="5:3")),
                   rank=1, world=2, is_main=False, dist=dist, engine=SimpleNamespace(device="cpu"),
                   clock=PhaseClock(), hooks=None, metrics=None,
                   checkpointer=SimpleNamespace(sync_best=lambda: []), signals=SignalStop(),

@@ -356,14 +356,14 @@ def test_gpus_without_a_profile_is_plain_data_parallelism(capsys):
 
 
 def cfg(**kw) -> RunConfig:
-    return RunConfig(**{"data": "unused", **kw})
+    return RunConfig.from_flat({"data": "unused", **kw})
 
 
 def fit_check_args(cfg_: RunConfig, world: int = 2):
     from zerotrain.launcher import model_spec
     from zerotrain.launcher.profiles import resolve_ds_config
 
-    _, prof = load_profile(cfg_.profile)
+    _, prof = load_profile(cfg_.parallel.profile)
     ds = resolve_ds_config(prof, cfg_, world, "cpu")
     args, _, _ = model_spec.resolve(cfg_, 258)
     return cfg_, args, ds, prof["zerotrain"], world

@@ -26,7 +26,7 @@ from zerotrain.launcher.commands.preflight import parse_args
 from zerotrain.launcher.components import hooks
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
 from zerotrain.launcher.components.observe import golden
-from zerotrain.launcher.config import config_from
+from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher.ends import EXIT_GOLDEN, EXIT_PREFLIGHT_FAILED
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.components.observe.golden import GoldenCheck, golden_steps, make_golden
@@ -320,7 +320,7 @@ def test_bad_golden_input_is_one_line(tmp_path):
     with pytest.raises(UsageError, match="not a zerotrain golden file"):
         GoldenCheck.load(str(tmp_path / "v1.json"), cfg)
     with pytest.raises(UsageError, match="--golden-strict: needs --golden"):
-        config_from({"data": cfg.data, "golden_strict": True})
+        config_from({"data": cfg.data.path, "golden_strict": True})
 
 
 def test_stage_arguments_and_defaults():

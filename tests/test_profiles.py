@@ -1,10 +1,10 @@
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import list_profiles, load_profile, resolve_batch, resolve_ds_config
 
@@ -14,7 +14,7 @@ REQUIRED = {"cpu", "a100-80g-x8", "h100-80g-x8", "h100-pcie-80g-x8", "rtx6000ada
 def cfg(**kw):
     base = dict(micro_batch=None, grad_accum=None, global_batch_tokens=None, seq_len=128, lr=1e-3, min_lr=1e-4,
                 max_steps=10, warmup_steps=2)
-    return SimpleNamespace(**{**base, **kw})
+    return RunConfig.from_flat({**base, **kw})
 
 
 def test_required_profiles_ship():

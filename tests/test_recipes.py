@@ -166,7 +166,7 @@ def test_recipes_are_shipped():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipe_resolves_and_fits(path, stand_ins, demo_data, offline, tmp_path, monkeypatch, capsys):
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.trainer import dry_run
 
     monkeypatch.chdir(REPO)  # recipes name paths as a user at the repository root types them
@@ -197,15 +197,15 @@ def test_recipe_resolves_and_fits(path, stand_ins, demo_data, offline, tmp_path,
     ds = result.extra["ds_config"]
     world = result.extra["world"]
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
-    if cfg.global_batch_tokens is not None:
-        assert ds["train_batch_size"] * cfg.seq_len == cfg.global_batch_tokens
+    if cfg.schedule.global_batch_tokens is not None:
+        assert ds["train_batch_size"] * cfg.data.seq_len == cfg.schedule.global_batch_tokens
 
     expected = EXPECTED.get(path.stem)
     if expected:
         params = int(re.search(r"model \S+: ([\d,]+) parameters", printed).group(1).replace(",", ""))
         got = dict(params=params, world=world, stage=ds["zero_optimization"]["stage"],
                    micro=ds["train_micro_batch_size_per_gpu"], accum=ds["gradient_accumulation_steps"],
-                   seq_len=cfg.seq_len)
+                   seq_len=cfg.data.seq_len)
         assert got == expected
 
 
@@ -238,7 +238,8 @@ def test_optimal_recipe_is_the_planners_compute_optimal_size(capsys, monkeypatch
 
 def test_cpu_debug_is_the_demo():
     """recipes/cpu-debug.json says what `make demo` runs: the same flags, the same mix."""
-    from zerotrain.launcher.config import build_parser, load_recipe
+    from zerotrain.launcher.config import load_recipe
+    from zerotrain.launcher.config_resolve import build_parser
     from zerotrain.launcher.commands.demo import DEMO_FLAGS
 
     recipe = load_recipe(str(REPO / "recipes" / "cpu-debug.json"))
@@ -338,7 +339,8 @@ def test_context_extension_recipe_is_the_planners(stand_ins, monkeypatch, capsys
     checkpointing 32k does not fit. The base's rope and shape come from --init-from, the new base from the recipe."""
     from zerotrain.launcher import model_spec
     from zerotrain.launcher.commands.plan import plan_main
-    from zerotrain.launcher.config import config_from, load_recipe
+    from zerotrain.launcher.config import load_recipe
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.errors import UsageError
 
     monkeypatch.chdir(REPO)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 
 import pytest
 
 from zerotrain.launcher import planning, resolution, run_plan
 from zerotrain.launcher.commands import plan as plan_command
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config import with_values
+from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.settings import profile_value
@@ -63,18 +63,18 @@ def offload_of(ds: dict) -> dict:
 
 
 def by_the_run(argv: list[str], world: int, monkeypatch) -> tuple:
-    cfg = replace(resolve_config(argv), fit_check=False)
-    hw = profile_value(load_profile(cfg.profile)[1], "hardware", {})
+    cfg = with_values(resolve_config(argv), {"fit_check": False})
+    hw = profile_value(load_profile(cfg.parallel.profile)[1], "hardware", {})
     monkeypatch.setattr(Node, "here", staticmethod(lambda: Node.of_profile(hw)))  # the profile's machine
     p = run_plan.plan_run(cfg, world, 0)
     ds = p.ds_config
-    return (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], p.cfg.max_steps,
-            p.cfg.warmup_steps, planning.stage_key(ds), offload_of(ds), p.sequence_parallel, p.attention)
+    return (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], p.cfg.schedule.max_steps,
+            p.cfg.schedule.warmup_steps, planning.stage_key(ds), offload_of(ds), p.sequence_parallel, p.attention)
 
 
 def by_the_dry_run(argv: list[str], world: int, monkeypatch, capsys) -> tuple:
     got = spy(monkeypatch, run_plan)
-    result = dry_run(replace(resolve_config(argv), dry_run=True), world)
+    result = dry_run(with_values(resolve_config(argv), {"dry_run": True}), world)
     out = capsys.readouterr().out
     ds, r = result.extra["ds_config"], got[-1]
     shown = re.search(r"world (\d+), ZeRO-(\d), batch (\d+) x (\d+) x (\d+)", out)
@@ -82,15 +82,15 @@ def by_the_dry_run(argv: list[str], world: int, monkeypatch, capsys) -> tuple:
         world, ds["zero_optimization"]["stage"], ds["train_micro_batch_size_per_gpu"],
         ds["gradient_accumulation_steps"], world // r.sequence_parallel], out
     assert f"attention: {r.settings.attention} (" in out, out
-    return (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], r.cfg.max_steps,
-            r.cfg.warmup_steps, planning.stage_key(ds), offload_of(ds), r.sequence_parallel, r.settings.attention)
+    return (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], r.cfg.schedule.max_steps,
+            r.cfg.schedule.warmup_steps, planning.stage_key(ds), offload_of(ds), r.sequence_parallel, r.settings.attention)
 
 
 def by_the_plan(argv: list[str], world: int, monkeypatch, capsys) -> tuple:
     got = spy(monkeypatch, plan_command)
     plan_command.plan_main([*argv, "--gpus", str(world), "--nodes", "1", "--json"])
     p, r = json.loads(capsys.readouterr().out), got[-1]
-    return (p["micro_batch"], p["grad_accum"], p["steps"], r.cfg.warmup_steps, p["zero_stage"],
+    return (p["micro_batch"], p["grad_accum"], p["steps"], r.cfg.schedule.warmup_steps, p["zero_stage"],
             p["host_memory"]["offloaded"], p["sequence_parallel"]["size"], p["attention"])
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config_resolve import config_warnings, drift, identity, resolve_config
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.run_plan import plan_run
 from test_bad_input import snapshot
@@ -81,8 +81,8 @@ def test_long_run_flags_refused_before_anything_is_written(case, tmp_path, mix_p
 
 def test_warmup_beyond_max_steps_is_a_warning():
     cfg = resolve_config(["--data", "mix.json", "--warmup-steps", "100", "--max-steps", "50"])
-    assert any("--warmup-steps 100 >= --max-steps 50" in w for w in cfg.warnings())
-    assert not resolve_config(["--data", "mix.json", "--warmup-steps", "10"]).warnings()
+    assert any("--warmup-steps 100 >= --max-steps 50" in w for w in config_warnings(cfg))
+    assert not config_warnings(resolve_config(["--data", "mix.json", "--warmup-steps", "10"]))
 
 
 # -- hostile inputs on the offload, drift and pre-flight surfaces ------------------------------------------------
@@ -120,14 +120,14 @@ def test_a_value_equal_to_the_resolved_one_is_not_drift(spelled, tmp_path, mix_p
     base = ["--data", str(mix_path), "--out", str(tmp_path)]
     bare, given = identify(resolve_config(base)), identify(resolve_config(base + spelled))
     assert given.run_dir == bare.run_dir  # the same run: the same id, resumed, no drift
-    assert given.cfg.identity() == bare.cfg.identity()
+    assert identity(given.cfg) == identity(bare.cfg)
     assert identify(resolve_config(base + ["--rope-theta", "20000"])).run_dir != bare.run_dir  # a change stays one
     # a run saved with the value spelled out (before this rule), resumed without it: not drift either
     saved = {**bare.cfg.to_dict(), "tiled_mlp": False, "compile": False, "qk_norm": False, "rope_theta": 10000.0}
     resolved = {"tiled_mlp": False, "compile": False, "qk_norm": False, "rope_theta": 10000.0}
     assert set(resolved) == set(SPELLED_DEFAULTS)
-    assert bare.cfg.drift(saved, None, resolved) == []
-    assert bare.cfg.drift({**saved, "rope_theta": 20000.0}, None, resolved) == ["rope_theta 20000.0 -> None"]
+    assert drift(bare.cfg, saved, None, resolved) == []
+    assert drift(bare.cfg, {**saved, "rope_theta": 20000.0}, None, resolved) == ["rope_theta 20000.0 -> None"]
 
 
 def test_preflight_refuses_sequence_parallel_as_the_run_does_before_writing(tmp_path, mix_path, monkeypatch):

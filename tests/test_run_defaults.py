@@ -12,7 +12,8 @@ from conftest import WORDS
 from zerotrain.errors import UsageError
 from zerotrain.launcher import run_plan
 from zerotrain.launcher.cli import main as cli
-from zerotrain.launcher.config import RunConfig, config_from, resolve_config
+from zerotrain.launcher.config import RunConfig
+from zerotrain.launcher.config_resolve import config_from, drift, identity, identity_hash, resolve_config
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.profiles import check_devices, load_profile, resolve_ds_config
 from zerotrain.modeling.sizes import count_params, default_lr, preset
@@ -50,13 +51,13 @@ def test_dry_run_of_the_8_gpu_profile_uses_its_lr_and_says_so(mix_path, tmp_path
 
 def test_a_flag_or_a_recipe_wins_and_is_named(tmp_path):
     cfg = resolve_config(["--data", "m.json", *A100, "--lr", "1e-3"])
-    assert (cfg.lr, cfg.sources["lr"]) == (1e-3, "flag")
+    assert (cfg.schedule.lr, cfg.sources["lr"]) == (1e-3, "flag")
     # an explicit lr keeps min-lr's fixed default of before 0.2, so the run ids of such runs stay
-    assert (cfg.min_lr, cfg.sources["min_lr"]) == (3e-4, "default with an explicit lr")
+    assert (cfg.schedule.min_lr, cfg.sources["min_lr"]) == (3e-4, "default with an explicit lr")
     recipe = tmp_path / "r.json"
     recipe.write_text(json.dumps({"lr": 5e-4, "warmup_steps": 7}))
     cfg = resolve_config(["--data", "m.json", *A100, "--config", str(recipe), "--warmup-steps", "9"])
-    assert (cfg.lr, cfg.sources["lr"], cfg.warmup_steps, cfg.sources["warmup_steps"]) == (5e-4, "recipe", 9, "flag")
+    assert (cfg.schedule.lr, cfg.sources["lr"], cfg.schedule.warmup_steps, cfg.sources["warmup_steps"]) == (5e-4, "recipe", 9, "flag")
     assert config_from({"data": "m.json", "lr": 2e-4}).sources["lr"] == "given"  # the Python API
 
 
@@ -65,13 +66,13 @@ def test_without_a_profile_lr_the_per_size_rule_fits_the_model(tmp_path):
     no_lr["params"].pop("lr")
     cfg = resolve_config(["--data", "m.json", *A100, "--profile", profile_file(tmp_path, optimizer=no_lr)])
     p = count_params(preset("xlarge"))["non_embedding"]
-    assert cfg.lr == pytest.approx(default_lr(p), rel=1e-2) and 1.5e-4 < cfg.lr < 3e-4  # GPT-3's 1.3B: 2e-4
+    assert cfg.schedule.lr == pytest.approx(default_lr(p), rel=1e-2) and 1.5e-4 < cfg.schedule.lr < 3e-4  # GPT-3's 1.3B: 2e-4
     assert cfg.sources["lr"] == "per-size rule for 1,415.7M non-embedding parameters"
     debug = resolve_config(["--data", "m.json", "--profile", profile_file(tmp_path, optimizer=no_lr)])
-    assert 1e-3 < debug.lr < 3e-3  # a 0.8M model: about what the demo trains with
+    assert 1e-3 < debug.schedule.lr < 3e-3  # a 0.8M model: about what the demo trains with
     # another optimizer than the profile's: its own default, not the profile's AdamW lr
     muon = resolve_config(["--data", "m.json", *A100, "--optimizer", "muon"])
-    assert (muon.lr, muon.sources["lr"], muon.min_lr) == (0.02, "optimizer muon's default", 2e-3)
+    assert (muon.schedule.lr, muon.sources["lr"], muon.schedule.min_lr) == (0.02, "optimizer muon's default", 2e-3)
 
 
 def test_a_profile_scheduler_section_is_read_or_refused_never_dropped(tmp_path):
@@ -79,10 +80,10 @@ def test_a_profile_scheduler_section_is_read_or_refused_never_dropped(tmp_path):
                                                    "total_num_steps": 2000, "warmup_type": "linear"}}
     path = profile_file(tmp_path, scheduler=cosine)
     cfg = resolve_config(["--data", "m.json", "--model", "xlarge", "--profile", path])
-    assert (cfg.warmup_steps, cfg.min_lr, cfg.max_steps) == (50, pytest.approx(0.05 * 3e-4), 2000)
+    assert (cfg.schedule.warmup_steps, cfg.schedule.min_lr, cfg.schedule.max_steps) == (50, pytest.approx(0.05 * 3e-4), 2000)
     assert cfg.sources["max_steps"] == "profile a100-80g-x8-changed: scheduler total_num_steps"
     cfg = resolve_config(["--data", "m.json", "--model", "xlarge", "--profile", path, "--max-steps", "10"])
-    assert cfg.max_steps == 10 and "scheduler total_num_steps 2000 not used" in cfg.sources["max_steps"]
+    assert cfg.schedule.max_steps == 10 and "scheduler total_num_steps 2000 not used" in cfg.sources["max_steps"]
     assert "scheduler" not in resolve_ds_config(load_profile(path)[1], cfg, 8, "p")  # never DeepSpeed's
     for section, message in [
         ({"type": "WarmupDecayLR", "params": {}}, "scheduler 'WarmupDecayLR' is not read"),
@@ -95,20 +96,20 @@ def test_a_profile_scheduler_section_is_read_or_refused_never_dropped(tmp_path):
 
 
 def test_run_ids_hash_the_values_trained_with():
-    assert RunConfig(data="mix.json").identity_hash() == "cea5eb6e"  # the cpu profile's lr: what CPU runs used
-    assert config_from({"data": "mix.json", "schedule": "cosine"}).identity_hash() == "cea5eb6e"  # spelled out
+    assert identity_hash(RunConfig.from_flat(dict(data="mix.json"))) == "cea5eb6e"  # the cpu profile's lr: what CPU runs used
+    assert identity_hash(config_from({"data": "mix.json", "schedule": "cosine"})) == "cea5eb6e"  # spelled out
     explicit = config_from({"data": "mix.json", "profile": "a100-80g-x8", "lr": 3e-3, "min_lr": 3e-4,
                             "warmup_steps": 20})
-    assert explicit.identity()["lr"] == 3e-3  # given: the profile's 3e-4 does not replace it
+    assert identity(explicit)["lr"] == 3e-3  # given: the profile's 3e-4 does not replace it
     from_profile = config_from({"data": "mix.json", "profile": "a100-80g-x8"})
-    assert (from_profile.identity()["lr"], from_profile.identity()["min_lr"]) == (3e-4, 3e-5)
-    wsd = config_from({"data": "mix.json", "schedule": "wsd"}).identity()
+    assert (identity(from_profile)["lr"], identity(from_profile)["min_lr"]) == (3e-4, 3e-5)
+    wsd = identity(config_from({"data": "mix.json", "schedule": "wsd"}))
     assert (wsd["schedule"], wsd["decay_fraction"]) == ("wsd", 0.2)
     auto = config_from({"data": "mix.json", "profile": "auto"})
-    assert auto.lr is None  # resolved on the rank, once the profile is detected
+    assert auto.schedule.lr is None  # resolved on the rank, once the profile is detected
     with pytest.raises(RuntimeError, match="--profile auto"):
-        auto.identity()
-    assert auto.drift({**auto.to_dict(), "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20}) == []
+        identity(auto)
+    assert drift(auto, {**auto.to_dict(), "lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 20}) == []
     with pytest.raises(UsageError, match="--decay-fraction 0.5: only used with --schedule wsd"):
         config_from({"data": "mix.json", "decay_fraction": 0.5})
 

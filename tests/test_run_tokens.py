@@ -12,7 +12,7 @@ from conftest import launch, read_metrics
 from test_run_defaults import A100, profile_file
 from zerotrain.launcher.cli import main as cli
 from zerotrain.launcher import settings
-from zerotrain.launcher.config import RunConfig, config_from, resolve_config
+from zerotrain.launcher.config_resolve import config_from, identity, identity_hash, resolve_config
 from zerotrain.launcher.profiles import load_profile
 from zerotrain.launcher.hparams import RULE_MAX_STEPS, RULE_WARMUP, RULE_WARMUP_TOKENS, size_in_tokens
 
@@ -78,13 +78,13 @@ def test_zerotrain_plan_sizes_the_run_in_tokens_and_warns(mix_path, capsys):
 def test_the_run_id_does_not_follow_a_rule_derived_warmup():
     """A warmup from a rule changes with the run's length, which may grow on resume: the id must not."""
     base = {"data": "m.json"}
-    assert config_from(base).identity_hash() == "5d5a41ce"  # the id this config had before the rule (warmup 20)
+    assert identity_hash(config_from(base)) == "5d5a41ce"  # the id this config had before the rule (warmup 20)
     long = config_from({**base, "max_steps": 5000})
-    assert (long.warmup_steps, long.identity_hash()) == (50, "5d5a41ce")
-    assert config_from({**base, "warmup_steps": 50}).identity_hash() != "5d5a41ce"  # given: part of the id
+    assert (long.schedule.warmup_steps, identity_hash(long)) == (50, "5d5a41ce")
+    assert identity_hash(config_from({**base, "warmup_steps": 50})) != "5d5a41ce"  # given: part of the id
     by_tokens = [config_from({**base, "warmup_tokens": n}) for n in (1000, 2000)]
-    assert by_tokens[0].identity_hash() != by_tokens[1].identity_hash()
-    assert "warmup_steps" not in by_tokens[0].identity() and by_tokens[0].identity()["warmup_tokens"] == 1000
+    assert identity_hash(by_tokens[0]) != identity_hash(by_tokens[1])
+    assert "warmup_steps" not in identity(by_tokens[0]) and identity(by_tokens[0])["warmup_tokens"] == 1000
 
 
 def test_sized_again_on_resume_from_the_tokens_consumed():
@@ -92,11 +92,11 @@ def test_sized_again_on_resume_from_the_tokens_consumed():
     from a rule stays what the run started with (its schedule), whatever the new length says."""
     cfg = resolve_config(["--data", "m.json", "--total-tokens", "10000", "--seq-len", "64"])
     first = size_in_tokens(cfg, 256)
-    assert (first.max_steps, first.warmup_steps) == (40, 20)
+    assert (first.schedule.max_steps, first.schedule.warmup_steps) == (40, 20)
     more = size_in_tokens(resolve_config(["--data", "m.json", "--total-tokens", "1000000", "--seq-len", "64"]), 128,
                           resumed=(40, 10240), started={"warmup_steps": 20})
-    assert more.max_steps == 40 + -(-(1_000_000 - 10240) // 128) == 7773
-    assert more.warmup_steps == 20 and more.sources["warmup_steps"] == RULE_WARMUP + " (kept from the run's start)"
+    assert more.schedule.max_steps == 40 + -(-(1_000_000 - 10240) // 128) == 7773
+    assert more.schedule.warmup_steps == 20 and more.sources["warmup_steps"] == RULE_WARMUP + " (kept from the run's start)"
     assert more.sources["max_steps"].startswith(RULE_MAX_STEPS + ": step 40 + 989,760 tokens left / 128")
 
 
@@ -124,7 +124,7 @@ def test_length_and_warmup_from_tokens_then_extended_on_another_world(tmp_path, 
     assert sources["warmup_steps"] == RULE_WARMUP_TOKENS + " (kept from the run's start)"
     assert (sources["lr"], sources["schedule"], sources["decay_fraction"]) == ("flag", "flag", "default")
     # every resolved setting is recorded, in the table's order, with where it came from (launcher/settings.py)
-    assert list(sources) == [s.name for s in settings.table(RunConfig) if not s.note]
+    assert list(sources) == [s.name for s in settings.table() if not s.note]
     assert all(v.startswith(settings.SOURCE_WORDS) for v in sources.values()), sources
     assert (sources["seq_len"], sources["seed"], sources["attention"]) == ("flag", "default", "rule: auto on cpu, fp32")
     assert sources["comm_timeout_s"] == "rule: max(1800 s, 2 x hang_timeout)"

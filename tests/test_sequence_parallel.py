@@ -128,7 +128,7 @@ def test_varlen_under_sp_is_given_whole_rows_of_half_the_heads_and_their_documen
 def test_a_cuda_node_plans_sequence_parallelism_with_the_varlen_kernel(mix_path, tmp_path, capsys):
     """On an 8 x H100 profile (a dry run plans its hardware), auto resolves to varlen in bf16 and SP=2 keeps it:
     the kernel is given whole rows after the exchange, as the varlen cases of the harness prove on a CPU."""
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.trainer import dry_run
 
     cfg = config_from({"data": str(mix_path), "out": str(tmp_path / "runs"), "seq_len": 256, "model": "debug",
@@ -183,7 +183,7 @@ BAD = {  # (flags, world, what the one line says); the debug model: 4 heads, 2 k
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_sequence_parallel_refused_before_anything_is_written(case, tmp_path, mix_path):
     from test_bad_input import snapshot
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.errors import UsageError
     from zerotrain.launcher.run_plan import plan_run
 
@@ -292,7 +292,7 @@ def test_sp2_bf16_run_killed_after_a_save_resumes_bit_for_bit(sp_bf16_run):
 
 
 def test_dry_run_counts_row_groups_not_ranks(tmp_path, mix_path, capsys):
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.trainer import dry_run
 
     argv = ["--data", str(mix_path), "--out", str(tmp_path), "--run-id", "r", "--model", "debug", "--seq-len", "64",
@@ -362,7 +362,7 @@ def test_an_sp_checkpoint_on_another_world_size_and_n_is_refused_before_anything
     """The world size or N may change on resume, not both at once (untested together): one line, nothing
     written."""
     from test_bad_input import snapshot
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import resolve_config
     from zerotrain.launcher.errors import UsageError
     from zerotrain.launcher.run_plan import plan_run
 

@@ -4,14 +4,14 @@ tests/test_run_defaults.py's wsd run), and pre-flight's process group gets the r
 Policy only: no process group, no launch."""
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import fields
 
 import pytest
 
 from zerotrain.launcher import settings
-from zerotrain.launcher.config import SETTINGS, RunConfig, config_from, resolve_config
+from zerotrain.launcher.config import BY_PATH, LEAVES, SETTINGS, RunConfig, with_values
+from zerotrain.launcher.config_resolve import config_from, identity, resolve_config
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import PROFILE_DIR, list_profiles, load_profile, validate_profile
 from zerotrain.launcher.node import Node
@@ -22,7 +22,7 @@ SOURCE_WORDS = settings.SOURCE_WORDS
 
 
 def test_every_flag_and_every_profile_key_has_exactly_one_entry():
-    entries = settings.table(RunConfig)
+    entries = settings.table()
     names = [s.name for s in entries]
     assert len(names) == len(set(names))
     flags = [s.name for s in entries if s.flag]
@@ -34,22 +34,34 @@ def test_every_flag_and_every_profile_key_has_exactly_one_entry():
         for key in zt:
             assert [s.name for s in entries if s.profile_key == f"zerotrain.{key}"], f"{name}: zerotrain.{key}"
     # each declared entry says whether it is part of the run id and whether it may change on resume, as the run id
-    # itself has it: what RunConfig.identity() hashes for a config of defaults (identity-when-set: once set only)
-    hashed = set(resolve_config(["--data", "m.json"]).identity())
+    # itself has it: what identity(RunConfig) hashes for a config of defaults (identity-when-set: once set only)
+    hashed = set(identity(resolve_config(["--data", "m.json"])))
     for s in entries:
         assert s.resumable == (not s.identity), s.name
         if not s.flag:  # a profile-only setting (how the run is run, watched or described): never in the run id
             assert not s.identity and s.name not in hashed, s.name
             continue
-        assert s.identity == (RunConfig.kind(s.name) != "run"), s.name
-        assert (s.name in hashed) == (RunConfig.kind(s.name) == "identity"), s.name
+        assert s.identity == (LEAVES[s.name].kind != "run"), s.name
+        assert (s.name in hashed) == (LEAVES[s.name].kind == "identity"), s.name
 
 
-def test_a_declared_flag_is_a_run_config_field_with_its_kind_and_check():
-    kinds = {f.name: f.metadata["kind"] for f in fields(RunConfig)}
+def test_a_declared_flag_names_a_typed_field_of_the_tree_and_every_field_is_one_entry():
+    """Nothing generated: every TABLE flag entry names, by dotted path, a field written in launcher/config.py whose
+    flat name is the entry's and whose type, default, kind and choices are the entry's; and every field of the
+    tree (each group's dataclass) is a flag entry of settings.table(), the declared one where the table has it."""
+    groups = {f.name: f.default_factory for f in fields(RunConfig) if f.name != "sources"}
     for s in settings.FLAGS:
-        assert kinds[s.name] == s.kind
-    assert "hang_timeout" not in resolve_config(["--data", "m.json", "--hang-timeout", "30"]).identity()
+        group, attr = s.field.split(".")
+        f = {f.name: f for f in fields(groups[group])}[attr]  # a KeyError: the path names no field
+        assert (f.metadata["flat"] or f.name) == s.name, s.field
+        assert (str(f.type), f.default, f.metadata["kind"], f.metadata["choices"]) == \
+               (s.type, s.field_default, s.kind, s.choices), s.name
+        assert BY_PATH[s.field] is LEAVES[s.name]
+    tree = {f"{g}.{f.name}" for g, cls in groups.items() for f in fields(cls)}
+    entries = settings.table()
+    assert sorted(s.field for s in entries if s.flag) == sorted(tree)
+    assert all(settings.BY_NAME[s.name] is s for s in entries if s.name in settings.BY_NAME)
+    assert "hang_timeout" not in identity(resolve_config(["--data", "m.json", "--hang-timeout", "30"]))
     with pytest.raises(UsageError, match=r"^--attention: must be one of auto, sdpa, flex, varlen, got 'x'$"):
         config_from({"data": "m.json", "attention": "x"})
     with pytest.raises(UsageError, match=r"^--schedule: must be cosine or wsd, got 'x'$"):
@@ -85,7 +97,7 @@ def test_the_hang_timeout_sets_the_comm_timeout_for_preflight_and_the_run_alike(
     resolves the settings as the run does, launcher/commands/preflight/harness.py) and in the run."""
     cfg = resolve_config(["--data", str(mix_path), "--out", str(tmp_path), "--hang-timeout", "1200"])
     plan = plan_run(cfg, 1, 0)
-    name, profile = load_profile(cfg.profile)
+    name, profile = load_profile(cfg.parallel.profile)
     preflight = settings.resolve(cfg, name, profile)  # what pre-flight's process group is given
     assert plan.settings.comm_timeout_s == preflight.comm_timeout_s == 2400
     assert plan.settings.sources["hang_timeout"] == "flag"
@@ -105,7 +117,7 @@ def test_the_dry_run_prints_the_start_up_description(mix_path, tmp_path, capsys,
     """describe(plan): the lines the Trainer says at start-up, and --dry-run prints them too."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = resolve_config(["--data", str(mix_path), "--out", str(tmp_path), "--hang-timeout", "1200"])
-    lines = describe(plan_run(dataclasses.replace(cfg, dry_run=True), 1, 0))
+    lines = describe(plan_run(with_values(cfg, {"dry_run": True}), 1, 0))
     assert lines[0].startswith("hyper-parameters: lr 0.003 (profile cpu: optimizer.params.lr)")
     assert "attention: sdpa (auto on cpu, fp32)" in lines
     setting = next(line for line in lines if line.startswith("settings: "))

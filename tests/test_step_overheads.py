@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 COUNT_COLLECTIVES = r"""
 import collections, json, os, sys
 import torch.distributed as dist
-from zerotrain.launcher.config import config_from
+from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher import trainer
 from zerotrain.launcher.components import participants, run_state, step_runner
 OURS = os.path.dirname(participants.__file__)  # the step's monitors: each adds fields to agree's one gather
@@ -92,7 +92,7 @@ def test_driver_verifies_shards_quickly_by_default_and_fully_on_request(tmp_path
     entry that vouches for a tampered shard: quick trusts it (not hashed), full finds the damage."""
     from zerotrain.dataio.errors import DataError
     from zerotrain.dataio.shards import VerifiedCache
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.run_plan import plan_run
 
     monkeypatch.setenv("ZEROTRAIN_CACHE", str(tmp_path / "cache"))

@@ -166,9 +166,9 @@ def test_tiled_mlp_at_zero3_gathers_its_weights_and_reduces_each_gradient_once(t
 def test_tiled_mlp_is_part_of_the_run_id_once_given(mix_path):
     """Not bit-identical (the weights' gradients are summed tile by tile), so a run that changes it is another run:
     hashed once given (earlier runs' ids unchanged), and a resume that turns it off is drift."""
-    from zerotrain.launcher.config import resolve_config
+    from zerotrain.launcher.config_resolve import drift, identity, identity_hash, resolve_config
 
     plain, tiled = resolve_config(["--data", str(mix_path)]), resolve_config(["--data", str(mix_path), "--tiled-mlp"])
-    assert "tiled_mlp" not in plain.identity() and tiled.identity()["tiled_mlp"] is True
-    assert plain.identity_hash() != tiled.identity_hash()
-    assert plain.drift(tiled.to_dict()) == ["tiled_mlp True -> None"]
+    assert "tiled_mlp" not in identity(plain) and identity(tiled)["tiled_mlp"] is True
+    assert identity_hash(plain) != identity_hash(tiled)
+    assert drift(plain, tiled.to_dict()) == ["tiled_mlp True -> None"]

@@ -11,7 +11,8 @@ import pytest
 from zerotrain.cli_args import MAX_INT, Parser, exact_integer
 from zerotrain.launcher.commands import plan as plan_command
 from zerotrain.launcher.commands.preflight.harness import parse_args as preflight_args
-from zerotrain.launcher.config import TOKEN_COUNTS, config_from, resolve_config
+from zerotrain.launcher.config import TOKEN_COUNTS
+from zerotrain.launcher.config_resolve import config_from, resolve_config
 from zerotrain.launcher.errors import UsageError
 
 WRITTEN = {"11e9": 11_000_000_000, "11B": 11_000_000_000, "500M": 500_000_000, "2T": 2_000_000_000_000,
@@ -29,7 +30,7 @@ def test_every_token_flag_reads_the_forms_people_write(text, value, mix_path):
         if name == "eval_tokens":
             argv += ["--eval-every-steps", "10"]
         cfg = resolve_config(argv)
-        assert getattr(cfg, name) == value and type(getattr(cfg, name)) is int
+        assert cfg.to_dict()[name] == value and type(cfg.to_dict()[name]) is int
 
 
 @pytest.mark.parametrize("text, why", REFUSED.items())
@@ -51,10 +52,10 @@ def test_recipes_and_keywords_take_the_same_forms(tmp_path, mix_path):
     recipe.write_text(json.dumps({"data": str(mix_path), "total_tokens": "11B", "warmup-tokens": 2e6,
                                   "global_batch_tokens": "64K"}))
     cfg = resolve_config(["--config", str(recipe)])
-    assert (cfg.total_tokens, cfg.warmup_tokens, cfg.global_batch_tokens) == (11 * 10**9, 2 * 10**6, 64_000)
-    assert resolve_config(["--config", str(recipe), "--total-tokens", "2T"]).total_tokens == 2 * 10**12
-    assert config_from({"data": str(mix_path), "total_tokens": "500M"}).total_tokens == 500 * 10**6  # the notebook
-    assert config_from({"data": str(mix_path), "total_tokens": 11e9}).total_tokens == 11 * 10**9
+    assert (cfg.schedule.total_tokens, cfg.schedule.warmup_tokens, cfg.schedule.global_batch_tokens) == (11 * 10**9, 2 * 10**6, 64_000)
+    assert resolve_config(["--config", str(recipe), "--total-tokens", "2T"]).schedule.total_tokens == 2 * 10**12
+    assert config_from({"data": str(mix_path), "total_tokens": "500M"}).schedule.total_tokens == 500 * 10**6  # the notebook
+    assert config_from({"data": str(mix_path), "total_tokens": 11e9}).schedule.total_tokens == 11 * 10**9
     for bad, why in (("2.5", "'2.5': not a whole number"), (1.5, "1.5: not a whole number"),
                      ("lots", "'lots': not a number"), (float("inf"), "inf: not a finite number")):
         with pytest.raises(UsageError) as e:
@@ -67,7 +68,7 @@ def test_recipes_and_keywords_take_the_same_forms(tmp_path, mix_path):
 
 def test_plan_and_preflight_read_token_counts_with_the_same_parser(mix_path):
     opts, rest = preflight_args(["--stage", "v1", "--data", str(mix_path), "--total-tokens", "11B"])
-    assert resolve_config(rest).total_tokens == 11 * 10**9
+    assert resolve_config(rest).schedule.total_tokens == 11 * 10**9
     planned = plan_command.plan_main(["--model", "debug", "--total-tokens", "2M", "--gpus", "1", "--gpu-mem", "80"])
     assert planned["binding"] == "total_tokens" and planned["steps"] == -(-2_000_000 // planned["tokens_per_step"])
     with pytest.raises(UsageError, match=r"argument --total-tokens: '2.5': not a whole number"):

@@ -23,7 +23,7 @@ from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.observe import watchdog
 from zerotrain.launcher.components.hooks import TestHooks, hang_reported
 from zerotrain.launcher.components.observe.phases import PhaseClock
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config_resolve import identity, resolve_config
 from zerotrain.launcher.ends import EXIT_HUNG
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import validate_profile
@@ -139,13 +139,13 @@ def test_a_firing_rank_and_a_joining_rank_in_one_process(tmp_path, monkeypatch):
 
 
 def test_the_flag_and_the_profile_keys_are_checked():
-    assert resolve_config(["--data", "m.json", "--hang-timeout", "90"]).hang_timeout == 90
-    assert resolve_config(["--data", "m.json", "--hang-timeout", "0"]).hang_timeout == 0
+    assert resolve_config(["--data", "m.json", "--hang-timeout", "90"]).observe.hang_timeout == 90
+    assert resolve_config(["--data", "m.json", "--hang-timeout", "0"]).observe.hang_timeout == 0
     for bad in ("-5", "abc", "nan"):
         with pytest.raises(UsageError, match="hang-timeout"):
             resolve_config(["--data", "m.json", "--hang-timeout", bad])
     cfg = resolve_config(["--data", "m.json", "--hang-timeout", "30"])
-    assert "hang_timeout" not in cfg.identity()  # how the run is watched, not what it trains
+    assert "hang_timeout" not in identity(cfg)  # how the run is watched, not what it trains
     validate_profile({"zerotrain": {"hang_timeout": 0, "comm_timeout_s": 120}}, "p")
     for key, bad in (("hang_timeout", -1), ("hang_timeout", "10"), ("comm_timeout_s", 0), ("comm_timeout_s", True)):
         with pytest.raises(UsageError, match=f"zerotrain.{key}"):

@@ -52,7 +52,7 @@ from zerotrain.launcher.components.launching.jobs import (RANK_VARS, TRAIN_MODUL
                                                           run_preserving_exit_code)
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.observe.metrics import read_metrics
-from zerotrain.launcher.config import config_from
+from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher.ends import END_KINDS, EXIT_USAGE, kind_of_exit
 from zerotrain.launcher.errors import UsageError, ZerotrainError
 from zerotrain.launcher.node import Node
@@ -127,7 +127,7 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
             values["data"], mix = data_spec(data, out)
         cfg = config_from(values)
         if mix is not None:  # written only once the settings are known to be good
-            write_if_changed(Path(cfg.data), mix)
+            write_if_changed(Path(cfg.data.path), mix)
         if launch:
             return _launch(cfg, gpus)
         if gpus not in (None, 1):
@@ -273,7 +273,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     # a value taken from --init-from is left for the ranks to take again, with its source
     recipe = {k: v for k, v in cfg.to_dict().items() if v is not None and (cfg.sources or {}).get(k) != INIT_FROM}
     recipe["run_id"] = plan.run_dir.name  # fixed, so the ranks' run directory is the one planned here
-    if cfg.profile == "auto":
+    if cfg.parallel.profile == "auto":
         recipe["profile"] = plan.profile_name  # the ranks do not detect again
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     recipe_path = plan.run_dir / "recipe.json"

@@ -47,7 +47,7 @@ from zerotrain.launcher.components.launching.jobs import (TRAIN_MODULE, deepspee
 from zerotrain.launcher.components.launching.restarts import (DEFAULT_BACKOFF_S, RESTART_FLAGS, Restarts,
                                                               misplaced_restart_flag, take_restart_flags)
 from zerotrain.launcher.components.observe.golden import GoldenCheck
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.ends import EXIT_SIGNAL, final_exit_codes
 from zerotrain.launcher.errors import UsageError, ZerotrainError
 from zerotrain.launcher.profiles import detect_profile, load_profile
@@ -170,10 +170,10 @@ def launch_main(argv: list[str]) -> None:
         restarts, rendezvous, train_args = split_local_args(argv[2:])
         # The profile's zerotrain.env (NCCL settings, PYTORCH_CUDA_ALLOC_CONF, ...) applies here too.
         cfg = resolve_config(train_args)  # bad train flags: one line before anything starts
-        if cfg.golden:  # a golden file of another config: refused before any rank starts
-            GoldenCheck.load(cfg.golden, cfg)
+        if cfg.observe.golden:  # a golden file of another config: refused before any rank starts
+            GoldenCheck.load(cfg.observe.golden, cfg)
         # --profile auto: the ranks run on this node, so they detect the profile this node detects here
-        name, profile = load_profile(cfg.profile if cfg.profile != "auto" else detect_profile()[0])
+        name, profile = load_profile(cfg.parallel.profile if cfg.parallel.profile != "auto" else detect_profile()[0])
         profile_env = hostfile.rank_env(profile, f"profile {name}")[0]
         # a busy --master_port: one line, nothing started; none given: 29500, else a free one (two jobs here)
         port, port_line = rendezvous_port(rendezvous["port"])
@@ -252,14 +252,14 @@ def plan_hostfile_launch(argv: list[str], check_hosts_over_ssh: bool = True) -> 
     messages = [f"launch: {len(active)} node(s) ({', '.join(f'{h}:{n}' for h, n in zip(active, slots))}),"
                 f" world {sum(slots)}"]
     cfg = resolve_config(train_args)  # the driver's own validation of the train flags, before any node starts
-    if cfg.golden:  # a golden file of another config: refused before any rank starts
-        GoldenCheck.load(cfg.golden, cfg)
+    if cfg.observe.golden:  # a golden file of another config: refused before any rank starts
+        GoldenCheck.load(cfg.observe.golden, cfg)
     name, profile = "auto", {}
-    if cfg.profile == "auto":
+    if cfg.parallel.profile == "auto":
         messages.append("launch: --profile auto: each node picks its profile; no world-size check, no profile"
                         " environment")
     else:
-        name, profile = load_profile(cfg.profile)
+        name, profile = load_profile(cfg.parallel.profile)
         if force:
             messages.append(f"launch: --force: world size not checked against profile {name}")
         else:
@@ -367,15 +367,15 @@ def slurm_main(argv: list[str]) -> None:
         raise UsageError("slurm: --resume: the script always resumes with --resume auto (a requeued job continues"
                          " its run); drop it")
     cfg = resolve_config(train_args + ["--resume", "auto"])  # the driver's checks, before anything is queued
-    if cfg.golden:  # a golden file of another config: refused before any rank starts
-        GoldenCheck.load(cfg.golden, cfg)
+    if cfg.observe.golden:  # a golden file of another config: refused before any rank starts
+        GoldenCheck.load(cfg.observe.golden, cfg)
     ns.accelerator_gpus = True
-    if cfg.profile != "auto":
-        name, profile = load_profile(cfg.profile)
+    if cfg.parallel.profile != "auto":
+        name, profile = load_profile(cfg.parallel.profile)
         ns.accelerator_gpus = profile_value(profile, "hardware", {}).get("accelerator") != "cpu"
         if not ns.force:
             hostfile.check_world(name, profile, [ns.gpus_per_node] * ns.nodes)
-    workdir = Path(ns.workdir or Path(cfg.out) / "slurm").resolve()
+    workdir = Path(ns.workdir or Path(cfg.run.out) / "slurm").resolve()
     script = render_sbatch(ns, train_args, workdir)
     if ns.dry_run:
         print(script, end="" if script.endswith("\n") else "\n")

@@ -13,6 +13,7 @@ from zerotrain.launcher import model_spec
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.planning import STAGES, GiB, describe_cost, eval_cost, every_steps, make_plan, render, setup_from
 from zerotrain.launcher.config import SETTINGS, RunConfig, add_train_flags, load_recipe, over_recipe
+from zerotrain.launcher.config_resolve import validate
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.hparams import check_repeats, length_from_tokens, resolve_hparams
 from zerotrain.launcher.profiles import detect_profile, load_profile
@@ -45,22 +46,22 @@ def plan_main(argv: list[str]) -> dict:
     check_plan_flags(ns)
     flags = {name: getattr(ns, name) for name in SETTINGS if getattr(ns, name) is not None}
     values = {**(over_recipe(load_recipe(ns.config), flags) if ns.config else {}), **flags}
-    cfg = RunConfig(**{**values, "data": values.get("data") or "(not needed to plan)"},
-                    sources={k: "flag" if k in flags else "recipe" for k in values})
-    cfg.validate()  # the driver's own checks and messages
+    cfg = RunConfig.from_flat({**values, "data": values.get("data") or "(not needed to plan)"},
+                              sources={k: "flag" if k in flags else "recipe" for k in values})
+    validate(cfg)  # the driver's own checks and messages
 
     auto = None  # --profile auto: the profile this machine detects (or builds: profiles.detect_profile)
     if values.get("profile") is None and ns.gpus is not None:
         name, profile = "generic GPU", json.loads(json.dumps(GENERIC_GPU_PROFILE))
     else:
-        spec, auto = detect_profile() if cfg.profile == "auto" else (cfg.profile, None)
+        spec, auto = detect_profile() if cfg.parallel.profile == "auto" else (cfg.parallel.profile, None)
         name, profile = load_profile(spec)
     if ns.zero is not None:
         profile.setdefault("zero_optimization", {})["stage"] = ns.zero
     cfg = resolve_hparams(cfg, name, profile)  # lr and the schedule, as the run resolves them (launcher/hparams.py)
     settings = resolve_settings(cfg, name, profile)  # the profile's knobs under the flags given (settings.py)
     data_here = bool(values.get("data")) and Path(values["data"]).exists()  # else unknown: data_checks
-    tokenizer = load_tokenizer(cfg.tokenizer) if ns.vocab_size is None or data_here else None
+    tokenizer = load_tokenizer(cfg.data.tokenizer) if ns.vocab_size is None or data_here else None
     if ns.vocab_size is not None:
         vocab, vocab_from = ns.vocab_size, "--vocab-size"
     else:  # the tokenizer the run would train with: its vocabulary sizes the embedding and the head
@@ -76,13 +77,13 @@ def plan_main(argv: list[str]) -> dict:
                 one_device=ns.zero is None, one_rank=f"profile {name} plans 1 (give --gpus N, or a GPU --profile)")
     cfg, settings, stage_line = r.cfg, r.settings, r.stage_line
     setup = setup_from(r.ds_config, settings.values, r.world, nodes, ns.gpu_mem * GiB if ns.gpu_mem else None,
-                       getattr(cfg, "optimizer", None), args, attention=settings.attention)
+                       cfg.schedule.optimizer, args, attention=settings.attention)
     micro, accum = r.micro_batch, r.grad_accum
     ac = bool(settings.activation_checkpointing)
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops else settings.peak_flops_per_device
     mfu = ns.mfu or settings.expected_mfu
-    plan = make_plan(args, setup, r.planner_row, micro, accum, cfg.seq_len, ac,
-                     peak, mfu, cfg.total_tokens, cfg.max_hours, cfg.budget_usd, cfg.gpu_hour_usd, cfg.max_steps,
+    plan = make_plan(args, setup, r.planner_row, micro, accum, cfg.data.seq_len, ac,
+                     peak, mfu, cfg.schedule.total_tokens, cfg.budget.max_hours, cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, cfg.schedule.max_steps,
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from
     if stage_line:
@@ -110,7 +111,7 @@ def plan_eval_tasks(cfg, settings, tokens_per_step: int, steps: int):
     if not settings.eval_tasks:
         return None
     every = settings.eval_tasks_every
-    every = every_steps(parse_every(every), tokens_per_step) if every is not None else cfg.eval_every_steps
+    every = every_steps(parse_every(every), tokens_per_step) if every is not None else cfg.eval.eval_every_steps
     return eval_cost(0, steps, every)
 
 
@@ -146,5 +147,5 @@ def repeats(cfg, tokenizer, tokens: int, settings) -> tuple[str, ...]:
     UsageError past the resolved max_epochs). The sources are read as the run reads them (hub sources not fetched)."""
     from zerotrain.dataio.loader import load_data, open_data  # imports torch: only when a plan names its data
 
-    data = load_data(open_data(cfg.data, tokenizer, fetch=False), seq_len=cfg.seq_len, verify="quick")
+    data = load_data(open_data(cfg.data.path, tokenizer, fetch=False), seq_len=cfg.data.seq_len, verify="quick")
     return check_repeats(data, tokens, settings.max_epochs, settings.sources["max_epochs"])

@@ -12,7 +12,7 @@ import os
 import sys
 
 from zerotrain.launcher.components.launching.launcher_watch import leave_if_launcher_gone, watch_launcher
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.ends import EXIT_USAGE
 from zerotrain.launcher.errors import UsageError, fail
 from zerotrain.launcher.rank_ends import report_rank_end

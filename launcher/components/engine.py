@@ -86,7 +86,7 @@ def spec_from_plan(plan, exchange_phase: Callable | None = None) -> EngineSpec:
     The pretrained weights are loaded only on a fresh start (a resume loads its checkpoint instead).
     `exchange_phase`: EngineSpec's (the trainer's clock)."""
     cfg, s = plan.cfg, plan.settings  # the resolved settings (launcher/settings.py)
-    return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.seed,
+    return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.run.seed,
                       deterministic=bool(plan.deterministic), run=cfg,
                       init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
                       activation_checkpointing=bool(s.activation_checkpointing), compile=bool(s.compile),

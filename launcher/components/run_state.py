@@ -159,7 +159,7 @@ class RunState:
             if p.saved_as and guards.get(p.saved_as):
                 p.load_state_dict(guards[p.saved_as])
         self.budget.resume(self.elapsed_before, state.get("gpu_seconds"))
-        for line in self._restore_schedule() or [self.engine.lr_scheduler.lr_lambdas[0].describe(self.cfg.lr)]:
+        for line in self._restore_schedule() or [self.engine.lr_scheduler.lr_lambdas[0].describe(self.cfg.schedule.lr)]:
             self.say(line)
         self.last_saved = tag_dir
         self.checkpointer.note_loaded(self.step)
@@ -170,7 +170,7 @@ class RunState:
         """One loader state per data-parallel rank of this run, re-split if another number of ranks saved them."""
         plan, states = self.plan, state["loader_states"]  # one per loader: per data-parallel rank
         if len(states) != plan.data_world:  # saved by another number of ranks: re-split what was left
-            states = reshard_loader_states(plan.data, states, plan.data_world, self.cfg.seed, self.cfg.seq_len,
+            states = reshard_loader_states(plan.data, states, plan.data_world, self.cfg.run.seed, self.cfg.data.seq_len,
                                            plan.ds_config["train_micro_batch_size_per_gpu"],
                                            plan.loader_settings["packing"])
             self.say(f"data: {len(state['loader_states'])} ranks' loader states re-split over {plan.data_world}")
@@ -181,7 +181,7 @@ class RunState:
         included): re-plan or keep it for this run's --max-steps (components/schedule.py) and put the lr of
         the next step into the optimizer. Returns what to say."""
         scheduler = self.engine.lr_scheduler
-        lines = scheduler.lr_lambdas[0].resume(self.step, self.cfg.max_steps, self.cfg.lr)
+        lines = scheduler.lr_lambdas[0].resume(self.step, self.cfg.schedule.max_steps, self.cfg.schedule.lr)
         reapply(scheduler)
         return lines
 

@@ -92,8 +92,8 @@ class Schedule:
 def make_scheduler(cfg):
     """A callable for deepspeed.initialize(lr_scheduler=...): optimizer -> LambdaLR over this run's Schedule.
     `cfg` is resolved (zerotrain.launcher.hparams): lr, min_lr, warmup_steps are concrete."""
-    schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps, cfg.schedule or "cosine",
-                        cfg.decay_fraction)
+    schedule = Schedule(cfg.schedule.lr, cfg.schedule.min_lr, cfg.schedule.warmup_steps, cfg.schedule.max_steps, cfg.schedule.shape or "cosine",
+                        cfg.schedule.decay_fraction)
     return lambda optimizer: LambdaLR(optimizer, schedule)
 
 

@@ -61,7 +61,7 @@ def offload_settings(cfg, profile: dict, profile_name: str) -> tuple[str | None,
     """(offload, nvme_path, where they came from): --offload / --nvme-path, else the profile's zerotrain.offload /
     zerotrain.nvme_path (launcher/settings.py declares and checks both); offload None: the profile's DeepSpeed
     keys as they are."""
-    flag, flag_nvme = getattr(cfg, "offload", None), getattr(cfg, "nvme_path", None)  # a RunConfig, or as plan has it
+    flag, flag_nvme = cfg.parallel.offload, cfg.parallel.nvme_path
     offload = flag if flag is not None else profile_value(profile, "offload")
     # --offload none turns the profile's offload off, its NVMe directory with it
     nvme = flag_nvme if flag_nvme is not None or flag == "none" else profile_value(profile, "nvme_path")

@@ -28,11 +28,11 @@ def planned_here(cfg, model_args, ds_config: dict, knobs: dict, world: int,
     nodes = max(1, world // max(1, local_world))
     here = {**hw, "accelerator": accel}
     setup = hardware.setup_from(ds_config, {**knobs, "hardware": here}, world=max(1, world // nodes) * nodes,
-                                nodes=nodes, device_bytes=device_bytes, optimizer=getattr(cfg, "optimizer", None),
+                                nodes=nodes, device_bytes=device_bytes, optimizer=cfg.schedule.optimizer,
                                 args=model_args, attention=attention)
     ac = bool(knobs.get("activation_checkpointing"))
     micro = ds_config["train_micro_batch_size_per_gpu"]
-    return memory(model_args, setup, stage_key(ds_config), micro, cfg.seq_len, ac), setup, what
+    return memory(model_args, setup, stage_key(ds_config), micro, cfg.data.seq_len, ac), setup, what
 
 
 def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attention: str | None = None) -> Memory:
@@ -50,13 +50,13 @@ def fit_check(cfg, model_args, ds_config: dict, knobs: dict, world: int, attenti
     micro = ds_config["train_micro_batch_size_per_gpu"]
     if m.total > device_bytes:
         plan = {"hardware": {"world": setup.world, "device_memory_gib": gib(device_bytes), "accelerator": accel},
-                "zero_stage": stage, "activation_checkpointing": ac, "micro_batch": micro, "seq_len": cfg.seq_len,
+                "zero_stage": stage, "activation_checkpointing": ac, "micro_batch": micro, "seq_len": cfg.data.seq_len,
                 "memory_per_gpu_gib": gib(m.total), "fits": False,
                 "headroom_gib": round(gib(device_bytes) - gib(m.total), 2),
-                "would_fit": alternatives(model_args, setup, stage, micro, cfg.seq_len, ac)}
+                "would_fit": alternatives(model_args, setup, stage, micro, cfg.data.seq_len, ac)}
         raise UsageError(f"{verdict(plan)} [{what}; `zerotrain plan` for the table; --no-fit-check to try anyway]")
     host_check(model_args, replace(setup, host_bytes=hardware.available_ram()), stage_key(ds_config), micro,
-               cfg.seq_len, ac, ds_config.get("gradient_accumulation_steps", 1), "this node's RAM available now")
+               cfg.data.seq_len, ac, ds_config.get("gradient_accumulation_steps", 1), "this node's RAM available now")
     return m
 
 
@@ -87,15 +87,15 @@ def size_auto_micro_batch(profile: dict, cfg, model_args, knobs: dict, world: in
     so a step trains the same rows on a 24 GiB and an 8 GiB GPU, only split differently. Any other profile: unchanged.
     The run (run_plan.plan), --dry-run and `zerotrain plan` all size it here."""
     if profile.get("train_micro_batch_size_per_gpu") != "auto" or profile.get("gradient_accumulation_steps") != "auto" \
-            or getattr(cfg, "micro_batch", None) is not None:
+            or cfg.schedule.micro_batch is not None:
         return profile
-    setup = hardware.setup_from(profile, knobs, world=world, nodes=1, optimizer=getattr(cfg, "optimizer", None),
-                                args=model_args, attention=getattr(cfg, "attention", None))
-    fits = max_micro_batch(model_args, setup, stage_key(profile), cfg.seq_len,
+    setup = hardware.setup_from(profile, knobs, world=world, nodes=1, optimizer=cfg.schedule.optimizer,
+                                args=model_args, attention=cfg.parallel.attention)
+    fits = max_micro_batch(model_args, setup, stage_key(profile), cfg.data.seq_len,
                            bool(knobs.get("activation_checkpointing")))
     micro = 1
     while micro * 2 <= min(fits, AUTO_ROWS):
         micro *= 2
     return {**profile, "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": "auto" if cfg.grad_accum is not None or cfg.global_batch_tokens is not None
+            "gradient_accumulation_steps": "auto" if cfg.schedule.grad_accum is not None or cfg.schedule.global_batch_tokens is not None
             else AUTO_ROWS // micro}

@@ -13,6 +13,6 @@ def check_sequence_parallel_plan(cfg: RunConfig, settings, model_args, world: in
     """--sequence-parallel N checked against the launch and the model (UsageError, one line, before anything
     is written): planning.check_sequence_parallel."""
     sp = settings.sequence_parallel
-    check_sequence_parallel(sp, f"--sequence-parallel {sp} ({settings.sources['sequence_parallel']})", cfg.seq_len,
+    check_sequence_parallel(sp, f"--sequence-parallel {sp} ({settings.sources['sequence_parallel']})", cfg.data.seq_len,
                             model_args, world, one_rank)
     return sp

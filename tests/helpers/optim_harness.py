@@ -138,23 +138,23 @@ def reference_update(name, hp, cfg, ds_config):
     """update(param_name, p, g, state, lr_multiplier) for the optimizer `name` with its resolved args."""
     if name in (None, "adamw"):
         prm = ds_config["optimizer"]["params"]
-        return lambda n, p, g, st, f: adamw_step(p, g, st, cfg.lr * f, prm["betas"], prm["eps"], prm["weight_decay"])
+        return lambda n, p, g, st, f: adamw_step(p, g, st, cfg.schedule.lr * f, prm["betas"], prm["eps"], prm["weight_decay"])
     if name == "muon":
         def update(n, p, g, st, f):
             if p.dim() >= 2 and "embed" not in n and "lm_head" not in n:
-                muon_step(p, g, st, cfg.lr * f, hp["momentum"], hp["weight_decay"])
+                muon_step(p, g, st, cfg.schedule.lr * f, hp["momentum"], hp["weight_decay"])
             else:
                 adamw_step(p, g, st, hp["adam_lr"] * f, hp["betas"], hp["eps"], hp["weight_decay"])
         return update
     if name == "lion":
-        return lambda n, p, g, st, f: lion_step(p, g, st, cfg.lr * f, hp["betas"], hp["weight_decay"])
+        return lambda n, p, g, st, f: lion_step(p, g, st, cfg.schedule.lr * f, hp["betas"], hp["weight_decay"])
     if name == "adamw-decaying-wd":
-        ts = hp["wd_timescale"] or max(1, cfg.max_steps // 10)
-        return lambda n, p, g, st, f: decaying_wd_step(p, g, st, cfg.lr * f, cfg.lr, hp["betas"], hp["eps"],
+        ts = hp["wd_timescale"] or max(1, cfg.schedule.max_steps // 10)
+        return lambda n, p, g, st, f: decaying_wd_step(p, g, st, cfg.schedule.lr * f, cfg.schedule.lr, hp["betas"], hp["eps"],
                                                        hp["weight_decay"], ts)
     if name == "ademamix":
-        warm = hp["warmup_steps"] or cfg.max_steps
-        return lambda n, p, g, st, f: ademamix_step(p, g, st, cfg.lr * f, hp["betas"], hp["alpha"], warm, hp["eps"],
+        warm = hp["warmup_steps"] or cfg.schedule.max_steps
+        return lambda n, p, g, st, f: ademamix_step(p, g, st, cfg.schedule.lr * f, hp["betas"], hp["alpha"], warm, hp["eps"],
                                                     hp["weight_decay"])
     raise ValueError(name)
 
@@ -234,7 +234,7 @@ def spec(stage: int, opt_spec: str, world: int):
     """The engine's EngineSpec (launcher/components/engine.py) for the debug model at `stage` with the
     optimizer `opt_spec` (its arguments after '='), the cpu profile's other settings."""
     from zerotrain.launcher.components.engine import EngineSpec
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.profiles import load_profile, resolve_ds_config
     from zerotrain.modeling.model import preset
 
@@ -249,7 +249,7 @@ def spec(stage: int, opt_spec: str, world: int):
     _, profile = load_profile("cpu")
     profile["zero_optimization"]["stage"] = stage
     ds_config = resolve_ds_config(profile, cfg, world, f"cpu at stage {stage}")
-    return EngineSpec(ds_config, preset("debug", max_seq_len=SEQ_LEN), seed=cfg.seed, run=cfg)
+    return EngineSpec(ds_config, preset("debug", max_seq_len=SEQ_LEN), seed=cfg.run.seed, run=cfg)
 
 
 def build(stage: int, opt_spec: str, world: int):
@@ -287,9 +287,9 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
     cfg, ds_config, model, engine, init = build(stage, opt_spec, world)
     build_s = time.time() - t0
     args = preset("debug", max_seq_len=SEQ_LEN)
-    _, hp = resolve(cfg.optimizer, cfg.optimizer_args)
-    update = reference_update(cfg.optimizer, hp, cfg, ds_config)
-    sched = Schedule(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+    _, hp = resolve(cfg.schedule.optimizer, cfg.schedule.optimizer_args)
+    update = reference_update(cfg.schedule.optimizer, hp, cfg, ds_config)
+    sched = Schedule(cfg.schedule.lr, cfg.schedule.min_lr, cfg.schedule.warmup_steps, cfg.schedule.max_steps)
     clip = ds_config.get("gradient_clipping", 0.0)
     ref = contrast_ref = None
     if rank == 0:  # the same for every stage (same start, data, schedule): computed once per optimizer
@@ -297,10 +297,10 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
         if key not in REFERENCES:
             REFERENCES[key] = reference_run(args, init, world, update, sched, clip)
         ref = REFERENCES[key]
-    if rank == 0 and cfg.optimizer not in (None, "adamw") and (opt_spec, clip, "wrong") not in REFERENCES:
+    if rank == 0 and cfg.schedule.optimizer not in (None, "adamw") and (opt_spec, clip, "wrong") not in REFERENCES:
         # What a wrong rule would score: AdamW (the profile's betas, eps, weight decay) on every
         # tensor at that tensor's lr; for Muon, DeepSpeed's silent fallback (all AdamW at adam_lr).
-        wrong_lr = hp["adam_lr"] if cfg.optimizer == "muon" else cfg.lr
+        wrong_lr = hp["adam_lr"] if cfg.schedule.optimizer == "muon" else cfg.schedule.lr
         REFERENCES[opt_spec, clip, "wrong"] = reference_run(args, init, world, lambda n, p, g, st, f: adamw_step(
             p, g, st, wrong_lr * f, [0.9, 0.95], 1e-8, 0.1), sched, clip)
     if rank == 0:
@@ -315,7 +315,7 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
                 if contrast_ref is not None:
                     contrast.append(max(rel_errors(now, contrast_ref[s], init).values()))
     train_s = time.time() - t1
-    result = {"lr": cfg.lr, "hp": hp, "build_s": round(build_s, 2), "train_s": round(train_s, 2), "losses": losses,
+    result = {"lr": cfg.schedule.lr, "hp": hp, "build_s": round(build_s, 2), "train_s": round(train_s, 2), "losses": losses,
               "state_bytes_per_param": state_bytes_per_param(engine),
               "optimizer_class": type(engine.basic_optimizer).__name__, "ds_optimizer": ds_config.get("optimizer"),
               "gradient_clipping": clip}
@@ -371,7 +371,7 @@ def against_the_run(mix: str, world: int, rank: int, work: Path) -> dict:
     import torch.distributed as dist
 
     from zerotrain.launcher.components.engine import build_engine, spec_from_plan
-    from zerotrain.launcher.config import config_from
+    from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.run_plan import plan_run
 
     values = {"data": mix, "model": "debug", "profile": "cpu", "seq_len": SEQ_LEN, "micro_batch": MICRO,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import dataclasses
 import gc
 import os
 import shutil
@@ -35,7 +34,8 @@ from zerotrain.launcher.components.hooks import TestHooks
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.components.process_group import init_process_group, rendezvous_store
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
-from zerotrain.launcher.config import resolve_config
+from zerotrain.launcher.config import with_values
+from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.ends import EXIT_PREFLIGHT_FAILED, EXIT_USAGE
 from zerotrain.launcher.errors import UsageError, ZerotrainError, fail
 from zerotrain.launcher.hparams import size_in_tokens
@@ -124,7 +124,7 @@ class Preflight:
         # the run's length and warmup when given in tokens (the rehearsal's steps follow the run's)
         self.cfg = size_in_tokens(self.cfg, resolve_ds_config(self.profile, self.cfg, self.world,
                                                               f"profile {self.profile_name}")["train_batch_size"]
-                                  * self.cfg.seq_len)
+                                  * self.cfg.data.seq_len)
         self.settings = ident.settings  # the run's own: the process group gets the run's comm timeout
         self.model_args = ident.model_args  # v1's sequence-parallel check splits its heads
         self.root = self.run_dir / "preflight"
@@ -316,7 +316,7 @@ class Preflight:
         base = dict(out=str(scratch), run_id=name, resume="never", mirror=None, log=None, max_hours=None,
                     total_tokens=None, budget_usd=None, early_stop_patience=None, keep_last=0, golden=None,
                     golden_strict=None)
-        return dataclasses.replace(self.cfg, **{**base, **changes})
+        return with_values(self.cfg, {**base, **changes})
 
     def build(self, plan):
         trainer = Trainer(plan)

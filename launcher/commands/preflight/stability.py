@@ -29,6 +29,7 @@ from zerotrain.launcher.commands.preflight.measure import all_to_all_seconds, ma
 from zerotrain.launcher import planning
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.evaluate import Evaluator
+from zerotrain.launcher.config import with_values
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.profiles import precision, resolve_ds_config
 from zerotrain.launcher.sequence.checks import check_sequence_parallel_plan
@@ -129,7 +130,7 @@ class Stability:
         mpu, exchange = sequence_groups(sp)  # the groups the engine builder uses (made once per process)
         group = mpu.get_sequence_parallel_group()
         kv = max(args.n_kv_heads, sp)  # fewer kv heads than N are repeated before the exchange
-        shapes = [(sp, micro, cfg.seq_len // sp, heads // sp, args.head_dim) for heads in (args.n_heads, kv, kv,
+        shapes = [(sp, micro, cfg.data.seq_len // sp, heads // sp, args.head_dim) for heads in (args.n_heads, kv, kv,
                                                                                            args.n_heads)]
 
         def synchronize():
@@ -137,7 +138,7 @@ class Stability:
             dist.barrier(group=group)
 
         seconds = all_to_all_seconds(exchange, shapes, dtype, pf.accel.current_device_name(), synchronize)
-        sent = planning.all_to_all_bytes(args, micro, cfg.seq_len, dtype.itemsize, sp, False).forward
+        sent = planning.all_to_all_bytes(args, micro, cfg.data.seq_len, dtype.itemsize, sp, False).forward
         local = int(os.environ.get("LOCAL_WORLD_SIZE", pf.world))
         nodes = max(1, pf.world // max(1, local))
         setup = planning.setup_from(ds, {**pf.settings.values, "sequence_parallel": sp}, world=pf.world, nodes=nodes,
@@ -154,7 +155,7 @@ class Stability:
         if slower:
             planned += (f"; measured at {slower:.3g}x below the profile's link, so the plan's all-to-all time is"
                         f" optimistic: set {key} to {measured / 1e9:.3g}, or find the slow link")
-        detail = (f"N = {sp} divides the world ({pf.world}), --seq-len {cfg.seq_len}, heads {args.n_heads} and kv heads"
+        detail = (f"N = {sp} divides the world ({pf.world}), --seq-len {cfg.data.seq_len}, heads {args.n_heads} and kv heads"
                   f" {args.n_kv_heads}; one layer's forward all-to-all (q, k, v, output, {str(dtype)[6:]}, micro-batch"
                   f" {micro}): {seconds * 1e3:.3g} ms, {sent / 1e6:.3g} MB sent per rank = {measured / 1e9:.3g}"
                   f" GB/s; {planned}")
@@ -164,9 +165,9 @@ class Stability:
 
     def c_data(self):
         """The data read the way training reads it, on every rank (nodes may have their own disks)."""
-        tokenizer = load_tokenizer(self.pf.cfg.tokenizer)
+        tokenizer = load_tokenizer(self.pf.cfg.data.tokenizer)
         parts = []
-        for path in [self.pf.cfg.data] + ([self.pf.cfg.eval_data] if self.pf.cfg.eval_data else []):
+        for path in [self.pf.cfg.data.path] + ([self.pf.cfg.eval.eval_data] if self.pf.cfg.eval.eval_data else []):
             data = open_data(path, tokenizer)
             if data.kind == "shards":
                 results = shards.verify(Path(data.path), data.manifest, tokenizer)
@@ -227,7 +228,7 @@ class Stability:
         found = checkpoint.find_resume(tag.parent, None, say=lambda *_: None)  # the resume path: files verified
         if found != tag:
             return False, f"resume would start from {found}, not {tag}", {}
-        cfg = dataclasses.replace(self.plan_a.cfg, resume="auto", max_steps=2)
+        cfg = with_values(self.plan_a.cfg, {"resume": "auto", "max_steps": 2})
         b = self.b = self.pf.build(dataclasses.replace(self.plan_a, cfg=cfg, resume_from=found,
                                                        resume_meta=checkpoint.read_meta(found)))
         if self.pf.hooks.preflight_readback == "perturb":  # test hook: a read-back that differs from what was written
@@ -253,7 +254,7 @@ class Stability:
         evaluator, what = b.evaluator, "the run's eval rows"
         if evaluator is None:  # the run evaluates nothing: rows of the training mix
             plan, micro = b.plan, b.plan.ds_config["train_micro_batch_size_per_gpu"]
-            rows = mix_rows(plan.data, self.pf.cfg.seq_len, self.pf.cfg.seq_len * micro * plan.data_world)
+            rows = mix_rows(plan.data, self.pf.cfg.data.seq_len, self.pf.cfg.data.seq_len * micro * plan.data_world)
             # by row group, as the Trainer builds its own: a sequence-parallel group's ranks share each row
             evaluator = Evaluator(rows, plan.data_rank, plan.data_world, micro, plan.sequence_parallel,
                                   self.pf.rank % plan.sequence_parallel)

@@ -119,7 +119,7 @@ class Throughput:
             if refusal:
                 row["skipped"] = ran_out = f"the planner says it does not fit ({refusal[:200]})"
                 continue
-            row.update(self.measure(dataclasses.replace(self.base, cfg=cfg, ds_config=ds, run_dir=Path(cfg.out) / name,
+            row.update(self.measure(dataclasses.replace(self.base, cfg=cfg, ds_config=ds, run_dir=Path(cfg.run.out) / name,
                                                         eval_rows=None, resume_from=None, resume_meta=None), name))
             if row.get("oom"):
                 ran_out = f"micro-batch {m} ran out of memory"
@@ -147,7 +147,7 @@ class Throughput:
         self.pf.fresh_peaks()
         try:
             trainer = self.pf.build(plan)
-            trainer.loader = self.pf.hooks.preflight_loader(trainer.loader, self.pf.rank, plan.cfg.micro_batch)
+            trainer.loader = self.pf.hooks.preflight_loader(trainer.loader, self.pf.rank, plan.cfg.schedule.micro_batch)
             trainer.train()
         except RuntimeError as e:  # torch.OutOfMemoryError is one; the CPU allocator words it differently
             if "out of memory" not in str(e).lower() and "can't allocate memory" not in str(e):
@@ -158,11 +158,11 @@ class Throughput:
         # the others may still be inside the step's collectives
         if self.pf.outcomes(name, "oom" if oom else "ok") is None:
             if not oom:
-                raise RuntimeError(f"another rank did not finish micro-batch {plan.cfg.micro_batch}")
-            self.pf.end_after_oom(f"micro-batch {plan.cfg.micro_batch} ran out of memory here while another rank"
+                raise RuntimeError(f"another rank did not finish micro-batch {plan.cfg.schedule.micro_batch}")
+            self.pf.end_after_oom(f"micro-batch {plan.cfg.schedule.micro_batch} ran out of memory here while another rank"
                                   " was still inside the step's collectives; pre-flight ends now rather than at the"
                                   f" comm timeout ({self.pf.settings.comm_timeout_s:g} s): sweep micro-batches below"
-                                  f" {plan.cfg.micro_batch} (--sweep)")
+                                  f" {plan.cfg.schedule.micro_batch} (--sweep)")
         self.pf.release(trainer)
         every = self.pf.gather((oom, self.pf.accel.max_memory_allocated() if gpu else (peak_rss() or 0)))
         self.pf.drop_checkpoints(name)
@@ -180,7 +180,7 @@ class Throughput:
 
     def c_loader(self, mine):
         base, cfg = self.base, self.base.cfg
-        loader = slowed(Batches(base.data, self.pf.rank, self.pf.world, cfg.seed, cfg.seq_len,
+        loader = slowed(Batches(base.data, self.pf.rank, self.pf.world, cfg.run.seed, cfg.data.seq_len,
                                 base.ds_config["train_micro_batch_size_per_gpu"], base.loader_settings,
                                 base.loader_settings["packing"]), self.pf.hooks)
         loader.next()  # start-up (worker processes) is not the steady rate

@@ -11,6 +11,8 @@ import statistics
 import time
 from pathlib import Path
 
+from zerotrain.launcher.config_resolve import drift as config_drift
+from zerotrain.launcher.config_resolve import identity_hash
 from zerotrain.launcher.errors import UsageError
 from zerotrain.reading import read_json_object
 
@@ -64,7 +66,7 @@ def make_golden(records: list[dict], cfg, world: int, profile: str, device: str,
     steps, window = golden_steps(n_steps)
     points = [f for f in (window_figures(by_step, s, window) for s in steps) if f is not None]
     return {"format": GOLDEN_FORMAT, "version": GOLDEN_VERSION, "tolerance": TOLERANCE, "window": window,
-            "run": cfg.to_dict(), "identity_hash": cfg.identity_hash(), "world_size": world, "profile": profile,
+            "run": cfg.to_dict(), "identity_hash": identity_hash(cfg), "world_size": world, "profile": profile,
             "device": device, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "steps": points}
 
 
@@ -109,7 +111,7 @@ class GoldenCheck:
             if isinstance(raw.get(key), bool) or not isinstance(raw.get(key), (int, float)) or raw[key] <= 0:
                 raise UsageError(f"{where}: damaged golden file ({key} missing or not a positive number)")
         try:
-            drift = cfg.drift(raw["run"])
+            drift = config_drift(cfg, raw["run"])
         except TypeError as e:  # a value the RunConfig cannot hold
             raise UsageError(f"{where}: damaged golden file ({e})") from None
         if world is not None and raw["world_size"] != world:

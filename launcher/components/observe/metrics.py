@@ -128,7 +128,7 @@ def wandb_init_args(run_dir: Path, cfg, environ=None) -> dict:
     environ = os.environ if environ is None else environ
 
     def pick(flag, var, default):
-        return getattr(cfg, flag, None) if flag and getattr(cfg, flag, None) else environ.get(var) or default
+        return getattr(cfg.observe, flag) if flag and getattr(cfg.observe, flag) else environ.get(var) or default
 
     return dict(project=pick("wandb_project", "WANDB_PROJECT", "zerotrain"),
                 entity=pick("wandb_entity", "WANDB_ENTITY", None), group=pick("wandb_group", "WANDB_RUN_GROUP", None),
@@ -191,7 +191,7 @@ class MetricsLogger:
     """`log(record)` for step records, `event(kind, step, **info)` for resumes, rollbacks and stops.
 
     `MetricsLogger(run_dir, is_main, cfg)`: rank 0 (is_main) writes metrics.jsonl and the sinks
-    named by `cfg.log`; other ranks write nothing. Without cfg: metrics.jsonl only."""
+    named by `cfg.observe.log`; other ranks write nothing. Without cfg: metrics.jsonl only."""
 
     def __init__(self, run_dir: Path, is_main: bool, cfg=None, say=None):
         run_dir = Path(run_dir)
@@ -200,7 +200,7 @@ class MetricsLogger:
         if not is_main:
             return
         self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-        for name in parse_sinks(getattr(cfg, "log", None))[1:]:
+        for name in parse_sinks(cfg.observe.log)[1:]:
             try:
                 self.sinks.append(TensorBoardSink(run_dir / "tensorboard") if name == "tensorboard"
                                   else WandbSink(run_dir, cfg, say))

@@ -18,7 +18,7 @@ class EarlyStop(Participant):
 
     @classmethod
     def from_run(cls, run: Run) -> "EarlyStop":
-        return cls(run.cfg.early_stop_patience)
+        return cls(run.cfg.eval.early_stop_patience)
 
     def observe(self, step: StepState) -> None:
         if self.early is not None and step.val is not None and "val_loss" in step.val:

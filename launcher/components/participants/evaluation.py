@@ -25,7 +25,7 @@ class Evaluation(Participant):
 
     @classmethod
     def from_run(cls, run: Run) -> "Evaluation":
-        return cls(run.evaluator, run.cfg.eval_every_steps, run.engine, clock=run.clock, checkpointer=run.checkpointer,
+        return cls(run.evaluator, run.cfg.eval.eval_every_steps, run.engine, clock=run.clock, checkpointer=run.checkpointer,
                    chooses_best=run.plan.best_higher is None)
 
     def observe(self, step: StepState) -> None:

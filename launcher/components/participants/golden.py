@@ -25,7 +25,7 @@ class GoldenWatch(Participant):
     def from_run(cls, run: Run) -> "GoldenWatch | None":
         if run.plan.golden is None:  # no --golden
             return None
-        return cls(run.plan.golden, run.cfg.golden_strict, run.dist, clock=run.clock, say=run.say,
+        return cls(run.plan.golden, run.cfg.observe.golden_strict, run.dist, clock=run.clock, say=run.say,
                    metrics=run.metrics)
 
     def logged(self, step: StepState) -> StopRun | None:

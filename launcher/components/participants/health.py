@@ -27,7 +27,7 @@ class HealthWatch(Participant):
     def from_run(cls, run: Run) -> "HealthWatch":
         def build() -> HealthCheck:  # rank 0 judges; every rank's step times ride on the step's gather
             return HealthCheck.from_settings(run.plan.settings, world=run.world, tokens_per_step=run.tokens_per_step,
-                                            flops_per_token=flops_per_token(run.plan.model_args, run.cfg.seq_len))
+                                            flops_per_token=flops_per_token(run.plan.model_args, run.cfg.data.seq_len))
         return cls(run.clock, build if run.is_main else None, run.say, run.metrics)
 
     def fields(self) -> list[Field]:

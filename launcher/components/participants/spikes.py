@@ -25,7 +25,7 @@ class Spikes(Participant):
 
     @classmethod
     def from_run(cls, run: Run) -> "Spikes":
-        return cls(run.state, run.cfg.on_spike, run.say)
+        return cls(run.state, run.cfg.observe.on_spike, run.say)
 
     def observe(self, step: StepState):
         if not self.detector.update(step.loss):

@@ -19,9 +19,9 @@ class TorchProfile(Participant):
 
     @classmethod
     def from_run(cls, run: Run) -> "TorchProfile | None":
-        if not run.cfg.torch_profile:
+        if not run.cfg.observe.torch_profile:
             return None
-        return cls(run, *torch_profile_window(run.cfg.torch_profile))
+        return cls(run, *torch_profile_window(run.cfg.observe.torch_profile))
 
     def open(self) -> None:
         if self.run.state.step >= self.start:  # a resume past the window: nothing to profile
