@@ -66,7 +66,8 @@ class ModelConfig:
     """The model: a preset, a size rule, or a checkpoint to start from, and its architecture's options."""
 
     preset: str | None = opt(None, 'a named preset (zerotrain.modeling.model.PRESETS); default debug when no other '
-                                   'way to pick the model is given (--depth, --scaling-rule, --init-from)', flat='model')
+                                   'way to pick the model is given (--depth, --scaling-rule, --init-from)',
+                             flat="model")
     depth: int | None = opt(None, 'the depth rule: dim = depth x aspect ratio', IDENTITY_WHEN_SET)
     aspect_ratio: int | None = opt(None, 'with --depth (default 64)', IDENTITY_WHEN_SET)
     head_dim: int | None = opt(None, 'with --depth (default 128)', IDENTITY_WHEN_SET)
@@ -94,20 +95,23 @@ class DataConfig:
     swap_tokenizer: bool | None = opt(None, "with --init-from and a --tokenizer whose vocabulary is not the model's: "
                                             'train on it anyway (refused without this flag)', RUN)
     seq_len: int = opt(256, 'tokens per packed row')
-    packing: str | None = opt(None, 'best-fit (default) or greedy; see dataio/packing.py', IDENTITY_WHEN_SET, choices=('best-fit', 'greedy'))
+    packing: str | None = opt(None, 'best-fit (default) or greedy; see dataio/packing.py', IDENTITY_WHEN_SET,
+                              choices=("best-fit", "greedy"))
     piece_len: int | None = opt(None, 'cut documents longer than this into pieces (dataio; default derived from '
                                       '--seq-len)', IDENTITY_WHEN_SET)
     log_data_every_steps: int = opt(100, 'log the realised token share per source every N steps (0: never)', RUN)
     verify_data: str | None = opt(None, 'prepared shards at start-up: quick (default: manifest, sizes, headers and '
                                         'offsets every start; sha256 once per node, remembered by file identity) or '
-                                        'full (every byte hashed by every rank, every start)', RUN, choices=('quick', 'full'))
+                                        'full (every byte hashed by every rank, every start)', RUN,
+                                  choices=("quick", "full"))
     max_epochs: float | None = opt(None, 'refuse a run that reads any source more than E times (default: the '
                                          "profile's zerotrain.max_epochs, else no limit; above 4 a warning)", RUN)
 
 
 @dataclass
 class ScheduleConfig:
-    """The batch, the run's length, the optimizer and its learning-rate schedule (launcher/hparams.py resolves what is left open)."""
+    """The batch, the run's length, the optimizer and its learning-rate schedule (launcher/hparams.py resolves what
+    is left open)."""
 
     micro_batch: int | None = opt(None, "rows per rank per forward (default: the profile's)")
     grad_accum: int | None = opt(None, "micro-batches per optimizer step (default: the profile's, or derived from "
@@ -131,7 +135,8 @@ class ScheduleConfig:
     shape: str | None = opt(None, 'after warmup, cosine (default): decay to --min-lr at --max-steps; wsd '
                                   '(warmup-stable-decay): hold the peak, then decay linearly over the last '
                                   '--decay-fraction of the steps. A wsd run resumed in its stable phase with a '
-                                  'larger --max-steps re-plans its decay; a cosine one keeps its length', IDENTITY_WHEN_SET, choices=('cosine', 'wsd'), flat='schedule')
+                                  'larger --max-steps re-plans its decay; a cosine one keeps its length',
+                            IDENTITY_WHEN_SET, choices=("cosine", "wsd"), flat="schedule")
     decay_fraction: float | None = opt(None, 'with --schedule wsd: the fraction of --max-steps spent decaying '
                                              '(default 0.2)', IDENTITY_WHEN_SET)
     optimizer: str | None = opt(None, "adamw (default: the profile's), muon, lion, adamw-decaying-wd, ademamix, or "
@@ -185,7 +190,8 @@ class ParallelConfig:
                                      'else off', IDENTITY_WHEN_SET)
     attention: str | None = opt(None, 'attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex '
                                       "or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else "
-                                      'auto. The same math whichever runs: not part of the run id', RUN, choices=ATTENTION_BACKENDS)
+                                      'auto. The same math whichever runs: not part of the run id', RUN,
+                                choices=ATTENTION_BACKENDS)
     deterministic: bool | None = opt(None, 'deterministic kernels: torch.use_deterministic_algorithms (flash and '
                                            'varlen attention take their deterministic backward) and a fixed cuBLAS '
                                            'workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8); slower on a GPU (no effect '
@@ -246,7 +252,8 @@ class ObserveConfig:
     golden: str | None = opt(None, 'a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak '
                                    'memory at its golden steps is more than 10% off (another config is refused)', RUN)
     golden_strict: bool | None = opt(None, 'with --golden: stop (checkpoint saved, exit 8) instead of warning', RUN)
-    on_spike: str = opt('warn', 'on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint', RUN, choices=('warn', 'stop', 'rollback'))
+    on_spike: str = opt('warn', 'on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint', RUN,
+                        choices=("warn", "stop", "rollback"))
     hang_timeout: float | None = opt(None, "seconds a rank may stay in one phase (data, compute, the step's "
                                            "collective, eval, save, ...) before its watchdog dumps every rank's "
                                            'stacks to RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the '

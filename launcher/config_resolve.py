@@ -55,14 +55,15 @@ def validate(cfg: RunConfig) -> None:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                               or v <= 0):
             raise UsageError(f"{flag(name)}: must be a positive number, got {v!r}")
-    if cfg.schedule.lr is not None and cfg.schedule.min_lr is not None:  # else checked once resolved (launcher/hparams.py)
+    if cfg.schedule.lr is not None and cfg.schedule.min_lr is not None:  # else checked once resolved (hparams.py)
         check_schedule(cfg)
     if cfg.schedule.warmup_tokens is not None and cfg.schedule.warmup_steps is not None:
         raise UsageError("--warmup-tokens and --warmup-steps: give one, the other is derived")
     if cfg.schedule.grad_accum is not None and cfg.schedule.global_batch_tokens is not None:
         raise UsageError("--grad-accum and --global-batch-tokens: give one, the other is derived")
     if cfg.checkpoints.resume not in ("auto", "never") and not Path(cfg.checkpoints.resume).exists():
-        raise UsageError(f"--resume {cfg.checkpoints.resume}: no such checkpoint (use auto, never or a checkpoint path)")
+        raise UsageError(f"--resume {cfg.checkpoints.resume}: no such checkpoint (use auto, never or a checkpoint"
+                         " path)")
     if cfg.run.run_id is not None and (not cfg.run.run_id or "/" in cfg.run.run_id or cfg.run.run_id.startswith(".")):
         raise UsageError(f"--run-id {cfg.run.run_id!r}: must be a plain directory name")
     if Path(cfg.run.out).exists() and not Path(cfg.run.out).is_dir():
@@ -84,11 +85,12 @@ def validate(cfg: RunConfig) -> None:
         raise UsageError(f"--deterministic: must be true or false, got {cfg.parallel.deterministic!r}")
     if cfg.data.verify_data not in (None, "quick", "full"):
         raise UsageError(f"--verify-data: must be quick or full, got {cfg.data.verify_data!r}")
-    if cfg.observe.golden_strict is not None and not isinstance(cfg.observe.golden_strict, bool):  # pre-flight's golden steps
+    if cfg.observe.golden_strict is not None and not isinstance(cfg.observe.golden_strict, bool):  # golden steps
         raise UsageError(f"--golden-strict: must be true or false, got {cfg.observe.golden_strict!r}")
     if cfg.observe.golden_strict and cfg.observe.golden is None:
         raise UsageError("--golden-strict: needs --golden PATH (a golden.json from `zerotrain preflight --stage v3`)")
-    if cfg.checkpoints.mirror is not None and Path(cfg.checkpoints.mirror).exists() and not Path(cfg.checkpoints.mirror).is_dir():
+    mirror = cfg.checkpoints.mirror
+    if mirror is not None and Path(mirror).exists() and not Path(mirror).is_dir():
         raise UsageError(f"--mirror {cfg.checkpoints.mirror}: exists and is not a directory")
     if cfg.parallel.nvme_path is not None:
         check_nvme_dir(cfg.parallel.nvme_path, "--nvme-path")
@@ -99,10 +101,12 @@ def validate(cfg: RunConfig) -> None:
             raise UsageError(f"--torch-profile: {e}") from None
     _resolve_tokenizer(cfg)
     # normalised, so `adamw` keeps the default's id
-    cfg.schedule.optimizer, cfg.schedule.optimizer_args = check_optimizer(cfg.schedule.optimizer, cfg.schedule.optimizer_args)
+    cfg.schedule.optimizer, cfg.schedule.optimizer_args = check_optimizer(cfg.schedule.optimizer,
+                                                                          cfg.schedule.optimizer_args)
     if "wandb" in parse_sinks(cfg.observe.log) and cfg.run.run_id and any(c in WANDB_RESERVED for c in cfg.run.run_id):
         raise UsageError(f"--run-id {cfg.run.run_id!r}: --log wandb uses it as the W&B run id, which cannot"
                          f" contain any of {WANDB_RESERVED}")
+
 
 def _resolve_tokenizer(cfg: RunConfig) -> None:
     """With --init-from, the model's own tokenizer unless --tokenizer is given (launcher/model_spec.py)."""
@@ -118,11 +122,13 @@ def _resolve_tokenizer(cfg: RunConfig) -> None:
     if given is None and cfg.sources is not None:
         cfg.sources["tokenizer"] = settings.INIT_FROM
 
+
 def _tokenizer_given(cfg: RunConfig) -> str | None:
     """--tokenizer as given (flag, recipe, keyword), or None when it was left to its default."""
     if cfg.sources is not None:
         return cfg.data.tokenizer if cfg.sources.get("tokenizer") in settings.GIVEN else None
     return cfg.data.tokenizer if cfg.data.tokenizer != "bytes" else None
+
 
 def config_warnings(cfg: RunConfig) -> list[str]:
     out = []
@@ -130,9 +136,11 @@ def config_warnings(cfg: RunConfig) -> list[str]:
         _, swapped = model_spec.init_from_tokenizer(cfg.model.init_from, _tokenizer_given(cfg), True)
         out += [swapped] if swapped else []
     if cfg.schedule.warmup_steps is not None and cfg.schedule.warmup_steps >= cfg.schedule.max_steps:
-        out.append(f"--warmup-steps {cfg.schedule.warmup_steps} >= --max-steps {cfg.schedule.max_steps}: the learning rate never"
+        out.append(f"--warmup-steps {cfg.schedule.warmup_steps} >= --max-steps {cfg.schedule.max_steps}: the learning"
+                   " rate never"
                    " reaches its peak and never decays")
     return out
+
 
 def identity(cfg: RunConfig, partial: bool = False) -> dict:
     """What defines the training (not how long, where, or how it is watched): hashed, and drift-checked.
@@ -160,10 +168,13 @@ def identity(cfg: RunConfig, partial: bool = False) -> dict:
         d.pop("eval_tokens", None)
     return d
 
+
 def identity_hash(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(identity(cfg), sort_keys=True).encode()).hexdigest()[:8]
 
-def drift(cfg: RunConfig, saved_run: dict, saved_sources: dict | None = None, resolved: dict | None = None) -> list[str]:
+
+def drift(cfg: RunConfig, saved_run: dict, saved_sources: dict | None = None,
+          resolved: dict | None = None) -> list[str]:
     """Identity fields that differ from a saved config.json's "run" section (its "run_sources": where each
     resolved value came from), as 'key old -> new'. `resolved`: this run's values of fields it leaves unset
     (run_plan.SPELLED_DEFAULTS); the saved run's value given equal to one of them is not drift."""

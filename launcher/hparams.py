@@ -124,13 +124,13 @@ def resolve_hparams(cfg, profile_name: str | None = None, profile: dict | None =
         sources["max_steps"] = "default"
     if cfg.schedule.warmup_steps is None:
         if cfg.schedule.warmup_tokens is not None:  # provisional until the tokens per step are known (size_in_tokens)
-            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.schedule.max_steps)), \
-                RULE_WARMUP_TOKENS
+            values["warmup_steps"], sources["warmup_steps"] = \
+                warmup_rule(values.get("max_steps", cfg.schedule.max_steps)), RULE_WARMUP_TOKENS
         elif "warmup_steps" in sched:
             values["warmup_steps"], sources["warmup_steps"] = sched["warmup_steps"], f"{where}: scheduler warmup_num_steps"
         else:
-            values["warmup_steps"], sources["warmup_steps"] = warmup_rule(values.get("max_steps", cfg.schedule.max_steps)), \
-                RULE_WARMUP
+            values["warmup_steps"], sources["warmup_steps"] = \
+                warmup_rule(values.get("max_steps", cfg.schedule.max_steps)), RULE_WARMUP
     schedule = cfg.schedule.shape or "cosine"
     if schedule == "cosine":
         values["schedule"] = None  # the default, spelled out or not: the same run id
@@ -166,8 +166,8 @@ def size_in_tokens(cfg, tokens_per_step: int, resumed: tuple[int, int] | None = 
         if resumed is not None:
             step, seen = resumed
             values["max_steps"] = step + steps_for(max(0, cfg.schedule.total_tokens - seen), tokens_per_step)
-            sources["max_steps"] = (f"{RULE_MAX_STEPS}: step {step:,} + {max(0, cfg.schedule.total_tokens - seen):,} tokens"
-                                    f" left / {tokens_per_step:,}")
+            left = max(0, cfg.schedule.total_tokens - seen)
+            sources["max_steps"] = f"{RULE_MAX_STEPS}: step {step:,} + {left:,} tokens left / {tokens_per_step:,}"
         else:
             values["max_steps"] = steps_for(cfg.schedule.total_tokens, tokens_per_step)
     warmup_source = sources.get("warmup_steps", "")
@@ -215,13 +215,14 @@ def describe_length(cfg, tokens_per_step: int, step: int = 0, tokens_seen: int =
     end, ender = run_end(cfg, tokens_per_step, step, tokens_seen)
     tokens = run_tokens(cfg, tokens_per_step, step, tokens_seen)
     per = f"{tokens_per_step:,} tokens per step"
+    total, max_steps = cfg.schedule.total_tokens, cfg.schedule.max_steps
     if length_from_tokens(cfg):
-        return (f"run length: --total-tokens {cfg.schedule.total_tokens:,} -> {end:,} steps of {per} = {tokens:,} tokens"
+        return (f"run length: --total-tokens {total:,} -> {end:,} steps of {per} = {tokens:,} tokens"
                 f" ({src}, rounded up); the schedule spans them")
     if ender == "total-tokens":
-        return (f"run length: --total-tokens {cfg.schedule.total_tokens:,} ends the run at step {end:,} ({tokens:,} tokens at"
-                f" {per}; a budget stop, exit 5), before --max-steps {cfg.schedule.max_steps:,} ({src}): the schedule spans"
-                f" {cfg.schedule.max_steps:,} steps and stops at {end / cfg.schedule.max_steps:.0%} of it")
+        return (f"run length: --total-tokens {total:,} ends the run at step {end:,} ({tokens:,} tokens at"
+                f" {per}; a budget stop, exit 5), before --max-steps {max_steps:,} ({src}): the schedule spans"
+                f" {max_steps:,} steps and stops at {end / max_steps:.0%} of it")
     line = f"run length: --max-steps {cfg.schedule.max_steps:,} ({src}) x {per} = {tokens:,} tokens"
     if cfg.schedule.total_tokens is not None:
         line += f"; --total-tokens {cfg.schedule.total_tokens:,} never binds (the run ends first)"

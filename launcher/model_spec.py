@@ -54,12 +54,14 @@ def resolve(cfg, vocab_size: int) -> tuple:
         if value(cfg, name) is not None and cfg.model.depth is None:
             raise UsageError(f"{_flag(name)}: only used with --depth")
     if (cfg.model.heads is not None or cfg.model.rules_file is not None) and cfg.model.scaling_rule is None:
-        raise UsageError(f"{'--heads' if cfg.model.heads is not None else '--rules-file'}: only used with --scaling-rule")
+        which = "--heads" if cfg.model.heads is not None else "--rules-file"
+        raise UsageError(f"{which}: only used with --scaling-rule")
     common = dict(vocab_size=vocab_size, max_seq_len=cfg.data.seq_len)
     if cfg.model.qk_norm is not None:
         common["qk_norm"] = cfg.model.qk_norm
     if cfg.model.rope_theta is not None:
-        if isinstance(cfg.model.rope_theta, bool) or not isinstance(cfg.model.rope_theta, (int, float)) or not cfg.model.rope_theta > 1:
+        theta = cfg.model.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 1:
             raise UsageError(f"--rope-theta: must be a number above 1, got {cfg.model.rope_theta!r}")
         common["rope_theta"] = float(cfg.model.rope_theta)
 

@@ -200,7 +200,8 @@ def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     """
     ds = copy.deepcopy(profile)
     ds.pop("zerotrain", None)
-    micro, accum, train = resolve_batch(profile, cfg.schedule.micro_batch, cfg.schedule.grad_accum, cfg.schedule.global_batch_tokens,
+    micro, accum, train = resolve_batch(profile, cfg.schedule.micro_batch, cfg.schedule.grad_accum,
+                                        cfg.schedule.global_batch_tokens,
                                         cfg.data.seq_len, world, where)
     ds.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum, train_batch_size=train)
     offload, nvme, source = offload_settings(cfg, profile, where.removeprefix("profile "))

@@ -156,7 +156,8 @@ class RunPlan:
 
     @property
     def mirror_ckpt_dir(self) -> Path | None:
-        return Path(self.cfg.checkpoints.mirror) / self.run_dir.name / "checkpoints" if self.cfg.checkpoints.mirror else None
+        mirror = self.cfg.checkpoints.mirror
+        return Path(mirror) / self.run_dir.name / "checkpoints" if mirror else None
 
 
 @dataclass(frozen=True)
@@ -244,8 +245,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     tokenizer, model_args, run_dir = ident.tokenizer, ident.model_args, ident.run_dir
     run_id = run_dir.name
     node = Node.of_profile(settings.hardware) if cfg.run.dry_run else Node.here()  # the machine, asked once
-    device_warnings = check_devices(profile_name, profile, world, *(() if cfg.run.dry_run else (node.device, node.count)),
-                                    detect=detect_profile)
+    here = () if cfg.run.dry_run else (node.device, node.count)
+    device_warnings = check_devices(profile_name, profile, world, *here, detect=detect_profile)
     # the batch, the schedule sized in tokens, every setting and the DeepSpeed dict: as `zerotrain plan` has them
     resolved = resolve(cfg, profile_name, profile, world, node, model_args, settings=settings,
                        started_stage=_started_stage(run_dir))
@@ -260,7 +261,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     # run: fit_check, against the RAM available now)
     host_lines = offload_lines(model_args, ds_config, settings.values, world, cfg.data.seq_len, settings.attention,
                                refuse=cfg.run.dry_run and cfg.observe.fit_check is not False)
-    if cfg.observe.fit_check is not False and not cfg.run.dry_run:  # refuse what cannot fit before anything is built/written
+    if cfg.observe.fit_check is not False and not cfg.run.dry_run:  # refuse what cannot fit before anything is written
         fit_check(cfg, model_args, ds_config, settings.values, world, attention=settings.attention)
 
     if cfg.checkpoints.mirror is not None:
@@ -284,7 +285,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     golden = None
     if cfg.observe.golden:  # --golden: a golden file of another config or world size is refused here
         golden = GoldenCheck.load(cfg.observe.golden, cfg, world)
-    Budget(cfg.budget.max_hours, cfg.schedule.total_tokens, cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, world).check_tokens_per_step(
+    Budget(cfg.budget.max_hours, cfg.schedule.total_tokens, cfg.budget.budget_usd, cfg.budget.gpu_hour_usd,
+           world).check_tokens_per_step(
         tokens_per_step(ds_config, cfg.data.seq_len))  # --total-tokens as given, even when it sets the length
     # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
     budget = Budget(cfg.budget.max_hours, token_budget(cfg), cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, world)
@@ -298,7 +300,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta, warnings=(*device_warnings, *config_warnings(cfg), *repeats),
+                   resume_from=resume_from, resume_meta=meta,
+                   warnings=(*device_warnings, *config_warnings(cfg), *repeats),
                    golden=golden, node=node, budget=budget,
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.data.seq_len,
@@ -382,8 +385,8 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
                          " on it (set zerotrain.dataloader.workers back)")
     offload.check_resume(ds_config, resume_from)
     if meta["step"] > cfg.schedule.max_steps:
-        raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps {cfg.schedule.max_steps}"
-                         f" ({cfg.sources.get('max_steps', 'given')})")
+        raise UsageError(f"checkpoint {resume_from}: already at step {meta['step']} > --max-steps"
+                         f" {cfg.schedule.max_steps} ({cfg.sources.get('max_steps', 'given')})")
     return cfg, ds_config, meta
 
 
@@ -415,7 +418,8 @@ def describe(plan: RunPlan, schedule: bool = True) -> list[str]:
              describe_hparams(cfg),  # each value and where it came from (launcher/hparams.py)
              describe_length(cfg, plan.tokens_per_step, *plan.resumed_at)]
     if schedule:
-        lines.append(Schedule(cfg.schedule.lr, cfg.schedule.min_lr, cfg.schedule.warmup_steps, cfg.schedule.max_steps, cfg.schedule.shape or "cosine",
+        s = cfg.schedule
+        lines.append(Schedule(s.lr, s.min_lr, s.warmup_steps, s.max_steps, s.shape or "cosine",
                               cfg.schedule.decay_fraction).describe(cfg.schedule.lr))
     lines += [*([f"profile auto: {plan.profile_why}"] if plan.profile_why else []),  # what --profile auto saw and took
               f"attention: {plan.attention} ({plan.attention_why})",
@@ -452,7 +456,8 @@ def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Pa
         return None
     resume_from = Path(cfg.checkpoints.resume)
     if not (resume_from / checkpoint.MARKER).is_file():
-        raise UsageError(f"--resume {cfg.checkpoints.resume}: not a complete zerotrain checkpoint (no {checkpoint.MARKER})")
+        raise UsageError(f"--resume {cfg.checkpoints.resume}: not a complete zerotrain checkpoint"
+                         f" (no {checkpoint.MARKER})")
     problem = checkpoint.verify(resume_from)
     if problem:
         raise UsageError(f"--resume {cfg.checkpoints.resume}: {problem}")
@@ -467,11 +472,13 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
         piece_len = cfg.data.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
     holdout = (cfg.run.seed, cfg.eval.eval_tokens) if cfg.eval.eval_tokens and cfg.eval.eval_data is None else None
     # seq_len = the bound SFT records must fit (their "overflow" policy applies beyond it)
-    data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.data.seq_len, verify=cfg.data.verify_data or "quick")
+    data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.data.seq_len,
+                     verify=cfg.data.verify_data or "quick")
     if not cfg.eval.eval_every_steps:
         return data, None
     if cfg.eval.eval_data is not None:
-        eval_data = load_data(open_data(cfg.eval.eval_data, tokenizer, fetch=not cfg.run.dry_run), seq_len=cfg.data.seq_len)
+        eval_data = load_data(open_data(cfg.eval.eval_data, tokenizer, fetch=not cfg.run.dry_run),
+                              seq_len=cfg.data.seq_len)
         eval_rows = mix_rows(eval_data, cfg.data.seq_len, cfg.eval.eval_tokens or EVAL_TOKENS_DEFAULT)
     else:
         eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.data.seq_len)

@@ -1,7 +1,8 @@
 """Every setting once: the declared table, and its resolution into values that each name their source.
 
 A setting is a knob a run is given: by flag (and the same key in a recipe), by the profile, or by a rule.
-`TABLE` declares each one that is more than a plain flag: its name, its RunConfig field if it is a flag, its profile key,
+`TABLE` declares each one that is more than a plain flag: its name, its RunConfig field if it is a flag (by dotted
+path), its profile key,
 its default or the rule that derives it (which may read settings resolved before it), its check, and its
 kind (launcher/config.py: "identity" and "identity-when-set" are hashed into the run id and may not change
 on resume; "run" may). The plain flags (a RunConfig field with nothing but a default) are entries too,

@@ -141,8 +141,9 @@ class Trainer:
     def _build_components(self, hard_exit: bool, universal_dir: Path | None) -> None:
         plan, cfg = self.plan, self.cfg
         self.checkpointer = faults.checkpointer(  # a test's failed or slow saves: its stand-in
-            self.hooks, plan.ckpt_dir, plan.run_dir.name, self.rank, self.world, save_every_steps=cfg.checkpoints.save_every_steps,
-            save_every_hours=cfg.checkpoints.save_every_hours, keep_last=cfg.checkpoints.keep_last, keep_best=cfg.checkpoints.keep_best,
+            self.hooks, plan.ckpt_dir, plan.run_dir.name, self.rank, self.world,
+            save_every_steps=cfg.checkpoints.save_every_steps, save_every_hours=cfg.checkpoints.save_every_hours,
+            keep_last=cfg.checkpoints.keep_last, keep_best=cfg.checkpoints.keep_best,
             mirror=Path(cfg.checkpoints.mirror) if cfg.checkpoints.mirror else None, say=self.say,
             best_by=(plan.settings.best_by, plan.best_higher) if plan.best_higher is not None else None)
         self.tokens_per_step = plan.tokens_per_step
@@ -423,15 +424,18 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     """`--dry-run`: the run resolved against its profile's hardware (or the launch's world size when
     launched), printed; nothing built, nothing written. Recipes are checked this way in CI."""
     if world is None:
-        hw = profile_value(load_profile(cfg.parallel.profile)[1], "hardware", {}) if cfg.parallel.profile != "auto" else {}
+        profile = cfg.parallel.profile
+        hw = profile_value(load_profile(profile)[1], "hardware", {}) if profile != "auto" else {}
         world = int(os.environ.get("WORLD_SIZE") or hw.get("devices_per_node", 1) * hw.get("nodes", 1))
-    plan = plan_run(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dry_run=True)), world, 0)  # no fit check against this machine
+    dry = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dry_run=True))
+    plan = plan_run(dry, world, 0)  # no fit check against this machine
     cfg = plan.cfg  # resolved: lr and the schedule from the flags, the recipe, the profile or the model
     ds, s, args = plan.ds_config, plan.settings, plan.model_args
     n = count_params(args)
     lines = [f"dry run: {plan.run_dir} (nothing built or written)",
              f"profile {plan.profile_name}, world {world}, ZeRO-{ds['zero_optimization'].get('stage', 0)},"
-             f" batch {plan.batch_shape} x {cfg.data.seq_len} = {ds['train_batch_size'] * cfg.data.seq_len:,} tokens per step",
+             f" batch {plan.batch_shape} x {cfg.data.seq_len} = {ds['train_batch_size'] * cfg.data.seq_len:,} tokens per"
+             " step",
              f"model {plan.model_label}: {n['total']:,} parameters ({n['non_embedding']:,} non-embedding),"
              f" vocab {args.vocab_size:,} (tokenizer {plan.tokenizer.name}: {plan.tokenizer.vocab_size:,}),"
              f" optimizer {cfg.schedule.optimizer or 'adamw'}",
@@ -447,7 +451,8 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
         p = planning.make_plan(args, setup, planning.stage_key(ds), ds["train_micro_batch_size_per_gpu"],
                               ds["gradient_accumulation_steps"], cfg.data.seq_len, bool(s.activation_checkpointing),
                               peak_flops=s.peak_flops_per_device, mfu=s.expected_mfu,
-                              total_tokens=cfg.schedule.total_tokens, max_hours=cfg.budget.max_hours, budget_usd=cfg.budget.budget_usd,
+                              total_tokens=cfg.schedule.total_tokens, max_hours=cfg.budget.max_hours,
+                              budget_usd=cfg.budget.budget_usd,
                               gpu_hour_usd=cfg.budget.gpu_hour_usd, max_steps=cfg.schedule.max_steps)
         fits = p["fits"]
         lines.append("plan: " + planning.verdict(p))

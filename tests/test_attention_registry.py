@@ -66,8 +66,8 @@ def test_the_runs_attention_check_reads_the_entry(mix_path, tmp_path, monkeypatc
     """resolution.attention_kernel refuses --compile on a CPU for the kernel whose entry says so (flex today)."""
     monkeypatch.setitem(KERNELS, "sdpa", replace(KERNELS["sdpa"], compile_on_cpu_refusal="fake refusal"))
     cfg = with_values(resolve_config(["--profile", "cpu", "--model", "debug", "--seq-len", "128", "--attention", "sdpa",
-                                  "--compile", "--data", str(mix_path), "--out", str(tmp_path / "runs")]),
-                  {"fit_check": False})
+                                      "--compile", "--data", str(mix_path), "--out", str(tmp_path / "runs")]),
+                      {"fit_check": False})
     hardware = profile_value(load_profile(cfg.parallel.profile)[1], "hardware", {})
     monkeypatch.setattr(Node, "here", staticmethod(lambda: Node.of_profile(hardware)))  # the profile's machine
     with pytest.raises(UsageError, match="^--attention sdpa with --compile: fake refusal$"):

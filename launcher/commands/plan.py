@@ -83,7 +83,8 @@ def plan_main(argv: list[str]) -> dict:
     peak = ns.peak_tflops * 1e12 if ns.peak_tflops else settings.peak_flops_per_device
     mfu = ns.mfu or settings.expected_mfu
     plan = make_plan(args, setup, r.planner_row, micro, accum, cfg.data.seq_len, ac,
-                     peak, mfu, cfg.schedule.total_tokens, cfg.budget.max_hours, cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, cfg.schedule.max_steps,
+                     peak, mfu, cfg.schedule.total_tokens, cfg.budget.max_hours, cfg.budget.budget_usd,
+                     cfg.budget.gpu_hour_usd, cfg.schedule.max_steps,
                      length_from_tokens(cfg))
     plan["profile"], plan["vocab_from"] = name, vocab_from
     if stage_line:

@@ -92,7 +92,8 @@ class Schedule:
 def make_scheduler(cfg):
     """A callable for deepspeed.initialize(lr_scheduler=...): optimizer -> LambdaLR over this run's Schedule.
     `cfg` is resolved (zerotrain.launcher.hparams): lr, min_lr, warmup_steps are concrete."""
-    schedule = Schedule(cfg.schedule.lr, cfg.schedule.min_lr, cfg.schedule.warmup_steps, cfg.schedule.max_steps, cfg.schedule.shape or "cosine",
+    s = cfg.schedule
+    schedule = Schedule(s.lr, s.min_lr, s.warmup_steps, s.max_steps, s.shape or "cosine",
                         cfg.schedule.decay_fraction)
     return lambda optimizer: LambdaLR(optimizer, schedule)
 

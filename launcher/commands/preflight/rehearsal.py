@@ -27,7 +27,8 @@ class Rehearsal:
         self.pf.ensure_backend()
         cfg, n = self.pf.cfg, self.pf.opts.steps or rehearsal_steps(self.pf.cfg.schedule.max_steps)
         changes = dict(max_steps=n, save_every_hours=None,
-                       save_every_steps=cfg.checkpoints.save_every_steps if 0 < cfg.checkpoints.save_every_steps <= n else 0)
+                       save_every_steps=(cfg.checkpoints.save_every_steps
+                                         if 0 < cfg.checkpoints.save_every_steps <= n else 0))
         if cfg.eval.eval_every_steps:  # the run evaluates: so does its rehearsal, at least once
             changes["eval_every_steps"] = min(cfg.eval.eval_every_steps, n)
         self.pf.check("rehearsal", lambda: self.c_rehearsal(self.pf.scratch_cfg("v3", **changes), n),

@@ -155,7 +155,8 @@ class Stability:
         if slower:
             planned += (f"; measured at {slower:.3g}x below the profile's link, so the plan's all-to-all time is"
                         f" optimistic: set {key} to {measured / 1e9:.3g}, or find the slow link")
-        detail = (f"N = {sp} divides the world ({pf.world}), --seq-len {cfg.data.seq_len}, heads {args.n_heads} and kv heads"
+        detail = (f"N = {sp} divides the world ({pf.world}), --seq-len {cfg.data.seq_len}, heads {args.n_heads} and"
+                  " kv heads"
                   f" {args.n_kv_heads}; one layer's forward all-to-all (q, k, v, output, {str(dtype)[6:]}, micro-batch"
                   f" {micro}): {seconds * 1e3:.3g} ms, {sent / 1e6:.3g} MB sent per rank = {measured / 1e9:.3g}"
                   f" GB/s; {planned}")
