@@ -65,46 +65,46 @@ def opt(default, help: str, kind: str = IDENTITY, choices: tuple | None = None, 
 class ModelConfig:
     """The model: a preset, a size rule, or a checkpoint to start from, and its architecture's options."""
 
-    preset: str | None = opt(None, 'a named preset (zerotrain.modeling.model.PRESETS); default debug when no other '
-                                   'way to pick the model is given (--depth, --scaling-rule, --init-from)',
+    preset: str | None = opt(None, "a named preset (zerotrain.modeling.model.PRESETS); default debug when no other "
+                                   "way to pick the model is given (--depth, --scaling-rule, --init-from)",
                              flat="model")
-    depth: int | None = opt(None, 'the depth rule: dim = depth x aspect ratio', IDENTITY_WHEN_SET)
-    aspect_ratio: int | None = opt(None, 'with --depth (default 64)', IDENTITY_WHEN_SET)
-    head_dim: int | None = opt(None, 'with --depth (default 128)', IDENTITY_WHEN_SET)
-    scaling_rule: str | None = opt(None, 'a rule in --rules-file, with --heads', IDENTITY_WHEN_SET)
-    heads: int | None = opt(None, 'with --scaling-rule', IDENTITY_WHEN_SET)
-    rules_file: str | None = opt(None, 'scaling rules YAML (default modeling/scaling_rules.yaml)', IDENTITY_WHEN_SET)
-    init_from: str | None = opt(None, 'a Hugging Face Llama or Qwen3 directory (safetensors), or a hub model '
-                                      'ORG/NAME[@REVISION] found through the Hugging Face cache, to start from; '
+    depth: int | None = opt(None, "the depth rule: dim = depth x aspect ratio", IDENTITY_WHEN_SET)
+    aspect_ratio: int | None = opt(None, "with --depth (default 64)", IDENTITY_WHEN_SET)
+    head_dim: int | None = opt(None, "with --depth (default 128)", IDENTITY_WHEN_SET)
+    scaling_rule: str | None = opt(None, "a rule in --rules-file, with --heads", IDENTITY_WHEN_SET)
+    heads: int | None = opt(None, "with --scaling-rule", IDENTITY_WHEN_SET)
+    rules_file: str | None = opt(None, "scaling rules YAML (default modeling/scaling_rules.yaml)", IDENTITY_WHEN_SET)
+    init_from: str | None = opt(None, "a Hugging Face Llama or Qwen3 directory (safetensors), or a hub model "
+                                      "ORG/NAME[@REVISION] found through the Hugging Face cache, to start from; "
                                       "without --tokenizer, its tokenizer.json is the run's (none: the byte "
                                       "tokenizer, when the model's vocabulary is its)", IDENTITY_WHEN_SET)
-    qk_norm: bool | None = opt(None, 'RMSNorm on queries and keys (default off)', IDENTITY_WHEN_SET)
+    qk_norm: bool | None = opt(None, "RMSNorm on queries and keys (default off)", IDENTITY_WHEN_SET)
     rope_theta: float | None = opt(None, "RoPE base (default: the model's, 10000, or the --init-from config's); with "
-                                         '--init-from, a new base for context extension. Part of the run id once '
-                                         'set: a resume with another value is refused', IDENTITY_WHEN_SET)
+                                         "--init-from, a new base for context extension. Part of the run id once "
+                                         "set: a resume with another value is refused", IDENTITY_WHEN_SET)
 
 
 @dataclass
 class DataConfig:
     """The data: the mix, its tokenizer, how rows are packed and checked."""
 
-    path: str | None = opt(None, '(required: here or in the --config recipe) a mix JSON file (docs/data.md) or a '
-                                 'prepared shard directory', flat='data')
-    tokenizer: str = opt('bytes', 'bytes, or a Hugging Face tokenizer directory / tokenizer.json, or a hub name '
+    path: str | None = opt(None, "(required: here or in the --config recipe) a mix JSON file (docs/data.md) or a "
+                                 "prepared shard directory", flat="data")
+    tokenizer: str = opt("bytes", "bytes, or a Hugging Face tokenizer directory / tokenizer.json, or a hub name "
                                   "ORG/NAME[@REVISION] (default: --init-from's, else bytes)")
     swap_tokenizer: bool | None = opt(None, "with --init-from and a --tokenizer whose vocabulary is not the model's: "
-                                            'train on it anyway (refused without this flag)', RUN)
-    seq_len: int = opt(256, 'tokens per packed row')
-    packing: str | None = opt(None, 'best-fit (default) or greedy; see dataio/packing.py', IDENTITY_WHEN_SET,
+                                            "train on it anyway (refused without this flag)", RUN)
+    seq_len: int = opt(256, "tokens per packed row")
+    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/packing.py", IDENTITY_WHEN_SET,
                               choices=("best-fit", "greedy"))
-    piece_len: int | None = opt(None, 'cut documents longer than this into pieces (dataio; default derived from '
-                                      '--seq-len)', IDENTITY_WHEN_SET)
-    log_data_every_steps: int = opt(100, 'log the realised token share per source every N steps (0: never)', RUN)
-    verify_data: str | None = opt(None, 'prepared shards at start-up: quick (default: manifest, sizes, headers and '
-                                        'offsets every start; sha256 once per node, remembered by file identity) or '
-                                        'full (every byte hashed by every rank, every start)', RUN,
+    piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from "
+                                      "--seq-len)", IDENTITY_WHEN_SET)
+    log_data_every_steps: int = opt(100, "log the realised token share per source every N steps (0: never)", RUN)
+    verify_data: str | None = opt(None, "prepared shards at start-up: quick (default: manifest, sizes, headers and "
+                                        "offsets every start; sha256 once per node, remembered by file identity) or "
+                                        "full (every byte hashed by every rank, every start)", RUN,
                                   choices=("quick", "full"))
-    max_epochs: float | None = opt(None, 'refuse a run that reads any source more than E times (default: the '
+    max_epochs: float | None = opt(None, "refuse a run that reads any source more than E times (default: the "
                                          "profile's zerotrain.max_epochs, else no limit; above 4 a warning)", RUN)
 
 
@@ -115,32 +115,32 @@ class ScheduleConfig:
 
     micro_batch: int | None = opt(None, "rows per rank per forward (default: the profile's)")
     grad_accum: int | None = opt(None, "micro-batches per optimizer step (default: the profile's, or derived from "
-                                       '--global-batch-tokens)')
-    global_batch_tokens: int | None = opt(None, 'tokens per optimizer step over all ranks')
+                                       "--global-batch-tokens)")
+    global_batch_tokens: int | None = opt(None, "tokens per optimizer step over all ranks")
     lr: float | None = opt(None, "peak learning rate (default: the scaling rule's law, else the profile's "
                                  "optimizer.params.lr, else the optimizer's own, else a per-size rule; the start-up "
-                                 'line says which)')
+                                 "line says which)")
     min_lr: float | None = opt(None, "learning rate at the end of the decay (default: the profile scheduler's "
-                                     'cos_min_ratio x lr, else lr / 10)')
-    warmup_steps: int | None = opt(None, 'linear warmup steps (default: from --warmup-tokens, else the profile '
+                                     "cos_min_ratio x lr, else lr / 10)")
+    warmup_steps: int | None = opt(None, "linear warmup steps (default: from --warmup-tokens, else the profile "
                                          "scheduler's, else max(20, 1% of --max-steps): Pythia's warmup)")
-    warmup_tokens: int | None = opt(None, 'linear warmup over N training tokens, rounded up to whole steps (instead '
-                                          'of --warmup-steps)', IDENTITY_WHEN_SET)
-    max_steps: int = opt(100, 'optimizer steps of the whole run (default: from --total-tokens, else the profile '
+    warmup_tokens: int | None = opt(None, "linear warmup over N training tokens, rounded up to whole steps (instead "
+                                          "of --warmup-steps)", IDENTITY_WHEN_SET)
+    max_steps: int = opt(100, "optimizer steps of the whole run (default: from --total-tokens, else the profile "
                               "scheduler's, else 100); may grow on resume (see --schedule)", RUN)
     total_tokens: int | None = opt(None, "training tokens of the whole run: without --max-steps it sets the run's "
-                                         'length (steps = N / tokens per step, rounded up; the schedule spans them); '
-                                         'with --max-steps, a budget: stop (after saving) at the last step within N '
-                                         'tokens', RUN)
-    shape: str | None = opt(None, 'after warmup, cosine (default): decay to --min-lr at --max-steps; wsd '
-                                  '(warmup-stable-decay): hold the peak, then decay linearly over the last '
-                                  '--decay-fraction of the steps. A wsd run resumed in its stable phase with a '
-                                  'larger --max-steps re-plans its decay; a cosine one keeps its length',
+                                         "length (steps = N / tokens per step, rounded up; the schedule spans them); "
+                                         "with --max-steps, a budget: stop (after saving) at the last step within N "
+                                         "tokens", RUN)
+    shape: str | None = opt(None, "after warmup, cosine (default): decay to --min-lr at --max-steps; wsd "
+                                  "(warmup-stable-decay): hold the peak, then decay linearly over the last "
+                                  "--decay-fraction of the steps. A wsd run resumed in its stable phase with a "
+                                  "larger --max-steps re-plans its decay; a cosine one keeps its length",
                             IDENTITY_WHEN_SET, choices=("cosine", "wsd"), flat="schedule")
-    decay_fraction: float | None = opt(None, 'with --schedule wsd: the fraction of --max-steps spent decaying '
-                                             '(default 0.2)', IDENTITY_WHEN_SET)
+    decay_fraction: float | None = opt(None, "with --schedule wsd: the fraction of --max-steps spent decaying "
+                                             "(default 0.2)", IDENTITY_WHEN_SET)
     optimizer: str | None = opt(None, "adamw (default: the profile's), muon, lion, adamw-decaying-wd, ademamix, or "
-                                      'module.path:ClassName (docs/optimizers.md)', IDENTITY_WHEN_SET)
+                                      "module.path:ClassName (docs/optimizers.md)", IDENTITY_WHEN_SET)
     optimizer_args: dict | None = opt(None, "the optimizer's hyper-parameters as a JSON object, e.g. "
                                             '\'{"weight_decay": 0.0}\'', IDENTITY_WHEN_SET)
 
@@ -149,78 +149,78 @@ class ScheduleConfig:
 class CheckpointConfig:
     """Checkpoints: when they are saved, which are kept, where they are copied, which one a run resumes from."""
 
-    save_every_steps: int = opt(0, 'save a checkpoint every N steps (0: only at the end)', RUN)
-    save_every_hours: float | None = opt(None, 'also save every H hours of wall clock (whichever comes first)', RUN)
-    keep_last: int = opt(0, 'keep the newest K complete checkpoints (0: all); never the --keep-best ones', RUN)
-    keep_best: int = opt(1, 'keep the K checkpoints of lowest validation loss, or best --best-by score '
-                            '(checkpoints/best.json lists them, best first); --keep-last never removes them', RUN)
-    mirror: str | None = opt(None, 'copy each checkpoint in the background to DIR/RUN_ID/checkpoints/', RUN)
-    resume: str = opt('auto', 'auto (newest verified checkpoint of the run, local then mirror), never, or a '
-                              'checkpoint path', RUN)
+    save_every_steps: int = opt(0, "save a checkpoint every N steps (0: only at the end)", RUN)
+    save_every_hours: float | None = opt(None, "also save every H hours of wall clock (whichever comes first)", RUN)
+    keep_last: int = opt(0, "keep the newest K complete checkpoints (0: all); never the --keep-best ones", RUN)
+    keep_best: int = opt(1, "keep the K checkpoints of lowest validation loss, or best --best-by score "
+                            "(checkpoints/best.json lists them, best first); --keep-last never removes them", RUN)
+    mirror: str | None = opt(None, "copy each checkpoint in the background to DIR/RUN_ID/checkpoints/", RUN)
+    resume: str = opt("auto", "auto (newest verified checkpoint of the run, local then mirror), never, or a "
+                              "checkpoint path", RUN)
 
 
 @dataclass
 class ParallelConfig:
     """The devices: the hardware profile, how work and ZeRO state are spread, and the kernels that run."""
 
-    profile: str = opt('cpu', 'hardware profile: a name in ds_configs/, a JSON path, or auto')
-    sequence_parallel: int | None = opt(None, 'Ulysses sequence parallelism: N ranks share every row (each computes '
-                                              'T/N of its positions; an all-to-all around attention), data '
-                                              'parallelism over world/N. N must divide the world, the attention '
-                                              'heads and --seq-len; kv heads must divide by N or divide it. The same '
+    profile: str = opt("cpu", "hardware profile: a name in ds_configs/, a JSON path, or auto")
+    sequence_parallel: int | None = opt(None, "Ulysses sequence parallelism: N ranks share every row (each computes "
+                                              "T/N of its positions; an all-to-all around attention), data "
+                                              "parallelism over world/N. N must divide the world, the attention "
+                                              "heads and --seq-len; kv heads must divide by N or divide it. The same "
                                               "math: not part of the run id. Default: the profile's "
-                                              'zerotrain.sequence_parallel, else 1', RUN)
-    offload: str | None = opt(None, 'move ZeRO state to host memory (or NVMe with --nvme-path): optimizer (its '
+                                              "zerotrain.sequence_parallel, else 1", RUN)
+    offload: str | None = opt(None, "move ZeRO state to host memory (or NVMe with --nvme-path): optimizer (its "
                                     "states and fp32 master weights, with DeepSpeed's CPU Adam) or all (the "
                                     "parameters too; ZeRO-3 only); none: neither. Default: the profile's "
-                                    'zerotrain.offload, else its DeepSpeed offload keys. Moves state, not the math: '
-                                    'not part of the run id', RUN, choices=OFFLOAD_CHOICES)
-    nvme_path: str | None = opt(None, 'with --offload: swap the offloaded state to files in DIR (an NVMe mount) '
+                                    "zerotrain.offload, else its DeepSpeed offload keys. Moves state, not the math: "
+                                    "not part of the run id", RUN, choices=OFFLOAD_CHOICES)
+    nvme_path: str | None = opt(None, "with --offload: swap the offloaded state to files in DIR (an NVMe mount) "
                                       "instead of host memory; default: the profile's zerotrain.nvme_path", RUN)
     activation_checkpointing: bool | None = opt(None, "recompute activations in backward (default: the profile's)")
-    tiled_mlp: bool | None = opt(None, 'compute every MLP over tiles of positions and recompute it in backward '
+    tiled_mlp: bool | None = opt(None, "compute every MLP over tiles of positions and recompute it in backward "
                                        "(DeepSpeed's TiledMLP, ceil(positions per rank / dim) tiles), so its "
-                                       'ffn-wide activations are never held for a whole row: for long rows, with '
+                                       "ffn-wide activations are never held for a whole row: for long rows, with "
                                        "--sequence-parallel or without. The same math to rounding (the weights' "
-                                       'gradients are summed tile by tile): part of the run id once given. Default: '
+                                       "gradients are summed tile by tile): part of the run id once given. Default: "
                                        "the profile's zerotrain.tiled_mlp, else off", IDENTITY_WHEN_SET)
-    compile: bool | None = opt(None, 'torch.compile every transformer block in place (regional: one graph per block '
-                                     'shape, fusing norms, RoPE, SwiGLU and residual adds; parameter names '
+    compile: bool | None = opt(None, "torch.compile every transformer block in place (regional: one graph per block "
+                                     "shape, fusing norms, RoPE, SwiGLU and residual adds; parameter names "
                                      "unchanged). Default: the profile's zerotrain.compile (on in the GPU profiles), "
-                                     'else off', IDENTITY_WHEN_SET)
-    attention: str | None = opt(None, 'attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex '
+                                     "else off", IDENTITY_WHEN_SET)
+    attention: str | None = opt(None, "attention kernel: auto (varlen on CUDA in bf16/fp16, else sdpa), sdpa, flex "
                                       "or varlen (CUDA, bf16/fp16); default: the profile's zerotrain.attention, else "
-                                      'auto. The same math whichever runs: not part of the run id', RUN,
+                                      "auto. The same math whichever runs: not part of the run id", RUN,
                                 choices=ATTENTION_BACKENDS)
-    deterministic: bool | None = opt(None, 'deterministic kernels: torch.use_deterministic_algorithms (flash and '
-                                           'varlen attention take their deterministic backward) and a fixed cuBLAS '
-                                           'workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8); slower on a GPU (no effect '
-                                           'on a CPU, whose kernels are deterministic). A GPU resume is '
+    deterministic: bool | None = opt(None, "deterministic kernels: torch.use_deterministic_algorithms (flash and "
+                                           "varlen attention take their deterministic backward) and a fixed cuBLAS "
+                                           "workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8); slower on a GPU (no effect "
+                                           "on a CPU, whose kernels are deterministic). A GPU resume is "
                                            "bit-identical only with it. Default: the profile's "
-                                           'zerotrain.deterministic, else off', RUN)
+                                           "zerotrain.deterministic, else off", RUN)
 
 
 @dataclass
 class EvalConfig:
     """Evaluation: the validation loss, lm-evaluation-harness tasks, early stopping."""
 
-    eval_every_steps: int = opt(0, 'evaluate every N steps (0: never); needs --eval-tokens or --eval-data', RUN)
-    eval_tokens: int | None = opt(None, 'tokens per evaluation; without --eval-data they are held out of the '
-                                        'training mix (deterministic from the seed)', IDENTITY_WHEN_SET)
-    eval_data: str | None = opt(None, 'a mix file to evaluate on instead of a held-out slice', RUN)
-    early_stop_patience: int | None = opt(None, 'stop after P evaluations without a new best', RUN)
-    eval_tasks: str | None = opt(None, 'lm-evaluation-harness tasks scored with the live model on every rank: task '
-                                       'names, task YAML files or folders, comma-separated (needs pip install '
+    eval_every_steps: int = opt(0, "evaluate every N steps (0: never); needs --eval-tokens or --eval-data", RUN)
+    eval_tokens: int | None = opt(None, "tokens per evaluation; without --eval-data they are held out of the "
+                                        "training mix (deterministic from the seed)", IDENTITY_WHEN_SET)
+    eval_data: str | None = opt(None, "a mix file to evaluate on instead of a held-out slice", RUN)
+    early_stop_patience: int | None = opt(None, "stop after P evaluations without a new best", RUN)
+    eval_tasks: str | None = opt(None, "lm-evaluation-harness tasks scored with the live model on every rank: task "
+                                       "names, task YAML files or folders, comma-separated (needs pip install "
                                        "'zerotrain[eval]'); scored every --eval-tasks-every and at the end. Default: "
                                        "the profile's zerotrain.eval_tasks, else none", RUN)
-    eval_tasks_every: str | None = opt(None, 'with --eval-tasks: score every N steps, or every COUNT-tokens (e.g. '
+    eval_tasks_every: str | None = opt(None, "with --eval-tasks: score every N steps, or every COUNT-tokens (e.g. "
                                              "50M-tokens, rounded up to whole steps). Default: the profile's "
-                                             'zerotrain.eval_tasks_every, else --eval-every-steps, else only at the '
-                                             'end', RUN)
+                                             "zerotrain.eval_tasks_every, else --eval-every-steps, else only at the "
+                                             "end", RUN)
     eval_limit: int | None = opt(None, "with --eval-tasks: the first N examples of each task (lm-eval's --limit). "
                                        "Default: the profile's zerotrain.eval_limit, else every example", RUN)
-    best_by: str | None = opt(None, 'with --eval-tasks: TASK/METRIC (e.g. zerotrain_tiny_choice/acc) chooses the '
-                                    '--keep-best checkpoints and best.json instead of the validation loss (higher is '
+    best_by: str | None = opt(None, "with --eval-tasks: TASK/METRIC (e.g. zerotrain_tiny_choice/acc) chooses the "
+                                    "--keep-best checkpoints and best.json instead of the validation loss (higher is "
                                     "better where lm-eval's task says so); `zerotrain export --best` follows it", RUN)
 
 
@@ -228,38 +228,38 @@ class EvalConfig:
 class BudgetConfig:
     """Budgets: the wall clock and the money a run may spend before it stops (after saving)."""
 
-    max_hours: float | None = opt(None, 'stop (after saving) at the last step that fits in H hours, over resumes', RUN)
-    budget_usd: float | None = opt(None, 'stop (after saving) before spending B dollars; needs --gpu-hour-usd', RUN)
-    gpu_hour_usd: float | None = opt(None, 'price of one GPU-hour; cost = price x world size x hours', RUN)
+    max_hours: float | None = opt(None, "stop (after saving) at the last step that fits in H hours, over resumes", RUN)
+    budget_usd: float | None = opt(None, "stop (after saving) before spending B dollars; needs --gpu-hour-usd", RUN)
+    gpu_hour_usd: float | None = opt(None, "price of one GPU-hour; cost = price x world size x hours", RUN)
 
 
 @dataclass
 class ObserveConfig:
     """Watching the run: metrics sinks, W&B, the profiler, golden steps, spikes, hangs, the fit check."""
 
-    log: str | None = opt(None, 'metrics sinks besides metrics.jsonl, comma-separated: tensorboard '
-                                '(RUN_DIR/tensorboard/), wandb (offline unless an API key is set)', RUN)
-    wandb_project: str | None = opt(None, 'with --log wandb: the W&B project (default: $WANDB_PROJECT, else '
-                                          'zerotrain)', RUN)
-    wandb_entity: str | None = opt(None, 'with --log wandb: the W&B entity (default: $WANDB_ENTITY, else your '
-                                         'default entity)', RUN)
-    wandb_group: str | None = opt(None, 'with --log wandb: the W&B group (default: $WANDB_RUN_GROUP)', RUN)
-    wandb_name: str | None = opt(None, 'with --log wandb: the W&B display name (default: $WANDB_NAME, else the run '
-                                       'id; the W&B run id is $WANDB_RUN_ID, else the run id)', RUN)
-    torch_profile: str | None = opt(None, 'START:COUNT: torch.profiler over COUNT steps from step START; rank 0 '
+    log: str | None = opt(None, "metrics sinks besides metrics.jsonl, comma-separated: tensorboard "
+                                "(RUN_DIR/tensorboard/), wandb (offline unless an API key is set)", RUN)
+    wandb_project: str | None = opt(None, "with --log wandb: the W&B project (default: $WANDB_PROJECT, else "
+                                          "zerotrain)", RUN)
+    wandb_entity: str | None = opt(None, "with --log wandb: the W&B entity (default: $WANDB_ENTITY, else your "
+                                         "default entity)", RUN)
+    wandb_group: str | None = opt(None, "with --log wandb: the W&B group (default: $WANDB_RUN_GROUP)", RUN)
+    wandb_name: str | None = opt(None, "with --log wandb: the W&B display name (default: $WANDB_NAME, else the run "
+                                       "id; the W&B run id is $WANDB_RUN_ID, else the run id)", RUN)
+    torch_profile: str | None = opt(None, "START:COUNT: torch.profiler over COUNT steps from step START; rank 0 "
                                           "writes RUN/torch_profile/summary.txt (the kernels that took the device's "
-                                          'time, the host syncs) and trace.json', RUN)
-    golden: str | None = opt(None, 'a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak '
-                                   'memory at its golden steps is more than 10% off (another config is refused)', RUN)
-    golden_strict: bool | None = opt(None, 'with --golden: stop (checkpoint saved, exit 8) instead of warning', RUN)
-    on_spike: str = opt('warn', 'on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint', RUN,
+                                          "time, the host syncs) and trace.json", RUN)
+    golden: str | None = opt(None, "a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak "
+                                   "memory at its golden steps is more than 10% off (another config is refused)", RUN)
+    golden_strict: bool | None = opt(None, "with --golden: stop (checkpoint saved, exit 8) instead of warning", RUN)
+    on_spike: str = opt("warn", "on a loss spike: warn, stop (exit 3) or rollback to the last good checkpoint", RUN,
                         choices=("warn", "stop", "rollback"))
     hang_timeout: float | None = opt(None, "seconds a rank may stay in one phase (data, compute, the step's "
                                            "collective, eval, save, ...) before its watchdog dumps every rank's "
-                                           'stacks to RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the '
+                                           "stacks to RUN_DIR/hangs/ and exits 11 (hung); 0: off. Default: the "
                                            "profile's zerotrain.hang_timeout, else the larger of 600 s and 5x the "
-                                           'slowest phase so far (start-up and the first step: at least 1800 s)', RUN)
-    fit_check: bool | None = opt(None, 'refuse, before building anything, a config the planner says cannot fit in '
+                                           "slowest phase so far (start-up and the first step: at least 1800 s)", RUN)
+    fit_check: bool | None = opt(None, "refuse, before building anything, a config the planner says cannot fit in "
                                        "this device's memory (default on; --no-fit-check to try anyway)", RUN)
 
 
@@ -267,13 +267,13 @@ class ObserveConfig:
 class RunSetup:
     """The run itself: where it is written, its name, its seed, and whether it only plans."""
 
-    out: str = opt('runs', 'directory holding run directories', RUN)
-    run_id: str | None = opt(None, 'run directory name (default: derived from the config, so the same command '
-                                   'resumes)', RUN)
-    seed: int = opt(1337, 'seed of the model init and the data order')
-    dry_run: bool | None = opt(None, 'resolve everything (profile, batch, model, data, plan) against the world size, '
-                                     'print it and exit 0 without building or writing anything', RUN)
-    description: str | None = opt(None, 'free text; recipes use it to say what they are for', RUN)
+    out: str = opt("runs", "directory holding run directories", RUN)
+    run_id: str | None = opt(None, "run directory name (default: derived from the config, so the same command "
+                                   "resumes)", RUN)
+    seed: int = opt(1337, "seed of the model init and the data order")
+    dry_run: bool | None = opt(None, "resolve everything (profile, batch, model, data, plan) against the world size, "
+                                     "print it and exit 0 without building or writing anything", RUN)
+    description: str | None = opt(None, "free text; recipes use it to say what they are for", RUN)
 
 
 @dataclass

@@ -44,7 +44,7 @@ DeepSpeed: the schedule is zerotrain's (launcher/components/schedule.py). A Warm
 above; any other type, or a setting zerotrain's schedule cannot honour, is refused with one line naming it,
 never dropped silently.
 
-The run id hashes the resolved values (launcher/config.py RunConfig.identity): a value a run took from its
+The run id hashes the resolved values (launcher/config_resolve.py identity): a value a run took from its
 profile is part of what it trains with, like one given by flag. Runs that gave their values keep the ids they
 had; the CPU profiles' lr is 3e-3, the value every CPU run without --lr has trained with, so theirs stay too.
 """

@@ -12,7 +12,7 @@
     module.path:Class  a user's torch.optim.Optimizer subclass, arguments from --optimizer-args
 
 Where it is used, in order:
-- `check_optimizer(name, args)` from RunConfig.validate(): names, imports, argument names and
+- `check_optimizer(name, args)` from config_resolve.validate(): names, imports, argument names and
   values, as one-line UsageErrors before anything is written. Normalises `args` to a dict and
   `adamw` without arguments to None, so spelling the default out keeps the default's run id.
 - `resolve_ds_optimizer(ds, cfg, where)` from zerotrain.launcher.profiles.resolve_ds_config (plan time):

@@ -1,12 +1,11 @@
 """Every setting once: the declared table, and its resolution into values that each name their source.
 
 A setting is a knob a run is given: by flag (and the same key in a recipe), by the profile, or by a rule.
-`TABLE` declares each one that is more than a plain flag: its name, its RunConfig field if it is a flag (by dotted
-path), its profile key,
-its default or the rule that derives it (which may read settings resolved before it), its check, and its
-kind (launcher/config.py: "identity" and "identity-when-set" are hashed into the run id and may not change
-on resume; "run" may). The plain flags (a RunConfig field with nothing but a default) are entries too,
-derived from RunConfig by `table()`: every flag and every profile key has exactly one entry
+`TABLE` declares each one that is more than a plain flag: its name, its RunConfig field by dotted path if it is a
+flag ("schedule.lr"), its profile key, its default or the rule that derives it (which may read settings resolved
+before it), its check, and its kind (launcher/config.py: "identity" and "identity-when-set" are hashed into the run
+id and may not change on resume; "run" may). The plain flags (a RunConfig field with nothing but a default) are
+entries too, derived from RunConfig by `table()`: every flag and every profile key has exactly one entry
 (tests/test_settings.py).
 
     resolve(cfg, profile_name, profile, node) -> Settings
