@@ -236,7 +236,8 @@ def test_model_default_is_auto_and_the_same_math_as_sdpa():
 def test_attention_is_not_part_of_the_run_identity():
     from zerotrain.launcher.config import RunConfig
 
-    flex, sdpa = RunConfig.from_flat(dict(data="mix.json", attention="flex")), RunConfig.from_flat(dict(data="mix.json", attention="sdpa"))
+    flex = RunConfig.from_flat(dict(data="mix.json", attention="flex"))
+    sdpa = RunConfig.from_flat(dict(data="mix.json", attention="sdpa"))
     assert identity_hash(flex) == identity_hash(sdpa) == identity_hash(RunConfig.from_flat(dict(data="mix.json")))
     assert drift(flex, sdpa.to_dict()) == []  # a resume may switch kernels: the math is the same
 

@@ -59,16 +59,19 @@ def test_scaling_rule_lr_law_applies_only_without_lr(tmp_path):
     args, label, _ = resolve(cfg, 258)
     p = count_params(args)["non_embedding"]
     assert (args.n_layers, args.dim) == (4, 512)
-    assert cfg.schedule.lr == pytest.approx(2.0 * (1e5 + p) ** -0.5) and cfg.schedule.min_lr == pytest.approx(cfg.schedule.lr / 10)
+    lr = cfg.schedule.lr
+    assert lr == pytest.approx(2.0 * (1e5 + p) ** -0.5) and cfg.schedule.min_lr == pytest.approx(lr / 10)
     assert resolve_config(base + ["--lr", "1e-3"]).schedule.lr == 1e-3
-    assert resolve_config(["--data", "mix.json", "--scaling-rule", "enoki", "--heads", "8"]).schedule.lr == 3e-3  # no law
+    no_law = resolve_config(["--data", "mix.json", "--scaling-rule", "enoki", "--heads", "8"])
+    assert no_law.schedule.lr == 3e-3  # no law
 
 
 def test_new_flags_leave_earlier_run_ids_alone():
     # the identity hashes of the foundation commit (launcher/config.py at f7f5f05): auto run ids still resume
     assert identity_hash(RunConfig.from_flat(dict(data="mix.json"))) == "cea5eb6e"
     assert identity_hash(RunConfig.from_flat(dict(data="mix.json", model="small", lr=1e-3))) == "7a3aa8e4"
-    assert identity_hash(RunConfig.from_flat(dict(data="mix.json", depth=12))) != identity_hash(RunConfig.from_flat(dict(data="mix.json", depth=16)))
+    assert identity_hash(RunConfig.from_flat(dict(data="mix.json", depth=12))) != \
+        identity_hash(RunConfig.from_flat(dict(data="mix.json", depth=16)))
 
 
 def test_params_prints_counts_for_presets_and_rules(capsys):

@@ -209,7 +209,8 @@ def test_wandb_settings_users_set_in_the_environment_are_kept(tmp_path, no_wandb
     defaults = wandb_init_args(run, RunConfig.from_flat(dict(data="m", log="wandb")), {})
     assert defaults == {"project": "zerotrain", "entity": None, "group": None, "name": RUN_ID, "id": RUN_ID,
                         "dir": str(run), "resume": "allow"}
-    flags = RunConfig.from_flat(dict(data="m", log="wandb", wandb_project="flag", wandb_name="flag-name", wandb_group="fg"))
+    flags = RunConfig.from_flat(dict(data="m", log="wandb", wandb_project="flag", wandb_name="flag-name",
+                                     wandb_group="fg"))
     assert wandb_init_args(run, flags, env) == {"project": "flag", "entity": None, "group": "fg",
                                                 "name": "flag-name", "id": "their-id", "dir": str(tmp_path / "wb"),
                                                 "resume": "must"}

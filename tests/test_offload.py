@@ -157,7 +157,8 @@ def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(tmp_path, mix_path, 
     os.utime(stale, (old, old))
     assert offload.stale_build_locks(tmp_path) == [stale]
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    dry_run(RunConfig.from_flat(dict(data=str(mix_path), profile="cpu", model="debug", out=str(tmp_path / "runs"), dry_run=True)))
+    dry_run(RunConfig.from_flat(dict(data=str(mix_path), profile="cpu", model="debug", out=str(tmp_path / "runs"),
+                                     dry_run=True)))
     said = [line for line in capsys.readouterr().out.splitlines() if "warning" in line and "lock" in line]
     assert said == [f"zerotrain: warning: {stale} is 11 min old: a DeepSpeed op build that was killed leaves it, and"
                     " loading deepspeed_shm_comm then waits on it forever; remove it if no other run here is"

@@ -57,7 +57,8 @@ def test_a_flag_or_a_recipe_wins_and_is_named(tmp_path):
     recipe = tmp_path / "r.json"
     recipe.write_text(json.dumps({"lr": 5e-4, "warmup_steps": 7}))
     cfg = resolve_config(["--data", "m.json", *A100, "--config", str(recipe), "--warmup-steps", "9"])
-    assert (cfg.schedule.lr, cfg.sources["lr"], cfg.schedule.warmup_steps, cfg.sources["warmup_steps"]) == (5e-4, "recipe", 9, "flag")
+    assert (cfg.schedule.lr, cfg.sources["lr"], cfg.schedule.warmup_steps, cfg.sources["warmup_steps"]) == \
+        (5e-4, "recipe", 9, "flag")
     assert config_from({"data": "m.json", "lr": 2e-4}).sources["lr"] == "given"  # the Python API
 
 
@@ -66,7 +67,8 @@ def test_without_a_profile_lr_the_per_size_rule_fits_the_model(tmp_path):
     no_lr["params"].pop("lr")
     cfg = resolve_config(["--data", "m.json", *A100, "--profile", profile_file(tmp_path, optimizer=no_lr)])
     p = count_params(preset("xlarge"))["non_embedding"]
-    assert cfg.schedule.lr == pytest.approx(default_lr(p), rel=1e-2) and 1.5e-4 < cfg.schedule.lr < 3e-4  # GPT-3's 1.3B: 2e-4
+    lr = cfg.schedule.lr
+    assert lr == pytest.approx(default_lr(p), rel=1e-2) and 1.5e-4 < lr < 3e-4  # GPT-3's 1.3B: 2e-4
     assert cfg.sources["lr"] == "per-size rule for 1,415.7M non-embedding parameters"
     debug = resolve_config(["--data", "m.json", "--profile", profile_file(tmp_path, optimizer=no_lr)])
     assert 1e-3 < debug.schedule.lr < 3e-3  # a 0.8M model: about what the demo trains with
@@ -80,7 +82,8 @@ def test_a_profile_scheduler_section_is_read_or_refused_never_dropped(tmp_path):
                                                    "total_num_steps": 2000, "warmup_type": "linear"}}
     path = profile_file(tmp_path, scheduler=cosine)
     cfg = resolve_config(["--data", "m.json", "--model", "xlarge", "--profile", path])
-    assert (cfg.schedule.warmup_steps, cfg.schedule.min_lr, cfg.schedule.max_steps) == (50, pytest.approx(0.05 * 3e-4), 2000)
+    s = cfg.schedule
+    assert (s.warmup_steps, s.min_lr, s.max_steps) == (50, pytest.approx(0.05 * 3e-4), 2000)
     assert cfg.sources["max_steps"] == "profile a100-80g-x8-changed: scheduler total_num_steps"
     cfg = resolve_config(["--data", "m.json", "--model", "xlarge", "--profile", path, "--max-steps", "10"])
     assert cfg.schedule.max_steps == 10 and "scheduler total_num_steps 2000 not used" in cfg.sources["max_steps"]
@@ -96,7 +99,7 @@ def test_a_profile_scheduler_section_is_read_or_refused_never_dropped(tmp_path):
 
 
 def test_run_ids_hash_the_values_trained_with():
-    assert identity_hash(RunConfig.from_flat(dict(data="mix.json"))) == "cea5eb6e"  # the cpu profile's lr: what CPU runs used
+    assert identity_hash(RunConfig.from_flat({"data": "mix.json"})) == "cea5eb6e"  # the cpu profile's lr: CPU runs' id
     assert identity_hash(config_from({"data": "mix.json", "schedule": "cosine"})) == "cea5eb6e"  # spelled out
     explicit = config_from({"data": "mix.json", "profile": "a100-80g-x8", "lr": 3e-3, "min_lr": 3e-4,
                             "warmup_steps": 20})

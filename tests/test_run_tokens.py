@@ -96,7 +96,8 @@ def test_sized_again_on_resume_from_the_tokens_consumed():
     more = size_in_tokens(resolve_config(["--data", "m.json", "--total-tokens", "1000000", "--seq-len", "64"]), 128,
                           resumed=(40, 10240), started={"warmup_steps": 20})
     assert more.schedule.max_steps == 40 + -(-(1_000_000 - 10240) // 128) == 7773
-    assert more.schedule.warmup_steps == 20 and more.sources["warmup_steps"] == RULE_WARMUP + " (kept from the run's start)"
+    assert more.schedule.warmup_steps == 20
+    assert more.sources["warmup_steps"] == RULE_WARMUP + " (kept from the run's start)"
     assert more.sources["max_steps"].startswith(RULE_MAX_STEPS + ": step 40 + 989,760 tokens left / 128")
 
 

@@ -52,9 +52,11 @@ def test_recipes_and_keywords_take_the_same_forms(tmp_path, mix_path):
     recipe.write_text(json.dumps({"data": str(mix_path), "total_tokens": "11B", "warmup-tokens": 2e6,
                                   "global_batch_tokens": "64K"}))
     cfg = resolve_config(["--config", str(recipe)])
-    assert (cfg.schedule.total_tokens, cfg.schedule.warmup_tokens, cfg.schedule.global_batch_tokens) == (11 * 10**9, 2 * 10**6, 64_000)
+    s = cfg.schedule
+    assert (s.total_tokens, s.warmup_tokens, s.global_batch_tokens) == (11 * 10**9, 2 * 10**6, 64_000)
     assert resolve_config(["--config", str(recipe), "--total-tokens", "2T"]).schedule.total_tokens == 2 * 10**12
-    assert config_from({"data": str(mix_path), "total_tokens": "500M"}).schedule.total_tokens == 500 * 10**6  # the notebook
+    notebook = config_from({"data": str(mix_path), "total_tokens": "500M"})  # the notebook's keyword
+    assert notebook.schedule.total_tokens == 500 * 10**6
     assert config_from({"data": str(mix_path), "total_tokens": 11e9}).schedule.total_tokens == 11 * 10**9
     for bad, why in (("2.5", "'2.5': not a whole number"), (1.5, "1.5: not a whole number"),
                      ("lots", "'lots': not a number"), (float("inf"), "inf: not a finite number")):

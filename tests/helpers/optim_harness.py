@@ -138,7 +138,8 @@ def reference_update(name, hp, cfg, ds_config):
     """update(param_name, p, g, state, lr_multiplier) for the optimizer `name` with its resolved args."""
     if name in (None, "adamw"):
         prm = ds_config["optimizer"]["params"]
-        return lambda n, p, g, st, f: adamw_step(p, g, st, cfg.schedule.lr * f, prm["betas"], prm["eps"], prm["weight_decay"])
+        lr = cfg.schedule.lr
+        return lambda n, p, g, st, f: adamw_step(p, g, st, lr * f, prm["betas"], prm["eps"], prm["weight_decay"])
     if name == "muon":
         def update(n, p, g, st, f):
             if p.dim() >= 2 and "embed" not in n and "lm_head" not in n:
@@ -150,11 +151,13 @@ def reference_update(name, hp, cfg, ds_config):
         return lambda n, p, g, st, f: lion_step(p, g, st, cfg.schedule.lr * f, hp["betas"], hp["weight_decay"])
     if name == "adamw-decaying-wd":
         ts = hp["wd_timescale"] or max(1, cfg.schedule.max_steps // 10)
-        return lambda n, p, g, st, f: decaying_wd_step(p, g, st, cfg.schedule.lr * f, cfg.schedule.lr, hp["betas"], hp["eps"],
+        lr = cfg.schedule.lr
+        return lambda n, p, g, st, f: decaying_wd_step(p, g, st, lr * f, lr, hp["betas"], hp["eps"],
                                                        hp["weight_decay"], ts)
     if name == "ademamix":
         warm = hp["warmup_steps"] or cfg.schedule.max_steps
-        return lambda n, p, g, st, f: ademamix_step(p, g, st, cfg.schedule.lr * f, hp["betas"], hp["alpha"], warm, hp["eps"],
+        lr = cfg.schedule.lr
+        return lambda n, p, g, st, f: ademamix_step(p, g, st, lr * f, hp["betas"], hp["alpha"], warm, hp["eps"],
                                                     hp["weight_decay"])
     raise ValueError(name)
 
@@ -315,8 +318,8 @@ def run_one(stage: int, opt_spec: str, world: int, rank: int) -> dict:
                 if contrast_ref is not None:
                     contrast.append(max(rel_errors(now, contrast_ref[s], init).values()))
     train_s = time.time() - t1
-    result = {"lr": cfg.schedule.lr, "hp": hp, "build_s": round(build_s, 2), "train_s": round(train_s, 2), "losses": losses,
-              "state_bytes_per_param": state_bytes_per_param(engine),
+    result = {"lr": cfg.schedule.lr, "hp": hp, "build_s": round(build_s, 2), "train_s": round(train_s, 2),
+              "losses": losses, "state_bytes_per_param": state_bytes_per_param(engine),
               "optimizer_class": type(engine.basic_optimizer).__name__, "ds_optimizer": ds_config.get("optimizer"),
               "gradient_clipping": clip}
     if rank == 0:
