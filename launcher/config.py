@@ -70,7 +70,7 @@ class RunConfig:
     resume: str = opt("auto", "auto (newest verified checkpoint of the run, local then mirror), never, or a"
                               " checkpoint path", RUN)
     log_data_every_steps: int = opt(100, "log the realised token share per source every N steps (0: never)", RUN)
-    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/packing.py", IDENTITY_WHEN_SET,
+    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/format/packing.py", IDENTITY_WHEN_SET,
                               ("best-fit", "greedy"))
     depth: int | None = opt(None, "the depth rule: dim = depth x aspect ratio", IDENTITY_WHEN_SET)
     aspect_ratio: int | None = opt(None, "with --depth (default 64)", IDENTITY_WHEN_SET)

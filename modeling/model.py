@@ -664,7 +664,7 @@ def global_token_mean_scale(grad_accum: int, world: int, global_tokens: int) -> 
     gradient reduction averages over the data-parallel ranks, so the gradient that reaches the
     optimizer is (1 / (accum x world)) x the sum over all micro-batches of grad(loss). Giving it
     loss = sum_m x accum x world / N makes that sum_m grad(sum_m) / N. `global_tokens` (N: labelled
-    tokens in all micro-batches of all ranks, `zerotrain.dataio.loader.trainable_tokens`) must be known
+    tokens in all micro-batches of all ranks, `zerotrain.dataio.pipeline.loader.trainable_tokens`) must be known
     before the first backward: the step's pre-step all-gather carries each rank's count. The
     all-reduced sum of these scaled losses divided by accum x world is then the step's loss.
     """
