@@ -103,7 +103,8 @@ def breakdown(m: dict) -> tuple[float, str]:
 
 def import_times() -> str:
     """Cumulative import time of the top-level packages a rank imports (`python -X importtime`)."""
-    code = "import torch, deepspeed, zerotrain.launcher.train, zerotrain.launcher.trainer, zerotrain.dataio.pipeline.loader"
+    code = ("import torch, deepspeed, zerotrain.launcher.train, zerotrain.launcher.trainer,"
+            " zerotrain.dataio.pipeline.loader")
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
     top = {}

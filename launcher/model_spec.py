@@ -116,8 +116,8 @@ def hub_model_name(init_from: str) -> bool:
 
 def init_from_dir(init_from: str) -> Path:
     """The directory `--init-from` (or `model=`) names: a local path, or a hub model ORG/NAME[@REVISION]'s snapshot
-    in the Hugging Face cache (zerotrain.dataio.sources.hub.model_snapshot, as --tokenizer resolves hub names: offline from
-    the cache; online its config, safetensors and tokenizer files are fetched into it). UsageError (one line) for a
+    in the Hugging Face cache (zerotrain.dataio.sources.hub.model_snapshot, as --tokenizer resolves hub names:
+    offline from the cache; online its config, safetensors and tokenizer files are fetched into it). UsageError (one line) for a
     hub name neither cached nor reachable, naming how to fetch it."""
     if not hub_model_name(init_from):
         return Path(init_from).expanduser()

@@ -4,7 +4,8 @@ that each entry runs and prints its rows.
 
 Not run here: two_ranks, startup, bf16_step, offload_step, sequence_parallel, planner_rss and local_source_memory
 (real 2-rank launches and a generated source, minutes of work; `make bench` runs them) and the loader entries (dataio's own tests
-cover the loader; they share `loader_rows` with packing_baselines' path through zerotrain.dataio.pipeline.commands.bench).
+cover the loader; they share `loader_rows` with packing_baselines' path through
+zerotrain.dataio.pipeline.commands.bench).
 """
 import os
 import subprocess

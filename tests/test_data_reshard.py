@@ -1,4 +1,5 @@
-"""Resume on another world size (zerotrain.dataio.pipeline.reshard): every document of the interrupted epoch exactly once.
+"""Resume on another world size (zerotrain.dataio.pipeline.reshard): every document of the interrupted epoch
+exactly once.
 
 The oracle reads documents back from what the loaders EMIT (packed rows), plus what the last
 packers still hold and what the sources still had to give: each document's text carries its

@@ -16,10 +16,12 @@ from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.format.mix import SourceSpec, parse_mix
 from zerotrain.dataio.format.packing import check_packing
 from zerotrain.dataio.pipeline.commands import describe_data
-from zerotrain.dataio.pipeline.loader import Batches, load_data, make_loader, open_data, token_weighted, trainable_tokens
+from zerotrain.dataio.pipeline.loader import (Batches, load_data, make_loader, open_data, token_weighted,
+                                              trainable_tokens)
 from zerotrain.dataio.sources.holdout import holdout_rows
 from zerotrain.dataio.sources.readers import load_text_source
-from zerotrain.dataio.sources.sft import ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format, split_masked
+from zerotrain.dataio.sources.sft import (ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format,
+                                          split_masked)
 from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()

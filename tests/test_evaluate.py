@@ -1,4 +1,5 @@
-"""Evaluation: the holdout (dataio/sources/holdout.py), eval rows, and the all-rank Evaluator (launcher/components/evaluate.py).
+"""Evaluation: the holdout (dataio/sources/holdout.py), eval rows, and the all-rank Evaluator
+(launcher/components/evaluate.py).
 
 Unit tests run in one process without a process group; one real 2-rank `deepspeed` launch
 (ZeRO-3, tests/helpers/eval_harness.py) checks the collective path against a single-process
@@ -21,7 +22,8 @@ from conftest import BIN, REPO, free_port, write_mix
 from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.format.pieces import default_piece_len
 from zerotrain.dataio.pipeline.loader import cut_data, make_loader, open_data
-from zerotrain.dataio.sources.holdout import MAX_FRACTION, holdout_rows, holdout_summary, mix_rows, pack_rows, split_holdout
+from zerotrain.dataio.sources.holdout import (MAX_FRACTION, holdout_rows, holdout_summary, mix_rows, pack_rows,
+                                              split_holdout)
 from zerotrain.dataio.sources.readers import load_text_source
 from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 from zerotrain.launcher.components.evaluate import Evaluator

@@ -1,7 +1,7 @@
 """DocStore: a source's documents as index arrays over byte or token buffers, the one shape every
-reader hands on (zerotrain.dataio.sources.readers: local mix sources; zerotrain.dataio.format.shards: prepared shards)
-and every later stage takes (zerotrain.dataio.format.pieces, zerotrain.dataio.sources.holdout, zerotrain.dataio.sources.sft,
-zerotrain.dataio.pipeline.loader).
+reader hands on (zerotrain.dataio.sources.readers: local mix sources; zerotrain.dataio.format.shards: prepared
+shards) and every later stage takes (zerotrain.dataio.format.pieces, zerotrain.dataio.sources.holdout,
+zerotrain.dataio.sources.sft, zerotrain.dataio.pipeline.loader).
 
 Not here: reading files into a DocStore (the readers), cutting its documents into pieces (pieces).
 It imports nothing of the project, so any stage can name it without pulling in a reader.
@@ -43,7 +43,8 @@ class DocStore:
     spans: tuple | None = None
     records: np.ndarray | None = None  # (n,) record number within its file, from 1
     record_file: np.ndarray | None = None  # (n,) index into `files`
-    # Tokenized (signed tokens, zerotrain.dataio.sources.sft): records truncated / dropped for overflow (zerotrain.dataio.sources.sft.fit).
+    # Tokenized (signed tokens, zerotrain.dataio.sources.sft): records truncated / dropped for overflow
+    # (zerotrain.dataio.sources.sft.fit).
     truncated: int = 0
     dropped: int = 0
 

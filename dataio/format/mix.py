@@ -163,7 +163,8 @@ class SourceSpec:
     separator: str = "\n"  # sft: between prompt and response
     messages_field: str = "messages"  # chat
     overflow: str = "truncate_prompt"  # sft, chat: a record longer than --seq-len
-    download: bool = False  # a hub name: downloaded once into the hub cache and read as local files (dataio/sources/hub.py)
+    # a hub name: downloaded once into the hub cache and read as local files (dataio/sources/hub.py)
+    download: bool = False
     hub: str | None = None  # a downloaded source: the hub name; `hf` is then its local snapshot directory
     dtype: str | None = None  # format tokens: the file's id type (TOKEN_DTYPES)
     eos_id: int | None = None  # format tokens: the end-of-text id that separates its documents

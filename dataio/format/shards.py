@@ -17,8 +17,8 @@ tokenizer and the mix (weights and policies) it was made from; `zerotrain prepar
 them; every check in `verify()` runs at start-up, per shard in parallel threads.
 
 Shards hold whole documents: the manifest's counts and hashes describe what `prepare` wrote.
-Long documents are cut into pieces at load (`zerotrain.dataio.pipeline.loader.load_data`, `zerotrain.dataio.format.pieces.cut_pieces`),
-in tokens, with the same bound and rules as a mix (byte-tokenizer shards only at UTF-8 character
+Long documents are cut into pieces at load (`zerotrain.dataio.pipeline.loader.load_data`,
+`zerotrain.dataio.format.pieces.cut_pieces`), in tokens, with the same bound and rules as a mix (byte-tokenizer shards only at UTF-8 character
 starts, so a byte-tokenized mix and its shards give the same pieces and the same stream); the
 pieces are index arrays over the memory-mapped shards, and nothing about them is written here.
 SFT sources (`"format": "sft"` / `"chat"`) are refused: their response mask has no place here.

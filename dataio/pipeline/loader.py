@@ -138,7 +138,8 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     workers, 0 for none) that the documents will be split across, as in `Batches`.
     seq_len: the row length; SFT records longer than it follow their source's `overflow` policy
     (zerotrain.dataio.sources.sft; counted in the summary). None: SFT records are kept whole, however long.
-    verify: prepared shards' check, zerotrain.dataio.format.shards.verify's mode ("full", or "quick": hashes once per node).
+    verify: prepared shards' check, zerotrain.dataio.format.shards.verify's mode ("full", or "quick": hashes once
+    per node).
     """
     data.seq_len = seq_len
     if data.kind == "shards":
