@@ -150,7 +150,7 @@ def recipe_shape(name: str) -> dict:
     if tokenizer == "bytes":
         vocab = 0
     elif (REPO / tokenizer / "tokenizer.json").is_file():
-        from zerotrain.dataio.tokenizer import load_tokenizer
+        from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(str(REPO / tokenizer)).vocab_size
     elif tokenizer in TOKENIZER_VOCAB:
@@ -170,7 +170,7 @@ def sized_tokenizer(vocab_size: int, out: Path) -> Path:
     (vocab_size, dim) as with a trained tokenizer of that size, which is what the benchmark measures."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from zerotrain.dataio.tokenizer import SPECIAL_TOKENS
+    from zerotrain.dataio.sources.tokenizer import SPECIAL_TOKENS
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *alphabet])}

@@ -67,8 +67,8 @@ def workdir() -> Path:
 
 def shards_dir(tokenizer: str = "bytes") -> Path:
     """The demo mix prepared into shards (once per invocation)."""
-    from zerotrain.dataio.shards import prepare
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.pipeline.prepare import prepare
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
     out = workdir() / f"shards-{Path(tokenizer).name}"
     if not out.exists():
@@ -80,8 +80,8 @@ def bpe_dir() -> Path:
     """A byte-level BPE (vocabulary 8192) trained on the demo mix (once per invocation)."""
     out = workdir() / "bpe"
     if not out.exists():
-        from zerotrain.dataio.loader import load_data, open_data
-        from zerotrain.dataio.tokenizer import ByteTokenizer, train_bpe
+        from zerotrain.dataio.pipeline.loader import load_data, open_data
+        from zerotrain.dataio.sources.tokenizer import ByteTokenizer, train_bpe
 
         data = load_data(open_data(str(demo_mix()), ByteTokenizer()))
         texts = (s.text(d) for s in data.stores for d in range(len(s)))

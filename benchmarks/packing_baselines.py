@@ -2,7 +2,7 @@
 Hugging Face stack would pack with, on the same documents (the demo mix, byte-tokenized, EOS
 appended to each document as our loader does):
 
-- ours: `zerotrain.dataio.commands.bench` (the training loader alone: best-fit packing into fixed rows with
+- ours: `zerotrain.dataio.pipeline.commands.bench` (the training loader alone: best-fit packing into fixed rows with
   per-document positions and labels, as torch tensors) from prepared shards, and from the mix's
   text with the bytes tokenizer and with a BPE-8192 tokenizer (tokenizing on the fly);
 - TRL `pack_dataset(strategy="bfd")` (best-fit decreasing: truncates documents longer than a row)
@@ -33,8 +33,8 @@ def documents():
     import numpy as np
     import pyarrow as pa
 
-    from zerotrain.dataio.loader import load_data, open_data
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.pipeline.loader import load_data, open_data
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     data = load_data(open_data(str(demo_mix()), tok))
@@ -61,7 +61,7 @@ def bench_packing_baselines() -> list[dict]:
     import numpy as np
     import pyarrow as pa
 
-    from zerotrain.dataio.commands import bench
+    from zerotrain.dataio.pipeline.commands import bench
 
     datasets.disable_progress_bars()
     array, lengths = documents()

@@ -10,7 +10,7 @@ D   Hugging Face `LlamaForCausalLM` of the same shape (zerotrain.modeling.hf `hf
 
 Both: parameters in bf16 on a GPU (fp32 on the CPU) with fp32 master weights stepped by
 `torch.optim.AdamW(fused=True)` (DeepSpeed's bf16 layout, so the comparison with our driver is like for like),
-gradient clipping at 1.0, the rows packed by our packer (zerotrain.dataio.packing, best-fit) from the documents
+gradient clipping at 1.0, the rows packed by our packer (zerotrain.dataio.format.packing, best-fit) from the documents
 the driver reads. Time per step: a CUDA event recorded at the start of every step (and after the last), so the
 host's work between steps is in the period; on the CPU, the host clock. `profile_at` (1-based step) runs
 `profile_count` steps under torch.profiler and keeps `summarize`'s text. `largest`: the micro-batch is doubled
@@ -34,7 +34,7 @@ BF16_NOTE = "bf16 parameters, fp32 master weights and AdamW states (fused), grad
 
 def documents(path: Path) -> list:
     """The documents of a jsonl file of {"text": ...} as byte-tokenizer token arrays (what the driver reads)."""
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
     texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
     return ByteTokenizer().encode_batch(texts)
@@ -45,8 +45,8 @@ def host_batches(docs: list, seq_len: int, micro: int, count: int, pin: bool) ->
     C needs computed on the host: next-token targets and cu_seqlens."""
     import torch
 
-    from zerotrain.dataio.packing import make_packer, to_torch
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.format.packing import make_packer, to_torch
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
     from zerotrain.modeling.model import next_token_targets
 
     packer = make_packer("best-fit", seq_len, ByteTokenizer.eos_id, micro)

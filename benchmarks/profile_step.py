@@ -54,9 +54,9 @@ def main(argv: list[str]) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from zerotrain.dataio.loader import Batches, load_data, open_data
-    from zerotrain.dataio.pieces import default_piece_len
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.format.pieces import default_piece_len
+    from zerotrain.dataio.pipeline.loader import Batches, load_data, open_data
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
     from step_worker import CLIP, adamw, model_args, our_model
 
     torch.set_num_threads(a.threads)

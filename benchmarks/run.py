@@ -73,7 +73,7 @@ SECONDS = float(os.environ.get("BENCH_SECONDS", "0.5" if TINY else "5"))
 
 
 def loader_rows(label: str, data: str, tokenizer: str, target: float | None, packings=("best-fit",)) -> list[dict]:
-    from zerotrain.dataio.commands import bench
+    from zerotrain.dataio.pipeline.commands import bench
 
     rows = []
     for packing in packings:
@@ -100,8 +100,9 @@ def bench_stream_bpe():
 
 
 def bench_prepare_verify():
-    from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.format.shards import read_manifest, read_speed, verify
+    from zerotrain.dataio.pipeline.prepare import prepare
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
     out = workdir() / "prepare-timed"
     t0 = time.time()
@@ -126,9 +127,9 @@ def bench_packing():
     """Greedy (ours) against best-fit, on the demo mix's documents in training order."""
     import numpy as np
 
-    from zerotrain.dataio.loader import MixedStream, load_data, open_data
-    from zerotrain.dataio.packing import best_fit_efficiency, open_rows_for
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.format.packing import best_fit_efficiency, open_rows_for
+    from zerotrain.dataio.pipeline.loader import MixedStream, load_data, open_data
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
     data = load_data(open_data(str(demo_mix()), ByteTokenizer()))
     stream = MixedStream(data, 0, 1, 1337)
@@ -188,8 +189,8 @@ def status():
     return out
 
 import datasets, numpy, torch  # noqa: the libraries' own memory is the baseline, not the source's
-from zerotrain.dataio.commands import bench
-from zerotrain.dataio.loader import load_data, open_data
+from zerotrain.dataio.pipeline.commands import bench
+from zerotrain.dataio.pipeline.loader import load_data, open_data
 base = status()
 peak_anon = [base["RssAnon"]]
 

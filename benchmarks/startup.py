@@ -7,7 +7,7 @@ down by benchmarks/startup_probe.py, which runs the unmodified driver with times
 phases. Plus what the imports cost by package (`python -X importtime`).
 
 `shard_verify`: ~BENCH_VERIFY_GB (default 1) GB of prepared shards (uint16 tokens in the
-`zerotrain prepare` format, written directly) verified by `zerotrain.dataio.shards.verify`: full (every
+`zerotrain prepare` format, written directly) verified by `zerotrain.dataio.format.shards.verify`: full (every
 sha256 and the token range) with the page cache cold and warm, and quick (sizes, headers, offsets
 and the manifest every time; hashes once per node, cached by file identity): the first start on a
 node, later starts, and two ranks of a node starting together (one hashes, the other waits for it).
@@ -103,7 +103,8 @@ def breakdown(m: dict) -> tuple[float, str]:
 
 def import_times() -> str:
     """Cumulative import time of the top-level packages a rank imports (`python -X importtime`)."""
-    code = "import torch, deepspeed, zerotrain.launcher.train, zerotrain.launcher.trainer, zerotrain.dataio.loader"
+    code = ("import torch, deepspeed, zerotrain.launcher.train, zerotrain.launcher.trainer,"
+            " zerotrain.dataio.pipeline.loader")
     r = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, cwd=REPO,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
     top = {}
@@ -138,11 +139,11 @@ def bench_startup() -> list[dict]:
 
 def write_shards(root: Path, total_bytes: int, shard_bytes: int = 256 << 20, seed: int = 0) -> dict:
     """Random byte-tokenizer documents (log-normal lengths around 3k tokens) as uint16 shards plus a
-    manifest in the `zerotrain prepare` format (dataio/shards.py), checked by read_manifest."""
+    manifest in the `zerotrain prepare` format (dataio/format/shards.py), checked by read_manifest."""
     import numpy as np
 
-    from zerotrain.dataio import shards
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.format import shards
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     rng = np.random.default_rng(seed)
@@ -162,8 +163,8 @@ def write_shards(root: Path, total_bytes: int, shard_bytes: int = 256 << 20, see
         np.save(root / f"{base}.tokens.npy", tokens, allow_pickle=False)
         np.save(root / f"{base}.offsets.npy", offsets, allow_pickle=False)
         entries.append({"file": f"{base}.tokens.npy", "offsets_file": f"{base}.offsets.npy", "source": "web",
-                        "sha256": shards._sha256(root / f"{base}.tokens.npy"),
-                        "offsets_sha256": shards._sha256(root / f"{base}.offsets.npy"),
+                        "sha256": shards.file_sha256(root / f"{base}.tokens.npy"),
+                        "offsets_sha256": shards.file_sha256(root / f"{base}.offsets.npy"),
                         "tokens": int(len(tokens)), "documents": int(len(lengths)), "dtype": "uint16",
                         "tokenizer_sha256": tok.sha256})
         n_tokens += len(tokens)
@@ -191,7 +192,7 @@ RANK_VERIFY = r"""
 import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from zerotrain.dataio.shards import read_manifest, verify
+from zerotrain.dataio.format.shards import read_manifest, verify
 root = Path(sys.argv[2])
 sys.stdin.readline()  # start together
 t0 = time.time()
@@ -216,7 +217,7 @@ def two_ranks_verify(root: Path, mode: str, cache: Path) -> tuple[float, list[in
 
 
 def bench_shard_verify() -> list[dict]:
-    from zerotrain.dataio.shards import verify
+    from zerotrain.dataio.format.shards import verify
 
     work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-verify-"))
     rows = []

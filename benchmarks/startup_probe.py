@@ -5,7 +5,7 @@ first optimizer step has been logged; the run then goes on as usual.
 
 Phases: the launcher processes' own start (from /proc: the deepspeed runner and launch.py are this
 process's ancestors), this process's exec, its imports, the plan (profile, tokenizer, data read and
-verified: `zerotrain.dataio.loader.load_data` timed inside it), process-group set-up (DeepSpeed's
+verified: `zerotrain.dataio.pipeline.loader.load_data` timed inside it), process-group set-up (DeepSpeed's
 `init_distributed`, its communication op load timed inside it), model build (`_build_engine` less
 `deepspeed.initialize`), engine init (`deepspeed.initialize`), the data loader (`_build_data`), and
 the first step.
@@ -65,7 +65,7 @@ t0 = time.time()
 import deepspeed  # noqa: E402
 marks["import_deepspeed_s"] = time.time() - t0
 t0 = time.time()
-import zerotrain.dataio.loader  # noqa: E402
+import zerotrain.dataio.pipeline.loader  # noqa: E402
 import zerotrain.launcher.components.observe.metrics  # noqa: E402
 import zerotrain.launcher.train  # noqa: E402
 import zerotrain.launcher.trainer  # noqa: E402
@@ -75,7 +75,7 @@ marks["import_zerotrain_s"] = time.time() - t0
 marks["imports_done"] = time.time()
 
 timed(zerotrain.launcher.trainer, "plan_run", "plan")
-timed(zerotrain.dataio.loader, "load_data", "data_load_verify")
+timed(zerotrain.dataio.pipeline.loader, "load_data", "data_load_verify")
 timed(deepspeed, "init_distributed", "init_distributed")
 # DeepSpeed's CPU builders may come from a second import of the op_builder package (its own class
 # objects): patch the class that defines load() for the builder the CPU accelerator hands out.

@@ -65,9 +65,9 @@ def save_batches(work: Path, mix: Path, seq: int, micro: int, world: int, n: int
     driver), saved as .npy for the baselines to cycle through."""
     import numpy as np
 
-    from zerotrain.dataio.loader import Batches, load_data, open_data
-    from zerotrain.dataio.pieces import default_piece_len
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.format.pieces import default_piece_len
+    from zerotrain.dataio.pipeline.loader import Batches, load_data, open_data
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
     out = work / f"batches-{seq}x{micro}-w{world}"
     if out.exists():

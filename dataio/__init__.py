@@ -1,10 +1,11 @@
 """zerotrain data path: tokenizers, weighted source mixes, the packed-sequence collator.
 
-Four layers, each importing only itself and the layers listed before it (tests/test_architecture.py holds the map):
-    format     errors, docstore (documents as index arrays), mix (the mix spec), sft (chat and
-               prompt/completion records as tokens)
-    sources    readers (local files), streamed (record streams), hub (Hub datasets and tokenizers),
-               tokenizer, shards (prepared token shards), tokenfile (flat token files)
-    pipeline   packing, pieces, holdout (eval rows), loader (a run's batches), reshard
-    commands   `zerotrain data ...`
+Three sub-packages, each importing only itself and the ones listed below it (tests/test_architecture.py checks it;
+dataio imports neither modeling nor launcher):
+    pipeline   loader (a run's batches: sources mixed into packed rows, streaming included), reshard (the
+               loader's state on another world size), prepare (`zerotrain prepare`), commands (`zerotrain data ...`)
+    sources    reading one source: readers (local files), streamed (record streams), hub (Hub names and snapshots),
+               tokenizer (on disk or on the hub), sft (chat and prompt/completion records), holdout (eval rows)
+    format     on-disk formats and pure helpers: errors, docstore (documents as index arrays), mix (the mix file),
+               tokenfile (flat token files), shards (prepared shards: layout, manifest, checks), pieces, packing
 """

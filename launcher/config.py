@@ -95,7 +95,7 @@ class DataConfig:
     swap_tokenizer: bool | None = opt(None, "with --init-from and a --tokenizer whose vocabulary is not the model's: "
                                             "train on it anyway (refused without this flag)", RUN)
     seq_len: int = opt(256, "tokens per packed row")
-    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/packing.py", IDENTITY_WHEN_SET,
+    packing: str | None = opt(None, "best-fit (default) or greedy; see dataio/format/packing.py", IDENTITY_WHEN_SET,
                               choices=("best-fit", "greedy"))
     piece_len: int | None = opt(None, "cut documents longer than this into pieces (dataio; default derived from "
                                       "--seq-len)", IDENTITY_WHEN_SET)

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.hub import model_snapshot, split_name
-from zerotrain.dataio.tokenizer import ByteTokenizer, load_tokenizer, same_vocabulary
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.sources.hub import model_snapshot, split_name
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer, load_tokenizer, same_vocabulary
 from zerotrain.launcher.config import value
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import hf, sizes
@@ -119,8 +119,8 @@ def hub_model_name(init_from: str) -> bool:
 
 def init_from_dir(init_from: str) -> Path:
     """The directory `--init-from` (or `model=`) names: a local path, or a hub model ORG/NAME[@REVISION]'s snapshot
-    in the Hugging Face cache (zerotrain.dataio.hub.model_snapshot, as --tokenizer resolves hub names: offline from
-    the cache; online its config, safetensors and tokenizer files are fetched into it). UsageError (one line) for a
+    in the Hugging Face cache (zerotrain.dataio.sources.hub.model_snapshot, as --tokenizer resolves hub names:
+    offline from the cache; online its config, safetensors and tokenizer files are fetched into it). UsageError (one line) for a
     hub name neither cached nor reachable, naming how to fetch it."""
     if not hub_model_name(init_from):
         return Path(init_from).expanduser()

@@ -20,12 +20,12 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerotrain.dataio.commands import describe_data
-from zerotrain.dataio.holdout import holdout_rows, mix_rows
-from zerotrain.dataio.loader import dataloader_settings, load_data, open_data
-from zerotrain.dataio.packing import check_packing
-from zerotrain.dataio.pieces import default_piece_len
-from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.dataio.format.packing import check_packing
+from zerotrain.dataio.format.pieces import default_piece_len
+from zerotrain.dataio.pipeline.commands import describe_data
+from zerotrain.dataio.pipeline.loader import dataloader_settings, load_data, open_data
+from zerotrain.dataio.sources.holdout import holdout_rows, mix_rows
+from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components import determinism, manifest
 from zerotrain.launcher.components.checkpoints import checkpoint
@@ -75,8 +75,8 @@ class RunPlan:
     profile_why: str | None
     ds_config: dict
     settings: object  # zerotrain.launcher.settings.Settings: every setting's value and source
-    data: object  # zerotrain.dataio.loader.Data, loaded and checked
-    eval_rows: dict | None  # per source, the packed rows every evaluation runs (dataio/holdout.py)
+    data: object  # zerotrain.dataio.pipeline.loader.Data, loaded and checked
+    eval_rows: dict | None  # per source, the packed rows every evaluation runs (dataio/sources/holdout.py)
     loader_settings: dict
     tokenizer: object
     model_args: object

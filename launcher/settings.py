@@ -308,7 +308,7 @@ TABLE: tuple[Setting, ...] = (
     Setting("health", "the health check's windows (components/observe/health.py)", profile_key="zerotrain.health",
             default=HEALTH_DEFAULTS, check=health_check),
     # the data loader, the hardware, the launch's environment
-    Setting("dataloader", "workers, prefetch_factor, pin_memory, persistent_workers (dataio/loader.py)",
+    Setting("dataloader", "workers, prefetch_factor, pin_memory, persistent_workers (dataio/pipeline/loader.py)",
             profile_key="zerotrain.dataloader"),
     Setting("hardware", "what the profile was written for: accelerator, devices_per_node, nodes, memory, names",
             profile_key="zerotrain.hardware", default={}, check=hardware_check),

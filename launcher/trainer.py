@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from zerotrain.dataio.hub import hub_lines
-from zerotrain.dataio.loader import Batches
+from zerotrain.dataio.pipeline.loader import Batches
+from zerotrain.dataio.sources.hub import hub_lines
 from zerotrain import durable, torch_private
 from zerotrain.launcher import planning
 from zerotrain.launcher.components import ds_compat, faults, manifest, oom

@@ -2,12 +2,10 @@
 zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
 
     0  zerotrain (__version__, resource_dir, errors, cli_args, durable, ds_attributes, torch_private, reading), the data packages ds_configs/ and recipes/
-    1  modeling/*, and dataio's format layer: errors, docstore (documents as index arrays), mix (the mix
-       spec: sources, formats, weights), sft (chat and prompt/completion records rendered into tokens)
-    2  dataio's sources: readers (local files), streamed (record streams), hub (Hub names and snapshots),
-       tokenizer, shards (prepared token shards), tokenfile (flat token files)
-    3  dataio's pipeline: packing, pieces, holdout, loader (a run's batches), reshard
-    4  dataio's commands (`zerotrain data ...`)
+    1  modeling/*, and dataio/format/*: on-disk formats and pure helpers (errors, docstore, mix, tokenfile, shards,
+       pieces, packing)
+    2  dataio/sources/*: reading one source (readers, streamed, hub, tokenizer, sft, holdout)
+    3  dataio/pipeline/*: the loader, reshard, prepare and `zerotrain data ...` (commands)
     5  launcher/errors (exceptions, StopRun, fail), ends (the table of how a run ends: kinds, exit codes), rank_ends
        (a rank's exit code left for `zerotrain launch`)
     6  the config layer: config (the typed tree of settings: a leaf, importing nothing of this layer or above),
@@ -23,8 +21,8 @@ zerotrain/, launcher/, modeling/ and dataio/, imports inside functions included.
 dataio and modeling never import each other (modeling sits beside dataio's lowest layer).
 A module may import its own layer or below, and no module may reach itself through imports. A file
 added to a folder whose modules all share a layer (components/ and its rooms, planning/, commands/, modeling/) is
-placed by its folder; one added anywhere else (dataio/ included: its modules are placed one by one) must
-be given a layer in LAYERS below, or this test says so. Also here: nothing imports the bare `launcher`,
+placed by its folder (dataio's three sub-packages too); one added anywhere else (a module directly in dataio/
+included) must be given a layer in LAYERS below, or this test says so. Also here: nothing imports the bare `launcher`,
 `modeling` or `dataio` (the names the folders had before they installed as zerotrain.*), and the light
 commands never load torch.
 """
@@ -48,13 +46,8 @@ LAYERS = {
     "zerotrain.durable": 0, "zerotrain.ds_attributes": 0,
     "zerotrain.torch_private": 0, "zerotrain.reading": 0,
     "zerotrain.modeling.*": 1,
-    "zerotrain.dataio": 1, "zerotrain.dataio.errors": 1, "zerotrain.dataio.docstore": 1, "zerotrain.dataio.mix": 1,
-    "zerotrain.dataio.sft": 1,
-    "zerotrain.dataio.readers": 2, "zerotrain.dataio.streamed": 2, "zerotrain.dataio.hub": 2,
-    "zerotrain.dataio.tokenizer": 2, "zerotrain.dataio.shards": 2, "zerotrain.dataio.tokenfile": 2,
-    "zerotrain.dataio.packing": 3, "zerotrain.dataio.pieces": 3, "zerotrain.dataio.holdout": 3,
-    "zerotrain.dataio.loader": 3, "zerotrain.dataio.reshard": 3,
-    "zerotrain.dataio.commands": 4,
+    "zerotrain.dataio": 1, "zerotrain.dataio.format.*": 1, "zerotrain.dataio.sources.*": 2,
+    "zerotrain.dataio.pipeline.*": 3,
     "zerotrain.launcher.errors": 5, "zerotrain.launcher.ends": 5, "zerotrain.launcher.rank_ends": 5,
     "zerotrain.launcher.config": 6, "zerotrain.launcher.profiles": 6, "zerotrain.launcher.model_spec": 6,
     "zerotrain.launcher.optimizers": 6, "zerotrain.launcher.client_optimizers": 6, "zerotrain.launcher.hparams": 6,
@@ -68,9 +61,8 @@ LAYERS = {
     "zerotrain.launcher.commands.*": 10, "zerotrain.launcher.cli": 10, "zerotrain.launcher.train": 10,
     "zerotrain.launcher": 10, "zerotrain.__main__": 10,
 }
-LAYER_NAMES = {0: "root", 1: "modeling, dataio format", 2: "dataio sources", 3: "dataio pipeline",
-               4: "dataio commands", 5: "errors", 6: "config layer", 7: "components", 8: "components/launching",
-               9: "run", 10: "entry points"}
+LAYER_NAMES = {0: "root", 1: "modeling, dataio format", 2: "dataio sources", 3: "dataio pipeline", 5: "errors",
+               6: "config layer", 7: "components", 8: "components/launching", 9: "run", 10: "entry points"}
 WALLED = ("zerotrain.dataio", "zerotrain.modeling")  # neither may import the other
 BARE = ("launcher", "modeling", "dataio")
 
@@ -215,6 +207,39 @@ def test_no_import_cycles():
         if m not in state:
             visit(m)
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+DATAIO_LAYERS = ("format", "sources", "pipeline")  # dataio's sub-packages, bottom up
+DATAIO_DEPTH = 7  # the longest import chain inside dataio, in modules (9 before the sub-packages)
+
+
+def test_dataio_is_three_layers_and_a_short_chain():
+    """Each dataio module sits in format/, sources/ or pipeline/ and imports only its own sub-package or one below,
+    never zerotrain.launcher (nor modeling: test_imports_go_down_only); the longest chain of imports inside dataio
+    stays short, so a reader follows a data path through a few modules, not nine."""
+    modules, graph = import_graph()
+    dataio = {m: sorted({t for t, _ in e}) for m, e in graph.items() if m.startswith("zerotrain.dataio.")}
+    rank = {m: DATAIO_LAYERS.index(m.split(".")[2]) for m in dataio if m.split(".")[2] in DATAIO_LAYERS}
+    loose = sorted(set(dataio) - set(rank))
+    assert not loose, f"dataio modules outside format/, sources/, pipeline/: {loose}"
+    wrong = []
+    for m, targets in dataio.items():
+        for t in targets:
+            line = next(n for u, n in graph[m] if u == t)
+            where = f"{modules[m].relative_to(REPO)}:{line}"
+            if t.startswith("zerotrain.launcher"):
+                wrong.append(f"{where} imports {t}: dataio sits below the launcher")
+            elif t in rank and rank[t] > rank[m]:
+                wrong.append(f"{where} imports {t}: dataio {DATAIO_LAYERS[rank[m]]} may import"
+                             f" {', '.join(DATAIO_LAYERS[:rank[m] + 1])} only")
+    assert not wrong, "dataio imports that go up:\n" + "\n".join(wrong)
+
+    def chain(m, seen=()):  # the longest path of dataio imports from m (test_no_import_cycles rules out loops)
+        return max(([m, *chain(t, (*seen, m))] for t in dataio[m] if t in dataio and t not in seen), key=len,
+                   default=[m])
+    longest = max((chain(m) for m in dataio), key=len)
+    assert len(longest) <= DATAIO_DEPTH, (f"a {len(longest)}-deep import chain inside dataio (at most {DATAIO_DEPTH}):"
+                                          f" {' -> '.join(longest)}")
 
 
 def _sources() -> list[tuple[str, str]]:

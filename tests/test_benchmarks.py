@@ -4,7 +4,8 @@ that each entry runs and prints its rows.
 
 Not run here: two_ranks, startup, bf16_step, offload_step, sequence_parallel, planner_rss and local_source_memory
 (real 2-rank launches and a generated source, minutes of work; `make bench` runs them) and the loader entries (dataio's own tests
-cover the loader; they share `loader_rows` with packing_baselines' path through zerotrain.dataio.commands.bench).
+cover the loader; they share `loader_rows` with packing_baselines' path through
+zerotrain.dataio.pipeline.commands.bench).
 """
 import os
 import subprocess
@@ -147,7 +148,7 @@ def test_make_bench_gpu_runs_every_gpu_recipes_shape_planned_as_the_driver_would
     assert set(ran) == set(rows) - {"h100pcie-x8-1000usd"}
     values, micro = ran["rtx6000ada-x2-760m"]
     assert values["model"] == "ws-760m" and values["optimizer"] == "muon" and values["activation_checkpointing"]
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
     assert load_tokenizer(values["tokenizer"]).vocab_size == 128256 and micro == 8
 
@@ -156,7 +157,7 @@ def test_gpu_benchmarks_sized_tokenizer_gives_the_model_that_vocabulary(tmp_path
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu import sized_tokenizer
 
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(sized_tokenizer(128256, tmp_path / "tok")))
     assert tok.vocab_size == 128256 and tok.eos_id is not None

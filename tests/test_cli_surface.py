@@ -101,7 +101,7 @@ def test_bad_usage_is_one_line_and_exit_2(argv, message):
 
 
 def test_the_parser_raises_the_one_usage_error_class():
-    from zerotrain.dataio.errors import UsageError as DataUsageError
+    from zerotrain.dataio.format.errors import UsageError as DataUsageError
     from zerotrain.launcher.errors import UsageError as LauncherUsageError
 
     assert DataUsageError is LauncherUsageError is UsageError

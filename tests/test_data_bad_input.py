@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, launch
-from zerotrain.dataio.loader import load_data, open_data
-from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.pipeline.loader import load_data, open_data
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 from test_bad_input import snapshot
 
 
@@ -134,7 +134,7 @@ def test_skip_policy_drops_and_counts_bad_records(tmp_path):
     assert [txt.text(i) for i in range(len(txt))] == ["first paragraph", "third one"] and txt.bad_records == 1
     assert "paragraph 2" in txt.first_bad
     assert [js.text(i) for i in range(len(js))] == ["a", "d"] and js.bad_records == 1 and js.empty_records == 1
-    from zerotrain.dataio.commands import describe_data
+    from zerotrain.dataio.pipeline.commands import describe_data
 
     lines = describe_data(data, 10_000)
     assert any("skipped 1 bad record(s)" in ln and "'txt'" in ln for ln in lines)

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.loader import Batches, Data, cut_data, load_data, make_loader, open_data, plain
-from zerotrain.dataio.mix import SourceSpec
-from zerotrain.dataio.packing import PACKINGS, make_packer
-from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.mix import SourceSpec
+from zerotrain.dataio.format.packing import PACKINGS, make_packer
+from zerotrain.dataio.pipeline.loader import Batches, Data, cut_data, load_data, make_loader, open_data, plain
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
 ALPHABETS = {"short": "abcdefgh", "long": "0123456789", "mid": "!#$%&()*+"}
 
@@ -299,7 +299,7 @@ def test_streamed_source_resumes_exactly(tmp_path):
 
 
 def test_summary_before_training_estimates_epochs_and_warns(tmp_path):
-    from zerotrain.dataio.commands import describe_data
+    from zerotrain.dataio.pipeline.commands import describe_data
 
     mix = three_source_mix(tmp_path, n=100, extra={"warn_epochs": 3})
     raw = json.loads(mix.read_text())

@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, launch
-from zerotrain.dataio.commands import describe_data
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data
-from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.pipeline.commands import describe_data
+from zerotrain.dataio.pipeline.loader import Batches, load_data, make_loader, open_data
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 from test_data_loader import ALPHABETS, source_of_bytes
 
 README = """---
@@ -207,7 +207,7 @@ def test_exact_resume_over_multi_file_sources_read_and_streamed(local_hub):
     assert all(np.array_equal(b.next()["input_ids"], e) for e in expected)
     assert a.tokens_per_source()[3] > 0  # the streamed source took part
     # The streamed glob is the same files in the same sorted order as the directory.
-    from zerotrain.dataio.readers import find_files
+    from zerotrain.dataio.sources.readers import find_files
 
     assert find_files(data.specs[3]).files == data.stores[1].files
 
@@ -339,9 +339,9 @@ def fake_hub_cache(root, repo="owner/name"):
 
 OFFLINE_READ = """
 import sys
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.mix import parse_mix
-from zerotrain.dataio.streamed import open_streamed, records
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.mix import parse_mix
+from zerotrain.dataio.sources.streamed import open_streamed, records
 edu, other = parse_mix(sys.argv[1]).sources
 print("edu records", sum(1 for _ in records(open_streamed(edu, 0, 1))))
 try:
@@ -373,8 +373,8 @@ def test_offline_a_hub_name_is_read_from_the_local_hub_cache(tmp_path):
 
 HALF_READ = """
 import sys
-from zerotrain.dataio.mix import parse_mix
-from zerotrain.dataio.streamed import open_streamed, records
+from zerotrain.dataio.format.mix import parse_mix
+from zerotrain.dataio.sources.streamed import open_streamed, records
 it = records(open_streamed(parse_mix(sys.argv[1]).sources[0], 0, 1))
 print("first", len(next(it)["text"]) > 0)
 """

@@ -1,4 +1,4 @@
-"""Long documents cut into pieces before the split across ranks (zerotrain.dataio.pieces.make_pieces):
+"""Long documents cut into pieces before the split across ranks (zerotrain.dataio.format.pieces.make_pieces):
 a single-document source trains on any number of ranks, token shares and exactly-once hold over
 pieces, text is cut only at UTF-8 character starts, prepared shards are cut like the mix, and
 the summary before training names documents, pieces and a .txt file that gave few documents."""
@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerotrain.dataio.commands import describe_data
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data
-from zerotrain.dataio.pieces import cut_pieces, default_piece_len, make_pieces
-from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.pieces import cut_pieces, default_piece_len, make_pieces
+from zerotrain.dataio.pipeline.commands import describe_data
+from zerotrain.dataio.pipeline.loader import Batches, load_data, make_loader, open_data
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
 # Disjoint byte alphabets: a byte of a packed row says by itself which source it came from.
 # "one" is UTF-8 with 2- and 3-byte characters: its cuts must move back to character starts.
@@ -159,7 +159,8 @@ def test_a_source_too_small_for_the_ranks_is_refused_in_load_data(tmp_path):
 
 
 def test_prepared_shards_are_cut_like_the_mix(tmp_path):
-    from zerotrain.dataio.shards import prepare, read_manifest
+    from zerotrain.dataio.format.shards import read_manifest
+    from zerotrain.dataio.pipeline.prepare import prepare
 
     mix = write_sources(tmp_path / "data", one_lines=2000)
     out = prepare(str(mix), ByteTokenizer(), tmp_path / "shards", shard_tokens=20_000, log=lambda *a: None)

@@ -1,4 +1,5 @@
-"""Resume on another world size (zerotrain.dataio.reshard): every document of the interrupted epoch exactly once.
+"""Resume on another world size (zerotrain.dataio.pipeline.reshard): every document of the interrupted epoch
+exactly once.
 
 The oracle reads documents back from what the loaders EMIT (packed rows), plus what the last
 packers still hold and what the sources still had to give: each document's text carries its
@@ -13,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data, plain
-from zerotrain.dataio.reshard import check_reshard, reshard_loader_states
-from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.pipeline.loader import Batches, load_data, make_loader, open_data, plain
+from zerotrain.dataio.pipeline.reshard import check_reshard, reshard_loader_states
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_id
 SEED, SEQ, MB = 11, 64, 2
@@ -317,7 +318,7 @@ def test_bad_loader_states_are_one_line_errors(tmp_path):
 
 def test_pending_documents_are_tokenized_like_any_other(tmp_path):
     """A Hugging Face tokenizer: documents are tokenized in blocks (not read as bytes), pending ones too."""
-    from zerotrain.dataio.tokenizer import HFTokenizer, train_bpe
+    from zerotrain.dataio.sources.tokenizer import HFTokenizer, train_bpe
 
     data, texts = id_mix(tmp_path, on_exhausted="restart")
     tok = HFTokenizer(train_bpe(texts, 300, tmp_path / "bpe"))

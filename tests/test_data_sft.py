@@ -1,4 +1,4 @@
-"""Supervised fine-tuning data (dataio/sft.py and its path through the loader): prompt/response and
+"""Supervised fine-tuning data (dataio/sources/sft.py and its path through the loader): prompt/response and
 chat records, the response mask computed from character spans (byte tokenizer and a Hugging Face
 tokenizer with a chat template), overflow, packing, holdout, exact resume, mixing with text
 sources, bad records as one line, and the token-weighted loss checked against a single-process
@@ -12,15 +12,17 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, free_port
-from zerotrain.dataio.commands import describe_data
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.holdout import holdout_rows
-from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data, token_weighted, trainable_tokens
-from zerotrain.dataio.mix import SourceSpec, parse_mix
-from zerotrain.dataio.packing import check_packing
-from zerotrain.dataio.readers import load_text_source
-from zerotrain.dataio.sft import ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format, split_masked
-from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.mix import SourceSpec, parse_mix
+from zerotrain.dataio.format.packing import check_packing
+from zerotrain.dataio.pipeline.commands import describe_data
+from zerotrain.dataio.pipeline.loader import (Batches, load_data, make_loader, open_data, token_weighted,
+                                              trainable_tokens)
+from zerotrain.dataio.sources.holdout import holdout_rows
+from zerotrain.dataio.sources.readers import load_text_source
+from zerotrain.dataio.sources.sft import (ChatRenderer, encode, labelled_tokens, plain_chat, render_record, sniff_format,
+                                          split_masked)
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()
 EOS = BYTES.eos_id
@@ -143,7 +145,7 @@ LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['r
 def chat_tokenizer_dir(tmp_path_factory):
     from tokenizers import Tokenizer
 
-    from zerotrain.dataio.tokenizer import train_bpe
+    from zerotrain.dataio.sources.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("chat-tok")
     train_bpe(["reverse the word hello: olleh. What is 12 plus 7? 19. café crème add the numbers"] * 50, 330, root)
@@ -158,7 +160,7 @@ def chat_tokenizer_dir(tmp_path_factory):
 def test_chat_template_of_a_hf_tokenizer_masks_by_offsets(chat_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from zerotrain.dataio.tokenizer import HFTokenizer
+    from zerotrain.dataio.sources.tokenizer import HFTokenizer
 
     tok = HFTokenizer(chat_tokenizer_dir)
     assert tok.chat_template == LLAMA3_LIKE
@@ -191,7 +193,7 @@ def test_chat_template_of_a_hf_tokenizer_masks_by_offsets(chat_tokenizer_dir, tm
 
 
 def test_a_chat_template_that_rewrites_earlier_turns_is_refused(chat_tokenizer_dir, tmp_path):
-    from zerotrain.dataio.tokenizer import HFTokenizer
+    from zerotrain.dataio.sources.tokenizer import HFTokenizer
 
     cfg_path = chat_tokenizer_dir / "tokenizer_config.json"
     tok = HFTokenizer(chat_tokenizer_dir)
@@ -442,7 +444,7 @@ def test_streamed_sft_records_are_rendered_checked_and_fitted(tmp_path):
 
 
 def test_prepare_refuses_sft_sources_and_tokenizer_training_reads_them(tmp_path):
-    from zerotrain.dataio.shards import prepare
+    from zerotrain.dataio.pipeline.prepare import prepare
 
     write_jsonl(tmp_path / "chat.jsonl", chats(5))
     mix = write_mix(tmp_path, [{"name": "chat", "path": "chat.jsonl", "weight": 1, "format": "chat"}])

@@ -1,4 +1,4 @@
-"""Flat token files as a mix source (zerotrain.dataio.tokenfile): nanoGPT's layout (uint16 ids, every
+"""Flat token files as a mix source (zerotrain.dataio.format.tokenfile): nanoGPT's layout (uint16 ids, every
 document followed by the end-of-text id), written by the tests with a tokenizer built on disk (nothing
 downloads). Documents split at the end-of-text id exactly as a reference split does; packed rows restart
 positions after every EOS; a mix of a token file and a jsonl source trains (the real driver) and evaluates
@@ -12,10 +12,10 @@ import pytest
 from conftest import launch, read_metrics
 from test_bad_input import snapshot
 from test_data_reshard import DOC, WORDS, run_worlds
-from zerotrain.dataio import tokenfile
-from zerotrain.dataio.errors import DataError, UsageError
-from zerotrain.dataio.loader import Batches, load_data, make_loader, open_data
-from zerotrain.dataio.tokenizer import ByteTokenizer, load_tokenizer
+from zerotrain.dataio.format import tokenfile
+from zerotrain.dataio.format.errors import DataError, UsageError
+from zerotrain.dataio.pipeline.loader import Batches, load_data, make_loader, open_data
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer, load_tokenizer
 
 EOS = 1000  # the tiny tokenizer's end-of-text id: ids 0..999 are words "t0".."t999"
 
@@ -250,8 +250,8 @@ def test_a_bin_given_as_data_says_how_to_name_it(tmp_path):
 
 def test_prepare_and_tokenizer_training_refuse_a_token_file(tmp_path):
     """Token ids already: `zerotrain prepare` is not needed, and there is no text to train a tokenizer on."""
-    from zerotrain.dataio.commands import tokenizer_main
-    from zerotrain.dataio.shards import prepare
+    from zerotrain.dataio.pipeline.commands import tokenizer_main
+    from zerotrain.dataio.pipeline.prepare import prepare
 
     nanogpt_bin(tmp_path / "train.bin", random_docs(3, 10))
     with pytest.raises(DataError, match="format tokens is token ids already: train from the mix itself"):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from zerotrain.dataio.loader import load_data, make_loader, open_data
-from zerotrain.dataio.mix import parse_mix
-from zerotrain.dataio.tokenizer import HFTokenizer
+from zerotrain.dataio.format.mix import parse_mix
+from zerotrain.dataio.pipeline.loader import load_data, make_loader, open_data
+from zerotrain.dataio.sources.tokenizer import HFTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_shipped_mixes_validate():
     assert shares == {"fineweb-edu": 0.45, "cosmopedia": 0.25, "finepdfs": 0.20, "medqa-usmle": 0.10}
     assert all(s.hf and s.streamed for s in mix.sources)
     qa = mix.sources[-1]
-    from zerotrain.dataio.streamed import record_text
+    from zerotrain.dataio.sources.streamed import record_text
 
     record = {"question": "Q?", "options": {"A": "a", "B": "b", "C": "c", "D": "d"}, "answer_idx": "B",
               "answer": "b"}
@@ -92,7 +92,7 @@ def test_shipped_mixes_validate():
 def test_hf_tokenized_text_is_cut_in_bytes_before_tokenizing(trained, tmp_path):
     """With a Hugging Face tokenizer a text source is cut in bytes of its UTF-8 text (at character
     starts) before tokenizing; the summary labels its lengths as bytes."""
-    from zerotrain.dataio.commands import describe_data
+    from zerotrain.dataio.pipeline.commands import describe_data
 
     tok = HFTokenizer(trained)
     text = "\n".join(f"line {i}: the model reads ünïcödé, €uro and 😀 too" for i in range(400))

@@ -92,7 +92,7 @@ def test_a_task_that_cannot_load_or_generates_is_one_line(tmp_path):
 
 def _bpe(tmp_path) -> str:
     """A Hugging Face tokenizer (the byte tokenizer exports none, and lm-eval's HFLM needs one)."""
-    from zerotrain.dataio.tokenizer import train_bpe
+    from zerotrain.dataio.sources.tokenizer import train_bpe
 
     docs = synthetic_docs(300, seed=9) + [json.loads(line)["question"] for line in
                                          (TASK_DIR / "zerotrain_tiny_choice.jsonl").read_text().splitlines()]
@@ -545,7 +545,7 @@ def test_tasks_are_scored_at_a_normal_end_and_not_at_a_signal_or_budget_stop():
 
 def test_only_rank_0_prints_while_tasks_are_scored(capfd):
     """lm-eval's progress bars and log lines while scoring: on rank 0 only (LiveLM(quiet=True) on the others)."""
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
     from zerotrain.launcher.components.tasks.lm import LiveLM, load_tasks, score
     from zerotrain.modeling.model import ModelArgs, Transformer
 
@@ -568,7 +568,7 @@ def _bos_tokenizer(tmp_path):
     """A BPE whose post-processor prepends BOS (as Llama's and Gemma's do), built on disk."""
     from tokenizers import Tokenizer, processors
 
-    from zerotrain.dataio.tokenizer import HFTokenizer
+    from zerotrain.dataio.sources.tokenizer import HFTokenizer
 
     path = tmp_path / "bos"
     path.mkdir()

@@ -1,4 +1,5 @@
-"""Evaluation: the holdout (dataio/holdout.py), eval rows, and the all-rank Evaluator (launcher/components/evaluate.py).
+"""Evaluation: the holdout (dataio/sources/holdout.py), eval rows, and the all-rank Evaluator
+(launcher/components/evaluate.py).
 
 Unit tests run in one process without a process group; one real 2-rank `deepspeed` launch
 (ZeRO-3, tests/helpers/eval_harness.py) checks the collective path against a single-process
@@ -18,12 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import BIN, REPO, free_port, write_mix
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.holdout import MAX_FRACTION, holdout_rows, holdout_summary, mix_rows, pack_rows, split_holdout
-from zerotrain.dataio.loader import cut_data, make_loader, open_data
-from zerotrain.dataio.pieces import default_piece_len
-from zerotrain.dataio.readers import load_text_source
-from zerotrain.dataio.tokenizer import ByteTokenizer
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.pieces import default_piece_len
+from zerotrain.dataio.pipeline.loader import cut_data, make_loader, open_data
+from zerotrain.dataio.sources.holdout import (MAX_FRACTION, holdout_rows, holdout_summary, mix_rows, pack_rows,
+                                              split_holdout)
+from zerotrain.dataio.sources.readers import load_text_source
+from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 from zerotrain.launcher.components.evaluate import Evaluator
 from zerotrain.modeling.model import ModelArgs, Transformer
 
@@ -136,7 +138,7 @@ def test_streamed_sources_get_no_holdout(tmp_path):
 
 
 def test_holdout_of_a_hugging_face_tokenized_source(tmp_path, data):
-    from zerotrain.dataio.tokenizer import HFTokenizer, train_bpe
+    from zerotrain.dataio.sources.tokenizer import HFTokenizer, train_bpe
 
     tok = HFTokenizer(train_bpe(texts(data.stores[0]), 300, tmp_path / "bpe"))
     train, held = split_holdout(data.stores, data.specs, seed=4, eval_tokens=600, tokenizer=tok)  # below the cap
@@ -150,8 +152,8 @@ def test_holdout_of_a_hugging_face_tokenized_source(tmp_path, data):
 
 
 def test_holdout_of_prepared_token_shards():
-    from zerotrain.dataio.docstore import DocStore
-    from zerotrain.dataio.mix import SourceSpec
+    from zerotrain.dataio.format.docstore import DocStore
+    from zerotrain.dataio.format.mix import SourceSpec
 
     tokens = (np.arange(1000) % 250).astype(np.uint16)
     store = DocStore(name="s", kind="tokens", chunks=[tokens], chunk=np.zeros(100, np.int32),

@@ -199,7 +199,7 @@ def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys,
 
 
 def test_a_single_data_file_becomes_a_one_source_mix(tmp_path):
-    from zerotrain.dataio.mix import parse_mix
+    from zerotrain.dataio.format.mix import parse_mix
     from zerotrain.launcher.commands.finetune import data_spec
 
     out = tmp_path / "runs"

@@ -218,3 +218,15 @@ def test_bad_hf_directories_are_refused(tmp_path, change, message):
         args = hf.args_from_config(raw, str(directory))
         hf.check_weights(directory, args, raw["vocab_size"])
     assert message in str(e.value)
+
+
+def test_shapes_of_a_model_too_large_for_this_host_come_from_the_meta_device():
+    """expected_shapes (every --init-from check, the plan, the dry run) builds the model on the meta device and
+    draws no values: an embedding of 2**40 elements (4 TiB in fp32) gives its shape at once, where drawing its
+    values on the CPU, as init_weights does for a real model, could not even allocate them (and took 12 s and
+    5.6 GB for each check of a 1.4B model before)."""
+    args = ModelArgs(dim=2**20, n_layers=1, n_heads=2**10, n_kv_heads=2**10, vocab_size=2**20)
+    shapes = hf.expected_shapes(args)
+    assert shapes["embed_tokens.weight"] == (2**20, 2**20)
+    small = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=32))
+    assert set(shapes) == {name for name, _ in small.named_parameters()}

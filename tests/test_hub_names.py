@@ -1,4 +1,4 @@
-"""Hugging Face hub names resolve as they do everywhere else (zerotrain.dataio.hub).
+"""Hugging Face hub names resolve as they do everywhere else (zerotrain.dataio.sources.hub).
 
 Nothing is downloaded: each test builds a Hugging Face cache on disk by hand, in the layout `hf download`
 leaves (models--org--name/snapshots/<commit>/..., refs/main; datasets--owner--name/... for a dataset,
@@ -20,9 +20,9 @@ import pytest
 
 from conftest import REPO, launch, read_metrics, synthetic_docs
 from test_data_local_hub import fake_hub_cache
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.mix import parse_mix
-from zerotrain.dataio.tokenizer import train_bpe
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.mix import parse_mix
+from zerotrain.dataio.sources.tokenizer import train_bpe
 
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 DATASET_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # fake_hub_cache's
@@ -207,8 +207,8 @@ def test_notebook_model_takes_a_hub_name(tmp_path):
 
 
 TOKENIZERS_OFFLINE = f"""
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.sources.tokenizer import load_tokenizer
 for name in ("org/name", "org/name@main", "org/name@{COMMIT}", "org/absent", "org/name@v2", "mytok", "./nope"):
     try:
         tok = load_tokenizer(name)
@@ -291,7 +291,7 @@ def test_an_online_dry_run_refuses_what_the_hub_refuses_and_warns_when_it_cannot
     import requests
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    from zerotrain.dataio import hub
+    from zerotrain.dataio.sources import hub
 
     def answer(error):
         def repo_info(self, repo, repo_type=None):

@@ -48,8 +48,8 @@ def tuned(tmp_path_factory):
 
 @pytest.mark.launches
 def test_a_fine_tune_from_an_export_trains_and_exports_with_its_tokenizer(tuned):
-    from zerotrain.dataio.sft import plain_chat
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.sources.sft import plain_chat
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
     export_a = tuned["root"] / "export-a"
     saved = json.loads((tuned["b"][0] / "config.json").read_text())
@@ -120,10 +120,10 @@ def test_a_directory_without_a_tokenizer_needs_one_unless_its_vocabulary_is_byte
 
 
 def run_tokens(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    """The ids the run feeds for a chat (dataio/sft.py: its renderer and its encoding, mask dropped); with the
+    """The ids the run feeds for a chat (dataio/sources/sft.py: its renderer and its encoding, mask dropped); with the
     generation prompt, the prompt the run's rendering puts before an assistant turn."""
-    from zerotrain.dataio.mix import SourceSpec
-    from zerotrain.dataio.sft import ChatRenderer, encode, render_record, split_masked
+    from zerotrain.dataio.format.mix import SourceSpec
+    from zerotrain.dataio.sources.sft import ChatRenderer, encode, render_record, split_masked
 
     renderer = ChatRenderer(tokenizer)
     if add_generation_prompt:
@@ -140,8 +140,8 @@ def test_the_export_renders_chats_as_the_run_did(tuned, export):
     chat_template.jinja; run B's tokenizer (export A's) brought that template, and its export keeps it."""
     from transformers import AutoTokenizer
 
-    from zerotrain.dataio.sft import PLAIN_CHAT_TEMPLATE
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.sources.sft import PLAIN_CHAT_TEMPLATE
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
     out = tuned["root"] / export
     assert (out / "chat_template.jinja").read_text() == PLAIN_CHAT_TEMPLATE
@@ -166,10 +166,10 @@ def test_the_export_renders_chats_as_the_run_did(tuned, export):
 
 
 def test_the_card_names_a_hub_tokenizer_as_given():
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
     from zerotrain.launcher.commands.export import tokenizer_words
 
-    class Hub:  # what load_tokenizer returns for a hub name: pinned name, its origin (dataio/hub.py)
+    class Hub:  # what load_tokenizer returns for a hub name: pinned name, its origin (dataio/sources/hub.py)
         name, origin, vocab_size, sha256 = "org/tok@0123456789abcdef", "the Hugging Face cache", 500, "ab" * 32
 
     words = tokenizer_words({"run": {"tokenizer": "org/tok"}}, Hub())

@@ -258,6 +258,14 @@ def test_launch_n_gives_the_ranks_the_profile_env_with_profile_auto_too(tmp_path
     assert [env.get("OMP_NUM_THREADS") for env in seen] == ["1", "1"]
 
 
+def extensions_dir() -> str:
+    """Where DeepSpeed's JIT-built ops already are (torch's default, unless set): forwarded as a user would, and
+    not an empty directory, in which the ranks would rebuild the communication op (~40 s of the test's 53 s)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
 @pytest.mark.launches
 def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_path, mix_path):
     """DeepSpeed's real ssh path (pdsh) on two loopback 'nodes': the profile's env reaches the ranks
@@ -271,7 +279,7 @@ def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_pa
     forwarded = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
                  "HF_DATASETS_CACHE": str(tmp_path / "hf" / "ds"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                  "HF_TOKEN": SECRET + "-hf", "WANDB_PROJECT": "x", "WANDB_MODE": "offline",
-                 "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+                 "TRITON_CACHE_DIR": str(tmp_path / "triton"), "TORCH_EXTENSIONS_DIR": extensions_dir(),
                  "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "WANDB_API_KEY": SECRET,
            "FAKE_LOG": str(log), **forwarded}

@@ -328,7 +328,7 @@ def test_the_planners_host_memory_is_the_offloaded_state_measured_within_20_perc
     moments, gradient buffers, offloaded parameter partitions, staging buffers). On the CPU accelerator these
     live in the same RAM as everything else: this checks the planner's accounting of DeepSpeed's offload
     structures, not memory saved on a device."""
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
     from zerotrain.launcher import planning as planner
     from zerotrain.modeling.sizes import count_params, preset
 

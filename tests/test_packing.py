@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from zerotrain.dataio.packing import Packer, best_fit_efficiency, to_torch
+from zerotrain.dataio.format.packing import Packer, best_fit_efficiency, to_torch
 from zerotrain.modeling.model import cu_seqlens, document_mask
 
 

@@ -48,8 +48,8 @@ def launch_preflight(launcher: str, args: list[str], env_extra=None, timeout: in
 def setup(tmp_path_factory):
     """Prepared shards of the two-source mix, a broken copy, and the cpu profile with a threshold this
     shared 2-core machine meets whatever else runs on it (the stage's judgement is unit-tested below)."""
-    from zerotrain.dataio.shards import prepare
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.pipeline.prepare import prepare
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
     root = tmp_path_factory.mktemp("preflight")
     shards = prepare(str(write_mix(root / "mix")), load_tokenizer("bytes"), root / "shards")

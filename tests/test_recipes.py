@@ -60,8 +60,8 @@ def llama3_sized_tokenizer(root: Path) -> Path:
 
 def edu_mix_shards(root: Path) -> Path:
     """`zerotrain prepare` of a small local mix with the real mix's source names and weights."""
-    from zerotrain.dataio.shards import prepare
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.pipeline.prepare import prepare
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
     real = json.loads((REPO / "dataio" / "mixes" / "web-edu-pdf-med.json").read_text())
     src = root / "src"
@@ -84,7 +84,7 @@ def xlarge_2k_base(root: Path) -> Path:
     import math
     import struct
 
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
     from zerotrain.modeling import hf
     from zerotrain.modeling.sizes import preset
 
@@ -257,8 +257,8 @@ def test_the_demo_mix_without_its_files_says_how_to_make_them(tmp_path):
     """From a wheel the shipped demo mix points into site-packages, where no demo data is: the one line names
     the missing file and, from the mix's description, the step a newcomer is missing (`zerotrain demo`, then
     --data runs/demo-data/mix.json). A mix without a description keeps the bare line."""
-    from zerotrain.dataio.errors import DataNotHere
-    from zerotrain.dataio.mix import parse_mix
+    from zerotrain.dataio.format.errors import DataNotHere
+    from zerotrain.dataio.format.mix import parse_mix
 
     shipped = json.loads((REPO / "dataio" / "mixes" / "demo.json").read_text())
     (tmp_path / "dataio" / "mixes").mkdir(parents=True)  # as in site-packages/zerotrain/: no runs/ beside it

@@ -311,7 +311,7 @@ def test_dry_run_counts_row_groups_not_ranks(tmp_path, mix_path, capsys):
 @pytest.mark.launches
 def test_sp2_checkpoint_resumes_without_sequence_parallelism_on_the_same_ranks(sp_runs):
     """N may change on resume (same world): the ZeRO partitions are the same, the row groups go from 1 to 2, the
-    loader state re-splits (dataio/reshard.py: every document once, tests/test_data_reshard.py) and gradient
+    loader state re-splits (dataio/pipeline/reshard.py: every document once, tests/test_data_reshard.py) and gradient
     accumulation keeps the global batch."""
     out = sp_runs["dp_stdout"]
     assert f"resumed from {sp_runs['dp'] / 'checkpoints' / f'global_step{SAVE}'} at step {SAVE}" in out

@@ -90,8 +90,8 @@ def test_driver_verifies_shards_quickly_by_default_and_fully_on_request(tmp_path
     """Start-up (section 1.5): the driver's default is quick verification (hashes once per node,
     remembered by file identity); --verify-data full still hashes every byte. Shown with a cache
     entry that vouches for a tampered shard: quick trusts it (not hashed), full finds the damage."""
-    from zerotrain.dataio.errors import DataError
-    from zerotrain.dataio.shards import VerifiedCache
+    from zerotrain.dataio.format.errors import DataError
+    from zerotrain.dataio.format.shards import VerifiedCache
     from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.run_plan import plan_run
 

@@ -110,7 +110,7 @@ def test_data_commands_refuse_overflow_and_fractions_in_one_line(argv, tmp_path)
 
 
 def test_tokenizer_out_that_is_a_file_is_named_as_one(tmp_path, mix_path):
-    from zerotrain.dataio.commands import tokenizer_main
+    from zerotrain.dataio.pipeline.commands import tokenizer_main
 
     out = tmp_path / "tok.json"
     out.write_text("{}")

@@ -106,7 +106,7 @@ def test_init_from_hf_then_zero2_and_zero3_exports_agree(runs, assets, tmp_path)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
     assert not info["missing_keys"] and not info["unexpected_keys"]
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf3")
-    from zerotrain.dataio.tokenizer import load_tokenizer
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
 
     ours = load_tokenizer(str(assets["tokenizer"]))
     text = "the model reads every token"

@@ -3,7 +3,7 @@ markers, best.json, the lock's neighbours, pre-flight reports, shard manifests).
 
     write_json(path, obj)    JSON (indent 2, a final newline)
     write_text(path, text)   any text (DeepSpeed's `latest`, a cache)
-    write_bytes(path, data)  any bytes (a cached .npy: zerotrain.dataio.tokenfile)
+    write_bytes(path, data)  any bytes (a cached .npy: zerotrain.dataio.format.tokenfile)
     fsync_dir(path)          after a rename done by hand (a directory moved into place)
 
 A reader, or a crash (kill -9, a node losing power) at any moment, sees the old file or the new one,

@@ -1,7 +1,7 @@
 """The project's exception types, in a module that imports nothing (OLMo's `exceptions.py` habit).
 
 It lives in the root package, below every layer, so `dataio`, `modeling`, `launcher` and the shared
-argparse subclass (zerotrain/cli_args.py) raise the same classes. `zerotrain.dataio.errors` and
+argparse subclass (zerotrain/cli_args.py) raise the same classes. `zerotrain.dataio.format.errors` and
 `zerotrain.launcher.errors` re-export them. Exit codes are chosen only in the commands' `main()`s
 (zerotrain.launcher.errors has the table).
 """

@@ -51,12 +51,12 @@ import torch
 
 from zerotrain import __version__
 from zerotrain.cli_args import Parser
-from zerotrain.dataio.errors import DataError, first_line
-from zerotrain.dataio.holdout import holdout_rows, mix_rows
-from zerotrain.dataio.hub import TOKENIZER_FILES
-from zerotrain.dataio.loader import load_data, open_data
-from zerotrain.dataio.sft import PLAIN_CHAT_TEMPLATE
-from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.dataio.format.errors import DataError, first_line
+from zerotrain.dataio.pipeline.loader import load_data, open_data
+from zerotrain.dataio.sources.holdout import holdout_rows, mix_rows
+from zerotrain.dataio.sources.hub import TOKENIZER_FILES
+from zerotrain.dataio.sources.sft import PLAIN_CHAT_TEMPLATE
+from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.ends import EXIT_EXPORT_CHECK

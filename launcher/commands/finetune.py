@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from zerotrain import durable
-from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.commands import export as export_command
 from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint, live_model
@@ -214,7 +214,7 @@ def data_spec(data: str | Path, out: Path) -> tuple[str, str | None]:
     A mix file or shard directory goes as is; a single data file is wrapped into a one-source mix,
     at a path fixed by the file's own path (so the run id stays the same from call to call). A
     .jsonl whose first record has "messages", or "prompt" and "response", is supervised
-    fine-tuning data (dataio/sft.py: "format": "chat" / "sft", loss on the responses only);
+    fine-tuning data (dataio/sources/sft.py: "format": "chat" / "sft", loss on the responses only);
     other field names or settings need a mix file.
     """
     path = Path(data).expanduser()

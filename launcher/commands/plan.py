@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 from zerotrain.cli_args import Parser
-from zerotrain.dataio.errors import DataNotHere
-from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.dataio.format.errors import DataNotHere
+from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.node import Node
 from zerotrain.launcher.planning import STAGES, GiB, describe_cost, eval_cost, every_steps, make_plan, render, setup_from
@@ -146,7 +146,7 @@ def data_checks(cfg, tokenizer, tokens: int, settings, data_here: bool, data: st
 def repeats(cfg, tokenizer, tokens: int, settings) -> tuple[str, ...]:
     """With --data: the warning for sources the plan's tokens read more than 4 times (hparams.check_repeats;
     UsageError past the resolved max_epochs). The sources are read as the run reads them (hub sources not fetched)."""
-    from zerotrain.dataio.loader import load_data, open_data  # imports torch: only when a plan names its data
+    from zerotrain.dataio.pipeline.loader import load_data, open_data  # imports torch: only when a plan names its data
 
     data = load_data(open_data(cfg.data.path, tokenizer, fetch=False), seq_len=cfg.data.seq_len, verify="quick")
     return check_repeats(data, tokens, settings.max_epochs, settings.sources["max_epochs"])

@@ -1,6 +1,6 @@
 """Validation loss over fixed eval rows, computed by all ranks together.
 
-The rows come from zerotrain.dataio.holdout (`holdout_rows` / `mix_rows`): per source a tensor of packed
+The rows come from zerotrain.dataio.sources.holdout (`holdout_rows` / `mix_rows`): per source a tensor of packed
 rows that every rank holds identically. Rank r evaluates rows r, r + world, ... of each source,
 `micro_batch` rows per forward pass.
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from zerotrain import durable
-from zerotrain.dataio.loader import Batches
-from zerotrain.dataio.reshard import reshard_loader_states
+from zerotrain.dataio.pipeline.loader import Batches
+from zerotrain.dataio.pipeline.reshard import reshard_loader_states
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer
 from zerotrain.launcher.resize import universal
@@ -30,8 +30,8 @@ from zerotrain.launcher.config import RunConfig
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
-    from zerotrain.dataio.loader import Data
-    from zerotrain.dataio.tokenizer import ByteTokenizer, HFTokenizer
+    from zerotrain.dataio.pipeline.loader import Data
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer, HFTokenizer
     from zerotrain.launcher.components.observe.golden import GoldenCheck
     from zerotrain.launcher.components.tasks.lm import Tasks
     from zerotrain.launcher.settings import Settings

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.pipeline.loader import MODEL_KEYS, Batches, batch_digest, trainable_tokens
 from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
 from zerotrain.launcher.components.participants.base import STEP_FIELDS, Agreed, Layout, Participant, StepState
 from zerotrain.launcher.errors import StopRun

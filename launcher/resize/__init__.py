@@ -6,7 +6,7 @@
     universal   DeepSpeed's universal checkpoint: check_supported, convert_on_rank0 (rank 0 converts, the others
                 wait), ds_config_for_universal, load (the Trainer, at start-up)
 
-Beside it: the data loader's states re-split over the new row groups (zerotrain.dataio.reshard, below the
+Beside it: the data loader's states re-split over the new row groups (zerotrain.dataio.pipeline.reshard, below the
 launcher), and a rollback after a universal load reading its own checkpoint again
 (launcher/components/ds_compat/checkpoint.py stop_loading_universal).
 """

@@ -1,6 +1,6 @@
 """Resume on another world size, or at another --sequence-parallel N: the checkpoint's layout against this launch's
 (before anything is built). The world size changes through DeepSpeed's universal checkpoint (universal.py, beside
-this module); the data loader's states re-split over the new row groups in zerotrain.dataio.reshard; the global
+this module); the data loader's states re-split over the new row groups in zerotrain.dataio.pipeline.reshard; the global
 batch stays the checkpoint's (gradient accumulation absorbs the change). Moved here from launcher/run_plan.py.
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from zerotrain.dataio.reshard import check_reshard
+from zerotrain.dataio.pipeline.reshard import check_reshard
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.resize import universal
 
@@ -38,7 +38,7 @@ def resume_on_new_world(ds_config: dict, tag_dir: Path, saved_data_world: int, d
     Model and optimizer go through DeepSpeed's universal checkpoint (launcher/resize/universal.py,
     converted on rank 0 at start-up; with sequence parallelism ZeRO partitions over every rank, so the
     conversion is the same); the data re-splits what the old row groups had left of the epoch
-    (dataio/reshard.py), from the checkpoint's `saved_data_world` row groups to `data_world` (without sequence
+    (dataio/pipeline/reshard.py), from the checkpoint's `saved_data_world` row groups to `data_world` (without sequence
     parallelism, the world sizes). The global batch stays what it was: grad-accum absorbs the change.
     """
     check_reshard(data, saved_data_world, data_world)  # the data first: a streamed source is named before the stages

@@ -49,10 +49,10 @@ def main(mix: str, out_dir: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from zerotrain.dataio.holdout import holdout_rows, split_holdout
-    from zerotrain.dataio.loader import cut_data, make_loader, open_data
-    from zerotrain.dataio.readers import load_text_source
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.pipeline.loader import cut_data, make_loader, open_data
+    from zerotrain.dataio.sources.holdout import holdout_rows, split_holdout
+    from zerotrain.dataio.sources.readers import load_text_source
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
     from zerotrain.launcher.components.engine import EngineSpec, build_engine
     from zerotrain.launcher.components.evaluate import Evaluator
     from zerotrain.launcher.components.process_group import init_process_group

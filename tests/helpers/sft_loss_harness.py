@@ -31,8 +31,8 @@ def main(mix: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from zerotrain.dataio.loader import MODEL_KEYS, load_data, make_loader, open_data, trainable_tokens
-    from zerotrain.dataio.tokenizer import ByteTokenizer
+    from zerotrain.dataio.pipeline.loader import MODEL_KEYS, load_data, make_loader, open_data, trainable_tokens
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
     from zerotrain.launcher.components.engine import EngineSpec, build_engine
     from zerotrain.launcher.components.process_group import init_process_group
     from zerotrain.launcher.profiles import load_profile

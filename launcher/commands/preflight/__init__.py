@@ -18,7 +18,7 @@ nothing of the real run's checkpoints or metrics is touched. The driver's own ou
 v1 stability   backend on every rank; all-reduce and all-gather values; with --sequence-parallel N > 1, N
                checked as the run checks it and one layer's forward all-to-all (q, k, v, output at the run's
                shapes) timed over the sequence-parallel group, GB/s next to the planner's figure; the data (prepared shards:
-               every checksum, `zerotrain.dataio.shards.verify`; a mix: every local source read, the first
+               every checksum, `zerotrain.dataio.format.shards.verify`; a mix: every local source read, the first
                record of a streamed one); the model and engine build; one training step; one
                checkpoint written and verified against its marker; read back into a fresh engine
                and compared tensor by tensor (sha256 of every parameter and optimizer-state tensor

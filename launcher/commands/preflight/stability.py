@@ -3,7 +3,7 @@
 backend on every rank; all-reduce and all-gather values; with --sequence-parallel N > 1, the run's checks of N
 (world, --seq-len, heads) and one layer's forward all-to-all timed over the sequence-parallel group, next to
 the planner's figure for the profile's link; the data (prepared shards: every checksum,
-`zerotrain.dataio.shards.verify`; a mix: every local source read, the first record of a streamed one);
+`zerotrain.dataio.format.shards.verify`; a mix: every local source read, the first record of a streamed one);
 the model and engine build; one training step; one checkpoint written and verified against its
 marker; read back into a fresh engine and compared tensor by tensor (sha256 of every parameter and
 optimizer-state tensor this rank holds, the loader state, step and tokens); one evaluation on all
@@ -19,12 +19,12 @@ import socket
 import time
 from pathlib import Path
 
-from zerotrain.dataio import shards
-from zerotrain.dataio.holdout import mix_rows
-from zerotrain.dataio.loader import open_data
-from zerotrain.dataio.readers import load_text_source
-from zerotrain.dataio.streamed import open_streamed, record_text
-from zerotrain.dataio.tokenizer import load_tokenizer
+from zerotrain.dataio.format import shards
+from zerotrain.dataio.pipeline.loader import open_data
+from zerotrain.dataio.sources.holdout import mix_rows
+from zerotrain.dataio.sources.readers import load_text_source
+from zerotrain.dataio.sources.streamed import open_streamed, record_text
+from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher.commands.preflight.measure import all_to_all_seconds, master_tensors, state_digests
 from zerotrain.launcher import planning
 from zerotrain.launcher.components.checkpoints import checkpoint

@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from zerotrain.dataio.loader import Batches
+from zerotrain.dataio.pipeline.loader import Batches
 from zerotrain.launcher.commands.preflight.measure import (DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, disk_throughput,
                                                            peak_rss, rate, slowed)
 from zerotrain.launcher.offload import ops as offload

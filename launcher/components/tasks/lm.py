@@ -36,7 +36,7 @@ from lm_eval.models.utils import has_bos_prefix
 from lm_eval.tasks import TaskManager, get_task_dict
 
 from zerotrain import resource_dir
-from zerotrain.dataio.errors import first_line
+from zerotrain.dataio.format.errors import first_line
 from zerotrain.launcher.components.tasks import (GENERATION, batch_rows, flat_results, longest_first, pass_widths,
                                                  request_row, score_rows, shard)
 from zerotrain.launcher.errors import UsageError

@@ -18,7 +18,7 @@ the IterableDataset's own `state_dict()` plus a count of documents into the curr
 tokens taken (the permutations are recomputed from the seed, so there is no RNG state to save),
 the streamed sources' dataset states, and the packer's carry-over.
 
-SFT sources (dataio/sft.py) go through the same path: their documents are signed token arrays
+SFT sources (dataio/sources/sft.py) go through the same path: their documents are signed token arrays
 (the loss mask in the sign), tokenized with the mask in `load_data` (local) or per block
 (streamed), never cut into pieces; `make_batch` turns the sign into labels. A mix with an SFT
 source is "token-weighted" (`token_weighted`): its loss is the mean over the global batch's
@@ -40,17 +40,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from zerotrain.dataio import shards
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError, first_line
-from zerotrain.dataio.holdout import split_holdout
-from zerotrain.dataio.hub import materialise
-from zerotrain.dataio.mix import Mix, SourceSpec, parse_mix
-from zerotrain.dataio.packing import check_packing, make_packer, to_torch
-from zerotrain.dataio.pieces import make_pieces
-from zerotrain.dataio.readers import load_text_source, record_where
-from zerotrain.dataio.sft import ChatRenderer, is_sft, stream_block, tokenize_store
-from zerotrain.dataio.streamed import open_streamed, record_text, records
+from zerotrain.dataio.format import shards
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError, first_line
+from zerotrain.dataio.format.mix import Mix, SourceSpec, parse_mix
+from zerotrain.dataio.format.packing import check_packing, make_packer, to_torch
+from zerotrain.dataio.format.pieces import make_pieces
+from zerotrain.dataio.sources.holdout import split_holdout
+from zerotrain.dataio.sources.hub import materialise
+from zerotrain.dataio.sources.readers import load_text_source, record_where
+from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, stream_block, tokenize_store
+from zerotrain.dataio.sources.streamed import open_streamed, record_text, records
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
@@ -72,7 +72,7 @@ class Data:
     piece_len: int | None = None  # the piece bound asked for (load_data); a source may be cut finer
     world: int = 1  # ranks, and data workers per rank (0: none), the pieces were made for
     workers: int = 0
-    eval_stores: list | None = None  # held-out DocStores per source (dataio/holdout.py), None: no holdout
+    eval_stores: list | None = None  # held-out DocStores per source (dataio/sources/holdout.py), None: no holdout
     seq_len: int | None = None  # the row length SFT records must fit (load_data); None: records kept whole
 
     @property
@@ -110,7 +110,7 @@ class Data:
 def open_data(path: str, tokenizer, fetch: bool = True) -> Data:
     """Parse a mix file or a prepared shard directory (nothing is read yet). A mix's `"download": true`
     hub sources become their local snapshot directories: cached, else downloaded now unless fetch=False
-    (a dry run); offline, a hub source with nothing cached is refused (zerotrain.dataio.hub.materialise)."""
+    (a dry run); offline, a hub source with nothing cached is refused (zerotrain.dataio.sources.hub.materialise)."""
     p = Path(path)
     if p.is_dir():
         manifest = shards.read_manifest(p)
@@ -132,13 +132,14 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     any model is built, and give the same result on every rank (nothing depends on the rank).
 
     piece_len: the piece bound in the loader's units (tokens for shards, bytes for text; see
-    zerotrain.dataio.pieces); the driver passes `--piece-len` or `default_piece_len(seq_len)`; None: no
+    zerotrain.dataio.format.pieces); the driver passes `--piece-len` or `default_piece_len(seq_len)`; None: no
     bound (documents are cut only where a source has fewer than world x workers of them).
     world, workers: the ranks and the data workers per rank (the profile's zerotrain.dataloader
     workers, 0 for none) that the documents will be split across, as in `Batches`.
     seq_len: the row length; SFT records longer than it follow their source's `overflow` policy
-    (zerotrain.dataio.sft; counted in the summary). None: SFT records are kept whole, however long.
-    verify: prepared shards' check, zerotrain.dataio.shards.verify's mode ("full", or "quick": hashes once per node).
+    (zerotrain.dataio.sources.sft; counted in the summary). None: SFT records are kept whole, however long.
+    verify: prepared shards' check, zerotrain.dataio.format.shards.verify's mode ("full", or "quick": hashes once
+    per node).
     """
     data.seq_len = seq_len
     if data.kind == "shards":
@@ -199,7 +200,7 @@ PENDING = -1  # the "epoch" of a span of pending documents (IndexedSource: left 
 class IndexedSource:
     """A local source's documents on this rank, visited in a seeded permutation per epoch.
 
-    After a resume on another world size (zerotrain.dataio.reshard) it first visits `pending`: documents
+    After a resume on another world size (zerotrain.dataio.pipeline.reshard) it first visits `pending`: documents
     (global ids) of the old ranks' unfinished epochs dealt to this part; its own schedule then
     continues from (epoch, pos), which the re-split sets to the end of an epoch.
     """
@@ -599,7 +600,7 @@ def _as_is(item):
 
 
 def _pending_as_count(state: dict) -> dict:
-    """A worker's loader state with each source's pending documents (zerotrain.dataio.reshard) replaced by
+    """A worker's loader state with each source's pending documents (zerotrain.dataio.pipeline.reshard) replaced by
     how many are left. After a world-size change there can be millions of them; the list only
     ever shrinks from the front, so Batches rebuilds it from the one it loaded (_pending_back)
     instead of receiving it again with every batch."""
@@ -641,7 +642,7 @@ class Batches:
     consumed round-robin; each batch carries its worker's state, so `state_dict()` is exactly
     the state after the last batch handed out, however far the workers have read ahead.
     The number of workers is part of the data order: a resume with another count is refused.
-    A resume on another world size loads states re-split by zerotrain.dataio.reshard.
+    A resume on another world size loads states re-split by zerotrain.dataio.pipeline.reshard.
     """
 
     def __init__(self, data: Data, rank: int, world: int, seed: int, seq_len: int, micro_batch: int,

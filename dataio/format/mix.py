@@ -41,7 +41,7 @@ one weight, its documents split across ranks over the whole source:
   config's files (and README.md) are downloaded into the Hugging Face hub cache by
   `huggingface_hub.snapshot_download` (HF_HOME / HF_HUB_CACHE, HF_TOKEN; offline: the cache only) when
   the run starts, then read as that local snapshot directory: counted, held out for evaluation, visited
-  in epochs and re-split on another world size like local files (zerotrain.dataio.hub).
+  in epochs and re-split on another world size like local files (zerotrain.dataio.sources.hub).
   `zerotrain prepare` is the other way: it tokenizes a streamed source into shards.
 
 Local sources (`path`, `hf` directories) are read file by file with `datasets.load_dataset`
@@ -49,7 +49,7 @@ Local sources (`path`, `hf` directories) are read file by file with `datasets.lo
 cache (`HF_DATASETS_CACHE`, default ~/.cache/huggingface/datasets: room for the uncompressed
 text is needed there) and memory-maps it; documents are views of those mapped buffers, so a
 source far larger than RAM costs a few bytes of index per document. .txt files are memory-mapped
-by our own reader (zerotrain.dataio.readers). One file at a time also means every error names its file.
+by our own reader (zerotrain.dataio.sources.readers). One file at a time also means every error names its file.
 `"streaming": true` reads a local source through the streamed path of a hub dataset instead (no
 random access, no shuffling, size unknown). Documents are the `text_field` column ("text" by
 default), or `template` rendered with `str.format_map` on each record.
@@ -64,10 +64,10 @@ and suggests `"sample_by": "line"`. Changing this default would also change what
 files mean.
 
 Long documents are cut into pieces (each a document of its own) before the documents are split
-across ranks: by `--piece-len` (default 8 x --seq-len), not by a mix key; zerotrain.dataio.pieces
+across ranks: by `--piece-len` (default 8 x --seq-len), not by a mix key; zerotrain.dataio.format.pieces
 says how, and why the bound is part of the data's identity.
 
-Supervised fine-tuning records (dataio/sft.py has the rendering, the mask and the rules):
+Supervised fine-tuning records (dataio/sources/sft.py has the rendering, the mask and the rules):
 
     {"name": "qa",   "weight": 0.2, "path": "qa.jsonl", "format": "sft",
      "prompt_field": "question", "response_field": "answer", "separator": "\\n", "overflow": "drop"},
@@ -88,7 +88,7 @@ json lines, json, parquet, arrow, save_to_disk or hub datasets (not .txt); they 
 into pieces (one record = one document) and `zerotrain prepare` does not take them. Token
 shares count all tokens of a record (prompt, response and EOS): SFT and text sources mix freely.
 
-Flat token files (zerotrain.dataio.tokenfile has the layout, the document split and the cache):
+Flat token files (zerotrain.dataio.format.tokenfile has the layout, the document split and the cache):
 
     {"name": "owt", "weight": 0.8, "path": "DATASET/train.bin", "format": "tokens", "dtype": "uint16", "eos_id": 50256}
 
@@ -98,11 +98,11 @@ Flat token files (zerotrain.dataio.tokenfile has the layout, the document split 
   number of ids. The run's --tokenizer must be the one that made it (checked: its vocabulary covers the
   file's largest id, its end-of-text id is `eos_id`).
 
-Weights are shares of TOKENS (not documents); they need not sum to 1. See zerotrain.dataio.loader.
+Weights are shares of TOKENS (not documents); they need not sum to 1. See zerotrain.dataio.pipeline.loader.
 
-Not here: reading the files a spec names (zerotrain.dataio.readers: local sources -> DocStore;
-zerotrain.dataio.streamed: hub and streamed sources -> records -> text), cutting documents into
-pieces (zerotrain.dataio.pieces), mixing them into batches (zerotrain.dataio.loader). Loading never
+Not here: reading the files a spec names (zerotrain.dataio.sources.readers: local sources -> DocStore;
+zerotrain.dataio.sources.streamed: hub and streamed sources -> records -> text), cutting documents into
+pieces (zerotrain.dataio.format.pieces), mixing them into batches (zerotrain.dataio.pipeline.loader). Loading never
 unpickles: local files go through `datasets`' Arrow readers or our own text reader, and hub sources
 through `datasets` streaming.
 """
@@ -114,11 +114,11 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from zerotrain.dataio.errors import DataError, DataNotHere
+from zerotrain.dataio.format.errors import DataError, DataNotHere
 from zerotrain.reading import read_json
 
 # A source's `format` and, for sft/chat sources, what to do with a record longer than seq_len
-# (zerotrain.dataio.sft renders and cuts them)
+# (zerotrain.dataio.sources.sft renders and cuts them)
 FORMATS = ("text", "sft", "chat", "tokens")
 OVERFLOWS = ("truncate_prompt", "drop", "error")
 
@@ -133,7 +133,7 @@ SOURCE_KEYS = {"name", "path", "hf", "config", "split", "text_field", "template"
                "eos_id"}
 SFT_KEYS = {"sft": {"prompt_field", "response_field", "separator", "overflow"}, "chat": {"messages_field", "overflow"}}
 TEXT_ONLY_KEYS = ("text_field", "template", "sample_by")  # what makes a document of a text record
-TOKEN_KEYS = ("dtype", "eos_id")  # a flat token file's (zerotrain.dataio.tokenfile)
+TOKEN_KEYS = ("dtype", "eos_id")  # a flat token file's (zerotrain.dataio.format.tokenfile)
 TOKEN_DTYPES = {"uint16": 2, "uint32": 4}  # bytes per id
 MIX_KEYS = {"description", "sources", "on_exhausted", "bad_records", "warn_epochs"}
 ON_EXHAUSTED = ("restart", "stop")
@@ -157,13 +157,14 @@ class SourceSpec:
     streaming: bool = False
     data_dir: str | None = None  # with hf, as in load_dataset
     data_files: str | list | dict | None = None  # with hf, as in load_dataset (relative to the dataset)
-    format: str = "text"  # text | sft | chat (dataio/sft.py)
+    format: str = "text"  # text | sft | chat (dataio/sources/sft.py)
     prompt_field: str = "prompt"  # sft
     response_field: str = "response"  # sft
     separator: str = "\n"  # sft: between prompt and response
     messages_field: str = "messages"  # chat
     overflow: str = "truncate_prompt"  # sft, chat: a record longer than --seq-len
-    download: bool = False  # a hub name: downloaded once into the hub cache and read as local files (dataio/hub.py)
+    # a hub name: downloaded once into the hub cache and read as local files (dataio/sources/hub.py)
+    download: bool = False
     hub: str | None = None  # a downloaded source: the hub name; `hf` is then its local snapshot directory
     dtype: str | None = None  # format tokens: the file's id type (TOKEN_DTYPES)
     eos_id: int | None = None  # format tokens: the end-of-text id that separates its documents
@@ -325,7 +326,7 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
 
 def _parse_token_source(src: dict, name: str, weight: float, at: str, mix_path: Path, default_exhausted: str,
                         default_bad: str) -> SourceSpec:
-    """A flat token file (`"format": "tokens"`, zerotrain.dataio.tokenfile): one file of `dtype` ids whose
+    """A flat token file (`"format": "tokens"`, zerotrain.dataio.format.tokenfile): one file of `dtype` ids whose
     size is a whole number of ids, documents separated by `eos_id`. Nothing is read but its size."""
     fmt = src.get("format", "text")
     if fmt != "tokens":

@@ -7,11 +7,11 @@ Also the dataset-directory helpers the streamed path shares (`dataset_dir_files`
 The layers, for whoever adds a record kind: `find_files` (a local source's files, by datasets) ->
 `load_text_source` (each file's Arrow table -> `_docstore_from_table`, which turns records into
 document text: `text_field` or `template`) -> one DocStore per source. SFT records branch off in
-`_docstore_from_table` (`_sft_docstore`: text + response spans) and `zerotrain.dataio.loader.load_data`
-tokenizes them with their mask (`zerotrain.dataio.sft.tokenize_store`). Loading never unpickles.
+`_docstore_from_table` (`_sft_docstore`: text + response spans) and `zerotrain.dataio.pipeline.loader.load_data`
+tokenizes them with their mask (`zerotrain.dataio.sources.sft.tokenize_store`). Loading never unpickles.
 
-Not here: what a mix file may say (zerotrain.dataio.mix), hub and streamed sources
-(zerotrain.dataio.streamed), cutting documents into pieces (zerotrain.dataio.pieces). `datasets`,
+Not here: what a mix file may say (zerotrain.dataio.format.mix), hub and streamed sources
+(zerotrain.dataio.sources.streamed), cutting documents into pieces (zerotrain.dataio.format.pieces). `datasets`,
 `pyarrow`, `fsspec` and `huggingface_hub` are imported inside the functions that use them: they
 take seconds to import, and parsing a mix or printing a summary needs none of them.
 """
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError, DataNotHere, first_line
-from zerotrain.dataio.mix import BUILDERS, COMPRESSED, SourceSpec, file_format, has_glob
-from zerotrain.dataio.sft import ChatRenderer, is_sft, render_record
-from zerotrain.dataio.tokenfile import load_token_file
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError, DataNotHere, first_line
+from zerotrain.dataio.format.mix import BUILDERS, COMPRESSED, SourceSpec, file_format, has_glob
+from zerotrain.dataio.format.tokenfile import load_token_file
+from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, render_record
 
 # Files a directory or glob is searched for: datasets' tabular and text formats. Anything else
 # (README.md, LICENSE, images) is not data and is skipped, as load_dataset(DIR) skips it; a .csv
@@ -194,7 +194,7 @@ def load_text_source(spec: SourceSpec, tokenizer=None) -> DocStore:
     """All documents of a local (not streamed) source, file by file, validated; bad records per the
     policy. Errors name the file (one line). An SFT source's records are rendered (chats with the
     tokenizer's chat template, or the plain one without a tokenizer) and keep their response spans. A flat
-    token file (format tokens) is memory-mapped as it is (zerotrain.dataio.tokenfile; with a tokenizer, its ids
+    token file (format tokens) is memory-mapped as it is (zerotrain.dataio.format.tokenfile; with a tokenizer, its ids
     are checked against it)."""
     if spec.format == "tokens":
         return load_token_file(spec, tokenizer)
@@ -404,7 +404,7 @@ def _docstore_from_table(spec: SourceSpec, table, file: str, renderer=None) -> D
 
 
 def _sft_docstore(spec: SourceSpec, table, file: str, bad: BadRecords, renderer: ChatRenderer) -> DocStore:
-    """One file's SFT records rendered (zerotrain.dataio.sft.render_record): their text in one in-memory chunk,
+    """One file's SFT records rendered (zerotrain.dataio.sources.sft.render_record): their text in one in-memory chunk,
     their response spans, their record numbers. A bad record is named by its line in json lines."""
     texts, spans, numbers, n = [], [], [], 0
     for field in ((spec.prompt_field, spec.response_field) if spec.format == "sft" else (spec.messages_field,)):

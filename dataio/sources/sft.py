@@ -1,6 +1,6 @@
 """Supervised fine-tuning records: rendering, the response mask, overflow, and how the mask travels.
 
-A mix source with `"format": "sft"` or `"format": "chat"` (zerotrain.dataio.mix documents the keys)
+A mix source with `"format": "sft"` or `"format": "chat"` (zerotrain.dataio.format.mix documents the keys)
 holds records, not documents:
 
 - "sft": `{"prompt": ..., "response": ...}` (field names: `prompt_field`, `response_field`),
@@ -36,7 +36,7 @@ How the mask travels without a second array: an SFT document's token array is SI
 that takes no loss stored as -(id + 1). Everything between the reader and the batch
 (IndexedSource, StreamedSource, MixedStream, both packers, their saved states, the carried
 documents of a world-size change, eval rows) moves token arrays without looking at their values,
-so it moves the mask with them; `zerotrain.dataio.packing.make_batch` decodes it (input_ids = the ids,
+so it moves the mask with them; `zerotrain.dataio.format.packing.make_batch` decodes it (input_ids = the ids,
 labels = -100 where the sign was set). Pretraining documents are never negative, so their
 batches are unchanged bit for bit.
 
@@ -63,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zerotrain.dataio.errors import DataError, first_line
+from zerotrain.dataio.format.errors import DataError, first_line
 
 ROLES = ("system", "user", "assistant")
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # the plain chat template's markers (plain text, not special tokens)

@@ -1,12 +1,12 @@
 """Tokenizers: the offline byte-level one, Hugging Face tokenizers on disk or named on the hub
-(`org/name[@revision]`, found as transformers finds it: zerotrain.dataio.hub), and BPE training.
+(`org/name[@revision]`, found as transformers finds it: zerotrain.dataio.sources.hub), and BPE training.
 
 Both kinds expose `encode(text) -> list[int]`, `encode_batch(texts) -> list[np.ndarray]`,
 `decode(ids)`, `special_text(id)`, `vocab_size`, `bos_id`, `eos_id`, `pad_id` (None when none), `name` and `sha256`
 (identifies the exact vocabulary; prepared shards record it and training refuses shards made with
 another one), and
 `chat_template` (None for the byte tokenizer; a Hugging Face directory's template, from
-tokenizer_config.json `chat_template` or chat_template.jinja) for SFT chats (dataio/sft.py).
+tokenizer_config.json `chat_template` or chat_template.jinja) for SFT chats (dataio/sources/sft.py).
 
 BOS/EOS: documents are encoded WITHOUT special tokens; the packer appends EOS after every
 document (EOS separates documents in a packed row). No BOS is inserted: a document start is
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerotrain.dataio.errors import DataError, first_line
-from zerotrain.dataio.hub import split_name, tokenizer_snapshot
+from zerotrain.dataio.format.errors import DataError, first_line
+from zerotrain.dataio.sources.hub import split_name, tokenizer_snapshot
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|begin_of_text|>")  # what `zerotrain tokenizer train` adds
 
@@ -30,7 +30,7 @@ class ByteTokenizer:
     """UTF-8 bytes 0..255, then BOS=256 and EOS=257. Needs nothing on disk."""
 
     name = "bytes"
-    chat_template = None  # SFT chats use the plain template (zerotrain.dataio.sft.plain_chat)
+    chat_template = None  # SFT chats use the plain template (zerotrain.dataio.sources.sft.plain_chat)
     vocab_size = 258
     bos_id = 256
     eos_id = 257
@@ -173,7 +173,7 @@ def _chat_template(config: dict, directory: Path, cfg_file: Path) -> str | None:
 def load_tokenizer(spec: str):
     """`bytes`, a tokenizer.json or a directory holding one, or a hub name `org/name[@revision]`: found
     through huggingface_hub as AutoTokenizer.from_pretrained finds it (cache, HF_TOKEN, HF_HUB_OFFLINE;
-    zerotrain.dataio.hub). A path that exists wins over a hub name, as in transformers."""
+    zerotrain.dataio.sources.hub). A path that exists wins over a hub name, as in transformers."""
     if spec == "bytes":
         return ByteTokenizer()
     if Path(spec).exists():
@@ -200,10 +200,6 @@ def same_vocabulary(a, b) -> bool:
     if ByteTokenizer.name in (a.name, b.name):
         return False
     return a._tok.get_vocab(with_added_tokens=True) == b._tok.get_vocab(with_added_tokens=True)
-
-
-def token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
 TRAINING_RECORD = "tokenizer_training.json"  # what train_bpe was asked for and what it obtained

@@ -4,9 +4,9 @@ open before the interpreter exits), never shuffled, size unknown; and the
 text of one streamed record (`record_text`). Offline, a hub name is read from its snapshot in the
 Hugging Face hub cache when one is there (`hub_location`).
 
-Not here: what a mix may say (zerotrain.dataio.mix), local sources read whole into DocStores
-(zerotrain.dataio.readers, whose dataset-directory helpers this module shares), the position in a
-stream and its state (zerotrain.dataio.loader's StreamedSource). `datasets` and `huggingface_hub` are
+Not here: what a mix may say (zerotrain.dataio.format.mix), local sources read whole into DocStores
+(zerotrain.dataio.sources.readers, whose dataset-directory helpers this module shares), the position in a
+stream and its state (zerotrain.dataio.pipeline.loader's StreamedSource). `datasets` and `huggingface_hub` are
 imported inside the functions that use them (seconds to import).
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ import gc
 import os
 import weakref
 
-from zerotrain.dataio.errors import DataError, first_line
-from zerotrain.dataio.mix import SourceSpec
-from zerotrain.dataio.readers import (SAVED, SourceFiles, dataset_dir_args, dataset_dir_files, find_files,
+from zerotrain.dataio.format.errors import DataError, first_line
+from zerotrain.dataio.format.mix import SourceSpec
+from zerotrain.dataio.sources.readers import (SAVED, SourceFiles, dataset_dir_args, dataset_dir_files, find_files,
                                       quiet_datasets, render_template)
-from zerotrain.dataio.sft import is_sft, text_value
-from zerotrain.dataio.sft import record_text as sft_record_text
+from zerotrain.dataio.sources.sft import is_sft, text_value
+from zerotrain.dataio.sources.sft import record_text as sft_record_text
 
 
 def open_streamed(spec: SourceSpec, rank: int, world: int):
@@ -112,7 +112,7 @@ def hub_location(name: str) -> str:
 def record_text(spec: SourceSpec, record: dict, on_bad) -> str | None:
     """The document text of one streamed record, or None (after on_bad) when it has none. An SFT
     record's rendered text (the plain chat template: for tokenizer training; training itself
-    renders streamed SFT records with zerotrain.dataio.sft.stream_block)."""
+    renders streamed SFT records with zerotrain.dataio.sources.sft.stream_block)."""
     if is_sft(spec):
         return sft_record_text(spec, record, on_bad)
     if spec.template is not None:

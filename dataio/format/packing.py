@@ -22,13 +22,13 @@ source of document boundaries: attention masks and `cu_seqlens` are derived from
 follow the Hugging Face convention (the model shifts them) and are -100 wherever the position is
 0 and on padding, so no document is trained to predict across a boundary.
 
-Supervised fine-tuning documents (dataio/sft.py) arrive as SIGNED token arrays: a token that
+Supervised fine-tuning documents (dataio/sources/sft.py) arrive as SIGNED token arrays: a token that
 takes no loss (a prompt token) is stored as -(id + 1). The packers move tokens without looking
 at them, so the mask travels with the tokens through open rows, carry-over and saved states;
 `make_batch` decodes it (input_ids: the ids; labels: -100 where the sign was set). Pretraining
 tokens are never negative, so their batches are exactly what they were. SFT documents must not be
 cut at row edges (a response would lose its prompt): greedy packing is refused for them
-(`check_packing`); best-fit never cuts a document that fits a row, and zerotrain.dataio.sft makes every
+(`check_packing`); best-fit never cuts a document that fits a row, and zerotrain.dataio.sources.sft makes every
 SFT document fit.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.format.errors import DataError
 
 OPEN_TOKENS = 16384  # best-fit: rows open at once = clamp(OPEN_TOKENS // seq_len, 8, 64)
 PACKINGS = ("best-fit", "greedy")
@@ -231,7 +231,7 @@ def make_batch(tokens: np.ndarray, doc_starts: np.ndarray, seq_len: int, index=N
     segment_start = np.maximum.accumulate(np.where(starts, index, 0))
     position_ids = index - segment_start
     no_label = starts if pad is None else starts | pad
-    if n and tokens.min() < 0:  # SFT documents: the sign marks tokens without a label (zerotrain.dataio.sft)
+    if n and tokens.min() < 0:  # SFT documents: the sign marks tokens without a label (zerotrain.dataio.sources.sft)
         untrained = tokens < 0
         tokens = np.where(untrained, -tokens - 1, tokens)
         no_label = no_label | untrained

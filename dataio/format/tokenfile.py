@@ -9,11 +9,11 @@ openwebtext/prepare.py appends tiktoken's `<|endoftext|>`, 50256, to every docum
 
 Documents: the runs of tokens between end-of-text ids. The end-of-text id ends the document it closes,
 exactly as for every other source: the source hands the loader the document WITHOUT it and the packer
-appends the tokenizer's EOS after every document (dataio/packing.py), so `doc EOS doc EOS` in the file is
+appends the tokenizer's EOS after every document (dataio/format/packing.py), so `doc EOS doc EOS` in the file is
 `doc EOS doc EOS` in a packed row, each EOS at the end of its document's positions, and position ids
 restart right after it (document masking holds). Tokens after the last end-of-text id are one more
 document; an empty run (two end-of-text ids in a row, one at the start) is no document (counted as
-empty). Long documents are cut into pieces like any other source's (zerotrain.dataio.pieces).
+empty). Long documents are cut into pieces like any other source's (zerotrain.dataio.format.pieces).
 
 The tokenizer: the run's `--tokenizer` must be the one the file was made with (`--tokenizer gpt2` for
 tiktoken's gpt2 ids: found in the Hugging Face cache as any hub tokenizer is). Refused in one line: a
@@ -30,10 +30,10 @@ only means every start scans. The index kept per document is two int64 (16 bytes
 
 Exact resume and a world-size change need nothing of their own: the source is a DocStore like a
 prepared shard's (kind "tokens"), so the loader's state (epoch, position, tokens taken: a pure function
-of the seed and the counts consumed) and zerotrain.dataio.reshard apply unchanged.
+of the seed and the counts consumed) and zerotrain.dataio.pipeline.reshard apply unchanged.
 
-Not here: what a mix may say (zerotrain.dataio.mix validates `dtype`, `eos_id` and the file's size),
-the loader (zerotrain.dataio.loader).
+Not here: what a mix may say (zerotrain.dataio.format.mix validates `dtype`, `eos_id` and the file's size),
+the loader (zerotrain.dataio.pipeline.loader).
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from zerotrain import durable
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError
 
 TOKEN_DTYPES = ("uint16", "uint32")
 SCAN_BLOCK = 1 << 24  # tokens compared at a time: the block's boolean mask is the scan's only allocation

@@ -20,15 +20,15 @@ parts), else total // parts), so that every part gets at least one piece; the su
 Only a source with fewer units (characters) than parts is refused. The bound is part of the
 data's identity: another bound gives other documents.
 
-Not here: reading documents (zerotrain.dataio.readers, zerotrain.dataio.shards), the split across ranks
-and the mixing (zerotrain.dataio.loader). SFT records are never cut (the loader keeps them whole).
+Not here: reading documents (zerotrain.dataio.sources.readers, zerotrain.dataio.format.shards), the split across ranks
+and the mixing (zerotrain.dataio.pipeline.loader). SFT records are never cut (the loader keeps them whole).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError
 
 PIECE_ROWS = 8  # the default piece bound, in rows of seq_len
 

@@ -2,7 +2,7 @@
 
 A rank's stream is made of parts (rank * W + w of world * W, W = data workers per rank, at least 1;
 W stays the same across the change, the profile's count). Per local source, part p visits the
-documents p, p + parts, ... in a seeded permutation per epoch (zerotrain.dataio.loader.IndexedSource), so the
+documents p, p + parts, ... in a seeded permutation per epoch (zerotrain.dataio.pipeline.loader.IndexedSource), so the
 old states say exactly which documents every old part has still to visit in its current epoch
 (`IndexedSource.remaining()`, pending documents from an earlier change included). The union of
 those, sorted, shuffled with a seed keyed by (seed, source, epoch, old parts, new parts) and dealt
@@ -29,9 +29,9 @@ import copy
 
 import numpy as np
 
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.loader import Data, IndexedSource, plain
-from zerotrain.dataio.packing import make_packer
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.packing import make_packer
+from zerotrain.dataio.pipeline.loader import Data, IndexedSource, plain
 
 RESHARD_KEY = 0x7E5A4D  # mixed into the seed of the re-split, apart from the epoch permutations
 
@@ -61,7 +61,7 @@ def reshard_loader_states(data: Data, states: list[dict], new_world: int, seed: 
     if new_world == old_world:
         return copy.deepcopy(states)
     if len(data.stores) != len(data.specs):
-        raise ValueError("reshard_loader_states needs the data loaded (zerotrain.dataio.loader.load_data)")
+        raise ValueError("reshard_loader_states needs the data loaded (zerotrain.dataio.pipeline.loader.load_data)")
     try:
         return _reshard(data, states, new_world, seed, seq_len, micro_batch, packing)
     except DataError:

@@ -2,7 +2,7 @@
 
 The holdout (`split_holdout`), the default when no `--eval-data` is given, is carved out of each
 LOCAL source once its documents are read and BEFORE long documents are cut into pieces
-(`zerotrain.dataio.loader.cut_data`), so whole documents are held out and no piece of an eval document is
+(`zerotrain.dataio.pipeline.loader.cut_data`), so whole documents are held out and no piece of an eval document is
 ever trained on; it is done before any loader sees the stores:
 
 - per source, a target of `eval_tokens x weight` tokens (the mix's normalised weight; tokens
@@ -17,7 +17,7 @@ The training stores are the same `DocStore`s minus those documents (index arrays
 is copied), so the loader never sees a held-out document in any epoch, on any rank.
 Token counts are exact for the bytes tokenizer and for prepared shards; for a Hugging Face
 tokenizer on text the tokens per byte are estimated on up to 200 evenly spaced documents.
-SFT sources (dataio/sft.py) are held out like any other, record by record (their stores are
+SFT sources (dataio/sources/sft.py) are held out like any other, record by record (their stores are
 tokens already, so the counts are exact); their eval rows carry the response mask, so their
 val_loss is the loss on responses, as in training.
 Streamed sources (hub datasets, `"streaming": true`) have no random access and no known size:
@@ -25,7 +25,7 @@ they get no holdout (their share of `eval_tokens` is simply not evaluated); eval
 `--eval-data` (`mix_rows`).
 
 Eval rows: each source's evaluation documents are packed with the training packer (best-fit,
-`zerotrain.dataio.packing`), into rows of `seq_len` tokens that never mix sources, so the loss per
+`zerotrain.dataio.format.packing`), into rows of `seq_len` tokens that never mix sources, so the loss per
 source is exact: position ids restart at every document, labels are -100 on document starts
 and padding. Every rank builds the same finite list of rows (deterministic; nothing depends on
 the rank); the evaluator gives rank r rows r, r + world, ...
@@ -43,12 +43,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError
-from zerotrain.dataio.mix import SourceSpec
-from zerotrain.dataio.packing import BestFitPacker
-from zerotrain.dataio.sft import ChatRenderer, is_sft, stream_block
-from zerotrain.dataio.streamed import open_streamed, record_text, records
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError
+from zerotrain.dataio.format.mix import SourceSpec
+from zerotrain.dataio.format.packing import BestFitPacker
+from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, stream_block
+from zerotrain.dataio.sources.streamed import open_streamed, record_text, records
 
 MAX_FRACTION = 0.10  # the most a holdout takes from a source, of its documents and of its tokens
 HOLDOUT_SALT = 0x686F6C64  # "hold": keeps the holdout order apart from the loader's epoch orders
@@ -147,7 +147,7 @@ def holdout_rows(eval_stores: list, specs, tokenizer, seq_len: int) -> dict[str,
 def mix_rows(data, seq_len: int, eval_tokens: int, seed: int = EVAL_MIX_SEED) -> dict[str, dict[str, torch.Tensor]]:
     """{source name: rows} of about eval_tokens x weight tokens per source of a loaded eval mix.
 
-    `data`: a `zerotrain.dataio.loader.Data` after `load_data` (stores, or None for streamed sources).
+    `data`: a `zerotrain.dataio.pipeline.loader.Data` after `load_data` (stores, or None for streamed sources).
     """
     if isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int) or eval_tokens <= 0:
         raise DataError(f"--eval-tokens: must be a positive integer, got {eval_tokens!r}")
@@ -179,7 +179,7 @@ def _store_blocks(store: DocStore, index: int, seed: int, tokenizer):
 
 def _stream_blocks(spec: SourceSpec, tokenizer, seq_len: int | None = None):
     """A streamed source from its start, in order: every rank reads the same documents. SFT
-    records come with their mask, overflow applied for seq_len (zerotrain.dataio.sft.stream_block)."""
+    records come with their mask, overflow applied for seq_len (zerotrain.dataio.sources.sft.stream_block)."""
     def on_bad(why: str) -> None:
         if spec.bad_records == "stop":
             raise DataError(f"eval data: {spec.where()}: streamed record: {why}")

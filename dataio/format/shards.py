@@ -11,14 +11,14 @@ Layout of a prepared directory (format "zerotrain-shards", version 1):
 The manifest records, per shard: file names, sha256 of both files, token and document counts,
 dtype, the tokenizer's sha256, and the source it came from; per source its documents, tokens,
 bad records and the number of data files it was read from (null when streamed); plus the
-tokenizer and the mix (weights and policies) it was made from. `prepare` reads every source
-form a mix takes (a glob, a directory of shards, an `hf` snapshot directory: zerotrain.dataio.mix). Files are standard `.npy` (read with
+tokenizer and the mix (weights and policies) it was made from; `zerotrain prepare`
+(zerotrain.dataio.pipeline.prepare) writes them. Files are standard `.npy` (read with
 `np.load(mmap_mode="r")`, `allow_pickle=False`): nothing is unpickled. Training memory-maps
 them; every check in `verify()` runs at start-up, per shard in parallel threads.
 
 Shards hold whole documents: the manifest's counts and hashes describe what `prepare` wrote.
-Long documents are cut into pieces at load (`zerotrain.dataio.loader.load_data`, `zerotrain.dataio.pieces.cut_pieces`),
-in tokens, with the same bound and rules as a mix (byte-tokenizer shards only at UTF-8 character
+Long documents are cut into pieces at load (`zerotrain.dataio.pipeline.loader.load_data`,
+`zerotrain.dataio.format.pieces.cut_pieces`), in tokens, with the same bound and rules as a mix (byte-tokenizer shards only at UTF-8 character
 starts, so a byte-tokenized mix and its shards give the same pieces and the same stream); the
 pieces are index arrays over the memory-mapped shards, and nothing about them is written here.
 SFT sources (`"format": "sft"` / `"chat"`) are refused: their response mask has no place here.
@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import threading
 import time
@@ -40,13 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from zerotrain import durable
-from zerotrain.dataio.docstore import DocStore
-from zerotrain.dataio.errors import DataError, first_line
-from zerotrain.dataio.mix import SourceSpec, parse_mix
-from zerotrain.dataio.readers import load_text_source
-from zerotrain.dataio.streamed import open_streamed, record_text, records
-from zerotrain.dataio.tokenfile import cache_root
-from zerotrain.dataio.tokenizer import token_dtype
+from zerotrain.dataio.format.docstore import DocStore
+from zerotrain.dataio.format.errors import DataError, first_line
+from zerotrain.dataio.format.mix import SourceSpec
+from zerotrain.dataio.format.tokenfile import cache_root
 
 FORMAT, VERSION = "zerotrain-shards", 1
 SHARD_KEYS = {"file", "offsets_file", "source", "sha256", "offsets_sha256", "tokens", "documents", "dtype",
@@ -54,140 +50,14 @@ SHARD_KEYS = {"file", "offsets_file", "source", "sha256", "offsets_sha256", "tok
 FILE_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.(tokens|offsets)\.npy$")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-# --------------------------------------------------------------------------------------------
-# prepare
-# --------------------------------------------------------------------------------------------
-
-def iter_documents(spec: SourceSpec, tokenizer, max_tokens: int | None = None, store: DocStore | None = None):
-    """(token array, byte length) for every document of a source, in order; at most max_tokens."""
-    seen = 0
-    if spec.streamed:
-        ds = open_streamed(spec, 0, 1)
-        bad = []
-        texts = []
-
-        def on_bad(why):
-            if spec.bad_records == "stop":
-                raise DataError(f"{spec.where()}: streamed record: {why}")
-            bad.append(why)
-
-        def flush():
-            return tokenizer.encode_batch(texts)
-
-        for record in records(ds):
-            text = record_text(spec, record, on_bad)
-            if text:
-                texts.append(text)
-            if len(texts) >= 1024:
-                for t in flush():
-                    yield t
-                    seen += len(t)
-                    if max_tokens and seen >= max_tokens:
-                        return
-                texts = []
-        for t in flush():
-            yield t
-            seen += len(t)
-            if max_tokens and seen >= max_tokens:
-                return
-        return
-    store = store or load_text_source(spec)
-    for lo in range(0, len(store), 1024):
-        hi = min(len(store), lo + 1024)
-        if tokenizer.name == "bytes":
-            docs = [store.doc(d) for d in range(lo, hi)]
-        else:
-            docs = tokenizer.encode_batch([store.text(d) for d in range(lo, hi)])
-        for t in docs:
-            yield t
-            seen += len(t)
-            if max_tokens and seen >= max_tokens:
-                return
-
-
-def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_000_000,
-            max_tokens_per_source: int | None = None, log=print) -> Path:
-    """Tokenize every source of a mix into shards under `out` (written to a temporary directory
-    first, then renamed: an existing `out` is never touched)."""
-    mix = parse_mix(mix_path)
-    for spec in mix.sources:  # shards hold unsigned token ids: no room for the response mask (dataio/sft.py)
-        if spec.format == "tokens":
-            raise DataError(f"{spec.where()}: format tokens is token ids already: train from the mix itself"
-                            " (zerotrain prepare is not needed)")
-        if spec.format != "text":
-            raise DataError(f"{spec.where()}: format {spec.format}: zerotrain prepare does not take SFT records (shards"
-                            " cannot keep the response mask); train from the mix itself (records are tokenized at"
-                            " start-up)")
-    out = Path(out)
-    if out.exists():
-        raise DataError(f"--out {out}: already exists; prepare writes a new directory (pick another --out)")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dtype = token_dtype(tokenizer.vocab_size)
-    manifest = {"format": FORMAT, "version": VERSION, "created_by": "zerotrain prepare",
-                "tokenizer": {"name": tokenizer.name, "sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
-                              "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id},
-                "dtype": np.dtype(dtype).name,
-                "mix": {"path": str(mix_path), "warn_epochs": mix.warn_epochs,
-                        "sources": [s.to_dict() for s in mix.sources]},
-                "sources": [], "shards": []}
-    try:
-        for spec in mix.sources:
-            t0 = time.time()
-            store = None if spec.streamed else load_text_source(spec)
-            n_docs = n_tok = 0
-            pending, pending_tokens, k = [], 0, 0
-
-            def flush():
-                nonlocal pending, pending_tokens, k
-                if not pending:
-                    return
-                lengths = np.fromiter((len(t) for t in pending), np.int64, len(pending))
-                offsets = np.zeros(len(pending) + 1, np.int64)
-                np.cumsum(lengths, out=offsets[1:])
-                tokens = np.concatenate(pending).astype(dtype, copy=False)
-                base = f"{spec.name}-{k:05d}"
-                np.save(tmp / f"{base}.tokens.npy", tokens, allow_pickle=False)
-                np.save(tmp / f"{base}.offsets.npy", offsets, allow_pickle=False)
-                manifest["shards"].append({
-                    "file": f"{base}.tokens.npy", "offsets_file": f"{base}.offsets.npy", "source": spec.name,
-                    "sha256": _sha256(tmp / f"{base}.tokens.npy"),
-                    "offsets_sha256": _sha256(tmp / f"{base}.offsets.npy"),
-                    "tokens": int(len(tokens)), "documents": int(len(pending)), "dtype": np.dtype(dtype).name,
-                    "tokenizer_sha256": tokenizer.sha256})
-                pending, pending_tokens, k = [], 0, k + 1
-
-            for doc in iter_documents(spec, tokenizer, max_tokens_per_source, store):
-                if len(doc) == 0:
-                    continue
-                pending.append(doc)
-                pending_tokens += len(doc)
-                n_docs += 1
-                n_tok += len(doc)
-                if pending_tokens >= shard_tokens:
-                    flush()
-            flush()
-            if n_docs == 0:
-                raise DataError(f"{spec.where()}: holds no documents")
-            manifest["sources"].append({"name": spec.name, "documents": n_docs, "tokens": n_tok,
-                                        "bad_records": store.bad_records if store else 0,
-                                        "files": len(store.files) if store else None})
-            dt = time.time() - t0
-            read = f"{len(store.files):,} file(s)" if store else "the stream"
-            log(f"prepare: {spec.name}: {n_docs:,} documents, {n_tok:,} tokens from {read} in {k} shard(s)"
-                f" ({n_tok / max(dt, 1e-9) / 1e6:.1f}M tokens/s)")
-        durable.write_json(tmp / "manifest.json", manifest)
-        tmp.rename(out)
-        durable.fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+def token_dtype(vocab_size: int):
+    """The dtype of a shard's token ids for a tokenizer of `vocab_size`."""
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +144,7 @@ def check_shard(root: Path, sh: dict, dtype: str, vocab_size: int, tokenizer_sha
         raise DataError(f"{owhat}: document offsets are not increasing from 0 to {len(tokens):,}")
     if hashes:
         for file, key in ((sh["file"], "sha256"), (sh["offsets_file"], "offsets_sha256")):
-            got = _sha256(root / file)
+            got = file_sha256(root / file)
             if got != sh[key]:
                 raise DataError(f"shard {root / file}: sha256 mismatch (manifest {sh[key][:12]}...,"
                                 f" file {got[:12]}...); the file changed or is corrupt: prepare the data again")

@@ -1,7 +1,7 @@
 """DocStore: a source's documents as index arrays over byte or token buffers, the one shape every
-reader hands on (zerotrain.dataio.readers: local mix sources; zerotrain.dataio.shards: prepared shards)
-and every later stage takes (zerotrain.dataio.pieces, zerotrain.dataio.holdout, zerotrain.dataio.sft,
-zerotrain.dataio.loader).
+reader hands on (zerotrain.dataio.sources.readers: local mix sources; zerotrain.dataio.format.shards: prepared
+shards) and every later stage takes (zerotrain.dataio.format.pieces, zerotrain.dataio.sources.holdout,
+zerotrain.dataio.sources.sft, zerotrain.dataio.pipeline.loader).
 
 Not here: reading files into a DocStore (the readers), cutting its documents into pieces (pieces).
 It imports nothing of the project, so any stage can name it without pulling in a reader.
@@ -38,12 +38,13 @@ class DocStore:
     cut_documents: int = 0  # documents that were cut into pieces
     piece_len: int | None = None  # the bound the pieces were cut at (None: not cut)
     files: tuple = ()  # the files the documents were read from, in order (shards: the shard files)
-    # SFT sources (dataio/sft.py). Rendered records: their response spans, (ptr (n + 1,), bounds (m, 2))
+    # SFT sources (dataio/sources/sft.py). Rendered records: their response spans, (ptr (n + 1,), bounds (m, 2))
     # in bytes from each document's start, and where each record came from (file index, record number).
     spans: tuple | None = None
     records: np.ndarray | None = None  # (n,) record number within its file, from 1
     record_file: np.ndarray | None = None  # (n,) index into `files`
-    # Tokenized (signed tokens, zerotrain.dataio.sft): records truncated / dropped for overflow (zerotrain.dataio.sft.fit).
+    # Tokenized (signed tokens, zerotrain.dataio.sources.sft): records truncated / dropped for overflow
+    # (zerotrain.dataio.sources.sft.fit).
     truncated: int = 0
     dropped: int = 0
 

@@ -14,9 +14,9 @@ read; online the revision is looked up on the hub and only the files missing fro
     hub_lines(specs, tokenizer)                -> what `--dry-run` says about every hub name: cached,
                                                   reachable, or (DataError) neither
 
-A downloaded source is a local dataset directory from then on (zerotrain.dataio.readers): counted,
+A downloaded source is a local dataset directory from then on (zerotrain.dataio.sources.readers): counted,
 held out, cut into pieces and re-split on another world size like local files. A streamed one is read
-in order from the hub (zerotrain.dataio.streamed): size unknown, no held-out documents, no epochs.
+in order from the hub (zerotrain.dataio.sources.streamed): size unknown, no held-out documents, no epochs.
 
 Not here: reading the files (readers, streamed), what a mix may say (mix). `huggingface_hub` and
 `datasets` are imported inside the functions that use them (seconds to import).
@@ -27,10 +27,10 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from zerotrain.dataio.errors import DataError, DataNotHere, first_line
-from zerotrain.dataio.mix import SourceSpec
-from zerotrain.dataio.readers import dataset_dir_args, find_files, quiet_datasets
-from zerotrain.dataio.streamed import hub_location, open_streamed, records
+from zerotrain.dataio.format.errors import DataError, DataNotHere, first_line
+from zerotrain.dataio.format.mix import SourceSpec
+from zerotrain.dataio.sources.readers import dataset_dir_args, find_files, quiet_datasets
+from zerotrain.dataio.sources.streamed import hub_location, open_streamed, records
 
 # What AutoTokenizer.from_pretrained reads for a fast tokenizer; `zerotrain export` copies the same files.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

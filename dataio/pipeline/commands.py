@@ -15,14 +15,15 @@ import time
 from pathlib import Path
 
 from zerotrain.cli_args import Parser, exact_integer
-from zerotrain.dataio.errors import DataError, UsageError
-from zerotrain.dataio.mix import parse_mix
-from zerotrain.dataio.pieces import default_piece_len
-from zerotrain.dataio.readers import find_files, load_text_source
-from zerotrain.dataio.sft import ChatRenderer, is_sft, labelled_tokens
-from zerotrain.dataio.shards import prepare, read_manifest, read_speed, verify
-from zerotrain.dataio.streamed import open_streamed, record_text, records
-from zerotrain.dataio.tokenizer import TRAINING_RECORD, HFTokenizer, load_tokenizer, train_bpe
+from zerotrain.dataio.format.errors import DataError, UsageError
+from zerotrain.dataio.format.mix import parse_mix
+from zerotrain.dataio.format.pieces import default_piece_len
+from zerotrain.dataio.format.shards import read_manifest, read_speed, verify
+from zerotrain.dataio.pipeline.prepare import prepare
+from zerotrain.dataio.sources.readers import find_files, load_text_source
+from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, labelled_tokens
+from zerotrain.dataio.sources.streamed import open_streamed, record_text, records
+from zerotrain.dataio.sources.tokenizer import TRAINING_RECORD, HFTokenizer, load_tokenizer, train_bpe
 
 
 def _run(fn, argv):
@@ -100,7 +101,7 @@ def bench(data_path: str, tokenizer: str = "bytes", seq_len: int = 2048, micro_b
     """Run the loader alone; tokens/s, load time, per-source shares and epochs.
     piece_len: as in training, default_piece_len(seq_len) when None."""
     # Here, not at the top: the loader imports torch, which prepare, verify and tokenizer train never need.
-    from zerotrain.dataio.loader import Batches, load_data, open_data
+    from zerotrain.dataio.pipeline.loader import Batches, load_data, open_data
 
     t0 = time.time()
     data = load_data(open_data(data_path, load_tokenizer(tokenizer)), piece_len or default_piece_len(seq_len),
