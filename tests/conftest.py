@@ -64,7 +64,7 @@ def pytest_configure(config):
         hold_default_port()
 
 
-# -- `make test` runs two pytest-xdist workers (-n 2 --dist loadfile: a file's tests, and its module fixtures, on
+# -- `make test` runs pytest-xdist workers (-n 3 --dist loadfile: a file's tests, and its module fixtures, on
 # one worker). Two launches at once must not share what one launch owns: the rendezvous port (held below), the
 # op builds (one build, under a lock), /dev/shm (DeepSpeed's buffers are named by the port) and tmp_path (per worker)
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...; None in a serial run and in the controller
@@ -164,15 +164,17 @@ PREBUILD_MIN_TESTS = 100  # a session this large runs long enough to gain from b
 _prebuild: list[subprocess.Popen] = []
 
 
-# The files that take longest, longest first (per-file seconds of a fresh-clone `make test`, 2026-11-27): under
-# `--dist loadfile` a worker takes the next file when it runs dry, so a long file taken last leaves the other worker
-# idle until it ends; longest-first keeps the two busy to the end. An ordering hint only (a file not listed runs
+# The files that take longest, longest first (per-file seconds of a full run on three workers, 2026-11-27): under
+# `--dist loadfile` a worker takes the next file when it runs dry, so a long file taken last leaves the other workers
+# idle until it ends; longest-first keeps them busy to the end. An ordering hint only (a file not listed runs
 # after these, in collection order; a stale entry costs time, never a result).
-LONGEST_FIRST = ("test_offload_runs", "test_sequence_parallel", "test_restarts", "test_preflight", "test_eval_tasks",
-                 "test_optimizers", "test_launch_surfaces", "test_long_runs", "test_universal", "test_attention",
-                 "test_planner", "test_data_sft", "test_recipes", "test_benchmarks", "test_gpu_speed", "test_health",
-                 "test_watchdog", "test_checkpointer", "test_workstation_recipes", "test_evaluate",
-                 "test_sequence_parallel_surfaces", "test_observability")
+LONGEST_FIRST = ("test_offload_runs", "test_sequence_parallel", "test_restarts", "test_long_runs", "test_preflight",
+                 "test_eval_tasks", "test_gpu_speed", "test_launch_surfaces", "test_workstation_recipes", "test_bf16",
+                 "test_hub_names", "test_few_documents", "test_resume_exact", "test_attention", "test_optimizers",
+                 "test_packaging", "test_readme_walkthrough", "test_universal", "test_benchmarks", "test_health",
+                 "test_planner", "test_watchdog", "test_recipes", "test_run_tokens", "test_train_integration",
+                 "test_data_local_hub", "test_finetune", "test_sequence_parallel_surfaces", "test_data_bad_input",
+                 "test_observability")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -273,6 +273,32 @@ def test_an_unwritable_mirror_warns_once_and_saving_goes_on(tmp_path, engine):
     assert names(complete_checkpoints(ckpt.ckpt_dir)) == ["global_step1"]
 
 
+def test_a_best_checkpoint_best_json_does_not_name_is_ranked_in_again_from_its_marker(tmp_path, engine):
+    """A kill between a best checkpoint's marker and best.json's rewrite (its own file, written after): the marker
+    carries the checkpoint's entry, and the next start (sync_best) ranks it in with best.json's and rewrites the
+    file, so --keep-best keeps it from rotation and `export --best` finds it. An entry pushed out of the K best
+    (its tag still there as a regular save) stays out."""
+    ckpt, said = make(tmp_path, keep_best=2)
+    ckpt.sync_best()
+    for step, loss in {1: 3.0, 2: 1.0, 3: 2.0, 4: 0.5}.items():  # step 1 pushed out by step 3; 4 pushes out 3
+        ckpt.save(engine, step, {"zerotrain": {"step": step}}, {"step": step, "world_size": 1}, best_value=loss)
+        ckpt.mark_best(tag_for(step), step, loss)
+        ckpt.wait()
+    ckpt.close()
+    kept = [{"tag": "global_step4", "step": 4, "val_loss": 0.5}, {"tag": "global_step2", "step": 2, "val_loss": 1.0}]
+    assert read_best_list(ckpt.ckpt_dir) == kept
+    assert read_meta(ckpt.ckpt_dir / "global_step4")["best"] == kept[0]
+    stale = [{"tag": "global_step2", "step": 2, "val_loss": 1.0}, {"tag": "global_step3", "step": 3, "val_loss": 2.0}]
+    (ckpt.ckpt_dir / BEST).write_text(json.dumps({**stale[0], "kept": stale}))  # as the kill left it: step 4 unnamed
+    resumed, said = make(tmp_path, keep_best=2)
+    assert resumed.sync_best() == kept
+    assert read_best_list(ckpt.ckpt_dir) == kept  # the file rewritten
+    assert said == ["best.json: global_step4 ranked in again from its checkpoint (best.json had not been rewritten"
+                    " when the run stopped)"]
+    again, said = make(tmp_path, keep_best=2)
+    assert again.sync_best() == kept and said == []  # nothing missing: the file is left as it is
+
+
 def test_keep_best_k_survive_rotation_a_resume_and_a_rollback(tmp_path, engine):
     """--keep-best 2 with --keep-last 1: a tag is saved when its validation loss is among the 2 lowest, best.json
     lists them lowest first, rotation removes the one pushed out; a new Checkpointer (a resume) takes the list

@@ -116,11 +116,12 @@ class RunState:
         return {p.saved_as: p.state_dict() for p in self.participants if p.saved_as}
 
     # -- saving -----------------------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self, best_value: float | None = None) -> Path:
+        """The collective save of this step; `best_value`: it is saved as one of the K best (its marker says so)."""
         with self.clock.phase("save"):
-            return self._save()
+            return self._save(best_value)
 
-    def _save(self) -> Path:
+    def _save(self, best_value: float | None = None) -> Path:
         plan = self.plan
         states = [None] * self.world
         self.dist.all_gather_object(states, self.loader_state())
@@ -133,7 +134,7 @@ class RunState:
                 "sequence_parallel": plan.sequence_parallel,
                 "run_id": plan.run_dir.name, "loader_workers": plan.loader_settings["workers"]}
         t0 = time.time()
-        self.last_saved = self.checkpointer.save(self.engine, self.step, client_state, meta)
+        self.last_saved = self.checkpointer.save(self.engine, self.step, client_state, meta, best_value)
         if self.universal_dir is not None:  # the conversion is not needed once this world has saved
             if self.is_main:
                 shutil.rmtree(self.universal_dir.parent, ignore_errors=True)

@@ -86,15 +86,34 @@ def read_best_list(ckpt_dir: Path) -> list[dict]:
     kept = best.get("kept", [best])
     if not isinstance(kept, list):
         return []
+    return [e for e in map(_entry, kept) if e is not None]
+
+
+def _entry(b) -> dict | None:
+    """A best.json entry as read (best.json or a marker's "best"), or None if it is not one."""
+    if not isinstance(b, dict) or not isinstance(b.get("tag"), str):
+        return None
+    if isinstance(b.get("val_loss"), (int, float)):
+        return {"tag": b["tag"], "step": b.get("step"), "val_loss": b["val_loss"]}
+    if isinstance(b.get("score"), (int, float)) and isinstance(b.get("metric"), str):
+        return {"tag": b["tag"], "step": b.get("step"), "metric": b["metric"], "score": b["score"],
+                "higher_is_better": bool(b.get("higher_is_better"))}
+    return None
+
+
+def marked_best(ckpt_dir: Path) -> list[dict]:
+    """The entries the complete checkpoints saved as one of the K best carry in their markers ("best", written
+    with the checkpoint's completion), oldest first. best.json is rewritten after the marker, as a file of its
+    own: a kill between the two leaves a best checkpoint that best.json does not name, which these restore
+    (Checkpointer.sync_best)."""
     out = []
-    for b in kept:
-        if not isinstance(b, dict) or not isinstance(b.get("tag"), str):
+    for tag_dir in complete_checkpoints(ckpt_dir):
+        try:
+            entry = _entry(read_meta(tag_dir).get("best"))
+        except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(b.get("val_loss"), (int, float)):
-            out.append({"tag": b["tag"], "step": b.get("step"), "val_loss": b["val_loss"]})
-        elif isinstance(b.get("score"), (int, float)) and isinstance(b.get("metric"), str):
-            out.append({"tag": b["tag"], "step": b.get("step"), "metric": b["metric"], "score": b["score"],
-                        "higher_is_better": bool(b.get("higher_is_better"))})
+        if entry is not None and entry["tag"] == tag_dir.name:
+            out.append(entry)
     return out
 
 

@@ -38,7 +38,7 @@ from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, PARTIAL, check_files, complete_checkpoints,
                                                       drop_tag, hash_file, hash_files, incomplete_checkpoints,
                                                       best_entry, best_json, best_rank, one_line, rank_best,
-                                                      read_best_list, same_criterion, read_meta,
+                                                      marked_best, read_best_list, same_criterion, read_meta,
                                                       rotation_victims, step_of, tag_dirs, tag_for)
 from zerotrain.launcher.errors import CheckpointError, UsageError
 
@@ -301,8 +301,9 @@ class Checkpointer:
         FaultyCheckpointer plants failed and slow writes here)."""
         return inner
 
-    def save(self, engine, step: int, client_state: dict, meta: dict) -> Path:
+    def save(self, engine, step: int, client_state: dict, meta: dict, best_value: float | None = None) -> Path:
         """Write tag global_stepN on every rank; returns its path once every rank's files are written.
+        `best_value`: the step is saved as one of the K best (mark_best follows); its entry goes into the marker.
 
         The tag becomes complete once the ranks' background threads have hashed their files and
         rank 0 has written the marker (`wait()` waits for that). If a write failed on any rank, or an
@@ -313,6 +314,8 @@ class Checkpointer:
         tag_dir = self.ckpt_dir / tag
         if step == self.last_saved_step:
             return tag_dir
+        if best_value is not None:
+            meta = {**meta, "best": best_entry(tag, step, best_value, self.best_by)}
         t0 = time.perf_counter()
         guard = _WriteGuard.install(engine, self.rank)
         if self.rank == 0:
@@ -461,8 +464,10 @@ class Checkpointer:
     # -- the K best ----------------------------------------------------------------------------
     def sync_best(self) -> list[dict]:
         """Collective: every rank takes rank 0's best.json (at start, after a resume or a rollback), trimmed
-        to --keep-best (a resume may lower it; the file follows at the next mark_best)."""
-        kept = read_best_list(self.ckpt_dir) if self.rank == 0 else None
+        to --keep-best (a resume may lower it; the file follows at the next mark_best). A complete checkpoint
+        saved as one of the best that best.json does not name (a kill landed between its marker and best.json's
+        rewrite) is ranked in again from its marker, and rank 0 rewrites best.json with it."""
+        kept = self._healed_best() if self.rank == 0 else None
         if self.world > 1:
             box = [kept]
             dist.broadcast_object_list(box, src=0)
@@ -470,6 +475,23 @@ class Checkpointer:
         with self._lock:  # ranked as this run ranks (a resume may change --best-by)
             self.kept = [b for b in kept if same_criterion(b, self.best_by)][:self.keep_best]
         return self.kept
+
+    def _healed_best(self) -> list[dict]:
+        """Rank 0: best.json's list with the markers' best entries it lacks ranked in (the K best of all)."""
+        listed = read_best_list(self.ckpt_dir)
+        missing = [e for e in marked_best(self.ckpt_dir) if all(b["tag"] != e["tag"] for b in listed)
+                   and same_criterion(e, self.best_by)]
+        if not missing:
+            return listed
+        kept = [b for b in listed if same_criterion(b, self.best_by)]
+        for entry in missing:
+            kept = rank_best(kept, entry, self.keep_best)
+        added = [b["tag"] for b in kept if b in missing]
+        if added:
+            self.say(f"best.json: {', '.join(added)} ranked in again from its checkpoint (best.json had not been"
+                     " rewritten when the run stopped)")
+            durable.write_json(self.ckpt_dir / BEST, best_json(kept))
+        return kept
 
     def would_keep(self, value: float) -> bool:
         """Would a checkpoint with this validation loss (or --best-by score) be among the K best? (every rank

@@ -30,7 +30,7 @@ class Checkpointing(Participant):
     def logged(self, step: StepState) -> None:
         due = self.checkpointer.due(step.step, step.agreed["save_hours"], step.last) and not step.last
         if due or step.new_best:
-            self.state.save()
+            self.state.save(step.best_value if step.new_best else None)
             step.saved = True
         if step.new_best:
             self.checkpointer.mark_best(tag_for(step.step), step.step, step.best_value)
