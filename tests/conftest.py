@@ -64,7 +64,7 @@ def pytest_configure(config):
         hold_default_port()
 
 
-# -- `make test` runs pytest-xdist workers (-n 3 --dist loadfile: a file's tests, and its module fixtures, on
+# -- `make test` runs pytest-xdist workers (-n 2 --dist loadfile: a file's tests, and its module fixtures, on
 # one worker). Two launches at once must not share what one launch owns: the rendezvous port (held below), the
 # op builds (one build, under a lock), /dev/shm (DeepSpeed's buffers are named by the port) and tmp_path (per worker)
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...; None in a serial run and in the controller
@@ -164,7 +164,7 @@ PREBUILD_MIN_TESTS = 100  # a session this large runs long enough to gain from b
 _prebuild: list[subprocess.Popen] = []
 
 
-# The files that take longest, longest first (per-file seconds of a full run on three workers, 2026-11-27): under
+# The files that take longest, longest first (per-file seconds of a full run, 2026-11-27): under
 # `--dist loadfile` a worker takes the next file when it runs dry, so a long file taken last leaves the other workers
 # idle until it ends; longest-first keeps them busy to the end. An ordering hint only (a file not listed runs
 # after these, in collection order; a stale entry costs time, never a result).

@@ -91,7 +91,7 @@ def test_a_tokenizer_other_than_the_models_is_refused_unless_swapped(tuned, tmp_
     cfg = resolve_config(base + ["--tokenizer", "bytes", "--swap-tokenizer"])
     assert cfg.data.tokenizer == "bytes" and cfg.sources["tokenizer"] == "flag"
     assert any("--swap-tokenizer" in w for w in config_warnings(cfg))
-    assert resolve_config(base + ["--tokenizer", str(tuned["tok"])]).tokenizer == str(tuned["tok"])  # the same one
+    assert resolve_config(base + ["--tokenizer", str(tuned["tok"])]).data.tokenizer == str(tuned["tok"])  # the same one
     assert refused(base[:4] + ["--swap-tokenizer"], capsys).startswith("--swap-tokenizer: only with --init-from")
     assert not out.exists()
 
