@@ -24,11 +24,10 @@ demo: install
 	$(BIN)/zerotrain demo
 
 # Two pytest-xdist workers: a launch's start-up and its ranks' waits leave about half of 2 cores idle in a serial
-# run. Three are slower on 2 cores (fresh clone, 2026-11-27: make 27.6 min and 47.5 CPU-minutes against 22.7 min and
-# 36.5 with two: ranks that wait on each other's collectives lose more to oversubscription than a third file gains).
-# --dist loadfile keeps each file (and its module-scoped runs, shared by its tests) on one worker;
-# tests/conftest.py keeps the workers' launches apart (rendezvous port, op builds) and orders the files longest
-# first (--no-loadscope-reorder keeps that order: xdist would sort them by test count). TEST_WORKERS=0: serial.
+# run. A third gained nothing on 2 cores (fresh clones on one host, 2026-11-27: make 27.6 min, 47.5 CPU-minutes with
+# three; 28.5 min, 46.3 with two). --dist loadfile keeps each file (and its module-scoped runs, shared by its tests)
+# on one worker; tests/conftest.py keeps the workers' launches apart (rendezvous port, op builds) and orders the files
+# longest first (--no-loadscope-reorder keeps that order: xdist would sort them by test count). TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
