@@ -352,6 +352,36 @@ def test_rank_watch_names_the_killed_rank_when_its_peer_fails_in_the_same_interv
     assert watch.first_exit == RankExit(0, "killed by SIGKILL", None)
 
 
+def zombie(status: int) -> list[str]:
+    """/proc/PID/stat's fields after the name for a zombie whose wait status is `status` (index 49)."""
+    return ["Z"] + ["0"] * 48 + [str(status)]
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_rank_watch_names_the_reaped_rank_before_a_peer_its_launcher_killed_in_the_same_interval(
+        tmp_path, monkeypatch, order):
+    """No process: one poll that finds rank 1 already reaped by its launcher without leaving its exit code (it was
+    SIGKILLed) and rank 0 a zombie of a SIGTERM (DeepSpeed's launch.py tears the job down only after reaping a
+    failed rank). Rank 1 is named whatever the order the watch knows them in; before the fix rank 0 was (the tie
+    went to the lower rank: a fresh-clone run recorded the first restart as rank 0's)."""
+    from zerotrain.launcher.components.launching import restarts
+
+    stats = {100: zombie(signal.SIGTERM), 101: None}  # pid 100 rank 0 (a zombie), pid 101 rank 1 (reaped)
+    monkeypatch.setattr(restarts, "stat_fields", stats.get)
+    watch = RankWatch(root=1, ends=tmp_path)  # nothing left under ends/: rank 1 ended without its code
+    watch._discovered_at = float("inf")  # no /proc walk: the ranks are the two below
+    watch.ranks = {pid: pid - 100 for pid in (100 + order[0], 100 + order[1])}
+    watch.poll()
+    assert watch.first_exit == RankExit(1, "ended without leaving its exit code (killed or crashed)", None)
+    # a rank that left its code is still named after one killed by a signal
+    (tmp_path / "1").write_text("1")
+    watch = RankWatch(root=1, ends=tmp_path)
+    watch._discovered_at = float("inf")
+    watch.ranks = {100: 0, 101: 1}
+    watch.poll()
+    assert watch.first_exit == RankExit(0, "killed by SIGTERM", None)
+
+
 # -- real ranks: the deepspeed launcher, 2 CPU ranks -------------------------------------------------------
 
 def start(tmp_path, launched, launch_flags, train_flags, env_extra=None) -> subprocess.Popen:

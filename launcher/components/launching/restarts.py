@@ -257,7 +257,7 @@ class RankWatch(threading.Thread):
             self._discovered_at = time.monotonic()
             for pid, rank in rank_processes(self.root).items():
                 self.ranks.setdefault(pid, rank)
-        alive, failed_now = {}, []
+        alive, failed_now = {}, []  # failed_now: (reaped before its status was read, how it ended)
         for pid, rank in self.ranks.items():
             fields = stat_fields(pid)
             if fields is None or fields[0] in "ZX":
@@ -272,13 +272,16 @@ class RankWatch(threading.Thread):
                     if how == "ended":  # reaped before its status was read: named only if no known failure is
                         self._unread = self._unread or RankExit(rank, how, code)
                     elif self._failed is None:
-                        failed_now.append(RankExit(rank, how, code))
+                        failed_now.append((fields is None, RankExit(rank, how, code)))
             else:
                 alive[pid] = (rank, fields[0])
         if failed_now:  # ranks that failed within one interval: one killed (no exit code: a signal, or gone without
             # leaving its code) is the cause of another's error exit (a rank SIGKILLed, its peer's collective
-            # failing at once: seen together in a fresh-clone run)
-            self._failed = min(failed_now, key=lambda e: (e.code is not None, e.rank))
+            # failing at once: seen together in a fresh-clone run). Of two without a code, the one its launcher
+            # already reaped went first: DeepSpeed's launch.py kills the other ranks only after it has reaped a
+            # failed one (a rank SIGKILLed and reaped, its peer a zombie of launch.py's SIGTERM in the same
+            # interval: the peer was named once in a fresh-clone run)
+            self._failed = min(failed_now, key=lambda f: (f[1].code is not None, not f[0], f[1].rank))[1]
         if self._first_exit_at is not None and time.monotonic() - self._first_exit_at >= STOPPED_GRACE_S:
             for pid, (rank, state) in alive.items():
                 if state in "Tt" and rank not in self.killed_stopped:  # stopped, or stopped by a tracer
