@@ -159,22 +159,29 @@ def build_shm_op() -> None:
                         + built.stdout[-2000:] + built.stderr[-2000:], returncode=3)
 
 
-BACKGROUND_OPS = {"cpu_adam": "CPUAdamBuilder", "cpu_lion": "CPULionBuilder", "async_io": "AsyncIOBuilder"}
+# in the order the suite first needs them: test_offload_runs loads CPU Adam and async I/O, test_optimizers CPU Lion
+BACKGROUND_OPS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder", "cpu_lion": "CPULionBuilder"}
 PREBUILD_MIN_TESTS = 100  # a session this large runs long enough to gain from building the ops beside it
 _prebuild: list[subprocess.Popen] = []
 
 
-# The files that take longest, longest first (per-file seconds of a full run, 2026-11-27): under
-# `--dist loadfile` a worker takes the next file when it runs dry, so a long file taken last leaves the other workers
-# idle until it ends; longest-first keeps them busy to the end. An ordering hint only (a file not listed runs
-# after these, in collection order; a stale entry costs time, never a result).
-LONGEST_FIRST = ("test_offload_runs", "test_sequence_parallel", "test_restarts", "test_long_runs", "test_preflight",
-                 "test_eval_tasks", "test_gpu_speed", "test_launch_surfaces", "test_workstation_recipes", "test_bf16",
-                 "test_hub_names", "test_few_documents", "test_resume_exact", "test_attention", "test_optimizers",
-                 "test_packaging", "test_readme_walkthrough", "test_universal", "test_benchmarks", "test_health",
-                 "test_planner", "test_watchdog", "test_recipes", "test_run_tokens", "test_train_integration",
-                 "test_data_local_hub", "test_finetune", "test_sequence_parallel_surfaces", "test_data_bad_input",
-                 "test_observability")
+# The files that take longest, longest first (per-file seconds of a full run, 2026-11-28): under
+# `--dist loadfile` a worker takes the next file when it runs dry, so a long file taken last leaves the other
+# workers idle until it ends; longest-first keeps them busy to the end. One exception: the files that load the ops
+# prebuild_in_background builds (test_offload_runs, test_eval_tasks, test_optimizers) come after several minutes of
+# other files, by which time that build is done (first in the list, test_offload_runs held its worker waiting on the
+# build: 672 s of a fresh clone's run, 2026-11-27, against 258 s with the ops built). An ordering hint only (a file
+# not listed runs after these, in collection order; a stale entry costs time, never a result).
+LONGEST_FIRST = ("test_sequence_parallel", "test_long_runs", "test_restarts", "test_preflight",
+                 "test_launch_surfaces", "test_workstation_recipes", "test_resume_exact", "test_universal",
+                 "test_offload_runs", "test_eval_tasks", "test_optimizers",
+                 "test_benchmarks", "test_bf16", "test_readme_walkthrough", "test_watchdog", "test_few_documents",
+                 "test_hub_names", "test_attention", "test_gpu_speed", "test_sequence_parallel_surfaces",
+                 "test_world_size_change", "test_packaging", "test_train_integration", "test_zero3_export",
+                 "test_data_bad_input", "test_finetune", "test_health", "test_planner", "test_run_tokens",
+                 "test_two_jobs", "test_notebook", "test_evaluate", "test_observability", "test_checkpointer",
+                 "test_data_sft", "test_chunked_loss", "test_init_from_tokenizer", "test_data_local_hub",
+                 "test_recipes")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -211,12 +218,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def prebuild_in_background(offload) -> subprocess.Popen:
-    """The other JIT-built ops the suite loads (CPU Adam for the offload runs, CPU Lion for the optimizer tests,
-    async I/O for NVMe: ~45 s, ~110 s and ~3 min on 2 cores) are built by one niced process started now, while
-    the in-process tests run: a sequential suite leaves about one of two cores idle (user + sys time 1.1 x the
-    wall time, fresh-clone run of 2026-11-26). A test that needs an op before it is done waits on torch's build
-    lock, as it would on its own build. The process has a session of its own, so a killed pytest never kills
-    it mid-build (which would leave the lock every later load waits on); the session's end waits for it
+    """The other JIT-built ops the suite loads (CPU Adam for the offload runs, async I/O for NVMe, CPU Lion for the
+    optimizer tests: ~50 s, ~3.5 min and ~50 s of CPU) are built by one process started now, beside the tests (a run
+    with its ops built leaves about a fifth of 2 cores idle: rank start-ups, waits for a kill or a slowed step).
+    Not niced: at nice 10 beside busy workers it gets a tenth of the CPU, and the first file that needs an op
+    waits on it. A test that needs an op before it is done waits on torch's build lock, as it would on its own
+    build (LONGEST_FIRST puts those files later). The process has a session of its own, so a killed pytest never
+    kills it mid-build (which would leave the lock every later load waits on); the session's end waits for it
     (pytest_sessionfinish). Only for a session of PREBUILD_MIN_TESTS tests or more: a short one
     would mostly wait for builds it does not use."""
     # every op, built or not: one found in the cache may still be rebuilt on load (torch hashes the sources'
@@ -226,7 +234,7 @@ def prebuild_in_background(offload) -> subprocess.Popen:
         for builder in BACKGROUND_OPS.values())
     log = Path(tempfile.gettempdir()) / f"zerotrain-prebuild-{os.getuid()}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", code], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     missing = [op for op in BACKGROUND_OPS if not offload.is_built(op)]
     if missing:
