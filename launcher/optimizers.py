@@ -519,8 +519,10 @@ def implementation(cfg, ds_config: dict, accelerator: str) -> tuple[str, str | N
                                   " compiler, or DS_BUILD_CPU_LION=1"))
         return spec.origin, None
     kind, params = str(section.get("type", "")).lower(), section.get("params", {})
-    if kind == "muon":
-        return "DeepSpeed MuonWithAuxAdam, its AdamW half torch.optim.AdamW", None
+    if kind == "muon":  # DeepSpeed decorates its Muon update with torch.compile (runtime/zero/muon/original_muon.py)
+        return ("DeepSpeed MuonWithAuxAdam, its AdamW half torch.optim.AdamW",
+                "torch.compile of DeepSpeed's Muon update at the first step (inductor: tens of seconds on a CPU"
+                " the first time, cached after; TORCHDYNAMO_DISABLE=1 runs it eagerly)")
     if kind not in ("adam", "adamw"):
         return f"DeepSpeed's {section.get('type')}", None
     torch_name = "torch.optim.AdamW" if kind == "adamw" or params.get("adam_w_mode", True) else "torch.optim.Adam"

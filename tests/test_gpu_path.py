@@ -155,9 +155,11 @@ def test_offloaded_optimizer_keeps_deepspeeds_cpu_adam_and_other_choices_say_wha
     assert what == "deepspeed.ops.adam.FusedAdam" and "nvcc" in build and "DS_BUILD_FUSED_ADAM=1" in build
     ds, cfg = resolved("h100-80g-x8", optimizer="lion")
     assert implementation(cfg, ds, "cuda")[1].startswith("DeepSpeed's fused_lion CUDA op")
-    for name in ("muon", "ademamix"):
-        ds, cfg = resolved("h100-80g-x8", optimizer=name)
-        assert implementation(cfg, ds, "cuda")[1] is None, name
+    ds, cfg = resolved("h100-80g-x8", optimizer="ademamix")
+    assert implementation(cfg, ds, "cuda")[1] is None
+    # DeepSpeed torch.compiles its Muon update (the first step waits for it): said, not "nothing to compile"
+    ds, cfg = resolved("h100-80g-x8", optimizer="muon")
+    assert implementation(cfg, ds, "cuda")[1].startswith("torch.compile of DeepSpeed's Muon update at the first step")
 
 
 @pytest.mark.parametrize("name", ["a100-80g-x8", "h100-80g-x8"])
