@@ -23,12 +23,14 @@ install: $(STAMP)
 demo: install
 	$(BIN)/zerotrain demo
 
-# Two pytest-xdist workers: a launch's start-up and its ranks' waits leave about half of 2 cores idle in a serial
-# run. A third gained nothing on 2 cores (fresh clones on one host, 2026-11-27: make 27.6 min, 47.5 CPU-minutes with
-# three; 28.5 min, 46.3 with two). --dist loadfile keeps each file (and its module-scoped runs, shared by its tests)
-# on one worker; tests/conftest.py keeps the workers' launches apart (rendezvous port, op builds) and orders the files
-# longest first (--no-loadscope-reorder keeps that order: xdist would sort them by test count). TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers on 2 cores: a launch's start-up and its ranks' waits (a kill's deadline, a slowed step,
+# a rendezvous) leave about a fifth of 2 cores idle with two (a run with its ops built: 31 CPU-min in 19.5 min). Fresh
+# clones on one host (2026-11-27/28, make wall, CPU-min): three 27.6 / 47.5 against two 28.5 / 46.3; with the op
+# build no longer waited on first, three 24.2 / 42.2 against two 25.9 / 42.9 (before it). --dist loadfile keeps each
+# file (and its module-scoped runs, shared by its tests) on one worker; tests/conftest.py keeps the workers' launches
+# apart (rendezvous port, op builds) and orders the files longest first (--no-loadscope-reorder keeps that order:
+# xdist would sort them by test count). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 3
 test: install
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
