@@ -159,8 +159,9 @@ def build_shm_op() -> None:
                         + built.stdout[-2000:] + built.stderr[-2000:], returncode=3)
 
 
-# in the order the suite first needs them: test_offload_runs loads CPU Adam and async I/O, test_optimizers CPU Lion
-BACKGROUND_OPS = {"cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder", "cpu_lion": "CPULionBuilder"}
+# in the order the suite first needs them (LONGEST_FIRST): CPU Adam (test_eval_tasks), CPU Lion (test_optimizers),
+# async I/O (test_offload_runs, after them)
+BACKGROUND_OPS = {"cpu_adam": "CPUAdamBuilder", "cpu_lion": "CPULionBuilder", "async_io": "AsyncIOBuilder"}
 PREBUILD_MIN_TESTS = 100  # a session this large runs long enough to gain from building the ops beside it
 _prebuild: list[subprocess.Popen] = []
 
@@ -168,14 +169,16 @@ _prebuild: list[subprocess.Popen] = []
 # The files that take longest, longest first (per-file seconds of a full run, 2026-11-28): under
 # `--dist loadfile` a worker takes the next file when it runs dry, so a long file taken last leaves the other
 # workers idle until it ends; longest-first keeps them busy to the end. One exception: the files that load the ops
-# prebuild_in_background builds (test_offload_runs, test_eval_tasks, test_optimizers) come after several minutes of
-# other files, by which time that build is done (first in the list, test_offload_runs held its worker waiting on the
-# build: 672 s of a fresh clone's run, 2026-11-27, against 258 s with the ops built). An ordering hint only (a file
-# not listed runs after these, in collection order; a stale entry costs time, never a result).
+# prebuild_in_background builds (test_eval_tasks, test_optimizers, test_offload_runs: CPU Adam, CPU Lion, async I/O)
+# come after about ten minutes of other files, by which time that build is done. First in the list,
+# test_offload_runs held its worker waiting on the build (672 s of a fresh clone's run, 2026-11-27, against 258 s
+# with the ops built); ninth, it still waited once three workers shared the CPU with the build (442 s against 319 s,
+# 2026-11-28). An ordering hint only (a file not listed runs after these, in collection order; a stale entry costs
+# time, never a result).
 LONGEST_FIRST = ("test_sequence_parallel", "test_long_runs", "test_restarts", "test_preflight",
                  "test_launch_surfaces", "test_workstation_recipes", "test_resume_exact", "test_universal",
-                 "test_offload_runs", "test_eval_tasks", "test_optimizers",
-                 "test_benchmarks", "test_bf16", "test_readme_walkthrough", "test_watchdog", "test_few_documents",
+                 "test_eval_tasks", "test_benchmarks", "test_bf16", "test_optimizers", "test_offload_runs",
+                 "test_readme_walkthrough", "test_watchdog", "test_few_documents",
                  "test_hub_names", "test_attention", "test_gpu_speed", "test_sequence_parallel_surfaces",
                  "test_world_size_change", "test_packaging", "test_train_integration", "test_zero3_export",
                  "test_data_bad_input", "test_finetune", "test_health", "test_planner", "test_run_tokens",
@@ -218,8 +221,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def prebuild_in_background(offload) -> subprocess.Popen:
-    """The other JIT-built ops the suite loads (CPU Adam for the offload runs, async I/O for NVMe, CPU Lion for the
-    optimizer tests: ~50 s, ~3.5 min and ~50 s of CPU) are built by one process started now, beside the tests (a run
+    """The other JIT-built ops the suite loads (CPU Adam for the offload runs, CPU Lion for the optimizer tests,
+    async I/O for NVMe: ~50 s, ~50 s and ~3.5 min of CPU) are built by one process started now, beside the tests (a run
     with its ops built leaves about a fifth of 2 cores idle: rank start-ups, waits for a kill or a slowed step).
     Not niced: at nice 10 beside busy workers it gets a tenth of the CPU, and the first file that needs an op
     waits on it. A test that needs an op before it is done waits on torch's build lock, as it would on its own
