@@ -25,8 +25,9 @@ demo: install
 
 # Three pytest-xdist workers on 2 cores: a launch's start-up and its ranks' waits (a kill's deadline, a slowed step,
 # a rendezvous) leave about a fifth of 2 cores idle with two (a run with its ops built: 31 CPU-min in 19.5 min). Fresh
-# clones on one host (2026-11-27/28, make wall, CPU-min): three 27.6 / 47.5 against two 28.5 / 46.3; with the op
-# build no longer waited on first, three 24.2 / 42.2 against two 25.9 / 42.9 (before it). --dist loadfile keeps each
+# clones on one host (2026-11-27/28, make wall, CPU-min): three 27.6 / 47.5 against two 28.5 / 46.3; after the op
+# build was no longer waited on first, three 24.2, 25.0, 25.7 min (42-45 CPU-min) against two's last 25.9 (before
+# that change): a small gain at best, within run-to-run noise. --dist loadfile keeps each
 # file (and its module-scoped runs, shared by its tests) on one worker; tests/conftest.py keeps the workers' launches
 # apart (rendezvous port, op builds) and orders the files longest first (--no-loadscope-reorder keeps that order:
 # xdist would sort them by test count). TEST_WORKERS=0: serial.
