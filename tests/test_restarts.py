@@ -357,6 +357,15 @@ def zombie(status: int) -> list[str]:
     return ["Z"] + ["0"] * 48 + [str(status)]
 
 
+def polled(ends: Path, ranks: dict[int, int]) -> RankWatch:
+    """A watch that knows `ranks` (pid -> rank; no /proc walk), after one poll."""
+    watch = RankWatch(root=1, ends=ends)
+    watch._discovered_at = float("inf")
+    watch.ranks = ranks
+    watch.poll()
+    return watch
+
+
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 def test_rank_watch_names_the_reaped_rank_before_a_peer_its_launcher_killed_in_the_same_interval(
         tmp_path, monkeypatch, order):
@@ -368,18 +377,12 @@ def test_rank_watch_names_the_reaped_rank_before_a_peer_its_launcher_killed_in_t
 
     stats = {100: zombie(signal.SIGTERM), 101: None}  # pid 100 rank 0 (a zombie), pid 101 rank 1 (reaped)
     monkeypatch.setattr(restarts, "stat_fields", stats.get)
-    watch = RankWatch(root=1, ends=tmp_path)  # nothing left under ends/: rank 1 ended without its code
-    watch._discovered_at = float("inf")  # no /proc walk: the ranks are the two below
-    watch.ranks = {pid: pid - 100 for pid in (100 + order[0], 100 + order[1])}
-    watch.poll()
+    # nothing left under ends/: rank 1 ended without its code
+    watch = polled(tmp_path, {pid: pid - 100 for pid in (100 + order[0], 100 + order[1])})
     assert watch.first_exit == RankExit(1, "ended without leaving its exit code (killed or crashed)", None)
     # a rank that left its code is still named after one killed by a signal
     (tmp_path / "1").write_text("1")
-    watch = RankWatch(root=1, ends=tmp_path)
-    watch._discovered_at = float("inf")
-    watch.ranks = {100: 0, 101: 1}
-    watch.poll()
-    assert watch.first_exit == RankExit(0, "killed by SIGTERM", None)
+    assert polled(tmp_path, {100: 0, 101: 1}).first_exit == RankExit(0, "killed by SIGTERM", None)
 
 
 # -- real ranks: the deepspeed launcher, 2 CPU ranks -------------------------------------------------------
