@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_peers.py [--model xlarge] [--seq-len 2048] [--docs packed|one|both] [--micro N]
         [--largest] [--grad-accum 1[,8]] [--steps 20] [--discard 8] [--rounds 2] [--budget-s 480]
-        [--programs A,B,C,D,Dl,E] [--out DIR] [--smoke]
+        [--programs A,B,C,D,Dl,E] [--vocab-size V] [--out DIR] [--smoke]
 
 The programs, each run in a process of its own (memory starts clean), interleaved: A B C D Dl, then the same
 reversed, round after round, as the budget allows:
@@ -18,6 +18,9 @@ The same documents for all: synthetic text (random letters and spaces, the byte 
 written once as a jsonl source; the driver reads it through a mix file, C and D pack it with our packer.
 `--docs packed`: documents of random lengths (log-uniform, 64 to seq_len tokens) packed best-fit, positions
 restarting at each document; `one`: every document seq_len - 1 tokens, so every row is one document.
+`--vocab-size V`: the model's vocabulary is V (the recipes' Llama 3 tokenizer: 128256), through a byte-level
+tokenizer of V entries (benchmarks/gpu.py `sized_tokenizer`): the same bytes a token, the embedding and the head
+(V, dim) as with a trained tokenizer of that size, which is what the loss head's cost depends on.
 
 Time per step: A and B, the wall clock between consecutive step records of the driver's metrics.jsonl
 (`elapsed_s`: the whole loop, host work between steps included); C and D, a CUDA event at the start of every step.
@@ -86,6 +89,8 @@ def parse(argv):
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the suite's check)")
     p.add_argument("--b-zero", type=json.loads, default=None,
                    help="program Bz: B with these zero_optimization keys over the shipped profile's (a JSON object)")
+    p.add_argument("--vocab-size", type=int, default=0,
+                   help="the model's vocabulary (a byte-level tokenizer of this many entries; default 0: bytes, 320)")
     p.add_argument("--commit", help="the commit measured, for the header (default: git's, where the checkout has .git)")
     a = p.parse_args(argv)
     for key, value in (SMOKE if a.smoke else DEFAULTS).items():
@@ -111,6 +116,9 @@ def parse(argv):
                                ("--grad-accum", min(a.grad_accum), 1), ("--budget-s", a.budget_s, 1)):
         if value < least:
             p.exit(2, f"benchmarks/gpu_peers.py: {name} must be at least {least}, got {value}\n")
+    if a.vocab_size and a.vocab_size < gpu.MIN_VOCAB:
+        p.exit(2, f"benchmarks/gpu_peers.py: --vocab-size must be 0 (bytes) or at least {gpu.MIN_VOCAB},"
+                  f" got {a.vocab_size}\n")
     return a
 
 
@@ -237,6 +245,8 @@ class Bench:
         self.shape = {"model": a.model, "seq_len": a.seq_len, "resume": "never", "log_data_every_steps": 0,
                       "max_steps": a.steps, "warmup_steps": 2, "out": str(work / "runs"),
                       "data": str(mix_file(next(iter(self.data.values()))))}
+        if a.vocab_size:
+            self.shape["tokenizer"] = gpu.tokenizer_for(a.vocab_size, work)
         plan = plan_run(config_from({**self.shape, "profile": self.shipped, "dry_run": True}), 1)
         self.model_args = plan.model_args
         opt = plan.ds_config["optimizer"]["params"]

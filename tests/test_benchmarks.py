@@ -177,6 +177,7 @@ def test_gpu_peers_arguments_are_checked_and_without_cuda_nothing_runs():
     for args, says in ((["--programs", "A,X"], "--programs: 'X' is not one of A, B, Bz, C, D, Dl, E"),
                        (["--steps", "9"], "--steps must be at least 10, got 9"),
                        (["--grad-accum", "1,x"], "--grad-accum '1,x': whole numbers, comma-separated"),
+                       (["--vocab-size", "100"], "--vocab-size must be 0 (bytes) or at least 259, got 100"),
                        (["--model", "huge"], "--model 'huge' is not a preset (debug, tiny, small, medium,"
                                              " medium-large, large, xlarge, ws-760m, ws-1.3b)")):
         proc = gpu_peers(*args)
@@ -224,8 +225,10 @@ def test_gpu_peers_smoke_runs_the_driver_old_and_new_a_plain_loop_and_hf_llama_o
 def test_gpu_peers_starts_no_run_that_would_end_past_the_budget(tmp_path):
     import json
 
-    proc = gpu_peers("--smoke", "--programs", "C,D,E", "--budget-s", "1", "--out", str(tmp_path))
+    # --vocab-size: the model's vocabulary through a tokenizer of that size (the 128k recipe shape on a GPU)
+    proc = gpu_peers("--smoke", "--programs", "C,D,E", "--budget-s", "1", "--vocab-size", "448", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "gpu_peers.json").read_text())["rows"]
     assert [r["program"] for r in rows] == ["C", "D", "E"] and rows[0]["status"] == "ok"
+    assert "vocabulary 448) at seq 128" in (tmp_path / "gpu_peers.md").read_text()
     assert rows[1]["status"].startswith("not run: budget (expected "), rows[1]
