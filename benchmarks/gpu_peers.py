@@ -29,8 +29,9 @@ too, the same for every program). MFU two ways, against one peak (DEVICE_PEAKS b
 profile's `peak_flops_per_device`): ours (`sizes.flops_per_token`: 6 x the matmul parameters plus the full
 causal-free T x T attention term) and the 6N-only figure peers quote (6 x the matmul parameters, the head
 included, no attention term). The micro-batch is the same for all: `--micro`, else what the planner fits for B
-(benchmarks/gpu.py `plan_micro`). `--largest` adds rows at each program's largest: A and B the planner's fit in
-90% of the GPU, C and D doubled until out of memory. A and B are stopped once their last step is logged (their
+(benchmarks/gpu.py `plan_micro`), A at most what its own planner fits (then without a B/A ratio). `--largest`
+adds rows at each program's largest: A and B the planner's fit in 90% of the GPU, C and D doubled until out of
+memory. A and B are stopped once their last step is logged (their
 final checkpoint is neither timed nor written out); their `--torch-profile` summary (the driver's flag, where
 it has it) and C's in-process one (launcher/components/observe/torch_profile.py) go to profiles.txt.
 
@@ -192,6 +193,16 @@ def driver_run(values: dict, micro: int, work: Path, timeout_s: float, env_extra
             "peak_gib": max((r["peak_mem_gib"] for r in records if "peak_mem_gib" in r), default=None)}
 
 
+def driver_micro(program: str, values: dict, micro: int, sizing: str, device_bytes: float | None) -> int:
+    """A driver row's micro-batch: `largest`, the planner's fit; A at the shared micro-batch, at most its own fit:
+    A's planner (the old profile, eager) refuses the shared micro-batch on a smaller GPU (xlarge at 8 on an 80 GB
+    H100, 2026-11-28), so A runs at the most it fits and ratios() leaves its ratio out. No GPU: `micro`."""
+    if device_bytes is None or (sizing != "largest" and program != "A"):
+        return micro
+    fit = gpu.plan_micro({k: v for k, v in values.items() if k not in ("compile", "torch_profile")}, device_bytes)
+    return fit.get("fit", micro) if sizing == "largest" else min(micro, fit.get("fit", micro))
+
+
 def loop_run(spec: dict, work: Path, timeout_s: float, env_extra: dict) -> dict:
     """One plain loop (benchmarks/peer_loops.py) in its own process."""
     name = spec["run_id"]
@@ -319,10 +330,7 @@ class Bench:
         t = time.time()
         if program in ("A", "B", "Bz"):
             values, micro = self.driver_values(program, layout, accum, run_id)
-            if sizing == "largest":
-                fit = gpu.plan_micro({k: v for k, v in values.items() if k not in ("compile", "torch_profile")},
-                                     self.device_bytes)
-                micro = fit.get("fit", micro)
+            micro = driver_micro(program, values, micro, sizing, self.device_bytes)
             out = driver_run(values, micro, self.work, timeout, self.env)
         else:
             micro = self.micro
@@ -417,13 +425,17 @@ def ratios(rows: list[dict]) -> list[str]:
     """Per group: each program's median tokens/s over its rounds, and B against each of the others."""
     lines = []
     for key in dict.fromkeys((r["docs"], r["sizing"], r["accum"]) for r in rows):
-        med = {}
+        med, micro = {}, {}
         for r in rows:
             if (r["docs"], r["sizing"], r["accum"]) == key and "tokens_per_s" in r:
                 med.setdefault(r["program"], []).append(r["tokens_per_s"])
+                micro[r["program"]] = r["micro"]
         med = {p: statistics.median(v) for p, v in med.items()}
         if "B" in med:
-            vs = ", ".join(f"B/{p} {med['B'] / v:.3f}" for p, v in med.items() if p != "B")
+            # at the same micro-batch only (each program's largest is compared as such)
+            vs = ", ".join(f"B/{p} {med['B'] / v:.3f}" if key[1] == "largest" or micro[p] == micro["B"]
+                           else f"B/{p} n/a ({p} at micro-batch {micro[p]}, B at {micro['B']})"
+                           for p, v in med.items() if p != "B")
             lines.append(f"- {key[0]} docs, {key[1]} micro-batch, accum {key[2]}: " + (vs or "B alone"))
     return lines
 

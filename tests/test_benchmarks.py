@@ -232,3 +232,31 @@ def test_gpu_peers_starts_no_run_that_would_end_past_the_budget(tmp_path):
     assert [r["program"] for r in rows] == ["C", "D", "E"] and rows[0]["status"] == "ok"
     assert "vocabulary 448) at seq 128" in (tmp_path / "gpu_peers.md").read_text()
     assert rows[1]["status"].startswith("not run: budget (expected "), rows[1]
+
+
+def test_gpu_peers_runs_a_at_its_own_fit_where_the_shared_micro_batch_does_not_fit_and_compares_like_with_like(
+        tmp_path):
+    """On an 80 GB H100 (2026-11-28) A's planner (the old profile, eager) refused xlarge at B's micro-batch 8:
+    A now runs at the most it fits, and B/A is said only where both ran the same micro-batch."""
+    import json
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu
+    from gpu_peers import OLD_PROFILES, driver_micro, mix_file, ratios, write_documents
+
+    prof = tmp_path / "A.profile.json"
+    prof.write_text(json.dumps(gpu.staged_profile(json.loads(OLD_PROFILES["gpu"].read_text()), 2)))
+    docs = write_documents(tmp_path / "docs.jsonl", "packed", 2048, 2**16)
+    values = {"model": "xlarge", "seq_len": 2048, "profile": str(prof), "resume": "never", "max_steps": 20,
+              "out": str(tmp_path / "runs"), "data": str(mix_file(docs)), "attention": "varlen", "compile": False}
+    h100 = 79.18 * 2**30
+    assert 0 < driver_micro("A", values, 8, "same", h100) < 8
+    assert driver_micro("A", values, 4, "same", h100) == 4  # it fits: the shared one
+    assert driver_micro("B", values, 8, "same", h100) == 8  # only A is lowered
+    assert driver_micro("A", values, 8, "same", None) == 8  # no GPU (the smoke run): as given
+    row = {"docs": "packed", "sizing": "same", "accum": 1}
+    rows = [{**row, "program": "A", "micro": 6, "tokens_per_s": 27801.0},
+            {**row, "program": "B", "micro": 8, "tokens_per_s": 48617.0},
+            {**row, "program": "C", "micro": 8, "tokens_per_s": 53427.0}]
+    assert ratios(rows) == ["- packed docs, same micro-batch, accum 1: B/A n/a (A at micro-batch 6, B at 8),"
+                            " B/C 0.910"]
