@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu  # noqa: E402  (benchmarks/gpu.py: plan_micro, staged_profile, driver_command, step_records)
 
-PROGRAMS = ("A", "B", "Bz", "C", "D", "Dl", "E")  # Bz: B with --b-zero (runs only when given)
+PROGRAMS = ("A", "B", "Bz", "C", "D", "Dl", "E")  # Bz: B with --b-zero / --b-config (runs only when given)
 OLD_PROFILES = {"gpu": REPO / "benchmarks/profiles/h100-80g-x8-2026-11-26.json",
                 "cpu": REPO / "benchmarks/profiles/cpu-2026-11-26.json"}  # A: `git show 72584b6:ds_configs/...`
 SHIPPED = {"gpu": "h100-80g-x8", "cpu": "cpu"}  # B
@@ -90,6 +90,9 @@ def parse(argv):
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the suite's check)")
     p.add_argument("--b-zero", type=json.loads, default=None,
                    help="program Bz: B with these zero_optimization keys over the shipped profile's (a JSON object)")
+    p.add_argument("--b-config", type=json.loads, default=None,
+                   help="program Bz: B with these profile keys over the shipped profile's, an object's keys merged"
+                        " into the shipped object's (e.g. '{\"data_types\": {\"grad_accum_dtype\": \"fp32\"}}')")
     p.add_argument("--vocab-size", type=int, default=0,
                    help="the model's vocabulary (a byte-level tokenizer of this many entries; default 0: bytes, 320)")
     p.add_argument("--commit", help="the commit measured, for the header (default: git's, where the checkout has .git)")
@@ -191,6 +194,23 @@ def driver_run(values: dict, micro: int, work: Path, timeout_s: float, env_extra
     return {**result, "status": "ok", "periods_s": [b - a for a, b in zip([0.0] + elapsed, elapsed)],
             "losses": [r["loss"] for r in records],
             "peak_gib": max((r["peak_mem_gib"] for r in records if "peak_mem_gib" in r), default=None)}
+
+
+def varied_profile(shipped: dict, b_zero: dict | None, b_config: dict | None) -> dict:
+    """Program Bz's profile: the shipped one with --b-config's keys (an object merged into the shipped object,
+    key by key) and --b-zero's zero_optimization keys over it."""
+    prof = json.loads(json.dumps(shipped))
+    change = {**(b_config or {})}
+    if b_zero:
+        change["zero_optimization"] = {**change.get("zero_optimization", {}), **b_zero}
+    for key, value in change.items():
+        prof[key] = {**prof[key], **value} if isinstance(value, dict) and isinstance(prof.get(key), dict) else value
+    return prof
+
+
+def bz_change(b_zero: dict | None, b_config: dict | None) -> str:
+    said = [f"zero_optimization {json.dumps(b_zero)}"] if b_zero else []
+    return " and ".join(said + ([json.dumps(b_config)] if b_config else []))
 
 
 def driver_micro(program: str, values: dict, micro: int, sizing: str, device_bytes: float | None) -> int:
@@ -300,7 +320,7 @@ class Bench:
             found = [m for m in ("litgpt", "torchtitan") if find_spec(m)]
             reason = (f"not run: {found[0]} is importable, but no runner is written for it" if found
                       else "not run: not installed (litgpt, torchtitan)")
-        elif program == "Bz" and not self.a.b_zero:
+        elif program == "Bz" and not (self.a.b_zero or self.a.b_config):
             return {"status": None}  # nothing to vary
         elif program == "Dl" and self.device != "cuda":
             reason = "not run: liger-kernel's kernels are Triton (CUDA only)"
@@ -362,8 +382,7 @@ class Bench:
 
             shipped = load_profile(self.shipped)[1]
             path = self.work / "Bz.profile.json"
-            path.write_text(json.dumps({**shipped, "zero_optimization": {**shipped["zero_optimization"],
-                                                                         **self.a.b_zero}}))
+            path.write_text(json.dumps(varied_profile(shipped, self.a.b_zero, self.a.b_config)))
             values["profile"] = str(path)
         else:
             values["profile"] = self.shipped
@@ -451,6 +470,7 @@ def header(bench: Bench, device: str, argv: list[str]) -> list[str]:
                                     cwd=REPO).stdout.strip()
         except OSError:  # no git where it runs
             commit = None
+    bz = f"; Bz: B with {bz_change(a.b_zero, a.b_config)}" if a.b_zero or a.b_config else ""
     precision = ("fp32 throughout (the CPU)" if a.smoke else
                  "bf16 parameters, fp32 master weights and AdamW states (fused AdamW), clipping 1.0")
     return [
@@ -462,8 +482,7 @@ def header(bench: Bench, device: str, argv: list[str]) -> list[str]:
         f" {' '.join(argv)}".rstrip(), "",
         "A: our driver as shipped on 2026-11-26 (profile as of 72584b6, ZeRO-2, --no-compile, varlen); B: our driver"
         f" on ds_configs/{bench.shipped}.json now; C: plain torch loop on our Transformer (varlen, layout from the"
-        " host, per-block torch.compile)" + (f"; Bz: B with zero_optimization {json.dumps(a.b_zero)}" if a.b_zero
-                                              else "") + "; D: HF LlamaForCausalLM (sdpa, per-layer torch.compile); Dl: D with"
+        " host, per-block torch.compile)" + bz + "; D: HF LlamaForCausalLM (sdpa, per-layer torch.compile); Dl: D with"
         f" liger-kernel. C and D: {precision}. Step time: A/B the wall clock between consecutive metrics.jsonl step"
         " records (elapsed_s), C/D CUDA events at each step start (host work between steps included in both)."
         " MFU (ours): sizes.flops_per_token (matmuls + full T x T attention); MFU (6N): the matmuls only."

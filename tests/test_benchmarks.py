@@ -260,3 +260,23 @@ def test_gpu_peers_runs_a_at_its_own_fit_where_the_shared_micro_batch_does_not_f
             {**row, "program": "C", "micro": 8, "tokens_per_s": 53427.0}]
     assert ratios(rows) == ["- packed docs, same micro-batch, accum 1: B/A n/a (A at micro-batch 6, B at 8),"
                             " B/C 0.910"]
+
+
+def test_gpu_peers_bz_varies_the_shipped_profile_key_by_key():
+    """--b-config merges an object into the shipped profile's object of that key (other keys kept), --b-zero its
+    zero_optimization keys over that: what the next GPU call measures against B (e.g. DeepSpeed's BF16_Optimizer,
+    stage 1 with fp32 accumulation, against the ZeRO-2 copies of 2026-11-28)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_peers import bz_change, varied_profile
+
+    from zerotrain.launcher.profiles import load_profile
+
+    shipped = load_profile("h100-80g-x8")[1]
+    config = {"data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}, "bf16": {"x": 1}}
+    bz = varied_profile(shipped, {"overlap_comm": False}, config)
+    assert bz["zero_optimization"] == {**shipped["zero_optimization"], "stage": 1, "overlap_comm": False}
+    assert bz["data_types"] == {"grad_accum_dtype": "fp32"} and bz["bf16"] == {**shipped["bf16"], "x": 1}
+    assert {k: v for k, v in bz.items() if k not in config} == {k: v for k, v in shipped.items() if k not in config}
+    assert varied_profile(shipped, None, None) == shipped and "data_types" not in shipped
+    assert bz_change({"overlap_comm": False}, {"bf16": {"x": 1}}) == \
+        'zero_optimization {"overlap_comm": false} and {"bf16": {"x": 1}}'
