@@ -555,9 +555,13 @@ class Checkpointer:
 def load(engine, tag_dir: Path) -> dict:
     """Load a complete checkpoint into the engine; returns the client_state. With the optimizer swapped to NVMe
     DeepSpeed's load skips the optimizer's own state (Adam's step count and moments, the learning rates): restored
-    from the checkpoint's ZeRO file (ds_compat.restore_swapped_optimizer_state)."""
+    from the checkpoint's ZeRO file (ds_compat.restore_swapped_optimizer_state); with CPU Adam its bias
+    correction is continued as the uninterrupted run's (ds_compat.continue_cpu_adam_bias_correction)."""
     path, client_state = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag_dir}")
     ds_compat.restore_swapped_optimizer_state(engine, tag_dir)
+    # ZeRO-Offload's CPU Adam restarts its bias-correction terms another way than it keeps them (a last-bit
+    # difference in every later update): brought to the uninterrupted run's
+    ds_compat.continue_cpu_adam_bias_correction(getattr(engine.optimizer, "optimizer", None))
     return client_state
