@@ -3,8 +3,8 @@
 Skipped with its reason where no CUDA device is visible (`make test` hides the GPUs from every other test:
 tests/conftest.py). On one GPU, in one command: varlen and compiled flex against sdpa numerics (forward and every
 gradient, bf16), the driver in bf16 under ZeRO-2 with `--deterministic` stopped and resumed to the same losses
-bit for bit, CUDA fused AdamW named and run, the planner's peak memory against the measured one, and the GPU
-benchmark's smoke run. With two GPUs or more: a 2-rank NCCL run under the deepspeed launcher, killed and resumed.
+bit for bit, CUDA fused AdamW named and run, the planner's peak memory against the measured one, the GPU
+benchmark's smoke run, and the torch-profile summary's device idle time. With two GPUs or more: a 2-rank NCCL run under the deepspeed launcher, killed and resumed.
 """
 from __future__ import annotations
 
@@ -154,3 +154,24 @@ def test_a_compiled_step_of_ours_never_waits_for_the_device(kernel):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_the_profile_summary_counts_the_device_waiting_for_the_host():
+    """torch_profile.summarize's idle line on real CUDA events: a 50 ms host sleep between two steps' kernels is
+    device idle time (at least 25 ms a step over 2 steps), the kernels themselves are not."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from zerotrain.launcher.components.observe.torch_profile import summarize
+
+    a = torch.randn(2048, 2048, device="cuda")
+    (a @ a).sum().item()  # cuBLAS initialised before the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            (a @ a).sum()
+            torch.cuda.synchronize()
+            time.sleep(0.05)
+    lines = summarize(prof, steps=2).splitlines()
+    idle = next(line for line in lines if line.startswith("device idle over 2 step(s): "))
+    assert 25 <= float(idle.split(": ")[1].split(" ms")[0]) < 60, lines

@@ -27,3 +27,24 @@ def test_a_region_without_syncs_says_none():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.randn(64, 64).exp_()
     assert summarize(prof).splitlines()[-1] == "host syncs over the profiled region: 0 (none)"
+
+
+def test_device_idle_is_the_span_less_the_union_of_the_device_events():
+    """The device's idle time (summarize's line where a device ran): kernels on two streams overlapping count
+    once, the gaps between them are idle; CPU events are not the device's."""
+    from types import SimpleNamespace
+
+    from zerotrain.launcher.components.observe.torch_profile import busy_span, device_intervals
+
+    def event(kind, start, end):
+        return SimpleNamespace(device_type=SimpleNamespace(name=kind), time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("CUDA", 10, 20), event("CUDA", 15, 30), event("CPU", 0, 100), event("CUDA", 40, 45),
+              event("CUDA", 42, 44), event("CUDA", 60, 60), event("CUDA", 70, 80)]
+    intervals = device_intervals(events)
+    assert intervals == [(10, 20), (15, 30), (40, 45), (42, 44), (70, 80)]  # the CPU's and the empty one left out
+    assert busy_span(intervals) == (20 + 5 + 10, 70)  # busy 10-30, 40-45, 70-80; span 10-80: 35 ms idle
+    assert busy_span(list(reversed(intervals))) == (35, 70) and busy_span([]) == (0.0, 0.0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # a real CPU profile: no device events
+        torch.randn(64, 64).exp_()
+    assert device_intervals(prof.events()) == []

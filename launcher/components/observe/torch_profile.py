@@ -6,6 +6,9 @@ Two parts, both read from the profiler's own aggregation (`prof.key_averages()`)
 - the top kernels by self device time (CUDA kernels, memcpy and memset), with their share of all device time,
   calls and milliseconds per step; a profile with no device activity (a CPU run) lists the top operators by
   self CPU time instead, and says so;
+- where there is device activity, the device's idle time: from its first recorded kernel (or copy) to its
+  last, the time no kernel ran on any stream (the union of the device events' intervals from `prof.events()`,
+  subtracted): the gaps in which the device waited for the host to queue work;
 - the host syncs: every event by which the host waits for the device (HOST_SYNC_EVENTS: the CUDA runtime's
   synchronize calls, device-to-host copies, and the aten operators that read a device value on the host), with
   its count.
@@ -28,6 +31,27 @@ HOST_SYNC_PREFIXES = ("Memcpy DtoH",)
 def _device_us(event) -> float:
     # torch >= 2.4 names it self_device_time_total (self_cuda_time_total before, removed later)
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
+
+
+def device_intervals(events) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every profiler event that ran on a device (not the CPU): kernels, memcpy
+    and memset, from `prof.events()` (FunctionEvent: `device_type`, `time_range`)."""
+    return [(e.time_range.start, e.time_range.end) for e in events
+            if getattr(e.device_type, "name", "CPU") != "CPU" and e.time_range.end > e.time_range.start]
+
+
+def busy_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(busy, span): the length of the union of the intervals (kernels overlapping on several streams counted
+    once) and the time from the first start to the last end. span - busy is the device's idle time."""
+    if not intervals:
+        return 0.0, 0.0
+    ordered = sorted(intervals)
+    busy, (start, end) = 0.0, ordered[0]
+    for s, e in ordered[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    return busy + end - start, max(e for _, e in ordered) - ordered[0][0]
 
 
 def host_syncs(averages) -> dict[str, int]:
@@ -58,6 +82,12 @@ def summarize(prof, steps: int | None = None, top: int = TOP) -> str:
              f"{'ms/step':>9} {'share':>6} {'calls':>7}  name"]
     for name, us, count in rows:
         lines.append(f"{us / 1e3 / per:>9.3f} {us / total if total else 0:>6.1%} {count:>7}  {name[:110]}")
+    if device:
+        busy, span = busy_span(device_intervals(prof.events()))
+        idle = span - busy
+        lines.append(f"device idle over {scope}: {idle / 1e3 / per:,.2f} ms per step of {span / 1e3 / per:,.2f} from"
+                     f" its first kernel to its last ({idle / span if span else 0:.1%}; no kernel on any stream:"
+                     " the device waiting for the host)")
     syncs = host_syncs(averages)
     said = ", ".join(f"{name} {count}" for name, count in syncs.items()) or "none"
     lines.append(f"host syncs over {scope}: {sum(syncs.values())} ({said})")
