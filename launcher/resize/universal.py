@@ -35,6 +35,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from zerotrain import durable
+from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints.checkpoint import MARKER as COMPLETE_MARKER
 from zerotrain.launcher.errors import UsageError
 
@@ -223,4 +224,6 @@ def load(engine, universal_tag_dir: Path) -> dict:
                                                 load_module_only=False)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load universal checkpoint {universal_tag_dir}")
+    # ZeRO-Offload's CPU Adam: its bias correction continued as the saved run's (as checkpointer.load does)
+    ds_compat.continue_cpu_adam_bias_correction(getattr(engine.optimizer, "optimizer", None))
     return client_state
