@@ -144,3 +144,30 @@ def test_the_runs_spec_carries_what_the_plan_decided():
     assert spec.optimizer is None and spec.lr_scheduler is None  # the registry's and the run's schedule
     resumed = spec_from_plan(SimpleNamespace(**{**vars(plan), "resume_from": "ckpt", "deterministic": False}))
     assert resumed.init_from is None and resumed.deterministic is False  # a resume loads its checkpoint instead
+    assert resumed.resumes is True and spec.resumes is False  # ... and draws no initial weights for it
+
+
+def test_a_resume_builds_its_model_without_drawing_the_initial_weights():
+    """build_model with `resumes` (spec_from_plan sets it when a checkpoint is loaded next) skips init_weights,
+    whose values the load overwrites (its CPU draws, and at ZeRO-3 a gather per parameter, at every restart); a
+    fresh start draws them as before, and so does any Transformer built after the context."""
+    import torch
+
+    from zerotrain.launcher.components.engine import EngineSpec, build_model
+    from zerotrain.modeling.model import PRESETS, Transformer, init_weights, weights_loaded_after
+
+    def built(resumes: bool):
+        spec = EngineSpec(ds_config={"zero_optimization": {"stage": 2}}, model_args=PRESETS["debug"], seed=3,
+                          resumes=resumes)
+        return dict(build_model(spec).named_parameters())
+
+    fresh, resumed = built(False), built(True)
+    assert fresh.keys() == resumed.keys()
+    torch.manual_seed(3)
+    with weights_loaded_after():
+        drawn_by_modules = Transformer(PRESETS["debug"])
+    init_weights(drawn_by_modules)
+    assert all(torch.equal(fresh[n], p) for n, p in drawn_by_modules.named_parameters())  # fresh: init_weights'
+    assert not any(torch.equal(fresh[n], resumed[n]) for n in fresh if "norm" not in n)  # resumed: not drawn
+    torch.manual_seed(3)
+    assert all(torch.equal(fresh[n], p) for n, p in Transformer(PRESETS["debug"]).named_parameters())

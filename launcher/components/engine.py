@@ -21,6 +21,7 @@ deepspeed is imported inside the functions (heavy, and its import logs a line).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +35,7 @@ from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
 from zerotrain.launcher.sequence.groups import sequence_shard, with_gradient_factor
 from zerotrain.launcher.settings import COMM_TIMEOUT_S
 from zerotrain.modeling.hf import load_weights
-from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, held_numel
+from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, held_numel, weights_loaded_after
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class EngineSpec:
     optimizer: Callable | None = None  # parameters -> torch.optim.Optimizer
     lr_scheduler: Callable | None = None
     init_from: str | Path | None = None  # a checked HF directory whose weights are loaded before initialize
+    resumes: bool = False  # a checkpoint's load writes every parameter next: no initial weights drawn
     attention: str | None = None  # the attention kernel (None: the model's default)
     activation_checkpointing: bool | None = None  # None: the model's default (off)
     loss_chunk_tokens: int | None = None  # the chunked loss's tokens per chunk (None: the model's, sized for a CPU)
@@ -88,7 +90,8 @@ def spec_from_plan(plan, exchange_phase: Callable | None = None) -> EngineSpec:
     cfg, s = plan.cfg, plan.settings  # the resolved settings (launcher/settings.py)
     return EngineSpec(ds_config=plan.ds_config, model_args=plan.model_args, seed=cfg.run.seed,
                       deterministic=bool(plan.deterministic), run=cfg,
-                      init_from=plan.init_from if plan.resume_from is None else None, attention=plan.attention,
+                      init_from=plan.init_from if plan.resume_from is None else None,
+                      resumes=plan.resume_from is not None, attention=plan.attention,
                       activation_checkpointing=bool(s.activation_checkpointing), compile=bool(s.compile),
                       loss_chunk_tokens=plan.loss_chunk_tokens, sequence_parallel=plan.sequence_parallel,
                       tiled_mlp=bool(s.tiled_mlp), exchange_phase=exchange_phase,
@@ -111,14 +114,17 @@ def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
     import deepspeed
 
     torch.manual_seed(spec.seed)
+    # a resume's load writes every parameter next: no initial weights drawn (modeling.model.weights_loaded_after)
+    drawn = weights_loaded_after() if spec.resumes else contextlib.nullcontext()
     if spec.zero_stage == 3:
         # The dtype comes from the config's bf16/fp16 sections: do not pass dtype= here, DeepSpeed 0.19 turns
         # an explicit float32 into bfloat16 on CPU (an operator-precedence slip in Init._set_dtype), which made
         # fp32 runs 8x slower.
-        with deepspeed.zero.Init(config_dict_or_path=spec.ds_config, mpu=mpu if mpu is not None else spec.mpu):
+        with deepspeed.zero.Init(config_dict_or_path=spec.ds_config, mpu=mpu if mpu is not None else spec.mpu), drawn:
             model = Transformer(spec.model_args)
     else:
-        model = Transformer(spec.model_args)
+        with drawn:
+            model = Transformer(spec.model_args)
     if spec.init_from is not None:  # before deepspeed.initialize copies them
         load_weights(model, spec.init_from)
     if spec.activation_checkpointing is not None:
