@@ -39,7 +39,8 @@ def one_variant(variant: str, vocab: int, micro: int, seq: int, steps: int, chun
     """Build the model, run `steps` forward + backward passes of one batch; report loss, time, peak RSS."""
     import torch
 
-    from zerotrain.modeling.model import ModelArgs, Transformer, count_params, loss_chunk_tokens, next_token_loss
+    from zerotrain.modeling.loss import next_token_loss
+    from zerotrain.modeling.model import ModelArgs, Transformer, count_params, loss_chunk_tokens
 
     args = ModelArgs(**{**SHAPE, "vocab_size": vocab})
     torch.manual_seed(0)

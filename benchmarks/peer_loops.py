@@ -47,7 +47,7 @@ def host_batches(docs: list, seq_len: int, micro: int, count: int, pin: bool) ->
 
     from zerotrain.dataio.format.packing import make_packer, to_torch
     from zerotrain.dataio.sources.tokenizer import ByteTokenizer
-    from zerotrain.modeling.model import next_token_targets
+    from zerotrain.modeling.loss import next_token_targets
 
     packer = make_packer("best-fit", seq_len, ByteTokenizer.eos_id, micro)
     cursor = [0]

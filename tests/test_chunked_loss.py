@@ -1,4 +1,4 @@
-"""The chunked next-token loss (modeling/model.py `LMHead`, `chunked_next_token_loss`): the same loss and
+"""The chunked next-token loss (modeling/model.py `LMHead`, modeling/loss.py `chunked_next_token_loss`): the same loss and
 gradients as the definition on full logits (`next_token_loss`) to 1e-6 in fp32, for the mean and the
 token-weighted sum, tied and untied, with ignored labels and rows without any; no tensor of (B, T, V)
 elements is ever made; and under a real 2-rank ZeRO-3 launch the head weight is gathered by the head's
@@ -14,7 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import BIN, REPO, free_port
-from zerotrain.modeling.model import ModelArgs, Transformer, chunked_next_token_loss, next_token_loss
+from zerotrain.modeling.loss import chunked_next_token_loss, next_token_loss
+from zerotrain.modeling.model import ModelArgs, Transformer
 
 
 def tiny(**kw):

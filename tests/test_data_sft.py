@@ -460,7 +460,8 @@ def test_prepare_refuses_sft_sources_and_tokenizer_training_reads_them(tmp_path)
 # --------------------------------------------------------------------------------------------
 
 def test_sum_loss_and_count_match_the_mean(tmp_path):
-    from zerotrain.modeling.model import Transformer, global_token_mean_scale, preset
+    from zerotrain.modeling.loss import global_token_mean_scale
+    from zerotrain.modeling.model import Transformer, preset
 
     write_jsonl(tmp_path / "qa.jsonl", qa_records(50))
     mix = write_mix(tmp_path, [{"name": "qa", "path": "qa.jsonl", "weight": 1, "format": "sft"}])

@@ -25,7 +25,8 @@ from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.optimizers import NO_BUILD_ADAMW, implementation
 from zerotrain.launcher.profiles import accumulate_in_fp32, list_profiles, load_profile, precision, resolve_ds_config
-from zerotrain.modeling.model import ModelArgs, Transformer, global_token_mean_scale
+from zerotrain.modeling.loss import global_token_mean_scale
+from zerotrain.modeling.model import ModelArgs, Transformer
 
 CUDA_PROFILES = [n for n in list_profiles() if load_profile(n)[1]["zerotrain"]["hardware"]["accelerator"] == "cuda"]
 # the offload profiles keep DeepSpeed's CPU Adam and its own buffers (test_offload_profiles_step_with_cpu_adam)

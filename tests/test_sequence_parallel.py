@@ -160,7 +160,8 @@ def test_heads_must_split_over_the_sequence_parallel_ranks(heads, kv, size, ok):
 def test_unsharded_model_is_unchanged_by_the_shard_path():
     """Without a shard the forward is the model's own (the loss the chunked-loss tests hold equal to the
     full-logits definition)."""
-    from zerotrain.modeling.model import Transformer, next_token_loss
+    from zerotrain.modeling.loss import next_token_loss
+    from zerotrain.modeling.model import Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50))

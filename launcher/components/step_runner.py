@@ -25,7 +25,7 @@ from zerotrain.dataio.pipeline.loader import MODEL_KEYS, Batches, batch_digest, 
 from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
 from zerotrain.launcher.components.participants.base import STEP_FIELDS, Agreed, Layout, Participant, StepState
 from zerotrain.launcher.errors import StopRun
-from zerotrain.modeling.model import global_token_mean_scale
+from zerotrain.modeling.loss import global_token_mean_scale
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -109,7 +109,7 @@ class StepRunner:
         ended = error is None and any(b is None for b in batches)
         digest = 0 if (ended or error) else batch_digest(batches)
         # Each rank's labelled tokens: a token-weighted (SFT) loss needs the global count before the
-        # first backward (zerotrain.modeling.model.global_token_mean_scale).
+        # first backward (zerotrain.modeling.loss.global_token_mean_scale).
         labelled = 0 if (ended or error) else sum(trainable_tokens(b) for b in batches)
         return {"data_ended": int(ended), "data_error": int(error is not None), "batch_digest": digest,
                 "labelled": labelled}

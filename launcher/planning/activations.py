@@ -51,7 +51,7 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     driver's packed rows) the block-diagonal mask, boolean T and as a float a·T (modeling/model.py
     `additive_mask`: made once per forward, every block's sdpa shares and keeps it; a checkpoint input; the math
     kernel keeps no mask, so unchecked the float one dies with the forward). Per micro-batch once: the head's weight gradient, a·V·d (V the
-    padded vocabulary): the chunked loss (modeling/model.py `chunked_next_token_loss`) computes its
+    padded vocabulary): the chunked loss (modeling/loss.py `chunked_next_token_loss`) computes its
     gradients in forward and keeps no logits. flex's BlockMask, 16·B·n·(n + 1) bytes for n = ceil(T/128)
     blocks (four (B, 1, n, n) int32 block indices and four (B, 1, n) counts, for the forward and the backward),
     built once per micro-batch and alive through both (`flex_block_mask_bytes`).

@@ -33,7 +33,8 @@ def main(out_dir: str) -> None:
     from zerotrain.launcher.components.engine import EngineSpec, build_engine
     from zerotrain.launcher.components.process_group import init_process_group
     from zerotrain.launcher.profiles import load_profile
-    from zerotrain.modeling.model import ModelArgs, Transformer, next_token_loss
+    from zerotrain.modeling.loss import next_token_loss
+    from zerotrain.modeling.model import ModelArgs, Transformer
 
     init_process_group()
     rank = dist.get_rank()

@@ -36,7 +36,8 @@ def main(mix: str, out_dir: str) -> None:
     from zerotrain.launcher.components.engine import EngineSpec, build_engine
     from zerotrain.launcher.components.process_group import init_process_group
     from zerotrain.launcher.profiles import load_profile
-    from zerotrain.modeling.model import Transformer, global_token_mean_scale, next_token_loss, preset
+    from zerotrain.modeling.loss import global_token_mean_scale, next_token_loss
+    from zerotrain.modeling.model import Transformer, preset
 
     dist, _ = init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
