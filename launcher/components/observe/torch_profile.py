@@ -51,7 +51,7 @@ def busy_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
         if s > end:
             busy, start = busy + end - start, s
         end = max(end, e)
-    return busy + end - start, max(e for _, e in ordered) - ordered[0][0]
+    return busy + end - start, end - ordered[0][0]  # `end`: the latest end seen
 
 
 def host_syncs(averages) -> dict[str, int]:
