@@ -27,6 +27,7 @@ import importlib
 import sys
 
 import zerotrain
+from zerotrain.launcher.components import startup_gc
 from zerotrain.launcher.errors import UsageError, fail
 
 # command -> (module, function): each function takes the argument list and is also the Python API.
@@ -51,6 +52,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line (argv None: the process's entry, the console script or `python -m zerotrain`; a list:
+    called in-process, as the tests and the Python API do)."""
+    entry = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
@@ -63,9 +67,16 @@ def main(argv: list[str] | None = None) -> None:
         if command not in COMMANDS:
             raise UsageError(f"unknown command {command!r} ({', '.join(COMMANDS)})")
         module, function = COMMANDS[command]
-        getattr(importlib.import_module(module), function)(rest)
+        if entry:  # the process's start-up without the cyclic collector (components/startup_gc.py)
+            startup_gc.pause()
+        run = getattr(importlib.import_module(module), function)
+        if command != "train":  # `zerotrain train` resumes at its training loop, after the engine's imports
+            startup_gc.resume()
+        run(rest)
     except UsageError as e:
         fail(str(e))
+    finally:
+        startup_gc.resume()  # a train that ended before its loop (--help, --dry-run, bad input)
 
 
 if __name__ == "__main__":

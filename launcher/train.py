@@ -16,6 +16,10 @@ if __package__ in (None, "") and sys.path and Path(sys.path[0]).resolve() == Pat
     # `zerotrain` package instead.
     del sys.path[0]
 
+from zerotrain.launcher.components import startup_gc  # noqa: E402  (light: gc only)
+
+if __name__ == "__main__":  # a rank's start-up without the cyclic collector: its training loop resumes it
+    startup_gc.pause()
 from zerotrain.launcher.commands.train import main  # noqa: E402
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from zerotrain.dataio.pipeline.loader import Batches
 from zerotrain.dataio.sources.hub import hub_lines
 from zerotrain import durable, torch_private
 from zerotrain.launcher import planning
-from zerotrain.launcher.components import ds_compat, faults, manifest, oom
+from zerotrain.launcher.components import ds_compat, faults, manifest, oom, startup_gc
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.engine import build_engine, spec_from_plan
 from zerotrain.launcher.components.observe import watchdog
@@ -251,6 +251,7 @@ class Trainer:
                             first_step=self.state.step,
                             flops_per_token=flops_per_token(self.plan.model_args, self.cfg.data.seq_len),
                             peak_flops=self.plan.settings.peak_flops_per_device, accelerator=self.accel)
+        startup_gc.resume()  # a launched rank's start-up is over (components/startup_gc.py; in-process: nothing)
         self.clock.take_window()  # set-up is not a window
         try:
             stop = self._loop(logger)

@@ -290,8 +290,11 @@ def test_a_slow_data_source_is_named_by_a_real_launch(tmp_path, mix_path):
     windows = [r for r in history if "time_shares" in r]
     assert len(windows) >= 4 and all(sum(r["time_shares"].values()) == pytest.approx(1, abs=1e-3) for r in windows)
     scalars, texts = tensorboard(run / "tensorboard")
+    # a window logs the phases it saw: one with no data wait (the last batch ready before its step, as a loader
+    # ahead of the loop leaves it on a fast host) has no `data` share, and TensorBoard no point at its step
     assert scalars["time_shares/data"] == [(r["step"], pytest.approx(r["time_shares"]["data"], rel=1e-5))
-                                           for r in windows]
+                                           for r in windows if "data" in r["time_shares"]]
+    assert len(scalars["time_shares/data"]) >= 3
     assert [s for s, _ in scalars["window_mfu"]] == [r["step"] for r in windows]
     assert [text for _, text in texts["health/text_summary"]] == [e["message"] for e in events]
 
