@@ -15,10 +15,17 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from zerotrain import durable
-from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
-from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT
-from zerotrain.launcher.components.launching.jobs import free_port  # noqa: F401  (the tests take it from here)
+from zerotrain.launcher.components import startup_gc
+
+# Each pytest process imports every test module's dependencies while it collects (transformers, datasets,
+# DeepSpeed, torch): without the cyclic collector, as a rank starts (7.5 -> 5.4 CPU-s a process); back on once
+# the tests are collected (pytest_collection_finish; the xdist controller, which collects nothing, at configure).
+startup_gc.pause()
+
+from zerotrain import durable  # noqa: E402
+from zerotrain.launcher.components.ds_compat import allreduce_buffer_files  # noqa: E402
+from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT  # noqa: E402
+from zerotrain.launcher.components.launching.jobs import free_port  # noqa: E402,F401  (the tests take it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "launcher" / "train.py"
@@ -66,6 +73,7 @@ def pytest_configure(config):
     sys.addaudithook(_audit)
     if getattr(config.option, "numprocesses", None) and not WORKER:
         hold_default_port()
+        startup_gc.resume()  # the controller: its workers collect
 
 
 # -- `make test` runs pytest-xdist workers (-n 2 --dist loadfile: a file's tests, and its module fixtures, on
@@ -200,6 +208,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     """The ops CPU launches load, built before the first test where any test of the session launches (the GPU
     tier, `make test-gpu`, has no CPU launch)."""
+    startup_gc.resume()  # collected: the collector back on for the tests (see the top of this file)
     if (os.environ.get("CUDA_VISIBLE_DEVICES") != "" or session.config.option.collectonly
             or not any(item.get_closest_marker("launches") for item in session.items)):
         return

@@ -20,6 +20,10 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from zerotrain.launcher.components import startup_gc  # noqa: E402
+
+startup_gc.pause()  # a rank's start-up without the cyclic collector, as launcher/train.py's (off for a short
+# harness's life unless it runs the trainer, whose loop resumes it)
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
