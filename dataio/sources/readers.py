@@ -102,7 +102,8 @@ def _saved_dataset(p: Path) -> bool:
 
 def _expand(spec: SourceSpec, entry: str) -> list[str]:
     """One `path` entry as files: itself, a glob's matches, or a directory's data files. datasets is imported
-    only for a glob or a directory: a plain file needs none of it, and its import costs every rank ~0.45 s."""
+    only for a glob or a directory: a plain file's path needs none of it (a .txt source is then read without it;
+    its import costs a rank ~0.45 s)."""
     if has_glob(entry):
         from datasets.data_files import resolve_pattern
 
