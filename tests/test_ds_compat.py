@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from conftest import free_port
+
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.ds_compat import PrivateName
 from zerotrain.launcher.config_resolve import config_from
@@ -102,7 +104,7 @@ def test_shm_buffer_name_is_the_one_deepspeed_creates_and_joining_removes_it(tmp
     not for another port), and removed by init_process_group, which every process of ours joins through (a
     2-rank launch that leaves none: tests/test_universal.py)."""
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29000 + os.getpid() % 1000)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # not pid-derived: 29500 is held by the xdist controller
     r = subprocess.run([sys.executable, "-c", SHM], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SHM True True False" in r.stdout, r.stdout[-2000:]
