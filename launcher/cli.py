@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         if entry:  # the process's start-up without the cyclic collector (components/startup_gc.py)
             startup_gc.pause()
         run = getattr(importlib.import_module(module), function)
-        if command != "train":  # `zerotrain train` resumes at its training loop, after the engine's imports
+        if command != "train":  # `zerotrain train` resumes at its training loop, after the engine's build
             startup_gc.resume()
         run(rest)
     except UsageError as e:

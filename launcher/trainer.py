@@ -116,6 +116,7 @@ class Trainer:
         universal_dir = self._universal_dir()
         self._write_run_dir()
         self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none
+        startup_gc.freeze()  # a launched rank's imports and plan, before the engine (components/startup_gc.py)
         self.engine = self._build_engine(self.accel)
         for line in describe(plan, schedule=plan.resume_from is None):  # the same lines as --dry-run's
             self.say(line)

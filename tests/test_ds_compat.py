@@ -108,3 +108,22 @@ def test_shm_buffer_name_is_the_one_deepspeed_creates_and_joining_removes_it(tmp
     r = subprocess.run([sys.executable, "-c", SHM], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SHM True True False" in r.stdout, r.stdout[-2000:]
+
+
+def test_py_cpuinfo_is_asked_once_a_process_and_each_caller_gets_its_own_copy(monkeypatch):
+    """DeepSpeed's CPU ops and CPU Adam/Lion call cpuinfo.get_cpu_info() several times a rank, each a Python
+    subprocess (ds_compat.cache_cpu_info): after it, the first answer serves every later call, as DeepSpeed's
+    own `from cpuinfo import get_cpu_info` inside its functions reads it."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    asked = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: asked.append(1) or {"arch": "X86_64", "flags": ["avx2"],
+                                                                            "vendor_id_raw": "AuthenticAMD"})
+    ds_compat.cache_cpu_info()
+    ds_compat.cache_cpu_info()  # wrapped once, not twice
+    first = cpuinfo.get_cpu_info()
+    first["arch"] = "changed by a caller"
+    builder = CPUAdamBuilder()  # what DeepSpeed's op loads ask (cpu_arch, simd_width)
+    assert builder.cpu_arch() == "-march=native" and builder.simd_width() == "-D__AVX256__"
+    assert cpuinfo.get_cpu_info()["arch"] == "X86_64" and len(asked) == 1

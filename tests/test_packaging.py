@@ -156,7 +156,7 @@ def test_installed_training_run_and_demo(installed, tmp_path):
 
 
 # import name -> the distribution that provides it, where they differ
-DISTRIBUTION = {"yaml": "pyyaml"}
+DISTRIBUTION = {"yaml": "pyyaml", "cpuinfo": "py-cpuinfo"}
 # guarded imports of packages an optional extra installs (a run needing one refuses in one line without it)
 OPTIONAL = {"lm_eval"}  # zerotrain[eval]: --eval-tasks (launcher/components/tasks/)
 

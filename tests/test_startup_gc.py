@@ -1,6 +1,8 @@
 """The cyclic collector paused over a process's start-up and back on at its work (launcher/components/
-startup_gc.py): what start-up left in reference cycles is freed when it resumes, not frozen; in-process use
-(the Python API, a notebook, these tests calling the CLI) never pauses."""
+startup_gc.py): imports and the plan frozen before the engine (never scanned again), the engine build's garbage
+collected when the loop resumes, what follows collected as usual; in-process use (the Python API, a notebook,
+these tests calling the CLI) never pauses. That a rank's trainer freezes before it builds the engine and turns
+collection back on: tests/test_step_overheads.py."""
 import gc
 import weakref
 
@@ -41,23 +43,33 @@ def cycle() -> weakref.ref:
     return weakref.ref(node)
 
 
-def test_paused_start_up_frees_its_cycles_then_freezes_the_rest_and_collects_again(collector, freezes):
+def test_start_up_frozen_before_the_engine_then_the_engines_garbage_collected_at_resume(collector, freezes):
     startup_gc.pause()
     assert not gc.isenabled()
-    gone = cycle()
+    imports = cycle()  # what imports and the plan leave
+    startup_gc.freeze()
+    assert not gc.isenabled() and len(freezes) == 1
+    gc.collect()  # a full collection (DeepSpeed's, in a ZeRO-3 build) no longer scans start-up's objects
+    assert imports() is not None
+    engine = cycle()  # what the engine build leaves (a loaded checkpoint's discarded tensors)
     startup_gc.resume()
-    assert gone() is None  # garbage from start-up is collected, not frozen for the life of the process
-    assert gc.isenabled() and len(freezes) == 1
+    assert engine() is None  # collected, not frozen for the life of the process
+    assert imports() is not None and gc.isenabled() and len(freezes) == 2
+    later = cycle()  # made in the loop: collected as usual
+    gc.collect()
+    assert later() is None
     gc.disable()  # no automatic collection may free the cycle below: only a collection by resume() could
     kept = cycle()
-    startup_gc.resume()  # once only: no second collection, no second freeze
-    assert kept() is not None and len(freezes) == 1
+    startup_gc.resume()  # once only: no second collection, no third freeze
+    startup_gc.freeze()
+    assert kept() is not None and len(freezes) == 2
     gc.enable()
 
 
-def test_resume_without_a_pause_changes_nothing(collector, freezes):
+def test_freeze_and_resume_without_a_pause_change_nothing(collector, freezes):
     gc.disable()  # no automatic collection may free the cycle below: only a collection by resume() could
     kept = cycle()
+    startup_gc.freeze()
     startup_gc.resume()
     assert kept() is not None and not freezes
     gc.enable()

@@ -1,6 +1,7 @@
 """What was made fast stays fast: the driver's per-step agreement is one collective (an
 all-gather in StepRunner.agree; nothing else of ours, the trainer, the step or a participant of it, runs a
-collective every step), and checkpoint
+collective every step), a paused start-up is frozen before the engine is built and collection is back on in the
+loop, and checkpoint
 files are written without torch's zip CRC-32 (the marker's sha256 is the integrity check) while
 torch's process-wide setting is left as it was; a step's clock is read once the device has finished it.
 Timings are `make bench`'s, never asserted here.
@@ -23,7 +24,9 @@ from zerotrain.launcher.components.observe.phases import PhaseClock, device_done
 REPO = Path(__file__).resolve().parent.parent
 
 COUNT_COLLECTIVES = r"""
-import collections, json, os, sys
+import collections, gc, json, os, sys
+from zerotrain.launcher.components import startup_gc
+startup_gc.pause()  # as a rank's entry does (launcher/train.py): the collector off until the trainer resumes it
 import torch.distributed as dist
 from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher import trainer
@@ -41,9 +44,16 @@ for name in ("all_gather", "all_reduce", "all_gather_object", "broadcast", "broa
             calls[f"{f.f_code.co_name.lstrip('_')}:{_name}"] += 1
         return _fn(*a, **k)
     setattr(dist, name, counted)
+collector = {}
+real_build = trainer.build_engine
+def build_engine(*a, **k):  # the collector as the engine is built: on, with start-up frozen
+    collector.update(enabled_at_build=gc.isenabled(), frozen_at_build=gc.get_freeze_count())
+    return real_build(*a, **k)
+trainer.build_engine = build_engine
 cfg = json.loads(sys.argv[1])
 result = trainer.run(config_from(cfg), hard_exit=False)
-print("COUNTS " + json.dumps({"step": result.step, "calls": calls}))
+collector["enabled_at_end"] = gc.isenabled()
+print("COUNTS " + json.dumps({"step": result.step, "calls": calls, "gc": collector}))
 """
 
 
@@ -67,6 +77,11 @@ def test_one_collective_per_step(tmp_path, mix_path):
     # Whatever else of ours talks to the other ranks (start-up, the final save) does so a bounded
     # number of times, not once per step.
     assert all(n < steps for n in calls.values()), got
+    # The start-up ran without the cyclic collector (components/startup_gc.py): the trainer froze the imports and
+    # the plan before the engine (no full scan of them in DeepSpeed's ZeRO-3 build) and the loop turned
+    # collection back on; it stayed on to the end.
+    assert not got["gc"]["enabled_at_build"] and got["gc"]["frozen_at_build"] > 100_000, got["gc"]
+    assert got["gc"]["enabled_at_end"], got["gc"]
 
 
 def test_checkpoint_writes_skip_the_zip_crc_and_restore_torchs_setting(tmp_path):

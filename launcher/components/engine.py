@@ -144,6 +144,7 @@ def build_engine(spec: EngineSpec) -> Built:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    ds_compat.cache_cpu_info()  # DeepSpeed's CPU ops and CPU Adam ask py-cpuinfo again and again: asked once
     init_process_group(spec.dist_backend, spec.comm_timeout_s or COMM_TIMEOUT_S)
     determinism.apply(torch, spec.deterministic)  # before cuBLAS starts
     mpu, shard = sequence_parallel(spec)

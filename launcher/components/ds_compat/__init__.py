@@ -39,7 +39,8 @@ from zerotrain.launcher.components.ds_compat.launching import (SHM_BUFFER_NAME, 
                                                                runner_active_hosts, runner_parse_args,
                                                                shm_buffer_path, unlink_shm_buffer)
 from zerotrain.launcher.components.ds_compat.names import VERIFIED, PrivateName
-from zerotrain.launcher.components.ds_compat.offload import (OFFLOADED_STATE, continue_cpu_adam_bias_correction,
+from zerotrain.launcher.components.ds_compat.offload import (OFFLOADED_STATE, cache_cpu_info,
+                                                             continue_cpu_adam_bias_correction,
                                                              offloaded_state_bytes, restore_swapped_optimizer_state,
                                                              swapped_fp32_state_dict)
 from zerotrain.launcher.components.ds_compat.sequence import (sequence_all_to_all, sequence_parallel_gradient_factor,
@@ -52,7 +53,7 @@ __all__ = ["VERIFIED", "PrivateName", "PRIVATE_NAMES", "PARTS", "ELSEWHERE", "OF
            "deepspeed_version", "is_verified", "missing", "check_deepspeed_version", "route_checkpoint_writes",
            "stop_loading_universal", "allreduce_buffer_files", "runner_active_hosts", "runner_parse_args",
            "shm_buffer_path", "unlink_shm_buffer", "offloaded_state_bytes", "restore_swapped_optimizer_state",
-           "continue_cpu_adam_bias_correction",
+           "cache_cpu_info", "continue_cpu_adam_bias_correction",
            "swapped_fp32_state_dict", "sequence_all_to_all", "sequence_parallel_gradient_factor",
            "sequence_parallel_mpu", "tiled_mlp", "muon_optimizer_class", "release_zero3_globals",
            "zero_master_tensors"]

@@ -136,6 +136,28 @@ def restore_swapped_optimizer_state(engine, tag_dir: Path) -> bool:
     return True
 
 
+def cache_cpu_info() -> None:
+    """py-cpuinfo's get_cpu_info() answers from a Python subprocess it starts on every call (0.6-1.1 CPU-s each on
+    a 2-core host) and keeps nothing; DeepSpeed asks it at each CPU op's load (OpBuilder.cpu_arch and simd_width)
+    and in every DeepSpeedCPUAdam and DeepSpeedCPULion: 3 calls a rank for a run with `--offload optimizer`
+    (6.4 of a 2-rank debug launch's 18.5 CPU-s, measured), more where a process builds several engines. The CPU
+    does not change under a running process, so the first answer is kept for the process (a copy handed to each
+    caller). Wrapped once (py-cpuinfo is a dependency of DeepSpeed's and ours: setup.cfg)."""
+    import cpuinfo
+
+    if getattr(cpuinfo.get_cpu_info, "zerotrain_cached", False):
+        return
+    ask, answer = cpuinfo.get_cpu_info, []
+
+    def get_cpu_info() -> dict:
+        if not answer:
+            answer.append(ask())
+        return dict(answer[0])
+
+    get_cpu_info.zerotrain_cached = True
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
 def continue_cpu_adam_bias_correction(optimizer) -> int:
     """After a checkpoint's state is loaded into DeepSpeedCPUAdam (ZeRO-Offload's optimizer): bring its C++
     optimizer's bias-correction terms to the values the uninterrupted run holds, so that the resumed run's
