@@ -1,11 +1,18 @@
 """Bad data: exit status 2 and one line naming the source/shard and record, run directory untouched.
 
+Every case goes through `zerotrain train`'s own error path in this process (the CLI's main: exit 2, one line on
+stderr); two of them also as a launched `python launcher/train.py`, for the process's exit status and the absence
+of a traceback (a launch costs ~2.5 CPU-s of imports; the message is the same code's either way).
+
 Bad records inside a healthy source follow the mix's `bad_records` policy: "stop" (the default)
 is the error above; "skip" drops and counts them.
 """
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,6 +20,7 @@ import pytest
 from conftest import REPO, launch
 from zerotrain.dataio.pipeline.loader import load_data, open_data
 from zerotrain.dataio.sources.tokenizer import ByteTokenizer
+from zerotrain.launcher.cli import main as zerotrain_cli
 from test_bad_input import snapshot
 
 
@@ -27,11 +35,17 @@ def write(p, data: bytes):
     return p.name
 
 
+def in_process(argv: list[str]) -> None:
+    """`zerotrain ARGV` in this process; the variables a train sets for its world of 1 (RANK, WORLD_SIZE, ...)
+    are taken back after."""
+    with mock.patch.dict(os.environ):
+        zerotrain_cli(argv)
+
+
 def prepared(tmp_path, mix_path) -> str:
     out = tmp_path / "shards"
-    proc = subprocess.run([sys.executable, "-m", "zerotrain", "prepare", "--data", str(mix_path), "--out", str(out),
-                           "--shard-tokens", "20000"], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
+    in_process(["prepare", "--data", str(mix_path), "--out", str(out), "--shard-tokens", "20000"])
+    assert (out / "manifest.json").is_file()
     return str(out)
 
 
@@ -62,9 +76,7 @@ def manifest_count(tmp_path, mix_path):
 def wrong_tokenizer(tmp_path, mix_path):
     d = prepared(tmp_path, mix_path)
     tok = tmp_path / "tok"
-    proc = subprocess.run([sys.executable, "-m", "zerotrain", "tokenizer", "train", "--data", str(mix_path),
-                           "--vocab-size", "300", "--out", str(tok)], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
+    in_process(["tokenizer", "train", "--data", str(mix_path), "--vocab-size", "300", "--out", str(tok)])
     return ["--data", d, "--tokenizer", str(tok)], "tokenized with 'bytes'"
 
 
@@ -102,9 +114,8 @@ def _json(p, obj):
     return p
 
 
-@pytest.mark.launches
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_data_exits_2_with_one_line(case, tmp_path, mix_path):
+def bad_case(case, tmp_path, mix_path) -> tuple[list[str], str, Path, dict]:
+    """(train arguments, the expected message, the lived-in run directory's parent, its snapshot)."""
     run = tmp_path / "runs" / "r1"
     (run / "checkpoints").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
@@ -114,13 +125,34 @@ def test_bad_data_exits_2_with_one_line(case, tmp_path, mix_path):
     else:  # builds prepared shards, then breaks them
         extra, expected = CASES[case](tmp_path, mix_path)
     args = ["--data", str(mix_path), "--out", str(run.parent), "--run-id", "r1", "--max-steps", "2", *extra]
+    return args, expected, run.parent, before
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_data_is_one_line_and_exit_2_from_the_train_command(case, tmp_path, mix_path, capsys):
+    args, expected, runs, before = bad_case(case, tmp_path, mix_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as end:
+        in_process(["train", *args])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert end.value.code == 2, err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("zerotrain: error:"), err[-2000:]
+    assert expected in lines[0], lines[0]
+    assert snapshot(runs) == before
+
+
+@pytest.mark.launches
+@pytest.mark.parametrize("case", ["empty source", "manifest hash mismatch"])  # a source's, a prepared shard's
+def test_bad_data_ends_a_launched_train_with_exit_2_and_no_traceback(case, tmp_path, mix_path):
+    args, expected, runs, before = bad_case(case, tmp_path, mix_path)
     proc = launch("python", args)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("zerotrain: error:"), proc.stderr[-2000:]
     assert expected in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert snapshot(run.parent) == before
+    assert snapshot(runs) == before
 
 
 def test_skip_policy_drops_and_counts_bad_records(tmp_path):
