@@ -20,8 +20,8 @@ at every start and restart. So:
 
 Measured (a 2-rank debug run, 2 steps, on a 2-core CPU host; CPU-s in collections a rank, from gc.callbacks):
 0.79-0.81 -> 0.33-0.35 at ZeRO-3 (DeepSpeed's collect 0.40-0.45 -> 0.19, ours 0.35 -> 0.15), 0.35-0.48 -> 0.17-0.18
-at ZeRO-2. In-process use (a notebook, the Python API, pre-flight's scratch trainers) never
-pauses, so freeze() and resume() do nothing there: a notebook's objects are never frozen.
+at ZeRO-2. In-process use (a notebook, the Python API, pre-flight's scratch trainers) never pauses, so freeze()
+and resume() do nothing there: a notebook's objects are never frozen.
 """
 import gc
 
