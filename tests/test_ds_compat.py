@@ -127,3 +127,36 @@ def test_py_cpuinfo_is_asked_once_a_process_and_each_caller_gets_its_own_copy(mo
     builder = CPUAdamBuilder()  # what DeepSpeed's op loads ask (cpu_arch, simd_width)
     assert builder.cpu_arch() == "-march=native" and builder.simd_width() == "-D__AVX256__"
     assert cpuinfo.get_cpu_info()["arch"] == "X86_64" and len(asked) == 1
+
+
+def test_deepspeeds_muon_module_is_imported_with_its_kernels_compiled_on_first_use(monkeypatch):
+    """Every ZeRO engine build imports DeepSpeed's Muon module, whose kernels are wrapped by torch.compile at
+    import (dynamo's and inductor's wrappers, ~1 CPU-s a rank): ds_compat.import_muon_compiling_on_first_use
+    imports it with torch.compile called at each kernel's first call instead, once, with the decorator's
+    options, and torch.compile itself restored. Here torch.compile is a recorder that returns the function as
+    it is, so the kernel's answer must be the eager one."""
+    import deepspeed.runtime.zero.muon as package
+    import torch
+
+    for name in ("muon_optimizer", "original_muon"):  # imported afresh; the worker's own put back after
+        monkeypatch.delitem(sys.modules, f"{package.__name__}.{name}", raising=False)
+        monkeypatch.delattr(package, name, raising=False)
+    compiled = []
+
+    def recorder(model=None, **options):
+        compiled.append((getattr(model, "__name__", model), options))
+        return model
+
+    monkeypatch.setattr(torch, "compile", recorder)
+    ds_compat.import_muon_compiling_on_first_use()
+    assert torch.compile is recorder and compiled == []  # nothing wrapped at import
+    from deepspeed.runtime.zero.muon import original_muon
+
+    grad = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    first = original_muon.zeropower_via_newtonschulz5(grad, 3)
+    again = original_muon.zeropower_via_newtonschulz5(grad, 3)
+    assert compiled == [("zeropower_via_newtonschulz5", {})]  # wrapped at the first call, and only then
+    eager = original_muon.zeropower_via_newtonschulz5.__wrapped__(grad, 3)
+    assert torch.equal(first, eager) and torch.equal(again, eager)
+    ds_compat.import_muon_compiling_on_first_use()  # already imported: nothing done again
+    assert sys.modules[ds_compat.zero.MUON_MODULE].MuonWithAuxAdam is ds_compat.muon_optimizer_class()

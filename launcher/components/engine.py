@@ -145,6 +145,7 @@ def build_engine(spec: EngineSpec) -> Built:
     from deepspeed.accelerator import get_accelerator
 
     ds_compat.cache_cpu_info()  # DeepSpeed's CPU ops and CPU Adam ask py-cpuinfo again and again: asked once
+    ds_compat.import_muon_compiling_on_first_use()  # every ZeRO build imports it: its kernels wrapped when used
     init_process_group(spec.dist_backend, spec.comm_timeout_s or COMM_TIMEOUT_S)
     determinism.apply(torch, spec.deterministic)  # before cuBLAS starts
     mpu, shard = sequence_parallel(spec)

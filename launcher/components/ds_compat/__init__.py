@@ -45,8 +45,8 @@ from zerotrain.launcher.components.ds_compat.offload import (OFFLOADED_STATE, ca
                                                              swapped_fp32_state_dict)
 from zerotrain.launcher.components.ds_compat.sequence import (sequence_all_to_all, sequence_parallel_gradient_factor,
                                                               sequence_parallel_mpu, tiled_mlp)
-from zerotrain.launcher.components.ds_compat.zero import (muon_optimizer_class, release_zero3_globals,
-                                                          zero_master_tensors)
+from zerotrain.launcher.components.ds_compat.zero import (import_muon_compiling_on_first_use, muon_optimizer_class,
+                                                          release_zero3_globals, zero_master_tensors)
 from zerotrain.launcher.errors import UsageError
 
 __all__ = ["VERIFIED", "PrivateName", "PRIVATE_NAMES", "PARTS", "ELSEWHERE", "OFFLOADED_STATE", "SHM_BUFFER_NAME",
@@ -55,7 +55,8 @@ __all__ = ["VERIFIED", "PrivateName", "PRIVATE_NAMES", "PARTS", "ELSEWHERE", "OF
            "shm_buffer_path", "unlink_shm_buffer", "offloaded_state_bytes", "restore_swapped_optimizer_state",
            "cache_cpu_info", "continue_cpu_adam_bias_correction",
            "swapped_fp32_state_dict", "sequence_all_to_all", "sequence_parallel_gradient_factor",
-           "sequence_parallel_mpu", "tiled_mlp", "muon_optimizer_class", "release_zero3_globals",
+           "sequence_parallel_mpu", "tiled_mlp", "import_muon_compiling_on_first_use", "muon_optimizer_class",
+           "release_zero3_globals",
            "zero_master_tensors"]
 
 PARTS = (checkpoint, offload, sequence, launching, zero)  # each lists its names in NAMES

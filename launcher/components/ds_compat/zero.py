@@ -3,7 +3,12 @@ partitions pre-flight compares, DeepSpeed's Muon class, and the zero.Init attrib
 reads (ELSEWHERE in ds_compat/__init__.py)."""
 from __future__ import annotations
 
+import functools
+import sys
+
 from zerotrain.launcher.components.ds_compat.names import PrivateName
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 # the DeepSpeed names this part relies on (ds_compat.PRIVATE_NAMES gathers them; check_deepspeed_version)
 NAMES = (
@@ -23,6 +28,10 @@ NAMES = (
         ("param.ds_id = Init.param_id", "a ZeRO-3 model loads its initial weights (modeling gathered, hf load)"),
         ("param.ds_shape = param.shape", "--optimizer muon at ZeRO-3: each matrix is checked by its real shape"),
         ("param.ds_tensor = None", "zerotrain preflight and the parameter count read each rank's ZeRO-3 partition"))),
+    *(PrivateName(module, name, "a rank's start-up does not compile-wrap DeepSpeed's Muon kernels ahead of use",
+                  False, source_has=text) for module, name, text in (
+        ("deepspeed.runtime.compiler", "compile", "return torch.compile"),
+        ("deepspeed.runtime.zero.muon.original_muon", "muon_update", "@compiler.compile()"))),
     PrivateName("deepspeed.runtime.engine", "DeepSpeedEngine._configure_optimizer",
                 "--optimizer muon: the built engine is checked to step with DeepSpeed's Muon", True,
                 source_has="self.basic_optimizer = basic_optimizer"),
@@ -64,6 +73,46 @@ def zero_master_tensors(engine) -> tuple[object, list]:
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
     return inner, list(flats) if flats is not None else [p for g in inner.param_groups for p in g["params"]]
+
+
+def import_muon_compiling_on_first_use() -> None:
+    """Import DeepSpeed's Muon module with its `@torch.compile` decorators deferred to each function's first call.
+
+    Why: DeepSpeed (0.19.8) imports deepspeed.runtime.zero.muon.muon_optimizer inside every ZeRO engine build, Muon
+    or not (zero/utils.py `is_zero_supported_optimizer`, the stage 3 optimizer's __init__, stage 1/2's
+    partitioning), to test `isinstance(optimizer, MuonWithAuxAdam)`; original_muon.py decorates three kernels with
+    `@compiler.compile()`, which is `torch.compile`, and wrapping them there builds dynamo's and inductor's
+    compile wrappers: ~1 CPU-s of every rank's start-up (`import torch, deepspeed, torch._dynamo` then the Muon
+    module: 4.3 CPU-s eagerly, 3.2-3.7 deferred, against 3.0 without it; 2-vCPU host, 2026-11-28), paid again at
+    each restart. torch.compile itself compiles nothing until the first call, so deferring the wrapping to the
+    first call runs the same compiled code: a Muon run compiles at its first step as before. Done once a process,
+    before the engine is built; torch.compile is replaced only for the length of that one import."""
+    if MUON_MODULE in sys.modules:
+        return
+    import torch
+
+    compile_now = torch.compile
+
+    def compile_on_first_use(model=None, **options):
+        if model is None:  # used as @torch.compile(mode=...)
+            return functools.partial(compile_on_first_use, **options)
+        compiled = []
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            if not compiled:
+                compiled.append(compile_now(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return call
+
+    torch.compile = compile_on_first_use
+    try:
+        __import__(MUON_MODULE)
+    except ImportError:
+        pass  # DeepSpeed without Muon: its own imports of the module fail the same way and are handled there
+    finally:
+        torch.compile = compile_now
 
 
 def muon_optimizer_class():
