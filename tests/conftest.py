@@ -153,22 +153,24 @@ def _check_no_launch(item, who: str):
 
 
 def build_shm_op() -> None:
-    """Every CPU launch loads DeepSpeed's JIT-built shared-memory op (deepspeed_shm_comm). Built here, once, in one
+    """Every CPU launch loads DeepSpeed's JIT-built shared-memory op (deepspeed_shm_comm). Loaded here, once, in one
     process, before any test launches ranks: two ranks of the first launch would otherwise build it concurrently
     under whatever timeout that test has, and a build killed there (a timeout, a test's kill -9) leaves torch's
-    extension lock, on which every later launch of the session waits until its own timeout. A lock already
-    stale (older than any build takes: a killed build of an earlier session) is removed first, and said.
-    Called once the tests are collected, only where one of them launches (`make test-fast` builds nothing)."""
+    extension lock, on which every later launch of the session waits until its own timeout. Loaded even where a
+    build is cached: torch rebuilds one made by another virtual environment's DeepSpeed (its include paths are
+    part of the build's hash: a fresh clone's first launches would each wait on that build); a current one loads in
+    seconds. A lock already stale (older than any build takes: a killed build of an earlier session) is removed
+    first, and said. Called once the tests are collected, only where one of them launches (`make test-fast` builds
+    nothing)."""
     from zerotrain.launcher.offload import ops as offload
     for lock in offload.stale_build_locks():
         print(f"conftest: removing {lock}, a build lock left by a killed build", file=sys.stderr)
         lock.unlink(missing_ok=True)
-    if not offload.is_built("deepspeed_shm_comm"):
-        built = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; "
-                                "assert build_shm_op() is not None"], capture_output=True, text=True, timeout=1800)
-        if built.returncode != 0:
-            pytest.exit("conftest: DeepSpeed's deepspeed_shm_comm op did not build, so no CPU launch can run:\n"
-                        + built.stdout[-2000:] + built.stderr[-2000:], returncode=3)
+    built = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; "
+                            "assert build_shm_op() is not None"], capture_output=True, text=True, timeout=1800)
+    if built.returncode != 0:
+        pytest.exit("conftest: DeepSpeed's deepspeed_shm_comm op did not build, so no CPU launch can run:\n"
+                    + built.stdout[-2000:] + built.stderr[-2000:], returncode=3)
 
 
 # in the order the suite first needs them (LONGEST_FIRST): CPU Adam (test_eval_tasks), CPU Lion (test_optimizers),
@@ -212,9 +214,14 @@ def pytest_collection_finish(session):
     if (os.environ.get("CUDA_VISIBLE_DEVICES") != "" or session.config.option.collectonly
             or not any(item.get_closest_marker("launches") for item in session.items)):
         return
-    # under xdist each worker collects the session: one builds while the other waits, and only one prebuilds
+    # under xdist each worker collects the session: the first loads (or builds) while the others wait, then find
+    # this session's mark; only one prebuilds
+    run = getattr(session.config, "workerinput", {}).get("testrunuid") or str(os.getpid())
+    mark = Path(tempfile.gettempdir()) / f"zerotrain-test-ops-{os.getuid()}.loaded"
     with FileLock(Path(tempfile.gettempdir()) / f"zerotrain-test-ops-{os.getuid()}.lock"):
-        build_shm_op()
+        if not mark.is_file() or mark.read_text() != f"{run} {sys.executable}":
+            build_shm_op()
+            mark.write_text(f"{run} {sys.executable}")
     if len(session.items) >= PREBUILD_MIN_TESTS and WORKER in (None, "gw0"):
         from zerotrain.launcher.offload import ops as offload
         _prebuild.append(prebuild_in_background(offload))

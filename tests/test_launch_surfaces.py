@@ -259,11 +259,18 @@ def test_launch_n_gives_the_ranks_the_profile_env_with_profile_auto_too(tmp_path
 
 
 def extensions_dir() -> str:
-    """Where DeepSpeed's JIT-built ops already are (torch's default, unless set): forwarded as a user would, and
-    not an empty directory, in which the ranks would rebuild the communication op (~40 s of the test's 53 s)."""
+    """The directory DeepSpeed's JIT-built ops already are in, forwarded as a user would, so the ranks load them and
+    rebuild nothing (the communication op: ~90 CPU-s). Unset, torch builds in its default root's py311_cpu (python,
+    then accelerator) folder; a TORCH_EXTENSIONS_DIR it is given is that folder itself (cpp_extension's
+    _get_build_directory): forwarding the default root would have the ranks build every op again, in a new place."""
+    import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    assert torch.version.cuda is None and torch.version.hip is None  # the CPU wheel: the folder is pyXY_cpu
+    return os.path.join(get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}"
+                                                  f"{getattr(sys, 'abiflags', '')}_cpu")
 
 
 @pytest.mark.launches
@@ -283,12 +290,15 @@ def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_pa
                  "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "WANDB_API_KEY": SECRET,
            "FAKE_LOG": str(log), **forwarded}
+    shm_op = Path(forwarded["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    built = shm_op.stat().st_mtime_ns  # the conftest built it before any launch
     proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--hostfile", str(hf), "--master_addr",
                            "127.0.0.1", "--master_port", str(free_port()), "--",
                            "--profile", str(env_profile(tmp_path)), "--data", str(mix_path), "--out", str(out),
                            "--run-id", "ssh", *TRAIN, "--max-steps", "2"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert shm_op.stat().st_mtime_ns == built  # the ranks loaded the forwarded cache's op, built none
     assert "2 host(s) reachable over ssh, all running zerotrain" in proc.stdout
     assert "passed through (values not shown): WANDB_API_KEY, HF_HOME," in proc.stdout
     assert "; not set here, not passed: ZT_TEST_NOT_SET" in proc.stdout

@@ -167,6 +167,27 @@ def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(tmp_path, mix_path, 
     assert offload.stale_build_locks(tmp_path) == [] and offload.describe_stale_locks(tmp_path) == []
 
 
+def test_builds_and_locks_are_found_in_both_of_torchs_layouts(tmp_path, monkeypatch):
+    """torch builds an op in ROOT/NAME when TORCH_EXTENSIONS_DIR is set, and in ROOT/py311_cpu/NAME under its
+    default root: a build and a stale lock are found in either (a build looked for in one layout only is reported
+    missing, and its killed build's lock never named)."""
+    import os
+    import time
+
+    direct, nested = tmp_path / "set" / "async_io", tmp_path / "default" / "py311_cpu" / "async_io"
+    for build in (direct, nested):
+        build.mkdir(parents=True)
+        (build / "async_io.so").write_bytes(b"")
+        (build / "lock").write_bytes(b"")
+        old = time.time() - offload.STALE_LOCK_S - 60
+        os.utime(build / "lock", (old, old))
+    for root, build in ((tmp_path / "set", direct), (tmp_path / "default", nested)):
+        assert offload.is_built("async_io", root) and not offload.is_built("cpu_adam", root)
+        assert offload.stale_build_locks(root) == [build / "lock"]
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "set"))  # what the run itself looks in
+    assert offload.is_built("async_io") and offload.stale_build_locks() == [direct / "lock"]
+
+
 # ---- the planner's host memory and host-link traffic with offload (launcher/planning) -------------------
 
 def test_host_memory_counts_deepspeeds_offloaded_allocations_per_node():

@@ -51,9 +51,14 @@ def extensions_root() -> Path:
     return Path(env) if env else Path(os.path.expanduser("~/.cache/torch_extensions"))
 
 
+# torch (cpp_extension._get_build_directory) builds an op NAME in ROOT/NAME with TORCH_EXTENSIONS_DIR set, and in
+# ROOT/py311_cpu/NAME (python version, then cpu, cu128, ...) under its default root: both layouts are looked in
+BUILD_DIRS = ("{op}", "*/{op}")
+
+
 def is_built(op: str, root: Path | None = None) -> bool:
-    """A cached build of `op` exists (torch lays builds out as ROOT/py311_cpu/NAME/NAME.so)."""
-    return any((root or extensions_root()).glob(f"*/{op}/{op}.so"))
+    """A cached build of `op` exists (ROOT/NAME/NAME.so, or ROOT/py311_cpu/NAME/NAME.so: BUILD_DIRS)."""
+    return any(any((root or extensions_root()).glob(f"{where.format(op=op)}/{op}.so")) for where in BUILD_DIRS)
 
 
 # torch.utils.cpp_extension guards a build with ROOT/*/NAME/lock (torch/utils/file_baton.py): a build that was
@@ -65,7 +70,8 @@ def stale_build_locks(root: Path | None = None, older_than_s: float = STALE_LOCK
     """Build locks older than `older_than_s`: left by a JIT build that was killed (no build takes that long)."""
     now = time.time() if now is None else now
     locks = []
-    for lock in sorted((root or extensions_root()).glob("*/*/lock")):
+    found = {lock for where in BUILD_DIRS for lock in (root or extensions_root()).glob(f"{where.format(op='*')}/lock")}
+    for lock in sorted(found):
         try:
             if now - lock.stat().st_mtime > older_than_s:
                 locks.append(lock)
