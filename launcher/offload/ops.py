@@ -61,8 +61,9 @@ def is_built(op: str, root: Path | None = None) -> bool:
     return any(any((root or extensions_root()).glob(f"{where.format(op=op)}/{op}.so")) for where in BUILD_DIRS)
 
 
-# torch.utils.cpp_extension guards a build with ROOT/*/NAME/lock (torch/utils/file_baton.py): a build that was
-# killed leaves the file, and every later load waits on it forever, silently. A build takes minutes at most.
+# torch.utils.cpp_extension guards a build with a `lock` in its folder (BUILD_DIRS; torch/utils/file_baton.py): a
+# build that was killed leaves the file, and every later load waits on it forever, silently. A build takes minutes
+# at most.
 STALE_LOCK_S = 600
 
 
@@ -70,8 +71,8 @@ def stale_build_locks(root: Path | None = None, older_than_s: float = STALE_LOCK
     """Build locks older than `older_than_s`: left by a JIT build that was killed (no build takes that long)."""
     now = time.time() if now is None else now
     locks = []
-    found = {lock for where in BUILD_DIRS for lock in (root or extensions_root()).glob(f"{where.format(op='*')}/lock")}
-    for lock in sorted(found):
+    root = root or extensions_root()
+    for lock in sorted({lock for where in BUILD_DIRS for lock in root.glob(f"{where.format(op='*')}/lock")}):
         try:
             if now - lock.stat().st_mtime > older_than_s:
                 locks.append(lock)

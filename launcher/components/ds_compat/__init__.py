@@ -56,8 +56,7 @@ __all__ = ["VERIFIED", "PrivateName", "PRIVATE_NAMES", "PARTS", "ELSEWHERE", "OF
            "cache_cpu_info", "continue_cpu_adam_bias_correction",
            "swapped_fp32_state_dict", "sequence_all_to_all", "sequence_parallel_gradient_factor",
            "sequence_parallel_mpu", "tiled_mlp", "import_muon_compiling_on_first_use", "muon_optimizer_class",
-           "release_zero3_globals",
-           "zero_master_tensors"]
+           "release_zero3_globals", "zero_master_tensors"]
 
 PARTS = (checkpoint, offload, sequence, launching, zero)  # each lists its names in NAMES
 PRIVATE_NAMES = tuple(entry for part in PARTS for entry in part.NAMES)

@@ -1,6 +1,6 @@
 """ZeRO's and the engine's internals outside a feature: a notebook's finished ZeRO-3 run freed, the fp32 master
-partitions pre-flight compares, DeepSpeed's Muon class, and the zero.Init attributes zerotrain/ds_attributes.py
-reads (ELSEWHERE in ds_compat/__init__.py)."""
+partitions pre-flight compares, DeepSpeed's Muon class (its module imported without compiling ahead), and the
+zero.Init attributes zerotrain/ds_attributes.py reads (ELSEWHERE in ds_compat/__init__.py)."""
 from __future__ import annotations
 
 import functools
