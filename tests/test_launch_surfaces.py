@@ -292,15 +292,22 @@ def test_ssh_launch_exports_the_profile_env_and_keeps_secrets_out_of_logs(tmp_pa
            "FAKE_LOG": str(log), **forwarded}
     shm_op = Path(forwarded["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
     built = shm_op.stat().st_mtime_ns  # the conftest built it before any launch
+    # the compiler the suite builds ops with (conftest: CXX), passed by the profile as a user passes their own: a
+    # rank with another compiler command would rebuild the op
+    profile = env_profile(tmp_path)
+    cxx = ["CXX"] if os.environ.get("CXX") else []
+    p = json.loads(profile.read_text())
+    p["zerotrain"]["env"]["pass"] += cxx
+    profile.write_text(json.dumps(p))
     proc = subprocess.run([sys.executable, "-m", "zerotrain", "launch", "--hostfile", str(hf), "--master_addr",
                            "127.0.0.1", "--master_port", str(free_port()), "--",
-                           "--profile", str(env_profile(tmp_path)), "--data", str(mix_path), "--out", str(out),
+                           "--profile", str(profile), "--data", str(mix_path), "--out", str(out),
                            "--run-id", "ssh", *TRAIN, "--max-steps", "2"],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert shm_op.stat().st_mtime_ns == built  # the ranks loaded the forwarded cache's op, built none
     assert "2 host(s) reachable over ssh, all running zerotrain" in proc.stdout
-    assert "passed through (values not shown): WANDB_API_KEY, HF_HOME," in proc.stdout
+    assert f"passed through (values not shown): {', '.join(['WANDB_API_KEY', *cxx])}, HF_HOME," in proc.stdout
     assert "; not set here, not passed: ZT_TEST_NOT_SET" in proc.stdout
     assert [m["step"] for m in read_metrics(out / "ssh")] == [1, 2]
     assert json.loads((out / "ssh" / "config.json").read_text())["world_size"] == 2
