@@ -15,7 +15,7 @@ $(BIN)/python:
 
 # pip byte-compiles what it installs one file at a time, on one core (~55 of a fresh install's ~100 CPU-s here).
 # Installed with --no-compile instead, and compiled by compileall on every core: torch's files while pip installs
-# the rest, then the rest (files already compiled are skipped). A fresh venv: 101 s -> ~60 s on 2 cores. The exit
+# the rest, then the rest (files already compiled are skipped). A fresh venv: 101 -> 78.5 s on 2 cores. The exit
 # status of compileall is not checked: a few installed files are not Python 3.11 (pip skips them too).
 SITE = $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 $(STAMP): setup.cfg pyproject.toml | $(BIN)/python

@@ -72,7 +72,7 @@ def pytest_configure(config):
         # (test_gpu_speed.py with an empty cache: 92 -> 86 CPU-s). The kernels are the same.
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         # DeepSpeed's ops JIT-built without debug info (tests/helpers/g++-no-debug-info: the same code): a fresh
-        # clone builds four ops, 600+ CPU-s with it, a third less without. Set here, before the first build, so
+        # clone builds five ops, ~630 CPU-s with it, ~445 without. Set here, before the first build, so
         # every build and every rank of the session sees the same compiler command (ninja rebuilds on a change);
         # a host's own CXX is kept.
         os.environ.setdefault("CXX", str(NO_DEBUG_INFO_CXX))
