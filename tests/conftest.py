@@ -26,10 +26,12 @@ from zerotrain import durable  # noqa: E402
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files  # noqa: E402
 from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT  # noqa: E402
 from zerotrain.launcher.components.launching.jobs import free_port  # noqa: E402,F401  (the tests take it from here)
+from helpers.build_ops import BACKGROUND_OPS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "launcher" / "train.py"
 NO_DEBUG_INFO_CXX = REPO / "tests" / "helpers" / "g++-no-debug-info"
+BUILD_OPS = REPO / "tests" / "helpers" / "build_ops.py"  # the ops the suite loads, built by one process
 BIN = Path(sys.executable).parent
 
 WORDS = ("the model reads every token of the packed row and learns which byte comes next while "
@@ -172,16 +174,12 @@ def build_shm_op() -> None:
     for lock in offload.stale_build_locks():
         print(f"conftest: removing {lock}, a build lock left by a killed build", file=sys.stderr)
         lock.unlink(missing_ok=True)
-    built = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; "
-                            "assert build_shm_op() is not None"], capture_output=True, text=True, timeout=1800)
+    built = subprocess.run([sys.executable, str(BUILD_OPS), "shm"], capture_output=True, text=True, timeout=1800)
     if built.returncode != 0:
         pytest.exit("conftest: DeepSpeed's deepspeed_shm_comm op did not build, so no CPU launch can run:\n"
                     + built.stdout[-2000:] + built.stderr[-2000:], returncode=3)
 
 
-# in the order the suite first needs them (LONGEST_FIRST): CPU Adam (test_eval_tasks), CPU Lion (test_optimizers),
-# async I/O (test_offload_runs, after them)
-BACKGROUND_OPS = {"cpu_adam": "CPUAdamBuilder", "cpu_lion": "CPULionBuilder", "async_io": "AsyncIOBuilder"}
 PREBUILD_MIN_TESTS = 100  # a session this large runs long enough to gain from building the ops beside it
 _prebuild: list[subprocess.Popen] = []
 
@@ -258,12 +256,9 @@ def prebuild_in_background(offload) -> subprocess.Popen:
     would mostly wait for builds it does not use."""
     # every op, built or not: one found in the cache may still be rebuilt on load (torch hashes the sources'
     # paths, and another virtual environment's DeepSpeed has other paths); a built one loads in seconds
-    code = "from deepspeed.ops import op_builder as b\n" + "".join(
-        f"if b.{builder}().is_compatible(False): b.{builder}().load(verbose=False)\n"
-        for builder in BACKGROUND_OPS.values())
     log = Path(tempfile.gettempdir()) / f"zerotrain-prebuild-{os.getuid()}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out,
+        proc = subprocess.Popen([sys.executable, str(BUILD_OPS), "background"], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     missing = [op for op in BACKGROUND_OPS if not offload.is_built(op)]
     if missing:

@@ -77,3 +77,31 @@ def test_the_default_rendezvous_port_is_held_so_that_launches_take_free_ports():
         for s in conftest._held_port[held:]:
             s.close()
         del conftest._held_port[held:]
+
+
+def dry_run(goal: str) -> str:
+    """What `make GOAL` would run on a fresh venv (its install stamp out of date), without running it."""
+    return subprocess.run(["make", "-n", "-W", "setup.cfg", goal], cwd=conftest.REPO, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_a_fresh_make_test_builds_the_suites_ops_while_pip_installs_the_rest():
+    """`make test` on a fresh venv installs DeepSpeed (setup.cfg's line for it) before the rest, then starts
+    tests/helpers/build_ops.py in a session of its own, in the suite's environment (the compiler the conftest
+    sets, no GPU), and only then the install of everything else. `make test-fast` and `make demo` build no op."""
+    recipe = dry_run("test")
+    early = next(line for line in recipe.splitlines() if "build_ops.py" in line)
+    assert "setup.cfg" in early and "startswith('deepspeed')" in early and "pip install" in early
+    assert f'CXX="${{CXX:-{conftest.NO_DEBUG_INFO_CXX}}}"' in early and "CUDA_VISIBLE_DEVICES= " in early
+    assert f"setsid -f .venv/bin/python {conftest.BUILD_OPS.relative_to(conftest.REPO)}" in early
+    assert recipe.index("build_ops.py") < recipe.index('-e ".[test]"')
+    for goal in ("test-fast", "demo"):
+        assert "build_ops.py" not in dry_run(goal), goal
+
+
+def test_build_ops_takes_its_parts_by_name():
+    from helpers import build_ops
+
+    with pytest.raises(SystemExit, match="unknown part"):
+        build_ops.main(["everything"])
+    assert list(build_ops.BACKGROUND_OPS) == ["cpu_adam", "cpu_lion", "async_io"]
