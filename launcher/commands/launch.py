@@ -51,7 +51,6 @@ from zerotrain.launcher.config_resolve import resolve_config
 from zerotrain.launcher.ends import EXIT_SIGNAL, final_exit_codes
 from zerotrain.launcher.errors import UsageError, ZerotrainError
 from zerotrain.launcher.profiles import detect_profile, load_profile
-from zerotrain.launcher.run_plan import identify
 from zerotrain.launcher.settings import profile_value
 
 SBATCH_TEMPLATE = resource_dir("zerotrain.launcher", "slurm", "train.sbatch")
@@ -63,7 +62,10 @@ USAGE = ("usage: zerotrain launch -n N [--master_port P] [--master_addr A] [--ma
 
 def restart_run_dir(train_args: list[str]) -> Path | None:
     """The run directory restarts are recorded in (run_plan.identify); None, with a warning, if it cannot
-    be named here (the job itself then says why)."""
+    be named here (the job itself then says why). Called at the first restart only: run_plan imports torch (its
+    data and schedule modules), which this launcher needs for nothing else (~1 s of each job's start)."""
+    from zerotrain.launcher.run_plan import identify
+
     try:
         return identify(resolve_config(train_args)).run_dir
     except (ZerotrainError, OSError) as e:
