@@ -59,7 +59,7 @@ def test_bad_record_met_by_one_rank_mid_run_ends_every_rank(tmp_path):
     root.mkdir()
     docs = synthetic_docs(2000, seed=7)
     # split_dataset_by_node: record i goes to rank i % 2 -> rank 1's 301st record, in its second block
-    # of 256 records (zerotrain.dataio.pipeline.loader.TOKEN_BLOCK): read some 20 steps into the run
+    # of 256 records (zerotrain.dataio.pipeline.cursors.TOKEN_BLOCK): read some 20 steps into the run
     bad_index = 2 * 300 + 1
     with open(root / "stream.jsonl", "w") as f:
         for i, doc in enumerate(docs):

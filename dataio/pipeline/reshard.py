@@ -2,7 +2,7 @@
 
 A rank's stream is made of parts (rank * W + w of world * W, W = data workers per rank, at least 1;
 W stays the same across the change, the profile's count). Per local source, part p visits the
-documents p, p + parts, ... in a seeded permutation per epoch (zerotrain.dataio.pipeline.loader.IndexedSource), so the
+documents p, p + parts, ... in a seeded permutation per epoch (zerotrain.dataio.pipeline.cursors.IndexedSource), so the
 old states say exactly which documents every old part has still to visit in its current epoch
 (`IndexedSource.remaining()`, pending documents from an earlier change included). The union of
 those, sorted, shuffled with a seed keyed by (seed, source, epoch, old parts, new parts) and dealt
@@ -31,7 +31,8 @@ import numpy as np
 
 from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.format.packing import make_packer
-from zerotrain.dataio.pipeline.loader import Data, IndexedSource, plain
+from zerotrain.dataio.pipeline.cursors import IndexedSource
+from zerotrain.dataio.pipeline.loader import Data, plain
 
 RESHARD_KEY = 0x7E5A4D  # mixed into the seed of the re-split, apart from the epoch permutations
 

@@ -6,7 +6,7 @@ Hugging Face hub cache when one is there (`hub_location`).
 
 Not here: what a mix may say (zerotrain.dataio.format.mix), local sources read whole into DocStores
 (zerotrain.dataio.sources.readers, whose dataset-directory helpers this module shares), the position in a
-stream and its state (zerotrain.dataio.pipeline.loader's StreamedSource). `datasets` and `huggingface_hub` are
+stream and its state (StreamedSource, zerotrain.dataio.pipeline.cursors). `datasets` and `huggingface_hub` are
 imported inside the functions that use them (seconds to import).
 """
 from __future__ import annotations
