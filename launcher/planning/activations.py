@@ -1,8 +1,8 @@
 """Activation memory of our block (modeling/model.py): what autograd keeps for one micro-batch and the peak over
 it, for the attention kernel the run gets (`--attention`, or the profile's `zerotrain.attention`; auto: varlen on a
 GPU in 16-bit, sdpa otherwise, modeling/sizes.py `choose_attention`; the fit check uses the kernel the driver
-resolved). The formula is `activation_bytes`'s docstring, checked against the tensors autograd really saves in
-tests/test_planner.py."""
+resolved). The formula is in the docstrings of `activation_bytes` and `block_bytes`, checked against the tensors
+autograd really saves in tests/test_planner.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,74 +30,35 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
                      tiled_mlp: bool = False, compiled: bool = False) -> Activations:
     """Bytes of activations per rank for one micro-batch: what autograd keeps, and the peak.
 
-    Per token, per block (modeling/model.py `Block`), with a = 2 (bf16/fp16) or 4 (fp32) bytes,
-    d = dim, f = ffn hidden, H / KV heads of head dim h, T = seq len:
-
-        2 RMSNorms    2·(8 + a)·d    fp32 input (4d; the input itself when a = 4), fp32 normalised (4d),
-                                     output (a·d, held by the projections after it)
-        attention     a·(2d + 2·KV·h) + 4H   q, k, v (KV heads: every kernel takes GQA as it is), output,
-                                             fp32 log-sum-exp (varlen, flex, and sdpa)
-        math kernel   a·d + 4·H·(3h + T)     instead of both lines above, where sdpa is PyTorch's math kernel
-                                             (CUDA, packed rows, GQA: sizes.math_kernel): q, k and v upcast to
-                                             fp32 with the kv heads repeated, and the (B, H, T, T) fp32 softmax,
-                                             kept by every layer until its backward
-        SwiGLU        4·a·f          gate, silu(gate), up, their product
-        + 8                          the norms' rsqrt
-        QK-norm       (8h + 4)·(H + KV)   each head's fp32 input and normalised value (the output is not kept:
-                                          the rotation after it needs only cos and sin)
-
-    Per token once: final norm 8·d + 4 (its output is not kept: the chunked loss keeps its gradient
-    instead, a·d), rotary cos and sin 2·a·h, the input ids 8, and under sdpa where documents share a row (the
-    driver's packed rows) the block-diagonal mask, boolean T and as a float a·T (modeling/model.py
-    `additive_mask`: made once per forward, every block's sdpa shares and keeps it; a checkpoint input; the math
-    kernel keeps no mask, so unchecked the float one dies with the forward). Per micro-batch once: the head's weight gradient, a·V·d (V the
-    padded vocabulary): the chunked loss (modeling/loss.py `chunked_next_token_loss`) computes its
-    gradients in forward and keeps no logits. flex's BlockMask, 16·B·n·(n + 1) bytes for n = ceil(T/128)
-    blocks (four (B, 1, n, n) int32 block indices and four (B, 1, n) counts, for the forward and the backward),
-    built once per micro-batch and alive through both (`flex_block_mask_bytes`).
-    With sequence parallelism over N ranks (modeling/model.py SequenceShard) every per-token term counts this
-    rank's T/N positions, with three differences per position: the kernel's k and v after the exchange hold
-    max(KV, N) heads (fewer kv heads than N are repeated), the kernel's head-split output and o_proj's
-    sequence-split input are two tensors (+ a·d), and the sdpa masks span the whole row (a·T·N and T·N), as
-    do the input ids the embedding keeps (8·N: a slice of the whole row's).
-    With --tiled-mlp (DeepSpeed's TiledMLP: the MLP's forward under no_grad, tile by tile, keeping only its
-    input, which is the norm's output counted above) the SwiGLU's 4·a·f per position is not kept; its backward
-    recomputes one tile at a time: a zeroed input gradient a·d per position and one tile's intermediates with
-    their gradients, about 8·a·f per position of the tile (ceil(B·T/N / tiles) positions, sizes.mlp_tiles), on
-    top of the block's other gradients (an estimate: the autograd test checks what is saved, not the backward).
-    Compiled blocks (`compiled`: --compile, a CUDA profile's zerotrain.compile; engine.compile_blocks): inductor's
-    partitioner keeps each norm's input and rsqrt, 2·(a·d + 4), instead of its fp32 copies, three of the SwiGLU's
-    four (f)-wide tensors, 3·a·f, and each QK-norm's input and rsqrt, (a·h + 4)·(H + KV): what autograd kept of
-    a compiled block on the CPU in bf16 (16·d + a·f per token less than eager, dim 256/512, ffn 704/1408); on one
-    H200 (2026-11-27, xlarge, micro-batch 8 x 2048) this planned 54.4 GiB of tensors against 49.3-51.2 GiB
-    allocated, where the eager terms planned 74.4 (the eager run held 67.4).
+    One block's bytes per token: `block_bytes` (a = 2 (bf16/fp16) or 4 (fp32) bytes, d = dim, h = head dim,
+    H / KV heads, V the padded vocabulary, T = seq len). Per token once: final norm 8·d + 4 (its output is not
+    kept: the chunked loss keeps its gradient instead, a·d), rotary cos and sin 2·a·h, the input ids 8, and under
+    sdpa where documents share a row (the driver's packed rows) the block-diagonal mask, boolean T and as a float
+    a·T (modeling/model.py `additive_mask`: made once per forward, every block's sdpa shares and keeps it; a
+    checkpoint input; the math kernel keeps no mask, so unchecked the float one dies with the forward). Per
+    micro-batch once: the head's weight gradient, a·V·d: the chunked loss (modeling/loss.py
+    `chunked_next_token_loss`) computes its gradients in forward and keeps no logits; flex's BlockMask
+    (`flex_block_mask_bytes`). With sequence parallelism over N ranks every per-token term counts this rank's T/N
+    positions; the sdpa masks span the whole row (a·T·N and T·N), as do the input ids the embedding keeps (8·N: a
+    slice of the whole row's).
     Saved (no checkpointing) = tokens × (n_layers × block + once) + a·V·d. With activation checkpointing
     each block keeps only its input: tokens × (n_layers × a·d + once) + a·V·d.
-    Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c =
-    `loss_chunk` below: ~261 tokens at V = 128,256 on a CPU, more on an accelerator, at most the micro-batch): its fp32
-    logits, worked on in place, and in 16-bit one 16-bit copy (the product before its cast, the gradient's
-    cast), (4 + a)·c·V in 16-bit and 4·c·V in fp32; and in 16-bit the fp32 accumulator of the weight gradient
-    and one chunk's 16-bit product (4 + a)·V·d; in backward, one block's gradients (one block's activations; with checkpointing two:
-    the recomputed block and its gradients).
+    Peak = saved + the larger of two transients: at the loss, one chunk of c tokens (c = `loss_chunk`: ~261
+    tokens at V = 128,256 on a CPU, more on an accelerator, at most the micro-batch): its fp32 logits, worked on in
+    place, and in 16-bit one 16-bit copy (the product before its cast, the gradient's cast), (4 + a)·c·V in 16-bit
+    and 4·c·V in fp32; and in 16-bit the fp32 accumulator of the weight gradient and one chunk's 16-bit product
+    (4 + a)·V·d; in backward, one block's gradients (one block's activations; with checkpointing two: the
+    recomputed block and its gradients), with the math kernel's workspace and TiledMLP's recomputed tile
+    (`tiled_mlp_backward_bytes`).
     """
-    d, f, H, KV, h, V, T = args.dim, args.ffn_hidden, args.n_heads, args.n_kv_heads, args.head_dim, \
-        args.vocab_size, seq_len
-    a = act_bytes
+    d, H, h, V, T, a, n = args.dim, args.n_heads, args.head_dim, args.vocab_size, seq_len, act_bytes, sequence_parallel
     if attention not in KERNELS:
         raise ValueError(f"activation_bytes: attention must be a kernel ({_kernel_names()}), got {attention!r}")
-    kernel, n = KERNELS[attention], sequence_parallel
-    sdpa = kernel.row_mask  # the T x T document mask of every row (sdpa)
-    math = math_kernel(attention, device_type, KV < H)
-    norms = 2 * (a * d + 4) if compiled else 2 * (8 + a) * d
-    kernel_kv = KV if n == 1 else max(KV, n)
-    # the math kernel's per-token terms hold under SP too: H/N heads over the whole row = H heads per local token
-    attn = (a * d + 4 * H * (3 * h + T) if math
-            else a * (2 * d + 2 * kernel_kv * h) + 4 * H) + (a * d if n > 1 else 0)
-    qk_norm = ((a * h + 4) if compiled else (8 * h + 4)) * (H + KV) if args.qk_norm else 0  # per head
-    swiglu = (3 if compiled else 4) * a * f
-    block = norms + attn + qk_norm + (0 if tiled_mlp else swiglu) + 8
+    kernel = KERNELS[attention]
+    math = math_kernel(attention, device_type, args.n_kv_heads < H)
+    block, swiglu = block_bytes(args, a, T, math, n, tiled_mlp, compiled)
     # sdpa's masks: the boolean one, and its float form unless the math kernel (which keeps no mask) runs unchecked
-    masks = (T * n + (a * T * n if checkpointing or not math else 0)) if sdpa else 0
+    masks = (T * n + (a * T * n if checkpointing or not math else 0)) if kernel.row_mask else 0
     once = 8 * d + 4 + a * d + 2 * a * h + 8 * n + masks
     tokens = micro * seq_len // n
     head_grad = a * V * d
@@ -113,6 +74,49 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
     at_loss = per_logit * chunk * V + head_accumulator
     transient = max(at_loss, backward)
     return Activations(saved, transient, block, chunk)
+
+
+def block_bytes(args, a: int, T: int, math: bool, n: int, tiled_mlp: bool, compiled: bool) -> tuple[int, int]:
+    """What autograd keeps of one block (modeling/model.py `Block`) per token, and of that its SwiGLU's part.
+
+    With a = 2 (bf16/fp16) or 4 (fp32) bytes, d = dim, f = ffn hidden, H / KV heads of head dim h, T = seq len:
+
+        2 RMSNorms    2·(8 + a)·d    fp32 input (4d; the input itself when a = 4), fp32 normalised (4d),
+                                     output (a·d, held by the projections after it)
+        attention     a·(2d + 2·KV·h) + 4H   q, k, v (KV heads: every kernel takes GQA as it is), output,
+                                             fp32 log-sum-exp (varlen, flex, and sdpa)
+        math kernel   a·d + 4·H·(3h + T)     instead of both lines above, where sdpa is PyTorch's math kernel
+                                             (`math`: CUDA, packed rows, GQA: sizes.math_kernel): q, k and v
+                                             upcast to fp32 with the kv heads repeated, and the (B, H, T, T) fp32
+                                             softmax, kept by every layer until its backward
+        SwiGLU        4·a·f          gate, silu(gate), up, their product
+        + 8                          the norms' rsqrt
+        QK-norm       (8h + 4)·(H + KV)   each head's fp32 input and normalised value (the output is not kept:
+                                          the rotation after it needs only cos and sin)
+
+    With sequence parallelism over n ranks (modeling/model.py SequenceShard), per position: the kernel's k and v
+    after the exchange hold max(KV, n) heads (fewer kv heads than n are repeated), and the kernel's head-split
+    output and o_proj's sequence-split input are two tensors (+ a·d); the math kernel's terms hold as they are
+    (H/n heads over the whole row = H heads per local token).
+    With --tiled-mlp (DeepSpeed's TiledMLP: the MLP's forward under no_grad, tile by tile, keeping only its
+    input, which is the norm's output counted above) the SwiGLU's 4·a·f per position is not kept; its backward
+    recomputes one tile at a time (`tiled_mlp_backward_bytes`; an estimate: the autograd test checks what is
+    saved, not the backward).
+    Compiled blocks (`compiled`: --compile, a CUDA profile's zerotrain.compile; engine.compile_blocks): inductor's
+    partitioner keeps each norm's input and rsqrt, 2·(a·d + 4), instead of its fp32 copies, three of the SwiGLU's
+    four (f)-wide tensors, 3·a·f, and each QK-norm's input and rsqrt, (a·h + 4)·(H + KV): what autograd kept of
+    a compiled block on the CPU in bf16 (16·d + a·f per token less than eager, dim 256/512, ffn 704/1408); on one
+    H200 (2026-11-27, xlarge, micro-batch 8 x 2048) this planned 54.4 GiB of tensors against 49.3-51.2 GiB
+    allocated, where the eager terms planned 74.4 (the eager run held 67.4).
+    """
+    d, f, H, KV, h = args.dim, args.ffn_hidden, args.n_heads, args.n_kv_heads, args.head_dim
+    norms = 2 * (a * d + 4) if compiled else 2 * (8 + a) * d
+    kernel_kv = KV if n == 1 else max(KV, n)
+    attn = (a * d + 4 * H * (3 * h + T) if math
+            else a * (2 * d + 2 * kernel_kv * h) + 4 * H) + (a * d if n > 1 else 0)
+    qk_norm = ((a * h + 4) if compiled else (8 * h + 4)) * (H + KV) if args.qk_norm else 0  # per head
+    swiglu = (3 if compiled else 4) * a * f
+    return norms + attn + qk_norm + (0 if tiled_mlp else swiglu) + 8, swiglu
 
 
 def _kernel_names() -> str:
