@@ -77,7 +77,8 @@ def activation_bytes(args, micro: int, seq_len: int, act_bytes: int, checkpointi
 
 
 def block_bytes(args, a: int, T: int, math: bool, n: int, tiled_mlp: bool, compiled: bool) -> tuple[int, int]:
-    """What autograd keeps of one block (modeling/model.py `Block`) per token, and of that its SwiGLU's part.
+    """(what autograd keeps of one block (modeling/model.py `Block`) per token, the SwiGLU's intermediates per
+    token): the second is left out of the first under --tiled-mlp, whose backward recomputes it a tile at a time.
 
     With a = 2 (bf16/fp16) or 4 (fp32) bytes, d = dim, f = ffn hidden, H / KV heads of head dim h, T = seq len:
 
