@@ -248,7 +248,8 @@ class ObserveConfig:
                                        "id; the W&B run id is $WANDB_RUN_ID, else the run id)", RUN)
     torch_profile: str | None = opt(None, "START:COUNT: torch.profiler over COUNT steps from step START; rank 0 "
                                           "writes RUN/torch_profile/summary.txt (the kernels that took the device's "
-                                          "time, the host syncs) and trace.json", RUN)
+                                          "time, where the device waited for the host, the host syncs) and "
+                                          "trace.json", RUN)
     golden: str | None = opt(None, "a golden.json from `zerotrain preflight --stage v3`: warn when tokens/s or peak "
                                    "memory at its golden steps is more than 10% off (another config is refused)", RUN)
     golden_strict: bool | None = opt(None, "with --golden: stop (checkpoint saved, exit 8) instead of warning", RUN)

@@ -158,10 +158,12 @@ def test_a_compiled_step_of_ours_never_waits_for_the_device(kernel):
 
 def test_the_profile_summary_counts_the_device_waiting_for_the_host():
     """torch_profile.summarize's idle line on real CUDA events: a 50 ms host sleep between two steps' kernels is
-    device idle time (at least 25 ms a step over 2 steps), the kernels themselves are not."""
+    device idle time (at least 25 ms a step over 2 steps), the kernels themselves are not; and its gap lines put
+    that time where it began (the host in the device synchronize before the sleep) and say which operator ended
+    it (the next step's matmul)."""
     import time
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from zerotrain.launcher.components.observe.torch_profile import summarize
 
@@ -169,9 +171,13 @@ def test_the_profile_summary_counts_the_device_waiting_for_the_host():
     (a @ a).sum().item()  # cuBLAS initialised before the profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
-            (a @ a).sum()
-            torch.cuda.synchronize()
-            time.sleep(0.05)
+            with record_function("step"):
+                (a @ a).sum()
+                torch.cuda.synchronize()
+                time.sleep(0.05)
     lines = summarize(prof, steps=2).splitlines()
     idle = next(line for line in lines if line.startswith("device idle over 2 step(s): "))
     assert 25 <= float(idle.split(": ")[1].split(" ms")[0]) < 60, lines
+    at = next(i for i, line in enumerate(lines) if line.startswith("device idle in gaps of 50 us or more"))
+    top = lines[at + 2]  # the largest group: the sleep's gap, once (between the steps)
+    assert float(top.split()[0]) >= 20 and "Synchronize" in top.split("->")[0] and "-> aten::mm" in top, lines

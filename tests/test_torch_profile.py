@@ -48,3 +48,54 @@ def test_device_idle_is_the_span_less_the_union_of_the_device_events():
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # a real CPU profile: no device events
         torch.randn(64, 64).exp_()
     assert device_intervals(prof.events()) == []
+
+
+def _event(name, start, end, thread=1, parent=None, id=0, linked=0, kind="CPU"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
+                           cpu_parent=parent, id=id, linked_correlation_id=linked,
+                           device_type=SimpleNamespace(name=kind), is_async=False)
+
+
+def _step(offset, n):
+    """One step's events, shifted by `offset` us: the device runs a matmul's kernel (0-600), the host meanwhile
+    reaches an optimizer's .item() and waits in cudaStreamSynchronize (510-690), then launches a multiply (710):
+    the device is idle 600-730, waiting for the host's sync and the launch after it; a 20 us gap (800-820) is a
+    launch's latency, not counted."""
+    step = _event(f"ProfilerStep#{n}", offset, offset + 1000)
+    opt = _event("Optimizer.step", offset + 500, offset + 900, parent=step)
+    item = _event("aten::item", offset + 500, offset + 700, parent=opt)
+    sync = _event("cudaStreamSynchronize", offset + 510, offset + 690, parent=item)
+    mm = _event("aten::mm", offset + 10, offset + 20, parent=step, id=100 + n)
+    mul = _event("aten::mul_", offset + 710, offset + 720, parent=opt, id=200 + n)
+    launch = _event("cudaLaunchKernel", offset + 711, offset + 715, parent=mul, linked=200 + n)
+    kernels = [_event("gemm", offset + 20, offset + 600, linked=100 + n, kind="CUDA"),
+               _event("mul_kernel", offset + 730, offset + 800, linked=200 + n, kind="CUDA"),
+               _event("mul_kernel", offset + 820, offset + 830, linked=200 + n, kind="CUDA")]
+    return [step, opt, item, sync, mm, mul, launch, *kernels]
+
+
+def test_idle_gaps_name_what_the_host_was_doing_and_what_ended_them():
+    """idle_gaps on events shaped like a GPU profile's (see _step): each gap of GAP_US or more is found, with the
+    host's innermost open operators at its start (the sync under the optimizer's .item(), not the earlier and
+    finished matmul launch) and the operator that launched the kernel ending it; the steps' own numbers
+    (ProfilerStep#1, #2) do not split the groups. A gap between steps (830 to 1020) is found too: the host was
+    still in the first step's optimizer, and the second step's matmul ended it."""
+    from zerotrain.launcher.components.observe.torch_profile import GAP_US, gap_lines, idle_gaps
+
+    assert GAP_US == 50.0  # the fixture's 20 us gap is under it, its 130 us gap over it
+    events = _step(0, 1) + _step(1000, 2)
+    gaps = idle_gaps(events)
+    assert [(g.start, g.end) for g in gaps] == [(600, 730), (830, 1020), (1600, 1730)]
+    assert gaps[0].host == ("cudaStreamSynchronize", "aten::item", "Optimizer.step")
+    assert gaps[0].ended_by == ("aten::mul_", "Optimizer.step", "ProfilerStep")
+    assert gaps[1].host == ("Optimizer.step", "ProfilerStep") and gaps[1].ended_by == ("aten::mm", "ProfilerStep")
+    assert gaps[2] == gaps[0].__class__(1600, 1730, gaps[0].host, gaps[0].ended_by)
+    lines = gap_lines(gaps, per=2, scope="2 step(s)")
+    assert lines[0].startswith("device idle in gaps of 50 us or more over 2 step(s): 0.23 ms per step in 1.5 gaps")
+    assert lines[2].split() == ["0.130", "1.0", "cudaStreamSynchronize", "<", "aten::item", "<", "Optimizer.step",
+                                "->", "aten::mul_", "<", "Optimizer.step", "<", "ProfilerStep"]
+    assert lines[3].split()[:2] == ["0.095", "0.5"] and len(lines) == 4
+    assert idle_gaps([e for e in events if e.device_type.name == "CPU"]) == []
+    assert gap_lines([], 1, "x") == ["no idle gap of 50 us or more over x"]
