@@ -315,6 +315,8 @@ BENCHMARKS = {
     "two_ranks": (_steps("two_ranks"), "2 ranks: zerotrain (deepspeed launcher) vs DDP (torchrun), scaling"
                   " efficiency; zerotrain's collectives/host syncs per step; data wait"),
     "startup": (_module("startup", "bench_startup"), "launch to first optimizer step for the demo, broken down"),
+    "init_from": (_module("startup", "bench_init_from"), "building the model for --init-from: initial weights drawn"
+                  " and loaded over, against not drawn"),
     "shard_verify": (_module("startup", "bench_shard_verify"), "verifying ~1 GB of prepared shards: full, and"
                      " quick (sizes + manifest, hashes once per node)"),
     "checkpoint": (_module("checkpoints", "bench_checkpoint"), "save/load, ~25M and ~100M, ZeRO-2/3, vs the disk's"

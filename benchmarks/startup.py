@@ -6,6 +6,12 @@ row (the second is the warm figure: page cache and DeepSpeed's compiled op cache
 down by benchmarks/startup_probe.py, which runs the unmodified driver with timestamps around its
 phases. Plus what the imports cost by package (`python -X importtime`).
 
+`init_from`: building the model for `--init-from` (launcher/components/engine.py `build_model` on a Hugging Face
+directory, one process, the ZeRO-2 layout: built on the CPU in fp32): as it is, the initial weights not drawn
+(`weights_loaded_after`; the load draws the rows the checkpoint lacks), against drawing them first and loading over
+them (what it did until 2026-11-29), on the same directory; BENCH_INIT_PRESET (default `large`, 0.68B; `debug`
+with BENCH_TINY) written once in bf16.
+
 `shard_verify`: ~BENCH_VERIFY_GB (default 1) GB of prepared shards (uint16 tokens in the
 `zerotrain prepare` format, written directly) verified by `zerotrain.dataio.format.shards.verify`: full (every
 sha256 and the token range) with the page cache cold and warm, and quick (sizes, headers, offsets
@@ -27,6 +33,7 @@ from pathlib import Path
 
 from harness import REPO, TINY, clean_shm, demo_mix, free_port
 
+INIT_PRESET = os.environ.get("BENCH_INIT_PRESET", "debug" if TINY else "large")
 VERIFY_GB = float(os.environ.get("BENCH_VERIFY_GB", "0.01" if TINY else "1"))
 
 
@@ -136,6 +143,53 @@ def bench_startup() -> list[dict]:
 
 
 # -- shard verification -------------------------------------------------------------------------------
+
+def bench_init_from() -> list[dict]:
+    import torch
+
+    from zerotrain.launcher.components.engine import EngineSpec, build_model
+    from zerotrain.modeling import hf
+    from zerotrain.modeling.model import Transformer
+    from zerotrain.modeling.sizes import preset
+
+    work = Path(tempfile.mkdtemp(prefix="zerotrain-bench-init-from-"))
+    try:
+        with torch.device("meta"):  # shapes only: the file's values are drawn one tensor at a time
+            shapes = {n: t.shape for n, t in Transformer(preset(INIT_PRESET)).state_dict().items()}
+        torch.manual_seed(0)
+        hf.save(work, {n: torch.randn(shape, dtype=torch.bfloat16) * 0.02 for n, shape in shapes.items()},
+                preset(INIT_PRESET), dtype=torch.bfloat16)
+        args = hf.args_from_config(hf.read_config(work), str(work))
+
+        def timed(old: bool):
+            spec = EngineSpec(ds_config={"zero_optimization": {"stage": 2}}, model_args=args, seed=1,
+                              init_from=None if old else work)
+            t, c = time.perf_counter(), time.process_time()
+            model = build_model(spec)
+            if old:
+                hf.load_weights(model, work)
+            return time.perf_counter() - t, time.process_time() - c, model
+
+        times, models = {}, {}
+        for old in (True, False, True, False):  # alternated: the second of each is the page cache's warm figure
+            models[old] = None  # at most one other model alive while one is built
+            wall, cpu, models[old] = timed(old)
+            times.setdefault(old, []).append((wall, cpu))
+        before = dict(models[True].named_parameters())  # the padded rows too: load_weights draws them either way
+        same = all(torch.equal(before[n], p) for n, p in models[False].named_parameters())
+        size = f"{INIT_PRESET} ({sum(p.numel() for p in before.values()) / 1e9:.2f}B)"
+        rows = []
+        for old, label in ((True, "initial weights drawn, then loaded over (until 2026-11-29)"),
+                           (False, "initial weights not drawn (weights_loaded_after), loaded")):
+            (w1, c1), (w2, c2) = times[old]
+            rows.append({"benchmark": f"init-from: {label}", "setting": f"{size}, build_model + load, fp32 on the"
+                         f" CPU, {torch.get_num_threads()} thread(s)", "result": f"{w2:.2f} s wall, {c2:.2f} CPU-s"
+                         f" (first: {w1:.2f} s, {c1:.2f} CPU-s); {'same' if same else 'OTHER'} loaded weights",
+                         "target": ""})
+        return rows
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
 
 def write_shards(root: Path, total_bytes: int, shard_bytes: int = 256 << 20, seed: int = 0) -> dict:
     """Random byte-tokenizer documents (log-normal lengths around 3k tokens) as uint16 shards plus a

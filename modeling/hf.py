@@ -226,23 +226,28 @@ def load_weights(model, hf_dir: str | Path) -> None:
 
     A plain parameter is read by every rank. A ZeRO-3 partitioned one is gathered by all ranks
     together, read and written by rank 0 only, and scattered back by DeepSpeed, so no rank holds
-    more than one full tensor at a time. A vocabulary that our padding made longer keeps its
-    initialised extra rows.
+    more than one full tensor at a time. The vocabulary rows the checkpoint lacks (our padding made the
+    vocabulary longer, or a larger --vocab-size) are drawn N(0, init_std) from `init_generator`, the embedding's
+    first, as init_weights draws: so a model built without its initial weights (`weights_loaded_after`) is whole.
     """
     import torch
     from safetensors import safe_open
 
-    from zerotrain.modeling.model import gathered
+    from zerotrain.modeling.initial import drawn, gathered, init_generator
 
     files = weight_files(hf_dir)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    generator = init_generator()
     with torch.no_grad():
         for name, param in model.named_parameters():
             with gathered(param):
                 if rank0 or not ds_attributes.is_partitioned(param):
                     with safe_open(str(files[hf_name(name)]), framework="pt") as f:
                         tensor = f.get_tensor(hf_name(name))
-                    param[: tensor.shape[0]].copy_(tensor)
+                    rows = tensor.shape[0]
+                    param[:rows].copy_(tensor)
+                    if rows < param.shape[0]:
+                        param[rows:].copy_(drawn(param[rows:].shape, model.args.init_std, generator))
 
 
 def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs, dtype=None) -> dict:

@@ -30,17 +30,15 @@ Architecture choices, all of them:
   tokens of the whole row group (the sum over the N ranks is the unsharded loss);
 - optional tiled MLP (`MLP.tiled`, set by the engine builder): each MLP computed over tiles of positions
   (`mlp_tiles`) and recomputed in backward, the same math (to rounding in the weight gradients);
-- RMSNorm is computed in fp32; no biases anywhere; weights initialised in `init_weights` only.
+- RMSNorm is computed in fp32; no biases anywhere; weights initialised in `init_weights` only
+  (modeling/initial.py: the rule, its generator, and building a model whose weights a load writes).
 
-This file is the model: no optimizer, no data, no DeepSpeed (beyond gathering ZeRO-3 parameters in
-`init_weights`). Its sizes (`ModelArgs`, `PRESETS`, `preset`) and their arithmetic (`count_params`,
+This file is the model: no optimizer, no data, no DeepSpeed. Its sizes (`ModelArgs`, `PRESETS`, `preset`) and their arithmetic (`count_params`,
 `flops_per_token`) are in modeling/sizes.py, which imports no torch (the light commands `zerotrain plan`
 and `params` use them), and are importable from here too; the Hugging Face conversion is modeling/hf.py.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import inspect
 import math
@@ -54,6 +52,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from zerotrain import ds_attributes, torch_private
 from zerotrain.modeling.attention import KERNELS
+from zerotrain.modeling.initial import drawing, init_weights
 from zerotrain.modeling.loss import IGNORE_INDEX, chunked_target_loss, next_token_targets
 from zerotrain.modeling.sizes import (ATTENTION_BACKENDS, LOSS_CHUNK_BYTES, PRESETS, ModelArgs,  # noqa: F401
                                       check_sequence_parallel, choose_attention, count_params, flops_per_token,
@@ -456,7 +455,7 @@ class Transformer(nn.Module):
         # One of ATTENTION_BACKENDS. "auto" is resolved at every forward from the activations' device and
         # dtype; a named backend is used as it is (the driver checks it with resolve_attention at start-up).
         self.attention = "auto"
-        if not _WEIGHTS_LOADED_AFTER.get():
+        if drawing():
             init_weights(self)
 
     def backend_for(self, device_type: str) -> str:
@@ -528,70 +527,6 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
-
-
-_WEIGHTS_LOADED_AFTER = contextvars.ContextVar("zerotrain_weights_loaded_after", default=False)
-
-
-@contextlib.contextmanager
-def weights_loaded_after():
-    """Transformers built inside draw no initial weights (`init_weights` is not run): every parameter is written
-    next by a checkpoint's load, a resume's. init_weights draws every value on the CPU in fp32 and, at ZeRO-3,
-    gathers each parameter to do it: 5.6 s for the 1.4B model on one CPU core (2026-11-28), ~10x that for 13B, on
-    every rank at every restart, for values the load overwrites. The modules' own constructors (nn.Linear's
-    default init) still run: the global RNG stream after construction is the one a fresh run has."""
-    token = _WEIGHTS_LOADED_AFTER.set(True)
-    try:
-        yield
-    finally:
-        _WEIGHTS_LOADED_AFTER.reset(token)
-
-
-@torch.no_grad()
-def init_weights(model: Transformer) -> None:
-    """The one place weights are initialised (deterministic under torch.manual_seed).
-
-    Normal(0, init_std) for embeddings and projections; the two residual projections of
-    each block (attention o_proj, MLP down_proj) are scaled by 1/sqrt(2 * n_layers) so the
-    residual stream's variance does not grow with depth; norms start at 1.
-    Every value is drawn on the CPU, in fp32, from a generator of its own seeded with the seed of
-    torch.manual_seed (`init_generator`), then copied into the parameter (cast to its dtype on its
-    device): under `deepspeed.zero.Init` the parameters live on cuda:LOCAL_RANK in bf16, and
-    drawing there (the CUDA generator, in bf16) would start ZeRO-3 from other weights than ZeRO-2,
-    whose model is built on the CPU in fp32. A ZeRO-3 partitioned parameter is gathered, set on
-    rank 0 and scattered back. So every ZeRO stage and device starts from the same weights for a seed.
-    A model on the meta device (shapes only: modeling/hf.py expected_shapes, the planner) has no values to set:
-    nothing is drawn (drawing a 1.4B model's values on the CPU took 12 s and 5.6 GB for each shape check).
-    """
-    if all(p.is_meta for p in model.parameters()):
-        return
-    std = model.args.init_std
-    resid_std = std / math.sqrt(2 * model.args.n_layers)
-    generator = init_generator()
-    for name, p in model.named_parameters():
-        with gathered(p):
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.fill_(1.0)
-            else:
-                scale = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-                p.copy_(torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(0.0, scale,
-                                                                                      generator=generator))
-
-
-def init_generator() -> torch.Generator:
-    """The CPU generator init_weights draws from: seeded with torch.initial_seed() (torch.manual_seed's
-    seed), so that neither the device the parameters live on nor what the modules' own constructors
-    drew before it changes the weights."""
-    return torch.Generator(device="cpu").manual_seed(torch.initial_seed())
-
-
-def gathered(p):
-    """Context in which a ZeRO-3 partitioned parameter is whole, and rank 0's writes to it are kept."""
-    if ds_attributes.is_partitioned(p):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters([p], modifier_rank=0)
-    return contextlib.nullcontext()
 
 
 def held_numel(model: nn.Module) -> int:

@@ -39,7 +39,7 @@ def test_unknown_name_is_one_line_and_exit_2_before_anything_runs(tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        "benchmarks/run.py: unknown benchmark 'trainstep'; known: train_step, two_ranks, startup, shard_verify,"
+        "benchmarks/run.py: unknown benchmark 'trainstep'; known: train_step, two_ranks, startup, init_from, shard_verify,"
         " checkpoint, packing_baselines, fused_projections, loss_memory, bf16_step, offload_step, sequence_parallel,"
         " stream_bytes, shards, stream_bpe, prepare_verify, packing, local_source_memory, planner_rss"]
 
@@ -49,7 +49,7 @@ def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "trl.py").write_text("raise ImportError('trl hidden by tests/test_benchmarks.py')\n")
-    r = bench(["shard_verify", "packing_baselines", "fused_projections", "loss_memory"], tmp_path,
+    r = bench(["shard_verify", "packing_baselines", "fused_projections", "loss_memory", "init_from"], tmp_path,
               PYTHONPATH=str(hide))
     assert r.returncode == 0, r.stderr[-3000:]
     missing = [ln for ln in r.stderr.splitlines() if "trl" in ln and not ln.startswith("|")]  # not the tables
@@ -75,6 +75,10 @@ def test_missing_baseline_names_what_to_install_and_the_rest_runs(tmp_path):
     assert f"{n} of {n} shards hashed" in first and f"0 of {n} shards hashed" in later
     assert "shards hashed per rank [0, " in rows["shard verify: 2 ranks of a node, quick, first start"] or \
         rows["shard verify: 2 ranks of a node, quick, first start"].endswith(f"[{n}, 0]")
+    # --init-from's model: the same weights whether the initial ones are drawn first or not
+    for label in ("initial weights drawn, then loaded over (until 2026-11-29)",
+                  "initial weights not drawn (weights_loaded_after), loaded"):
+        assert rows[f"init-from: {label}"].endswith("; same loaded weights"), rows
 
 
 def gpu_bench(*args):

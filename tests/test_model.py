@@ -3,7 +3,8 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerotrain.modeling.model import ModelArgs, Transformer, count_params, init_weights, preset
+from zerotrain.modeling.initial import init_weights
+from zerotrain.modeling.model import ModelArgs, Transformer, count_params, preset
 
 
 def tiny(**kw):

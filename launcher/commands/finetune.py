@@ -60,6 +60,7 @@ from zerotrain.launcher.run_plan import plan_run
 from zerotrain.launcher.settings import INIT_FROM
 from zerotrain.launcher.trainer import run
 from zerotrain.modeling import hf
+from zerotrain.modeling.initial import weights_loaded_after
 from zerotrain.modeling.model import Transformer
 from zerotrain.modeling.sizes import PRESETS, ModelArgs
 
@@ -322,8 +323,10 @@ def load_model(source: str | Path, tokenizer: str | None = None):
     else:
         try:
             cfg = hf.read_config(source)
-            model = Transformer(hf.args_from_config(cfg, f"generate {source}"))
-            hf.check_weights(source, model.args, cfg["vocab_size"])
+            args = hf.args_from_config(cfg, f"generate {source}")
+            hf.check_weights(source, args, cfg["vocab_size"])
+            with weights_loaded_after():  # load_weights writes every value next
+                model = Transformer(args)
             hf.load_weights(model, source)
         except ValueError as e:
             raise UsageError(str(e)) from None

@@ -35,7 +35,8 @@ from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
 from zerotrain.launcher.sequence.groups import sequence_shard, with_gradient_factor
 from zerotrain.launcher.settings import COMM_TIMEOUT_S
 from zerotrain.modeling.hf import load_weights
-from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, held_numel, weights_loaded_after
+from zerotrain.modeling.initial import weights_loaded_after
+from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, held_numel
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,9 @@ def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
     import deepspeed
 
     torch.manual_seed(spec.seed)
-    # a resume's load writes every parameter next: no initial weights drawn (modeling.model.weights_loaded_after)
-    drawn = weights_loaded_after() if spec.resumes else contextlib.nullcontext()
+    # a resume's load, or --init-from's, writes every parameter next: no initial weights drawn
+    # (modeling.initial.weights_loaded_after; load_weights draws the vocabulary rows a checkpoint lacks)
+    drawn = weights_loaded_after() if spec.resumes or spec.init_from is not None else contextlib.nullcontext()
     if spec.zero_stage == 3:
         # The dtype comes from the config's bf16/fp16 sections: do not pass dtype= here, DeepSpeed 0.19 turns
         # an explicit float32 into bfloat16 on CPU (an operator-precedence slip in Init._set_dtype), which made
