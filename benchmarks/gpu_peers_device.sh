@@ -30,4 +30,10 @@ except Exception as e:  # Dl's row will say why
     print(f"liger_kernel does not import: {type(e).__name__}: {e}")
 PY
 python3 -m zerotrain train --help >/dev/null && echo "zerotrain train: starts")
+# GPU_TIER="EXPR": the GPU tier's tests matching EXPR first (tests/test_gpu_cuda.py, pytest -k), in the same call,
+# e.g. GPU_TIER="never_waits or waiting_for_the_host" (the step without host syncs, the profile's idle and gap lines)
+if [ -n "${GPU_TIER:-}" ]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_cuda.py -k "$GPU_TIER" \
+        || echo "GPU tier: not passed (above); the benchmark runs all the same"
+fi
 exec python3 benchmarks/gpu_peers.py --out "${OUT:-runs/gpu_peers}" "$@"
