@@ -277,10 +277,11 @@ def run_one(values: dict, device_bytes: float, out: Path, nproc: int) -> dict:
     return {**row, **measure(values, row["micro"], out, nproc)}
 
 
-def plan_micro(values: dict, device_bytes: float, nproc: int = 1) -> dict:
-    """The configuration planned as the driver would (`plan_run`, dry run): its micro-batch (the profile's or
-    the recipe's, lowered to `fit`, the most the planner fits in FIT_FRACTION of the device), its attention
-    kernel and the planner's memory for that micro-batch; or {"result": why not} for a refusal or no fit."""
+def plan_micro(values: dict, device_bytes: float, nproc: int = 1, micro: int | None = None) -> dict:
+    """The configuration planned as the driver would (`plan_run`, dry run): its micro-batch (`micro`, else the
+    profile's or the recipe's lowered to `fit`, the most the planner fits in FIT_FRACTION of the device), its
+    attention kernel and the planner's memory for that micro-batch; or {"result": why not} for a refusal or no
+    fit."""
     from zerotrain.launcher import planning as planner
     from zerotrain.launcher.config_resolve import config_from
     from zerotrain.launcher.errors import UsageError
@@ -297,7 +298,7 @@ def plan_micro(values: dict, device_bytes: float, nproc: int = 1) -> dict:
     seq_len = plan.cfg.data.seq_len
     fit = planner.max_micro_batch(plan.model_args, replace(setup, device_bytes=FIT_FRACTION * device_bytes),
                                   stage, seq_len, ac)
-    micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit)
+    micro = min(plan.ds_config["train_micro_batch_size_per_gpu"], fit) if micro is None else micro
     if micro == 0:
         return {"result": f"not run: the planner fits no row in {FIT_FRACTION:.0%} of this GPU"}
     mem = planner.memory(plan.model_args, setup, stage, micro, seq_len, ac)

@@ -213,13 +213,34 @@ def bz_change(b_zero: dict | None, b_config: dict | None) -> str:
     return " and ".join(said + ([json.dumps(b_config)] if b_config else []))
 
 
+def plan_values(values: dict) -> dict:
+    """A driver row's values as the planner takes them: its profile decides compiling (A's, eager), no profiler."""
+    return {k: v for k, v in values.items() if k not in ("compile", "torch_profile")}
+
+
+def planned_gib(values: dict, micro: int, device_bytes: float | None) -> float | None:
+    """What the planner predicts a driver row's tensors take at `micro` (GiB, `gpu.plan_micro`'s planned_tensors:
+    without the CUDA context and the fragmentation allowance), to hold against the row's max_memory_allocated
+    (issue 32, item 5: within +-10%, never under); None without a GPU or where the planner refuses."""
+    if device_bytes is None:
+        return None
+    return gpu.plan_micro(plan_values(values), device_bytes, micro=micro).get("planned_tensors")
+
+
+def plan_error(planned: float | None, peak: float | None) -> str:
+    """The planned tensors and their error against the measured peak: "46.9 (+12.3%)"; "n/a" without both."""
+    if planned is None or not peak:
+        return "n/a" if planned is None else f"{planned:.1f}"
+    return f"{planned:.1f} ({planned / peak - 1:+.1%})"
+
+
 def driver_micro(program: str, values: dict, micro: int, sizing: str, device_bytes: float | None) -> int:
     """A driver row's micro-batch: `largest`, the planner's fit; A at the shared micro-batch, at most its own fit:
     A's planner (the old profile, eager) refuses the shared micro-batch on a smaller GPU (xlarge at 8 on an 80 GB
     H100, 2026-11-28), so A runs at the most it fits and ratios() leaves its ratio out. No GPU: `micro`."""
     if device_bytes is None or (sizing != "largest" and program != "A"):
         return micro
-    fit = gpu.plan_micro({k: v for k, v in values.items() if k not in ("compile", "torch_profile")}, device_bytes)
+    fit = gpu.plan_micro(plan_values(values), device_bytes)
     return fit.get("fit", micro) if sizing == "largest" else min(micro, fit.get("fit", micro))
 
 
@@ -351,7 +372,8 @@ class Bench:
         if program in ("A", "B", "Bz"):
             values, micro = self.driver_values(program, layout, accum, run_id)
             micro = driver_micro(program, values, micro, sizing, self.device_bytes)
-            out = driver_run(values, micro, self.work, timeout, self.env)
+            out = {**driver_run(values, micro, self.work, timeout, self.env),
+                   "planned_gib": planned_gib(values, micro, self.device_bytes)}
         else:
             micro = self.micro
             spec = {"program": program, "run_id": run_id, "model_args": asdict(self.model_args),
@@ -413,6 +435,8 @@ class Bench:
         row.update(tokens_per_s=tokens_per_s, step_ms=step_s * 1e3, mfu=tokens_per_s * ours / self.peak,
                    mfu_6n=tokens_per_s * six_n / self.peak, peak_gib=out.get("peak_gib"), loss=out["losses"][-1],
                    first_step_s=out.get("first_step_s"), steps_timed=len(timed))
+        if "planned_gib" in out:  # the driver's rows: the planner's prediction beside the peak
+            row["planned_gib"] = out["planned_gib"]
         if "masks_documents" in out:
             row["masks_documents"] = out["masks_documents"]
         return row
@@ -421,7 +445,7 @@ class Bench:
 # -- output ----------------------------------------------------------------------------------------
 
 COLUMNS = ("round", "program", "docs", "micro", "accum", "tokens/s", "MFU (ours)", "MFU (6N)", "step ms",
-           "peak GiB", "loss (last step)", "status")
+           "peak GiB", "planned GiB (error)", "loss (last step)", "status")
 
 
 def row_line(r: dict) -> str:
@@ -429,10 +453,11 @@ def row_line(r: dict) -> str:
     cells = [r["round"], r["program"], r["docs"], f"{r.get('micro', '')}{sizing}", r["accum"]]
     if "tokens_per_s" in r:
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "n/a"
+        planned = plan_error(r.get("planned_gib"), r.get("peak_gib")) if "planned_gib" in r else ""
         cells += [f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}", f"{r['mfu_6n']:.1%}", f"{r['step_ms']:.1f}", peak,
-                  f"{r['loss']:.4f}"]
+                  planned, f"{r['loss']:.4f}"]
     else:
-        cells += [""] * 6
+        cells += [""] * 7
     status = r["status"]
     if status == "ok":  # the run's wall time, start-up and compilation included; C/D's first step (compiling)
         first = f", first step {r['first_step_s']:.1f} s" if r.get("first_step_s") is not None else ""
@@ -485,7 +510,9 @@ def header(bench: Bench, device: str, argv: list[str]) -> list[str]:
         " host, per-block torch.compile)" + bz + "; D: HF LlamaForCausalLM (sdpa, per-layer torch.compile); Dl: D with"
         f" liger-kernel. C and D: {precision}. Step time: A/B the wall clock between consecutive metrics.jsonl step"
         " records (elapsed_s), C/D CUDA events at each step start (host work between steps included in both)."
-        " MFU (ours): sizes.flops_per_token (matmuls + full T x T attention); MFU (6N): the matmuls only."
+        " MFU (ours): sizes.flops_per_token (matmuls + full T x T attention); MFU (6N): the matmuls only. Peak GiB:"
+        " max_memory_allocated; planned GiB (error): the planner's tensors at the row's micro-batch (no context,"
+        " no fragmentation allowance) against it."
         f" Torch-profile summaries: profiles.txt{'' if bench.has_torch_profile else ' (C only: this driver has no --torch-profile)'}.",
         "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
 

@@ -213,6 +213,7 @@ def test_gpu_peers_smoke_runs_the_driver_old_and_new_a_plain_loop_and_hf_llama_o
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and 0 < r["mfu_6n"] < r["mfu"], r
         assert math.isfinite(r["loss"]) and 0 < r["loss"] < math.log(320) + 1, r  # trained from ~ln(vocabulary)
         assert r["micro"] == 2 and r["accum"] == 1 and r["docs"] == "packed" and r["steps_timed"] == 3, r
+    assert [r.get("planned_gib", "none") for r in rows[:4]] == [None, None, None, "none"]  # drivers: n/a on a CPU
     assert rows[5]["status"] == "not run: liger-kernel's kernels are Triton (CUDA only)"
     assert rows[6]["status"].startswith("not run: ")
     table = (tmp_path / "gpu_peers.md").read_text()
@@ -246,7 +247,7 @@ def test_gpu_peers_runs_a_at_its_own_fit_where_the_shared_micro_batch_does_not_f
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu
-    from gpu_peers import OLD_PROFILES, driver_micro, mix_file, ratios, write_documents
+    from gpu_peers import OLD_PROFILES, driver_micro, mix_file, plan_error, planned_gib, ratios, write_documents
 
     prof = tmp_path / "A.profile.json"
     prof.write_text(json.dumps(gpu.staged_profile(json.loads(OLD_PROFILES["gpu"].read_text()), 2)))
@@ -258,6 +259,14 @@ def test_gpu_peers_runs_a_at_its_own_fit_where_the_shared_micro_batch_does_not_f
     assert driver_micro("A", values, 4, "same", h100) == 4  # it fits: the shared one
     assert driver_micro("B", values, 8, "same", h100) == 8  # only A is lowered
     assert driver_micro("A", values, 8, "same", None) == 8  # no GPU (the smoke run): as given
+    # the planner's prediction beside each driver row's peak (issue 32, item 5), at the row's own micro-batch
+    b_values = {**values, "profile": "h100-80g-x8"}
+    b_values.pop("compile"), b_values.pop("attention")
+    planned = {m: planned_gib(b_values, m, h100) for m in (6, 8)}
+    assert 0 < planned[6] < planned[8] == gpu.plan_micro(b_values, h100)["planned_tensors"]  # B's own micro: 8
+    assert planned_gib(b_values, 6, None) is None  # no GPU
+    assert plan_error(46.95, 41.8) == "47.0 (+12.3%)" and plan_error(40.0, 41.8) == "40.0 (-4.3%)"
+    assert plan_error(46.95, None) == "47.0" and plan_error(None, 41.8) == "n/a"
     row = {"docs": "packed", "sizing": "same", "accum": 1}
     rows = [{**row, "program": "A", "micro": 6, "tokens_per_s": 27801.0},
             {**row, "program": "B", "micro": 8, "tokens_per_s": 48617.0},
