@@ -221,7 +221,7 @@ def plan_values(values: dict) -> dict:
 def planned_gib(values: dict, micro: int, device_bytes: float | None) -> float | None:
     """What the planner predicts a driver row's tensors take at `micro` (GiB, `gpu.plan_micro`'s planned_tensors:
     without the CUDA context and the fragmentation allowance), to hold against the row's max_memory_allocated
-    (issue 32, item 5: within +-10%, never under); None without a GPU or where the planner refuses."""
+    (the aim: within +-10%, never under); None without a GPU or where the planner refuses."""
     if device_bytes is None:
         return None
     return gpu.plan_micro(plan_values(values), device_bytes, micro=micro).get("planned_tensors")

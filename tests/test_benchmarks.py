@@ -259,7 +259,7 @@ def test_gpu_peers_runs_a_at_its_own_fit_where_the_shared_micro_batch_does_not_f
     assert driver_micro("A", values, 4, "same", h100) == 4  # it fits: the shared one
     assert driver_micro("B", values, 8, "same", h100) == 8  # only A is lowered
     assert driver_micro("A", values, 8, "same", None) == 8  # no GPU (the smoke run): as given
-    # the planner's prediction beside each driver row's peak (issue 32, item 5), at the row's own micro-batch
+    # the planner's prediction beside each driver row's peak, at the row's own micro-batch (aim: within +-10%)
     b_values = {**values, "profile": "h100-80g-x8"}
     b_values.pop("compile"), b_values.pop("attention")
     planned = {m: planned_gib(b_values, m, h100) for m in (6, 8)}
