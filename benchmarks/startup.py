@@ -142,8 +142,6 @@ def bench_startup() -> list[dict]:
     return rows
 
 
-# -- shard verification -------------------------------------------------------------------------------
-
 def bench_init_from() -> list[dict]:
     import torch
 
@@ -190,6 +188,8 @@ def bench_init_from() -> list[dict]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+
+# -- shard verification -------------------------------------------------------------------------------
 
 def write_shards(root: Path, total_bytes: int, shard_bytes: int = 256 << 20, seed: int = 0) -> dict:
     """Random byte-tokenizer documents (log-normal lengths around 3k tokens) as uint16 shards plus a

@@ -46,11 +46,16 @@ def _device_us(event) -> float:
     return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0)
 
 
-def device_intervals(events) -> list[tuple[float, float]]:
-    """(start, end) in microseconds of every profiler event that ran on a device (not the CPU): kernels, memcpy
-    and memset, from `prof.events()` (FunctionEvent: `device_type`, `time_range`)."""
-    return [(e.time_range.start, e.time_range.end) for e in events
+def device_events(events) -> list:
+    """Every profiler event that ran on a device (not the CPU) for some time: kernels, memcpy and memset, from
+    `prof.events()` (FunctionEvent: `device_type`, `time_range`)."""
+    return [e for e in events
             if getattr(e.device_type, "name", "CPU") != "CPU" and e.time_range.end > e.time_range.start]
+
+
+def device_intervals(events) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every device event (`device_events`)."""
+    return [(e.time_range.start, e.time_range.end) for e in device_events(events)]
 
 
 def busy_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
@@ -97,8 +102,7 @@ def idle_gaps(events, min_us: float = GAP_US) -> list[Gap]:
 
     The innermost operator open at time t on a thread is the latest one to start at or before t, or the nearest
     of its parents still open at t: a thread's operators nest, so any operator open at t holds that latest one."""
-    device = sorted((e for e in events if getattr(e.device_type, "name", "CPU") != "CPU"
-                     and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    device = sorted(device_events(events), key=lambda e: e.time_range.start)
     if not device:
         return []
     host = [e for e in events if getattr(e.device_type, "name", "CPU") == "CPU" and not getattr(e, "is_async", False)]
