@@ -173,7 +173,7 @@ def bench_init_from() -> list[dict]:
             models[old] = None  # at most one other model alive while one is built
             wall, cpu, models[old] = timed(old)
             times.setdefault(old, []).append((wall, cpu))
-        before = dict(models[True].named_parameters())  # the padded rows too: load_weights draws them either way
+        before = dict(models[True].named_parameters())
         same = all(torch.equal(before[n], p) for n, p in models[False].named_parameters())
         size = f"{INIT_PRESET} ({sum(p.numel() for p in before.values()) / 1e9:.2f}B)"
         rows = []

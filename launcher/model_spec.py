@@ -73,7 +73,7 @@ def resolve(cfg, vocab_size: int) -> tuple:
         try:
             hf_cfg = hf.read_config(directory)
             args = hf.args_from_config(hf_cfg, where)
-            hf.check_weights(directory, args, hf_cfg["vocab_size"])
+            hf.check_weights(directory, args)
         except ValueError as e:
             msg = str(e).removeprefix(f"{directory}: ")
             raise UsageError(msg if msg.startswith(where) else f"{where}: {msg}") from None
@@ -149,7 +149,7 @@ def init_from_tokenizer(init_from: str, given: str | None, swap: bool) -> tuple[
     directory = init_from_dir(init_from)
     try:  # a model we cannot import is refused by `resolve` naming what is wrong, before its tokenizer is asked for
         hf_cfg = hf.read_config(directory)
-        hf.check_weights(directory, hf.args_from_config(hf_cfg, where), hf_cfg["vocab_size"])
+        hf.check_weights(directory, hf.args_from_config(hf_cfg, where))
     except ValueError:
         return given or ByteTokenizer.name, None
     if not (directory / "tokenizer.json").is_file():

@@ -17,7 +17,7 @@ import json
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from zerotrain.dataio.format.packing import check_packing
@@ -53,7 +53,7 @@ from zerotrain.launcher.resize.layout import resize_layout
 from zerotrain.launcher.resolution import resolve, tokens_per_step
 from zerotrain.launcher.settings import BY_NAME, Settings, describe_settings, parse_every, with_schedule
 from zerotrain.launcher.settings import resolve as resolve_settings
-from zerotrain.modeling.sizes import flops_per_token, mlp_tiles
+from zerotrain.modeling.sizes import ModelArgs, flops_per_token, mlp_tiles
 
 
 def single_process_env() -> None:
@@ -277,6 +277,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         cfg, ds_config, meta = _resume_layout(cfg, ds_config, resume_from, world, sp, data_world, data,
                                               loader_settings, run_dir, (ckpt_dir, mirror_ckpt), saved_run)
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
+        model_args = resumed_model(model_args, saved.get("model"), run_dir, ident.init_from)
         drift = config_drift(cfg, saved_run, saved.get("run_sources"),
                              {k: resolved_value(k, settings, model_args) for k in SPELLED_DEFAULTS})
         if drift:
@@ -309,6 +310,34 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                                                     node.device, sp, bool(settings.tiled_mlp)),
                    sequence_parallel=sp, offload_lines=tuple(host_lines), stage_line=stage_line,
                    eval_tasks=tasks, eval_tasks_every=tasks_every, best_higher=best_higher)
+
+
+# what a checkpoint's weights do not depend on: the positions a run trains at, the initial weights' spread
+NOT_IN_WEIGHTS = ("max_seq_len", "init_std")
+
+
+def resumed_model(model_args: ModelArgs, saved: dict | None, run_dir: Path, init_from: str | None) -> ModelArgs:
+    """The model a run resumes: the one its checkpoints hold, which config.json's "model" recorded (`saved`).
+    The flags give it again, except where --init-from's config.json changed since (a norm's epsilon, the RoPE
+    base: a model that loads and computes something else; another shape: DeepSpeed's load fails), which is
+    refused naming the fields. A run an older zerotrain started from a checkpoint whose vocabulary it padded to a
+    multiple of 64 resumes with its padded rows (they are in its checkpoints)."""
+    if not saved:
+        return model_args
+    try:
+        then = ModelArgs(**saved)
+    except (TypeError, ValueError):
+        return model_args  # not a record this version wrote: the flags' drift check speaks for the run
+    now = model_args.to_dict()
+    differ = [k for k, v in then.to_dict().items() if now.get(k) != v and k not in (*NOT_IN_WEIGHTS, "vocab_multiple_of")]
+    if not differ:
+        return model_args
+    if differ == ["vocab_size"] and then.vocab_size == ModelArgs(vocab_size=model_args.vocab_size).vocab_size:
+        return replace(model_args, vocab_size=then.vocab_size, vocab_multiple_of=then.vocab_multiple_of)
+    source = f"--init-from {init_from}" if init_from else "the model flags"
+    changes = ", ".join(f"{k} {getattr(then, k)!r} -> {now[k]!r}" for k in differ)
+    raise UsageError(f"{source}: not the model {run_dir / 'config.json'} records, which its checkpoints hold ({changes});"
+                     " restore it, or start a new --run-id")
 
 
 def load_eval_tasks(cfg: RunConfig, settings: Settings, tokens_per_step: int):

@@ -7,7 +7,10 @@ no QK-norm; Qwen3 is Llama plus a per-head RMSNorm on q and k before the rotatio
 exactly ours). Tied embeddings are written HF's way: `tie_word_embeddings: true` and no
 `lm_head.weight` tensor. An explicit `head_dim` (hidden_size / heads or not) and Llama 3.1's `llama3`
 rope_scaling are read into ModelArgs and written back; what our model cannot compute exactly (other
-rope types, biases, sliding windows, other activations) is refused naming the key.
+rope types, biases, sliding windows, other activations) is refused naming the key. A checkpoint's vocabulary is
+kept as it is, not padded to a multiple of 64 as our own models' are: padded rows would take part in the softmax
+and change every loss and the exported model (a Llama of vocabulary 300 gave step 1 a loss 1% above transformers'
+for the same weights and tokens, and exported as a vocabulary of 320).
 
 Reading a directory never unpickles: config.json through `json`, weights through
 `safetensors.safe_open`, one tensor at a time. A directory that holds only `pytorch_model.bin`
@@ -19,6 +22,7 @@ this module).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +52,7 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
         "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,  # padded: ids past the tokenizer's are never produced
+        "vocab_size": args.vocab_size,  # our models' padded (ids past the tokenizer's are never produced); an import's as it was
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rope_theta,  # transformers 4.x
         # transformers 4.x: None, or the llama3 type's parameters (a copy: transformers 5 adds rope_theta in place)
@@ -82,7 +86,8 @@ def read_config(hf_dir: str | Path) -> dict:
 
 
 def args_from_config(cfg: dict, where: str) -> ModelArgs:
-    """ModelArgs for a Llama (or QK-norm Qwen3) config.json; refuses what our model cannot express."""
+    """ModelArgs for a Llama (or QK-norm Qwen3) config.json, its vocabulary unpadded (the module docstring);
+    refuses what our model cannot express."""
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
     if model_type not in ARCHITECTURES:
@@ -119,7 +124,7 @@ def args_from_config(cfg: dict, where: str) -> ModelArgs:
         return ModelArgs(
             dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
             n_kv_heads=cfg.get("num_key_value_heads") or heads, ffn_hidden=cfg["intermediate_size"],
-            vocab_size=vocab,
+            vocab_size=vocab, vocab_multiple_of=1,
             max_seq_len=cfg.get("max_position_embeddings", 2048),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -169,9 +174,7 @@ def weight_files(hf_dir: str | Path) -> dict[str, Path]:
     """{HF tensor name: safetensors file} for a single-file or sharded directory."""
     hf_dir = Path(hf_dir)
     if (hf_dir / SINGLE_FILE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(hf_dir / SINGLE_FILE), framework="pt") as f:
+        with _opened(hf_dir / SINGLE_FILE) as f:
             return {k: hf_dir / SINGLE_FILE for k in f.keys()}
     if (hf_dir / INDEX_FILE).is_file():
         try:
@@ -190,14 +193,10 @@ def weight_files(hf_dir: str | Path) -> dict[str, Path]:
     raise ValueError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def check_weights(hf_dir: str | Path, args: ModelArgs, hf_vocab: int) -> dict[str, Path]:
-    """Every tensor our model needs is there with the shape config.json implies (headers only).
-
-    `hf_vocab` is config.json's vocab_size; `args.vocab_size` is that padded up, and the embedding
-    and head tensors may have either length.
-    """
-    from safetensors import safe_open
-
+def check_weights(hf_dir: str | Path, args: ModelArgs) -> dict[str, Path]:
+    """Every tensor our model needs is there, in the file the index names, with the shape config.json implies
+    (headers only; safetensors checks that each file is as long as its header says: a truncated or corrupt file
+    is named here, before any process builds a model)."""
     files = weight_files(hf_dir)
     want = expected_shapes(args)
     hf_names = {hf_name(n) for n in want}
@@ -209,45 +208,63 @@ def check_weights(hf_dir: str | Path, args: ModelArgs, hf_vocab: int) -> dict[st
     if missing:
         raise ValueError(f"{hf_dir}: missing tensor {missing[0]}")
     for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt") as f:
+        with _opened(file) as f:
             for name, shape in want.items():
                 if files[hf_name(name)] != file:
                     continue
+                if hf_name(name) not in f.keys():
+                    raise ValueError(f"{file}: does not hold {hf_name(name)}, which {INDEX_FILE} places in it")
                 got = tuple(f.get_slice(hf_name(name)).get_shape())
-                vocab_padded = name in ("embed_tokens.weight", "lm_head.weight") and got == (hf_vocab, *shape[1:])
-                if got != shape and not vocab_padded:
+                if got != shape:
                     raise ValueError(f"{hf_dir}: tensor {hf_name(name)} has shape {list(got)},"
                                      f" config.json implies {list(shape)}")
     return files
 
 
+@contextlib.contextmanager
+def _opened(file: Path):
+    """safetensors' `safe_open` of `file`, its errors (a header that is not safetensors', a file shorter than its
+    header says) as ValueError naming the file: safetensors raises its own SafetensorError, which is no ValueError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def _tensor(f, file: Path, name: str):
+    """Tensor `name` from an open safetensors file, a read error as ValueError naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_tensor(name)
+    except SafetensorError as e:
+        raise ValueError(f"{file}: tensor {name} cannot be read ({e})") from None
+
+
 def load_weights(model, hf_dir: str | Path) -> None:
-    """Copy a checked HF directory's tensors into `model` (plain or ZeRO-3 partitioned).
+    """Copy a checked HF directory's tensors into `model` (plain or ZeRO-3 partitioned): every value of every
+    parameter (`check_weights`: the same shapes), so a model built without its initial weights
+    (`weights_loaded_after`) is whole.
 
     A plain parameter is read by every rank. A ZeRO-3 partitioned one is gathered by all ranks
     together, read and written by rank 0 only, and scattered back by DeepSpeed, so no rank holds
-    more than one full tensor at a time. The vocabulary rows the checkpoint lacks (our padding made the
-    vocabulary longer, or a larger --vocab-size) are drawn N(0, init_std) from `init_generator`, the embedding's
-    first, as init_weights draws: so a model built without its initial weights (`weights_loaded_after`) is whole.
+    more than one full tensor at a time.
     """
     import torch
-    from safetensors import safe_open
 
-    from zerotrain.modeling.initial import drawn, gathered, init_generator
+    from zerotrain.modeling.initial import gathered
 
     files = weight_files(hf_dir)
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    generator = init_generator()
     with torch.no_grad():
         for name, param in model.named_parameters():
             with gathered(param):
                 if rank0 or not ds_attributes.is_partitioned(param):
-                    with safe_open(str(files[hf_name(name)]), framework="pt") as f:
-                        tensor = f.get_tensor(hf_name(name))
-                    rows = tensor.shape[0]
-                    param[:rows].copy_(tensor)
-                    if rows < param.shape[0]:
-                        param[rows:].copy_(drawn(param[rows:].shape, model.args.init_std, generator))
+                    with _opened(files[hf_name(name)]) as f:
+                        param.copy_(_tensor(f, files[hf_name(name)], hf_name(name)))
 
 
 def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs, dtype=None) -> dict:

@@ -19,12 +19,11 @@ _WEIGHTS_LOADED_AFTER = contextvars.ContextVar("zerotrain_weights_loaded_after",
 @contextlib.contextmanager
 def weights_loaded_after():
     """Transformers built inside draw no initial weights (`init_weights` is not run): every parameter is written
-    next by a checkpoint's load: a resume's, or --init-from's (hf.load_weights, which draws the vocabulary rows the
-    checkpoint lacks as init_weights would: our padding, a --vocab-size above the checkpoint's). init_weights draws
-    every value on the CPU in fp32 and, at ZeRO-3, gathers each parameter to do it: 5.6 s for the 1.4B model on one
-    CPU core (2026-11-28), ~10x that for 13B, on every rank at every restart, for values the load overwrites. The
-    modules' own constructors (nn.Linear's default init) still run: the global RNG stream after construction is the
-    one a fresh run has."""
+    next by a checkpoint's load: a resume's, or --init-from's (hf.load_weights: a checkpoint's vocabulary is not
+    padded, so the file holds every value). init_weights draws every value on the CPU in fp32 and, at ZeRO-3, gathers
+    each parameter to do it: 5.6 s for the 1.4B model on one CPU core (2026-11-28), ~10x that for 13B, on every rank
+    at every restart, for values the load overwrites. The modules' own constructors (nn.Linear's default init) still
+    run: the global RNG stream after construction is the one a fresh run has."""
     token = _WEIGHTS_LOADED_AFTER.set(True)
     try:
         yield
@@ -63,8 +62,7 @@ def init_weights(model: nn.Module) -> None:
 
 
 def drawn(shape, std: float, generator: torch.Generator) -> torch.Tensor:
-    """N(0, std) values of `shape` on the CPU in fp32, from `generator`: every initial value init_weights sets, and
-    the vocabulary rows a checkpoint lacks that hf.load_weights sets (cast to the parameter's dtype on copy)."""
+    """N(0, std) values of `shape` on the CPU in fp32, from `generator`: every initial value init_weights sets."""
     return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
 
 

@@ -36,7 +36,9 @@ class ModelArgs:
     ffn_mult: float = 8 / 3  # only used when ffn_hidden is None
     ffn_multiple_of: int = 64
     vocab_size: int = 258  # padded up to vocab_multiple_of in __post_init__
-    vocab_multiple_of: int = 64
+    # how vocab_size was padded (1: a Hugging Face checkpoint's, kept as it is); not compared: two models of the
+    # same padded vocab_size are the same model however they got it
+    vocab_multiple_of: int = field(default=64, compare=False)
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5

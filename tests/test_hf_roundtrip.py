@@ -82,7 +82,7 @@ def test_export_import_export_is_byte_identical(kw, tmp_path):
     cfg = hf.read_config(tmp_path / "a")
     args_back = hf.args_from_config(cfg, "a")
     assert args_back == args
-    hf.check_weights(tmp_path / "a", args_back, cfg["vocab_size"])
+    hf.check_weights(tmp_path / "a", args_back)
     torch.manual_seed(99)  # different init: every tensor must come from the file
     again = Transformer(args_back)
     hf.load_weights(again, tmp_path / "a")
@@ -95,7 +95,8 @@ def test_export_import_export_is_byte_identical(kw, tmp_path):
 
 
 def test_import_from_a_directory_transformers_wrote(tmp_path):
-    """A real LlamaForCausalLM.save_pretrained directory, unpadded vocab (100 -> our 128)."""
+    """A real LlamaForCausalLM.save_pretrained directory of vocabulary 100, which our own models would pad to 128:
+    imported as it is (padded rows would enter the softmax), so the logits and the loss are transformers'."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -105,13 +106,15 @@ def test_import_from_a_directory_transformers_wrote(tmp_path):
     theirs.save_pretrained(tmp_path)
     raw = hf.read_config(tmp_path)
     args = hf.args_from_config(raw, str(tmp_path))
-    assert (args.dim, args.n_heads, args.n_kv_heads, args.ffn_hidden, args.vocab_size) == (48, 6, 2, 80, 128)
-    hf.check_weights(tmp_path, args, raw["vocab_size"])
+    assert (args.dim, args.n_heads, args.n_kv_heads, args.ffn_hidden, args.vocab_size) == (48, 6, 2, 80, 100)
+    hf.check_weights(tmp_path, args)
     ours = Transformer(args).eval()
     hf.load_weights(ours, tmp_path)
     x = torch.randint(0, 100, (2, 17))
     with torch.no_grad():
-        assert torch.allclose(ours(x)[..., :100], theirs(x).logits, atol=1e-4, rtol=0)
+        assert torch.allclose(ours(x), theirs(x).logits, atol=1e-4, rtol=0)
+        loss = ours(x, labels=x)  # our loss shifts the labels itself, as transformers' does
+        assert abs(loss.item() - theirs(x, labels=x).loss.item()) < 1e-5
 
 
 def _llama32_config():
@@ -146,12 +149,12 @@ def test_import_and_export_of_a_llama32_or_qwen3_directory(make_config, tmp_path
     raw = hf.read_config(tmp_path / "theirs")
     args = hf.args_from_config(raw, "theirs")
     assert args.head_dim == 16 and args.head_dim * args.n_heads != args.dim
-    hf.check_weights(tmp_path / "theirs", args, raw["vocab_size"])
+    hf.check_weights(tmp_path / "theirs", args)
     ours = Transformer(args).eval()
     hf.load_weights(ours, tmp_path / "theirs")
     x = torch.randint(0, 100, (2, 40))  # past original_max_position_embeddings (16): the scaled band is used
     with torch.no_grad():
-        assert torch.allclose(ours(x)[..., :100], theirs(x).logits, atol=1e-4, rtol=0)
+        assert torch.allclose(ours(x), theirs(x).logits, atol=1e-4, rtol=0)
     hf.save(tmp_path / "ours", ours.state_dict(), args)
     back = hf.read_config(tmp_path / "ours")
     assert (back["architectures"], back["model_type"]) == (raw["architectures"], raw["model_type"])
@@ -172,7 +175,7 @@ def test_sharded_safetensors_directory_is_read(tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
     (out / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
-    hf.check_weights(out, args, args.vocab_size)
+    hf.check_weights(out, args)
     loaded = Transformer(args)
     hf.load_weights(loaded, out)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters()))
@@ -185,6 +188,26 @@ def _llama_dir(tmp_path, **config_changes):
     cfg.update(config_changes)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
+
+
+def _truncated(directory):
+    file = directory / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    return directory
+
+
+def _shard_swapped(directory):
+    """Two shards and an index that places one tensor in the shard that does not hold it."""
+    tensors = load_file(directory / "model.safetensors")
+    (directory / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, directory / file)
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    weight_map[names[0]] = "b.safetensors"
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return directory
 
 
 @pytest.mark.parametrize("change,message", [
@@ -210,13 +233,17 @@ def _llama_dir(tmp_path, **config_changes):
     (lambda d: (_llama_dir(d), (d / "model.safetensors").rename(d / "pytorch_model.bin"))[0],
      "holds only pickled weights (pytorch_model.bin); zerotrain never unpickles"),
     (lambda d: d, "no config.json"),
+    (lambda d: _truncated(_llama_dir(d)), "model.safetensors: not a readable safetensors file"),
+    (lambda d: (_llama_dir(d), (d / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"not a header...."))[0],
+     "model.safetensors: not a readable safetensors file"),
+    (lambda d: _shard_swapped(_llama_dir(d)), "which model.safetensors.index.json places in it"),
 ])
 def test_bad_hf_directories_are_refused(tmp_path, change, message):
     directory = change(tmp_path)
     with pytest.raises(ValueError) as e:
         raw = hf.read_config(directory)
         args = hf.args_from_config(raw, str(directory))
-        hf.check_weights(directory, args, raw["vocab_size"])
+        hf.check_weights(directory, args)
     assert message in str(e.value)
 
 

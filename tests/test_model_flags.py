@@ -144,3 +144,30 @@ def test_rope_theta_is_recorded_in_the_run_id_and_a_resume_with_another_is_drift
     assert drift(resolve_config(base + ["--rope-theta", "500000"]), saved) == []
     assert drift(resolve_config(base + ["--rope-theta", "1000000"]), saved) == ["rope_theta 500000.0 -> 1000000.0"]
     assert drift(resolve_config(base), saved) == ["rope_theta 500000.0 -> None"]
+
+
+def test_a_resume_gets_the_model_its_checkpoints_hold_or_a_line_naming_what_changed(tmp_path):
+    """run_plan.resumed_model: config.json's "model" against what the flags give now. --init-from's config.json
+    edited since the run started (the norm's epsilon, the RoPE base: weights that load and compute something else)
+    is refused naming the fields; another context length is not a change of the weights; a run an older zerotrain
+    started from a checkpoint of vocabulary 300, which it padded to 320, resumes with its 320 rows."""
+    from dataclasses import replace
+
+    from zerotrain.launcher.run_plan import resumed_model
+    from zerotrain.modeling.sizes import ModelArgs
+
+    now = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=300, vocab_multiple_of=1, max_seq_len=256)
+    saved = now.to_dict()
+    assert resumed_model(now, saved, tmp_path, "base") == now
+    assert resumed_model(replace(now, max_seq_len=1024), saved, tmp_path, "base").max_seq_len == 1024
+    with pytest.raises(UsageError) as e:
+        resumed_model(replace(now, norm_eps=0.5, rope_theta=100.0), saved, tmp_path, "base")
+    assert str(e.value) == (f"--init-from base: not the model {tmp_path / 'config.json'} records, which its checkpoints"
+                            " hold (rope_theta 10000.0 -> 100.0, norm_eps 1e-05 -> 0.5); restore it, or start a new"
+                            " --run-id")
+    with pytest.raises(UsageError, match=r"the model flags: .*\(dim 64 -> 128, n_heads 4 -> 8\)"):
+        resumed_model(replace(now, dim=128, n_heads=8), saved, tmp_path, None)
+    older = {**saved, "vocab_size": 320, "vocab_multiple_of": 64}  # padded by an older zerotrain
+    assert resumed_model(now, older, tmp_path, "base").vocab_size == 320
+    with pytest.raises(UsageError, match=r"vocab_size 384 -> 300"):
+        resumed_model(now, {**older, "vocab_size": 384}, tmp_path, "base")

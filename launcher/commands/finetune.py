@@ -324,7 +324,7 @@ def load_model(source: str | Path, tokenizer: str | None = None):
         try:
             cfg = hf.read_config(source)
             args = hf.args_from_config(cfg, f"generate {source}")
-            hf.check_weights(source, args, cfg["vocab_size"])
+            hf.check_weights(source, args)
             with weights_loaded_after():  # load_weights writes every value next
                 model = Transformer(args)
             hf.load_weights(model, source)

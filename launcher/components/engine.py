@@ -116,7 +116,7 @@ def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
 
     torch.manual_seed(spec.seed)
     # a resume's load, or --init-from's, writes every parameter next: no initial weights drawn
-    # (modeling.initial.weights_loaded_after; load_weights draws the vocabulary rows a checkpoint lacks)
+    # (modeling.initial.weights_loaded_after; load_weights sets every value of every parameter)
     drawn = weights_loaded_after() if spec.resumes or spec.init_from is not None else contextlib.nullcontext()
     if spec.zero_stage == 3:
         # The dtype comes from the config's bf16/fp16 sections: do not pass dtype= here, DeepSpeed 0.19 turns
