@@ -195,7 +195,9 @@ class Trainer:
             plan.ckpt_dir.mkdir(parents=True, exist_ok=True)
             resolved = {"run": self.cfg.to_dict(), "run_id": plan.run_dir.name, "profile": plan.profile_name,
                         "world_size": self.world, "model": plan.model_args.to_dict(),
-                        "tokenizer": plan.tokenizer.name, "sources": [s.__dict__ for s in plan.data.specs],
+                        "tokenizer": plan.tokenizer.name,
+                        "tokenizer_sha256": getattr(plan.tokenizer, "sha256", None),  # export checks it
+                        "sources": [s.__dict__ for s in plan.data.specs],
                         "identity_hash": identity_hash(self.cfg),
                         "run_sources": plan.settings.sources,  # where every setting came from (settings.py)
                         "attention": plan.attention, "deterministic": plan.deterministic}  # the kernel resolved

@@ -5,6 +5,7 @@ same job under the deepspeed launcher (`launch=True`)."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import traceback
@@ -107,7 +108,8 @@ def test_three_calls_in_one_process_hf_dir_run_dir_preset(tmp_path, capsys):
     assert saved["run_sources"]["tokenizer"] == "init-from"
     wrapped = json.loads(Path(saved["run"]["data"]).read_text())  # a bare .jsonl became a one-source mix
     assert wrapped == {"sources": [{"name": "prose", "path": str(data.parent / "prose.jsonl"), "weight": 1.0}]}
-    base = out / ".base-models" / f"{first.run_dir.name}-global_step2"
+    where = hashlib.sha256(str(first.run_dir.resolve()).encode()).hexdigest()[:8]  # two runs of one name: two bases
+    base = out / ".base-models" / f"{first.run_dir.name}-{where}-global_step2"
     assert json.loads((second.run_dir / "config.json").read_text())["run"]["init_from"] == str(base)
     assert third.run_dir.name.startswith("debug-") and [m["step"] for m in third.metrics] == [1, 2]
     assert len({first.run_dir, second.run_dir, third.run_dir}) == 3

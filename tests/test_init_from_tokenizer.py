@@ -175,3 +175,59 @@ def test_the_card_names_a_hub_tokenizer_as_given():
     words = tokenizer_words({"run": {"tokenizer": "org/tok"}}, Hub())
     assert words.startswith("`org/tok` from the Hugging Face Hub (`org/tok@0123456789abcdef`; vocabulary 500,")
     assert "byte tokenizer" in tokenizer_words({}, ByteTokenizer())
+
+
+@pytest.mark.launches
+def test_the_run_records_its_tokenizer_by_absolute_path_and_content_and_export_holds_it_to_them(tuned, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """config.json names the tokenizer by its absolute path (export and generate read it again from any directory)
+    with the sha256 of its tokenizer.json; a file replaced since (another tokenizer at that path) is refused in
+    one line (exit 2), never exported beside weights that learned other ids."""
+    import shutil
+
+    from zerotrain.dataio.sources.tokenizer import load_tokenizer
+    from zerotrain.launcher.cli import main as cli
+
+    monkeypatch.chdir(tuned["root"])
+    assert load_tokenizer("tok").name == str(tuned["tok"].resolve() / "tokenizer.json")
+    saved = json.loads((tuned["a"][0] / "config.json").read_text())
+    assert saved["tokenizer_sha256"] == load_tokenizer(str(tuned["tok"])).sha256
+    run = tmp_path / "a"
+    shutil.copytree(tuned["a"][0], run)
+    other = tmp_path / "tok"
+    shutil.copytree(tuned["tok"], other)  # the same vocabulary, another file: written again, indented
+    (other / "tokenizer.json").write_text(json.dumps(json.loads((other / "tokenizer.json").read_text()), indent=1))
+    (run / "config.json").write_text(json.dumps({**saved, "tokenizer": str(other / "tokenizer.json")}))
+    with pytest.raises(SystemExit) as e:
+        cli(["export", str(run), "--to", str(tmp_path / "out")])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the run's tokenizer {other / 'tokenizer.json'} is not the one it trained with" in err[0]
+
+
+@pytest.mark.launches
+def test_the_export_of_a_fine_tune_keeps_the_base_models_generation_config(tuned, tmp_path):
+    """Run B trained with its --init-from model's own tokenizer: its export carries that model's
+    generation_config.json (an end-of-text list and sampling defaults, as Llama 3 Instruct's has), not one written
+    from the tokenizer, which would keep one end-of-text id; run A's (a tokenizer of its own) is written anew."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from zerotrain.launcher.cli import main as cli
+
+    base = tmp_path / "export-a"
+    shutil.copytree(tuned["root"] / "export-a", base)
+    ours = json.loads((base / "generation_config.json").read_text())
+    (base / "generation_config.json").write_text(json.dumps(
+        {**ours, "eos_token_id": [ours["eos_token_id"], 5], "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    run = tmp_path / "b"
+    shutil.copytree(tuned["b"][0], run)
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["run_sources"]["tokenizer"] == "init-from"
+    (run / "config.json").write_text(json.dumps({**saved, "run": {**saved["run"], "init_from": str(base)}}))
+    cli(["export", str(run), "--to", str(tmp_path / "out")])
+    got = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (got.eos_token_id, got.do_sample, got.temperature, got.top_p) == ([ours["eos_token_id"], 5], True, 0.6, 0.9)
+    written = GenerationConfig.from_pretrained(tuned["root"] / "export-a")  # run A: no base model, ours
+    assert written.eos_token_id == ours["eos_token_id"] and not written.do_sample

@@ -77,7 +77,8 @@ class HFTokenizer:
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise DataError(f"tokenizer {file}: cannot be loaded ({first_line(e)})") from None
-        self.name, self.origin, self.directory = name or str(file), origin, file.parent
+        # the absolute path (the run records it, export reads it again from another directory)
+        self.name, self.origin, self.directory = name or str(file.resolve()), origin, file.parent
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = {}

@@ -57,10 +57,12 @@ from zerotrain.dataio.sources.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.sources.hub import TOKENIZER_FILES
 from zerotrain.dataio.sources.sft import PLAIN_CHAT_TEMPLATE
 from zerotrain.dataio.sources.tokenizer import load_tokenizer
+from zerotrain.launcher import model_spec
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.ends import EXIT_EXPORT_CHECK
 from zerotrain.launcher.errors import UsageError, ZerotrainError, fail
+from zerotrain.launcher.settings import INIT_FROM
 from zerotrain.modeling import hf
 from zerotrain.modeling.sizes import ModelArgs, count_params
 
@@ -294,6 +296,38 @@ def model_card(run: dict, meta: dict, tag_dir: Path, args: ModelArgs, dtype: str
 
 # -- the command ---------------------------------------------------------------------------------
 
+def base_generation_config(run: dict) -> Path | None:
+    """The generation_config.json of the --init-from model a run started from, when the run trained with that
+    model's own tokenizer: its end-of-text ids (Llama 3 Instruct's list, <|eot_id|> among them, where the tokenizer
+    names one) and its sampling defaults are the model's, which a generation_config written from the tokenizer
+    would drop. None otherwise (a swapped tokenizer, no such file, a directory gone, a JSON that is no object)."""
+    init_from = run.get("run", {}).get("init_from")
+    if not init_from or (run.get("run_sources") or {}).get("tokenizer") != INIT_FROM:
+        return None
+    try:
+        file = model_spec.init_from_dir(init_from) / "generation_config.json"
+        return file if file.is_file() and isinstance(json.loads(file.read_text()), dict) else None
+    except (UsageError, OSError, ValueError):
+        return None
+
+
+def run_tokenizer(run: dict, saved: Path, what: str):
+    """The tokenizer a run trained with (config.json's "tokenizer"), checked against the sha256 of its
+    tokenizer.json that the run recorded: a file changed or replaced since (another at the same path) is
+    refused in one line rather than shipped with weights that learned other ids. Runs that recorded no sha256
+    (before 2026-11-29) are taken as they are."""
+    try:
+        tokenizer = load_tokenizer(run.get("tokenizer", "bytes"))
+    except DataError as e:
+        raise UsageError(f"{what}: the run's tokenizer cannot be loaded ({e})") from None
+    want, got = run.get("tokenizer_sha256"), getattr(tokenizer, "sha256", None)
+    if want and got and want != got:
+        raise UsageError(f"{what}: the run's tokenizer {tokenizer.name} is not the one it trained with (sha256"
+                         f" {got[:16]}..., {saved} records {want[:16]}...): put that tokenizer.json back, or give"
+                         " the one the run used")
+    return tokenizer
+
+
 def export(source: Path, out: Path, dtype: str = "float32", best: bool = False, max_shard_size: int | str = "5GB",
            check: bool = True) -> dict:
     """Write the Hugging Face directory; returns {"checkpoint", "args", "tokenizer_files", "weight_files",
@@ -309,10 +343,7 @@ def export(source: Path, out: Path, dtype: str = "float32", best: bool = False, 
         raise UsageError(f"export {saved}: no valid model section ({e})") from None
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"export --to {out}: exists and is not an empty directory")
-    try:
-        tokenizer = load_tokenizer(run.get("tokenizer", "bytes"))
-    except DataError as e:
-        raise UsageError(f"export: the run's tokenizer cannot be loaded ({e})") from None
+    tokenizer = run_tokenizer(run, saved, "export")
 
     state = consolidated_state_dict(tag_dir)
     tmp = out.with_name(out.name + ".partial")  # written whole, then renamed: no half-written DIR
@@ -321,6 +352,9 @@ def export(source: Path, out: Path, dtype: str = "float32", best: bool = False, 
     try:
         weight_files = hf.save(tmp, state, args, tokenizer.bos_id, tokenizer.eos_id, dtype=getattr(torch, dtype),
                                pad_id=tokenizer.pad_id, max_shard_size=max_shard_size)
+        base = base_generation_config(run)
+        if base is not None:  # the model's own (its eos list, its sampling defaults), not ours from the tokenizer
+            shutil.copyfile(base, tmp / "generation_config.json")
         tokenizer_files = copy_tokenizer(tokenizer, tmp, run.get("run", {}).get("seq_len"),
                                          chat_format(run, tokenizer)[0])
         if check:

@@ -12,7 +12,7 @@ underscores, same defaults except `profile="auto"`, same validation and error li
 - `model=`: a Hugging Face Llama directory (`--init-from`, with its tokenizer as on the command line:
   its tokenizer.json unless `tokenizer=` is given; launcher/model_spec.py), a zerotrain run
   directory (its best checkpoint, else its newest complete one, exported once with the run's tokenizer
-  to OUT/.base-models/RUN-TAG and used as `--init-from`), or a preset name.
+  to OUT/.base-models/RUN-PATHHASH-TAG and used as `--init-from`), or a preset name.
 - `data=`: a mix JSON file or a prepared shard directory as for the driver; a single data file
   (.jsonl, .parquet, .txt, .arrow) is wrapped into a one-source mix (OUT/.mixes/): documents, or
   for a .jsonl of {"prompt", "response"} / {"messages"} records supervised fine-tuning data.
@@ -199,7 +199,9 @@ def base_from_run(run_dir: Path, out: Path) -> Path:
     if saved is None:
         raise UsageError(f"model {run_dir}: a run directory without a readable config.json")
     tag, why = best_or_newest(run_dir)
-    hf_dir = out / ".base-models" / f"{run_dir.resolve().name}-{tag.name}"
+    # named by the run's whole path, not its name alone: two runs of one name (runs/gqa, other/gqa) are two models
+    where = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    hf_dir = out / ".base-models" / f"{run_dir.resolve().name}-{where}-{tag.name}"
     weights = (hf_dir / hf.SINGLE_FILE, hf_dir / hf.INDEX_FILE)  # one file, or shards and their index
     if not ((hf_dir / "config.json").is_file() and any(w.is_file() for w in weights)):
         hf_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -319,7 +321,8 @@ def load_model(source: str | Path, tokenizer: str | None = None):
         with quiet_stderr():
             state = consolidated_state_dict(tag)
         model = live_model(state, ModelArgs(**saved["model"]), f"generate {tag}")
-        tok = load_tokenizer(tokenizer or saved.get("tokenizer", "bytes"))
+        tok = load_tokenizer(tokenizer) if tokenizer else \
+            export_command.run_tokenizer(saved, run_dir / "config.json", f"generate {source}")
     else:
         try:
             cfg = hf.read_config(source)
