@@ -50,7 +50,7 @@ from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.config_resolve import config_from, identity_hash
-from zerotrain.launcher.ends import END_KINDS
+from zerotrain.launcher.ends import END_KINDS, EXIT_SIGNAL_HARD
 from zerotrain.launcher.errors import CheckpointError, StopRun
 from zerotrain.launcher.rank_ends import report_exit, report_rank_end  # report_exit: pre-flight too
 from zerotrain.launcher.resize import universal
@@ -112,15 +112,28 @@ class Trainer:
         self.budget = plan.budget  # built once, by plan_run
         if self.budget.active:
             self.say(self.budget.describe())
+        # SIGTERM / SIGINT handled from before the run directory is written: a preemption during start-up (the
+        # engine's build, a checkpoint's load: minutes for a large model) ends the run as one in the loop does.
+        # A notebook's second signal raises KeyboardInterrupt; a launched rank's records the end and exits.
+        self.signals = SignalStop(hard_exit=hard_exit, on_hard_exit=self._record_hard_exit)
+        self.signals.install()
+        try:
+            self._build(plan, hard_exit, watch)
+        except BaseException:
+            self.signals.restore()
+            raise
+
+    def _build(self, plan: RunPlan, hard_exit: bool, watch: bool) -> None:
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
         universal_dir = self._universal_dir()
         self._write_run_dir()
         self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none
+        self.hooks.sleep(self.hooks.slow_start_s)  # ZEROTRAIN_TEST_SLOW_START: a start-up a signal can fall into
         startup_gc.freeze()  # a launched rank's imports and plan, before the engine (components/startup_gc.py)
         self.engine = self._build_engine(self.accel)
         for line in describe(plan, schedule=plan.resume_from is None):  # the same lines as --dry-run's
             self.say(line)
-        self._build_components(hard_exit, universal_dir)
+        self._build_components(universal_dir)
         self.participants = participants.build(self)  # the step's monitors, in participants.ORDER
         self.runner.attach(self.participants)
         self.state.attach(self.participants)
@@ -139,7 +152,7 @@ class Trainer:
                  f" checkpoint for {self.world} rank(s): {universal_dir}")
         return universal_dir
 
-    def _build_components(self, hard_exit: bool, universal_dir: Path | None) -> None:
+    def _build_components(self, universal_dir: Path | None) -> None:
         plan, cfg = self.plan, self.cfg
         self.checkpointer = faults.checkpointer(  # a test's failed or slow saves: its stand-in
             self.hooks, plan.ckpt_dir, plan.run_dir.name, self.rank, self.world,
@@ -149,7 +162,6 @@ class Trainer:
             best_by=(plan.settings.best_by, plan.best_higher) if plan.best_higher is not None else None)
         self.tokens_per_step = plan.tokens_per_step
         self.metrics = MetricsLogger(plan.run_dir, self.is_main, cfg, say=self.say)  # --log sinks
-        self.signals = SignalStop(hard_exit=hard_exit)  # a notebook: a 2nd signal raises KeyboardInterrupt
         self.evaluator = None
         if plan.eval_rows:
             self.evaluator = Evaluator(plan.eval_rows, plan.data_rank, plan.data_world,
@@ -209,6 +221,14 @@ class Trainer:
                                      test_hooks=dict(self.hooks.variables))
         self.dist.barrier()
 
+    def _record_hard_exit(self, message: str) -> None:
+        """A second signal's end (guards.SignalStop, just before os._exit): rank 0 records it in manifest.json and
+        leaves its exit code for `zerotrain launch`, which would otherwise see the launcher's SIGTERM (143)."""
+        if self.is_main:
+            state = getattr(self, "state", None)
+            manifest.record_end(self.plan.run_dir, StopRun("hard-signal", message), state.step if state else 0)
+            report_exit(EXIT_SIGNAL_HARD)
+
     def _start_watchdog(self, hard_exit: bool):
         """The hang watchdog (components/observe/watchdog.py), once the run directory exists: start-up counts. A
         notebook's (hard_exit=False) interrupts the main thread instead of ending the kernel."""
@@ -256,10 +276,13 @@ class Trainer:
                             peak_flops=self.plan.settings.peak_flops_per_device, accelerator=self.accel)
         startup_gc.resume()  # a launched rank's start-up is over (components/startup_gc.py; in-process: nothing)
         self.clock.take_window()  # set-up is not a window
+        first_step = self.state.step  # a stop before any step of this launch saves nothing (nothing new)
         try:
-            stop = self._loop(logger)
+            stop = self.over_before()
+            stop = self._loop(logger) if stop is None else stop
             logger.close()
-            if stop.save and self.state.last_saved != self.plan.ckpt_dir / checkpoint.tag_for(self.state.step):
+            tag = self.plan.ckpt_dir / checkpoint.tag_for(self.state.step)
+            if stop.save and self.state.step > first_step and self.state.last_saved != tag:
                 try:
                     self.state.save()
                 except CheckpointError as e:
@@ -298,6 +321,16 @@ class Trainer:
         except CheckpointError as e:
             return StopRun("save-failed", str(e))
 
+    def over_before(self) -> StopRun | None:
+        """Before this launch's first step, the first stop that already holds (participants/base.py
+        `over_before`: a signal during start-up, a resumed run that ended on its budget or its patience): the run
+        ends on it with nothing trained, rather than one step past it. Every rank asks every participant."""
+        for p in self.participants:
+            stop = p.over_before()
+            if stop is not None:
+                return stop
+        return None
+
     def call(self, hook: str, step: StepState):
         """Each participant's `hook` in turn, until one returns a StopRun or REWOUND."""
         for p in self.participants:
@@ -321,7 +354,11 @@ class Trainer:
                            save_blocked_s=round(state.save_seconds, 3))
         self.metrics.close()
         if self.is_main:
-            manifest.record_end(self.plan.run_dir, stop, state.step)  # the kind, its exit code and the message
+            try:
+                manifest.record_end(self.plan.run_dir, stop, state.step)  # the kind, its exit code and the message
+            except OSError as e:  # a full or read-only disk (often why a save failed): the exit code still says it
+                self.say(f"zerotrain: warning: {self.plan.run_dir / manifest.MANIFEST}: the run's end could not be"
+                         f" recorded ({e.strerror or e})")
             report_exit(stop.exit_code)
         # Nobody exits before rank 0's last write: DeepSpeed's launcher SIGTERMs the other ranks as
         # soon as one exits non-zero (codes 3-7 are non-zero by design).
@@ -330,7 +367,9 @@ class Trainer:
             if self.is_main:
                 print(f"zerotrain: error: {stop.message}", file=sys.stderr, flush=True)
         else:
-            self.say(f"{stop.message}; saved checkpoint {state.last_saved}" if stop.save else stop.message)
+            kept = "saved" if state.saves else "last"  # a stop before this launch's first step saved nothing
+            self.say(f"{stop.message}; {kept} checkpoint {state.last_saved}" if stop.save and state.last_saved
+                     else stop.message)
         if self.plan.settings.compile:
             self.say(f"torch.compile: {torch_private.compiled_graphs()} graphs compiled")
         self.say(f"run directory: {self.plan.run_dir.resolve()}")

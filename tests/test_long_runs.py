@@ -245,3 +245,46 @@ def test_early_stop_keeps_and_exports_the_best_checkpoint(tmp_path, mix_path):
     assert exported.returncode == 0, exported.stderr
     assert f"exported {out / 'r' / 'checkpoints' / best['tag']}" in exported.stdout
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_signal_during_start_up_ends_the_run_before_its_first_step_and_a_second_one_at_once(tmp_path, mix_path):
+    """SIGTERM to `zerotrain launch` while its ranks start (ZEROTRAIN_TEST_SLOW_START: a large model's build or
+    load) stops the run before any step: exit 6, its end in manifest.json, nothing trained or saved, no traceback.
+    A second signal after the grace second exits at once: exit 130 through the launch too, recorded as such."""
+    for name, signals, code, kind in (("once", 1, 6, "signal"), ("twice", 2, 130, "hard-signal")):
+        run = tmp_path / "runs" / name
+        args = ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", name, *FLAGS]
+        proc = popen(zerotrain_launch_cmd(args), {"ZEROTRAIN_TEST_SLOW_START": "8"})
+        t0 = time.time()
+        while not (run / "manifest.json").is_file():  # written before the ranks sleep
+            assert proc.poll() is None and time.time() - t0 < 240, "the run directory was never written"
+            time.sleep(0.05)
+        for _ in range(signals):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(1.5)  # past the grace second: a second signal is not the same one delivered twice
+        text = proc.communicate(timeout=120)[0]
+        assert proc.returncode == code, text[-3000:]
+        assert "Traceback" not in text
+        end = json.loads((run / "manifest.json").read_text())["segments"][-1]
+        assert (end["end_reason"], end["end_exit_code"], end["end_step"]) == (kind, code, 0), end
+        assert read_metrics(run) == [] and complete_checkpoints(run / "checkpoints") == []
+    assert "during start-up, before this launch's first step" in end_message(tmp_path / "runs" / "once")
+
+
+def end_message(run: Path) -> str:
+    return json.loads((run / "manifest.json").read_text())["segments"][-1]["end_message"]
+
+
+def test_a_run_ended_by_its_token_budget_started_again_trains_nothing_more(tmp_path, mix_path):
+    """The budget is checked before a launch's first step too: the same command again after --total-tokens
+    stopped the run ends it at once (exit 5) instead of training one step past the budget."""
+    out = tmp_path / "runs"
+    args = ["--data", str(mix_path), "--out", str(out), "--run-id", "r", *FLAGS, "--total-tokens", "384"]
+    first = launch("python", args)
+    assert first.returncode == 5, first.stdout[-2000:] + first.stderr[-2000:]
+    step = read_metrics(out / "r")[-1]["step"]
+    assert 0 < step < N and read_metrics(out / "r")[-1]["tokens_seen"] <= 384
+    again = launch("python", args)
+    assert again.returncode == 5, again.stdout[-2000:] + again.stderr[-2000:]
+    assert read_metrics(out / "r")[-1]["step"] == step
+    assert f"budget reached before step {step + 1}: --total-tokens 384 reached" in end_message(out / "r")

@@ -404,3 +404,25 @@ def test_bad_input_is_one_line_exit_2(tmp_path, mix_path):
         assert result.returncode == 2, (args, result.stderr)
         assert result.stderr.count("\n") == 1 and expected in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_metrics_jsonl_ends_a_torn_line_before_appending_and_survives_a_full_disk(tmp_path, capsys):
+    """A kill or a full disk mid-record leaves a last line without its newline: the next launch's first record
+    must not be glued to it (read_metrics would drop both). A disk that refuses a write (/dev/full: ENOSPC)
+    costs that record and one warning line, not the run."""
+    from zerotrain.launcher.components.observe.metrics import JsonlSink, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" + '{"event": "stop", "step": 1, "re')
+    sink = JsonlSink(path)
+    sink.write({"event": "resume", "step": 1})
+    sink.write({"step": 2, "loss": 1.5})
+    sink.close()
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    assert [e["event"] for e in read_metrics(tmp_path, events=True)] == ["resume"]  # not lost to the torn line
+    full = JsonlSink(Path("/dev/full"))
+    full.write({"step": 1})
+    full.write({"step": 2})
+    full.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "/dev/full: a record could not be written (No space left on device)" in err[0]

@@ -50,9 +50,11 @@ class SignalStop:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, grace_s: float = 1.0, hard_exit: bool = True, announce: bool = True):
+    def __init__(self, grace_s: float = 1.0, hard_exit: bool = True, announce: bool = True,
+                 on_hard_exit=None):
         self.grace_s = grace_s
         self.hard_exit = hard_exit
+        self.on_hard_exit = on_hard_exit  # called before a second signal's os._exit: the end recorded
         self.announce = announce  # one line on rank 0 when the first signal arrives
         self.requested: str | None = None
         self.installed = False
@@ -99,6 +101,11 @@ class SignalStop:
             raise KeyboardInterrupt(f"second signal ({name}) after {self.requested}")
         os.write(2, f"zerotrain: rank {os.environ.get('RANK', '0')}: second signal ({name}) after {self.requested}:"
                     f" exiting now (exit {EXIT_SIGNAL_HARD}), nothing saved\n".encode())
+        if self.on_hard_exit is not None:
+            try:
+                self.on_hard_exit(f"second signal ({name}) after {self.requested}: exited at once, nothing saved")
+            except Exception:  # noqa: BLE001  (leaving now matters more than the record)
+                pass
         os._exit(EXIT_SIGNAL_HARD)
 
 

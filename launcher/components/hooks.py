@@ -36,6 +36,9 @@ no test branch. This module stays light (no torch): pre-flight and the plan read
                                                      other ranks then block in their next collective (the
                                                      hang watchdog's tests); each once per run directory: a
                                                      job restarted after that hang was reported goes past it
+    ZEROTRAIN_TEST_SLOW_START=S                      every rank sleeps S s once the run directory is written, before
+                                                     the engine is built (a large model's build or load: a
+                                                     preemption during start-up, for the signal tests)
     ZEROTRAIN_TEST_DIE_AFTER_END=RANK                that rank SIGKILLs itself once the run's last checkpoint
                                                      is complete, before the end is recorded (a rank lost in
                                                      teardown: `zerotrain launch --max-restarts` restarts a
@@ -62,10 +65,11 @@ SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER = (
 SLOW_DATA = PREFIX + "SLOW_DATA"
 HANG = PREFIX + "HANG"
 DIE_AFTER_END = PREFIX + "DIE_AFTER_END"
+SLOW_START = PREFIX + "SLOW_START"
 PREFLIGHT_OOM = PREFIX + "PREFLIGHT_OOM"
 OOM = PREFIX + "OOM"
 KNOWN = (SPIKE, FAIL_SAVE, SLOW_SAVE, SLOW_MIRROR, PREFLIGHT_READBACK, SLOW_LOADER, SLOW_DATA, HANG, DIE_AFTER_END,
-         PREFLIGHT_OOM, OOM)
+         PREFLIGHT_OOM, OOM, SLOW_START)
 HANG_PHASES = ("save", "eval")  # the phases FaultyClock blocks in (TestHooks.hang_here)
 
 
@@ -79,6 +83,7 @@ class TestHooks:
     slow_mirror_s: float = 0.0
     preflight_readback: str | None = None  # "perturb"
     slow_loader_s: float = 0.0
+    slow_start_s: float = 0.0
     slow_data: frozenset[tuple[int | None, float]] = frozenset()  # (rank or None for every rank, seconds)
     hang: frozenset[tuple[int, str, int]] = frozenset()  # (rank, phase, step) each
     die_after_end: int | None = None  # the rank
@@ -107,7 +112,7 @@ class TestHooks:
         except ValueError:
             raise UsageError(f"{FAIL_SAVE}={env[FAIL_SAVE]}: expected RANK:STEP[,RANK:STEP...]") from None
         for field, name in (("slow_save_s", SLOW_SAVE), ("slow_mirror_s", SLOW_MIRROR),
-                            ("slow_loader_s", SLOW_LOADER)):
+                            ("slow_loader_s", SLOW_LOADER), ("slow_start_s", SLOW_START)):
             try:
                 hooks[field] = float(env.get(name) or 0.0)
             except ValueError:

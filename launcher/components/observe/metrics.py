@@ -55,15 +55,43 @@ def scalars(record: dict, prefix: str = "") -> dict[str, float]:
 
 
 class JsonlSink:
+    """metrics.jsonl, appended to. A last line a kill or a full disk left unfinished is ended first, so that the
+    next record starts a line of its own (read_metrics skips the torn one, not the record after it). A write the
+    disk refuses (full, read-only) is said once on stderr and dropped: losing a metrics line must not end a run
+    that can still save, or turn a run's recorded end into a traceback."""
+
     def __init__(self, path: Path):
+        self.path, self.failing = path, False
+        torn = path.is_file() and path.stat().st_size > 0 and not _ends_with_newline(path)
         self.file = open(path, "a")
+        if torn:
+            self._put("\n")
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self._put(json.dumps(record) + "\n")
+
+    def _put(self, text: str) -> None:
+        try:
+            self.file.write(text)
+            self.file.flush()
+            self.failing = False
+        except OSError as e:
+            if not self.failing:
+                print(f"zerotrain: warning: {self.path}: a record could not be written ({e.strerror or e});"
+                      " records are dropped until it can be", file=sys.stderr, flush=True)
+            self.failing = True
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # what is still buffered cannot be written: said already, or the disk filled just now
+            pass
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 class TensorBoardSink:

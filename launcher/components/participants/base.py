@@ -6,6 +6,9 @@ ranks rides on the step's one collective, `StepRunner.agree`):
 
     fields()          the NAMED fields it adds to the step's gather (`Field`: how each is reduced over ranks)
     open()            once, when the loop starts (say what it watches)
+    over_before()     once, before this launch's first step: a StopRun that holds already (a signal during
+                      start-up; a resumed run that ended on its budget or patience), so that it ends with nothing
+                      trained rather than one step past its end; every rank calls it, the same way
     contribute(step)  before the gather: this rank's value of each of its fields
     observe(step)     after the gather, before the step's record is written (`step.agreed[name]`)
     logged(step)      after the record is written
@@ -274,6 +277,9 @@ class Participant:
 
     def open(self) -> None:
         pass
+
+    def over_before(self) -> StopRun | None:
+        return None
 
     def contribute(self, step: StepState) -> dict:
         return {}

@@ -24,6 +24,13 @@ class BudgetStop(Participant):
     def fields(self) -> list[Field]:
         return [Field("over_budget", "rank0", "flag")]
 
+    def over_before(self) -> StopRun | None:
+        """A resumed run whose next step would go over --total-tokens, or whose training time (its checkpoint's:
+        the same on every rank) is past --max-hours / --budget-usd: over, before any step (it stopped there)."""
+        why = self.budget.exceeded_after_next(self.state.elapsed_before, 0.0, self.state.tokens_seen,
+                                              self.tokens_per_step)
+        return StopRun("budget", f"budget reached before step {self.state.step + 1}: {why}") if why else None
+
     def contribute(self, step: StepState) -> dict:
         tps = self.tokens_per_step
         self.why = self.budget.exceeded_after_next(self.state.elapsed(step.trained_at), step.step_time,

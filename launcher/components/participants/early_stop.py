@@ -20,6 +20,12 @@ class EarlyStop(Participant):
     def from_run(cls, run: Run) -> "EarlyStop":
         return cls(run.cfg.eval.early_stop_patience)
 
+    def over_before(self) -> StopRun | None:
+        """A resumed run that stopped early: its patience (restored from the checkpoint) is still spent."""
+        if self.early is not None and self.early.should_stop:
+            return StopRun("early-stop", f"early stop (resumed): {self.early.message()}")
+        return None
+
     def observe(self, step: StepState) -> None:
         if self.early is not None and step.val is not None and "val_loss" in step.val:
             self.early.update(step.val["val_loss"])

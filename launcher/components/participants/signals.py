@@ -24,6 +24,14 @@ class Signals(Participant):
     def fields(self) -> list[Field]:
         return [Field("signal", "any", "flag")]
 
+    def over_before(self) -> StopRun | None:
+        """A signal during start-up (the handler is installed before the run directory is written): the run
+        stops before its first step, every rank (one tiny all-reduce), nothing trained in this launch."""
+        if self.seen():
+            return StopRun("signal", f"stopped by {self.signals.requested or 'a signal on another rank'} during"
+                                     " start-up, before this launch's first step; resume with --resume auto")
+        return None
+
     def contribute(self, step: StepState) -> dict:
         return {"signal": self.signals.requested is not None}
 
