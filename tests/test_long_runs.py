@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REFERENCE_FLAGS, REFERENCE_STEPS, REPO, TRAIN_PY, free_port, launch
+from conftest import BIN, REFERENCE_FLAGS, REFERENCE_STEPS, REPO, TRAIN_PY, cpu_profile, free_port, launch
 from zerotrain.launcher.components.checkpoints.checkpoint import complete_checkpoints, verify
 from zerotrain.launcher.components.observe.metrics import read_metrics
 
@@ -288,3 +288,20 @@ def test_a_run_ended_by_its_token_budget_started_again_trains_nothing_more(tmp_p
     assert again.returncode == 5, again.stdout[-2000:] + again.stderr[-2000:]
     assert read_metrics(out / "r")[-1]["step"] == step
     assert f"budget reached before step {step + 1}: --total-tokens 384 reached" in end_message(out / "r")
+
+
+def test_sigterm_to_a_launch_with_data_workers_saves_and_stops(tmp_path, mix_path):
+    """`zerotrain launch` signals the ranks' whole process group, their data-loader workers too: the workers leave
+    the signal to their rank, which finishes its step, saves and stops (exit 6), instead of failing its next fetch
+    on a killed worker (exit 143, nothing saved)."""
+    run = tmp_path / "runs" / "w"
+    args = ["--data", str(mix_path), "--out", str(tmp_path / "runs"), "--run-id", "w", *FLAGS[:-1], "400",
+            "--profile", cpu_profile(tmp_path, workers=2)]
+    proc = popen(zerotrain_launch_cmd(args))
+    wait_for_step(run, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 6, text[-3000:]
+    assert "Traceback" not in text and "killed by signal" not in text
+    stopped = read_metrics(run)[-1]["step"]
+    assert [p.name for p in complete_checkpoints(run / "checkpoints")][-1] == f"global_step{stopped}"

@@ -32,6 +32,7 @@ store, pieces, shards, SFT records, and each source's cursor on this rank (zerot
 from __future__ import annotations
 
 import hashlib
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -366,6 +367,15 @@ class _WorkerBatches(torch.utils.data.IterableDataset):
             yield batch, w, _pending_as_count(loader.state_dict()), loader.exhausted
 
 
+def _leave_signals_to_the_rank(worker_id: int) -> None:
+    """A worker ignores SIGTERM and SIGINT. `zerotrain launch`, a scheduler's preemption and Ctrl-C signal the
+    whole process group: a worker that died of it made its rank's next fetch a RuntimeError ("DataLoader worker
+    is killed by signal: Terminated", exit 143) instead of the rank's save and exit 6. The rank decides
+    (guards.SignalStop) and shuts its workers down as at any end; torch's workers also end when their rank dies."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _as_is(item):
     return item  # batches are tensors already; states stay numpy (the default would convert them)
 
@@ -433,7 +443,8 @@ class Batches:
         pin = self.settings["pin_memory"] and torch.cuda.is_available()
         dl = torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=_as_is, num_workers=self.workers,
                                          prefetch_factor=self.settings["prefetch_factor"], pin_memory=pin,
-                                         persistent_workers=self.settings["persistent_workers"])
+                                         persistent_workers=self.settings["persistent_workers"],
+                                         worker_init_fn=_leave_signals_to_the_rank)
         self._it = iter(dl)
         if self._states is None:
             self._states = [None] * self.workers
