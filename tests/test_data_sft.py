@@ -523,3 +523,24 @@ def test_pretraining_batches_carry_no_mask_and_are_unchanged_bit_for_bit(mix_pat
         for key in ("cu_seqlens", "input_ids", "labels", "position_ids"):
             digest.update(key.encode() + batch[key].numpy().tobytes())
     assert digest.hexdigest() == PRETRAINING_DIGEST
+
+
+def test_fields_of_mixed_types_across_records_are_read_as_their_values(tmp_path):
+    """`datasets` stores a field whose records hold more than one type (an answer a string here and a number
+    there; chat messages with a key only some have) as its Json feature, JSON text in Arrow: rendered as such, a
+    template trained on '"Paris"' with its quotes and a chat record was refused as 'message 1 is not an object'.
+    Both are read as the values the records hold."""
+    write_jsonl(tmp_path / "qa.jsonl", [{"question": "capital of France?", "answer": "Paris"},
+                                        {"question": "2+2?", "answer": 4}] * 20)
+    chat = chats(40)
+    chat[7]["messages"][0]["name"] = "bob"  # an OpenAI-style extra key on one message of one record
+    write_jsonl(tmp_path / "chat.jsonl", chat)
+    mix = write_mix(tmp_path, [{"name": "qa", "path": "qa.jsonl", "weight": 1, "template": "Q: {question} A: {answer}"},
+                               {"name": "chat", "path": "chat.jsonl", "weight": 1, "format": "chat"}])
+    data = load_data(open_data(str(mix), BYTES), None, 1, 0, seq_len=512)
+    b = Batches(data, 0, 1, 7, 512, 2)
+    texts = {bytes(int(t) for t in ids if t < 256) for _ in range(40) for ids, _ in documents(b.next())}
+    assert {b"Q: capital of France? A: Paris", b"Q: 2+2? A: 4"} <= texts
+    assert not any(b'"Paris"' in t for t in texts)
+    user = chat[7]["messages"][1]["content"].encode()  # the record with the extra key, trained
+    assert any(user in t and b"Be brief." in t for t in texts)
