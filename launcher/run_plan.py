@@ -280,6 +280,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         model_args = resumed_model(model_args, saved.get("model"), run_dir, ident.init_from)
         drift = config_drift(cfg, saved_run, saved.get("run_sources"),
                              {k: resolved_value(k, settings, model_args) for k in SPELLED_DEFAULTS})
+        drift += data_drift(saved, [s.__dict__ for s in data.specs], getattr(tokenizer, "sha256", None))
         if drift:
             raise UsageError(f"config drift against {run_dir / 'config.json'}: " + ", ".join(drift)
                              + "; start a new --run-id instead")
@@ -310,6 +311,26 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                                                     node.device, sp, bool(settings.tiled_mlp)),
                    sequence_parallel=sp, offload_lines=tuple(host_lines), stage_line=stage_line,
                    eval_tasks=tasks, eval_tasks_every=tasks_every, best_higher=best_higher)
+
+
+def data_drift(saved: dict, sources: list[dict], tokenizer_sha256: str | None) -> list[str]:
+    """What changed in the data since the run began, behind the same flags (the flags' drift is `config_drift`'s):
+    the mix file's sources as config.json's "sources" recorded them (a weight, a field, a template, a source
+    added or removed: the loader's state and the token stream are the old mix's), and the tokenizer's content
+    (its tokenizer.json's sha256: another file at the same path). A record without either (an older run) is
+    not compared. Not the data files' content: hashing every source at each resume costs too much."""
+    out = []
+    before = {s.get("name"): s for s in saved.get("sources") or []}
+    now = {s.get("name"): s for s in sources}
+    if before and list(before) != list(now):
+        out.append(f"mix sources {list(before)} -> {list(now)}")
+    for name in (n for n in now if n in before):
+        old, new = before[name], now[name]
+        out += [f"mix source {name!r} {k} {old[k]!r} -> {new[k]!r}" for k in old if k in new and old[k] != new[k]]
+    recorded = saved.get("tokenizer_sha256")
+    if recorded and tokenizer_sha256 and recorded != tokenizer_sha256:
+        out.append(f"tokenizer content (its tokenizer.json's sha256) {recorded[:12]}... -> {tokenizer_sha256[:12]}...")
+    return out
 
 
 # what a checkpoint's weights do not depend on: the positions a run trains at, the initial weights' spread

@@ -144,3 +144,25 @@ def test_preflight_refuses_sequence_parallel_as_the_run_does_before_writing(tmp_
     assert str(preflight_err.value) == str(run_err.value) and "\n" not in str(run_err.value)
     assert str(run_err.value).startswith("--sequence-parallel 2")
     assert not out.exists()
+
+
+def test_the_data_behind_the_same_flags_is_drift_too(tmp_path, mix_path):
+    """run_plan.data_drift: the mix file edited in place (a weight, a template, a source added) and another
+    tokenizer.json at the same path are drift on resume, as another --data path is; a record from an older run
+    (no sources, no sha256) compares nothing."""
+    from zerotrain.dataio.pipeline.loader import open_data
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
+    from zerotrain.launcher.run_plan import data_drift
+
+    specs = [s.__dict__ for s in open_data(str(mix_path), ByteTokenizer()).specs]
+    saved = {"sources": specs, "tokenizer_sha256": "ab" * 32}
+    assert data_drift(saved, specs, "ab" * 32) == []
+    assert data_drift({}, specs, "cd" * 32) == []
+    first = specs[0]["name"]
+    reweighted = [{**specs[0], "weight": specs[0]["weight"] * 3}, *specs[1:]]
+    assert data_drift(saved, reweighted, "ab" * 32) == [
+        f"mix source {first!r} weight {specs[0]['weight']!r} -> {specs[0]['weight'] * 3!r}"]
+    added = data_drift(saved, [*specs, {**specs[0], "name": "extra"}], "ab" * 32)
+    assert added == [f"mix sources {[s['name'] for s in specs]} -> {[s['name'] for s in specs] + ['extra']}"]
+    assert data_drift(saved, specs, "cd" * 32) == [
+        "tokenizer content (its tokenizer.json's sha256) abababababab... -> cdcdcdcdcdcd..."]
