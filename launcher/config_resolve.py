@@ -174,17 +174,20 @@ def identity_hash(cfg: RunConfig) -> str:
 
 
 def drift(cfg: RunConfig, saved_run: dict, saved_sources: dict | None = None,
-          resolved: dict | None = None) -> list[str]:
+          resolved: dict | None = None, layout_free: bool = False) -> list[str]:
     """Identity fields that differ from a saved config.json's "run" section (its "run_sources": where each
     resolved value came from), as 'key old -> new'. `resolved`: this run's values of fields it leaves unset
-    (run_plan.SPELLED_DEFAULTS); the saved run's value given equal to one of them is not drift."""
+    (run_plan.SPELLED_DEFAULTS); the saved run's value given equal to one of them is not drift. `layout_free`: a
+    resume on another world size, which keeps the checkpoint's global batch whatever the micro-batch and the
+    accumulation (launcher/resize/layout.py): those two may change."""
     old = identity(RunConfig.from_flat({k: v for k, v in saved_run.items() if k in LEAVES}, sources=saved_sources))
     new = identity(cfg, partial=True)
     if not is_resolved(cfg):  # --profile auto before detection: the rank checks these once resolved
         old = {k: v for k, v in old.items() if k in new or k not in ("lr", "min_lr", "warmup_steps")}
     resolved = resolved or {}
+    free = ("micro_batch", "grad_accum") if layout_free else ()
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)
-            and not (new.get(k) is None and k in resolved and old.get(k) == resolved[k])]
+            and not (new.get(k) is None and k in resolved and old.get(k) == resolved[k]) and k not in free]
 
 
 def build_parser() -> Parser:

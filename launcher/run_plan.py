@@ -51,7 +51,7 @@ from zerotrain.launcher.planning import (EvalCost, describe_cost, eval_cost, eve
 from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile
 from zerotrain.launcher.resize.layout import resize_layout
 from zerotrain.launcher.resolution import resolve, tokens_per_step
-from zerotrain.launcher.settings import BY_NAME, Settings, describe_settings, parse_every, with_schedule
+from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, describe_settings, parse_every, with_schedule
 from zerotrain.launcher.settings import resolve as resolve_settings
 from zerotrain.modeling.sizes import ModelArgs, flops_per_token, mlp_tiles
 
@@ -279,7 +279,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     if saved_run is not None and resume_from is not None and resume_from.parent in (ckpt_dir, mirror_ckpt):
         model_args = resumed_model(model_args, saved.get("model"), run_dir, ident.init_from)
         drift = config_drift(cfg, saved_run, saved.get("run_sources"),
-                             {k: resolved_value(k, settings, model_args) for k in SPELLED_DEFAULTS})
+                             {k: resolved_value(k, settings, model_args) for k in SPELLED_DEFAULTS},
+                             layout_free=meta["world_size"] != world)
         drift += data_drift(saved, [s.__dict__ for s in data.specs], getattr(tokenizer, "sha256", None))
         if drift:
             raise UsageError(f"config drift against {run_dir / 'config.json'}: " + ", ".join(drift)
@@ -424,7 +425,8 @@ def _resume_layout(cfg: RunConfig, ds_config: dict, resume_from: Path, world: in
     length counted from its tokens, the loader's workers, NVMe state. Returns (cfg, ds_config, meta); UsageError
     (one line) for what cannot be resumed."""
     meta = checkpoint.read_meta(resume_from)
-    ds_config = resize_layout(ds_config, resume_from, meta, world, sp, data_world, data, run_dir / "ds_config.json")
+    ds_config = resize_layout(ds_config, resume_from, meta, world, sp, data_world, data, run_dir / "ds_config.json",
+                              micro_given=cfg.sources.get("micro_batch") in GIVEN)
     # --total-tokens counts from the checkpoint's tokens (this world's tokens per step may differ), a rule's
     # warmup stays the one the run started with
     cfg = size_in_tokens(cfg, tokens_per_step(ds_config, cfg.data.seq_len), (meta["step"], meta["tokens_seen"]),

@@ -45,3 +45,28 @@ def test_two_to_one_to_two_ranks(stage, tmp_path, mix_path):
     best = json.loads((out / "r" / "checkpoints" / "best.json").read_text())
     assert [b["step"] for b in best["kept"]] == kept
     assert all((out / "r" / "checkpoints" / f"global_step{s}" / "zerotrain.json").is_file() for s in kept)
+
+
+def test_a_run_grows_from_one_rank_with_the_profiles_micro_batch_lowered(tmp_path):
+    """keep_global_batch: a run that started on 1 rank at the profile's micro-batch 8 (global batch 8) resumes on 2
+    at 4 (was: refused, and a --micro-batch to fix it refused as drift); a --micro-batch given that does not divide
+    is refused in one line naming what would; the micro-batch and accumulation are no drift on another world."""
+    from zerotrain.launcher.config_resolve import drift, resolve_config
+    from zerotrain.launcher.errors import UsageError
+    from zerotrain.launcher.resize.layout import keep_global_batch
+
+    saved = tmp_path / "ds_config.json"
+    saved.write_text(json.dumps({"train_batch_size": 8}))
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "train_batch_size": 16}
+    grown = keep_global_batch(ds, tmp_path, 1, 2, saved, None, checked=True, micro_given=False)
+    assert (grown["train_micro_batch_size_per_gpu"], grown["gradient_accumulation_steps"], grown["train_batch_size"]) \
+        == (4, 1, 8)
+    three = keep_global_batch({**ds, "train_micro_batch_size_per_gpu": 3}, tmp_path, 1, 2, saved, None, checked=True,
+                              micro_given=False)
+    assert (three["train_micro_batch_size_per_gpu"], three["gradient_accumulation_steps"]) == (2, 2)
+    with pytest.raises(UsageError, match=r"x --micro-batch 8; give one that divides 4 \(or none"):
+        keep_global_batch(ds, tmp_path, 1, 2, saved, None, checked=True, micro_given=True)
+    base = ["--data", "mix.json", "--lr", "1e-3", "--warmup-steps", "2"]
+    saved_run = resolve_config(base).to_dict()
+    assert drift(resolve_config(base + ["--micro-batch", "4"]), saved_run) == ["micro_batch None -> 4"]
+    assert drift(resolve_config(base + ["--micro-batch", "4"]), saved_run, layout_free=True) == []
