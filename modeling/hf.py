@@ -78,6 +78,8 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
 
 def read_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
+    if Path(hf_dir).is_file() and Path(hf_dir).name == "config.json":
+        raise ValueError(f"{hf_dir}: a file; give the directory that holds it ({Path(hf_dir).parent})")
     if not Path(hf_dir).is_dir():
         raise ValueError(f"{hf_dir}: no such directory")
     if not path.is_file():
@@ -90,6 +92,9 @@ def args_from_config(cfg: dict, where: str) -> ModelArgs:
     refuses what our model cannot express."""
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
+    if model_type is None and "run" in cfg and "model" in cfg:  # a zerotrain run directory's own config.json
+        raise ValueError(f"{where}: a zerotrain run directory, not a Hugging Face model; `zerotrain export RUN"
+                         " --to DIR` makes one of its checkpoint (the notebook's finetune(model=RUN) does it for you)")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{where}: not a Llama model (model_type {model_type!r}, architectures {archs});"
                          f" supported: {', '.join(ARCHITECTURES.values())}")

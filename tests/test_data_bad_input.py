@@ -93,6 +93,8 @@ CASES = {
         t / "n.jsonl", b'{"text": "ok"}\n{"text": "bad \xff"}\n')})], "n.jsonl line 2: not valid UTF-8"),
     "record without text field": (lambda t, m: ["--data", mix_of(t, {"path": write(
         t / "r.jsonl", b'{"text": "a"}\n{"text": "b"}\n{"body": "c"}\n')})], "r.jsonl record 3: no 'text' value"),
+    "invalid JSON line": (lambda t, m: ["--data", mix_of(t, {"path": write(
+        t / "j.jsonl", b'{"text": "a"}\n{"text": "b" "c"}\n')})], "j.jsonl: line 2: invalid JSON"),
     "non-numeric weight": (lambda t, m: ["--data", str(_json(t / "w.json", {"sources": [
         {"name": "x", "path": str(m.parent / "prose.jsonl"), "weight": "0.5"}]}))],
         "source 'x': weight must be a positive number, got '0.5'"),
@@ -143,7 +145,7 @@ def test_bad_data_is_one_line_and_exit_2_from_the_train_command(case, tmp_path, 
 
 
 @pytest.mark.launches
-@pytest.mark.parametrize("case", ["empty source", "manifest hash mismatch"])  # a source's, a prepared shard's
+@pytest.mark.parametrize("case", ["empty source", "invalid JSON line", "manifest hash mismatch"])
 def test_bad_data_ends_a_launched_train_with_exit_2_and_no_traceback(case, tmp_path, mix_path):
     args, expected, runs, before = bad_case(case, tmp_path, mix_path)
     proc = launch("python", args)

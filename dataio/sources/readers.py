@@ -47,7 +47,9 @@ def quiet_datasets():
     import datasets
 
     datasets.disable_progress_bars()  # the driver shows one progress bar, the training one
-    datasets.logging.set_verbosity_error()
+    # its errors too: a file it cannot parse is logged ("Failed to load JSON from file ...") before it raises, and
+    # what raises is said once, in our line naming the source and the record
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     # datasets 5.x pings the hub to count downloads on every local load_dataset (a 3 s timeout per file on
     # a node whose requests hang); local files are not downloads.
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
