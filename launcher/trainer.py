@@ -115,8 +115,10 @@ class Trainer:
         # SIGTERM / SIGINT handled from before the run directory is written: a preemption during start-up (the
         # engine's build, a checkpoint's load: minutes for a large model) ends the run as one in the loop does.
         # A notebook's second signal raises KeyboardInterrupt; a launched rank's records the end and exits.
+        # Pre-flight's scratch trainers (watch=False) leave signals to pre-flight until they train.
         self.signals = SignalStop(hard_exit=hard_exit, on_hard_exit=self._record_hard_exit)
-        self.signals.install()
+        if watch:
+            self.signals.install()
         try:
             self._build(plan, hard_exit, watch)
         except BaseException:
@@ -378,6 +380,7 @@ class Trainer:
                          extra={"offload": offload.offloaded(self.plan.ds_config)})
 
     def close(self) -> None:
+        self.signals.restore()  # the handlers before this run's (a notebook goes on)
         if self.watchdog is not None:  # first: a watchdog that has fired ends the process from here
             self.watchdog.stop()
             self.watchdog = None

@@ -154,7 +154,13 @@ def test_bad_input_is_one_exception_with_the_clis_line(tmp_path, capsys):
         assert str(e.value).startswith(message), (kwargs, str(e.value))
     with pytest.raises(DataError, match="no such file"):
         finetune(model="debug", data=tmp_path / "missing.json", out=out)
-    assert not out.exists()  # nothing written for any of them
+    gpt2 = tmp_path / "gpt2"  # a model refused when the run is planned, after a single data file was wrapped
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    with pytest.raises(UsageError, match="not a Llama model"):
+        finetune(model=gpt2, data=tmp_path / "docs.jsonl", out=out)
+    assert not out.exists()  # nothing written for any of them (the wrapped mix neither)
 
 
 def test_best_checkpoint_else_newest(tmp_path):

@@ -116,6 +116,7 @@ class FinetuneResult:
 def finetune(model: str | Path | None = None, data: str | Path | None = None, *, launch: bool = False,
              gpus: int | None = None, **flags) -> FinetuneResult:
     """Train `model` on `data` with the driver's flags as keyword arguments (see the module docstring)."""
+    written = []  # the mix file this call wrote and the directories it made for it, deepest first
     try:
         # None means "not given", as for a flag left out; paths may come as Path objects
         values = {**FINETUNE_DEFAULTS, **{k: str(v) if isinstance(v, Path) else v for k, v in flags.items()
@@ -128,13 +129,19 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
             values["data"], mix = data_spec(data, out)
         cfg = config_from(values)
         if mix is not None:  # written only once the settings are known to be good
-            write_if_changed(Path(cfg.data.path), mix)
+            path = Path(cfg.data.path)
+            if not path.is_file():
+                written = [path, *(d for d in path.parents if not d.exists())]
+            write_if_changed(path, mix)
         if launch:
             return _launch(cfg, gpus)
         if gpus not in (None, 1):
             raise UsageError(f"gpus={gpus}: this process is one rank; more than one needs launch=True")
         result = run(cfg, hard_exit=False)  # a second interrupt must not kill the kernel
     except UsageError as e:  # DataError too: the CLI's one line, without the driver's stack under it
+        for made in written:  # bad input writes nothing: the mix this call wrote goes, and its new folders
+            with contextlib.suppress(OSError):
+                made.unlink() if made.is_file() else made.rmdir()
         raise e.with_traceback(None) from None
     finally:
         gc.collect()  # the engine of this run is unreachable now: give its memory back before the next
