@@ -322,6 +322,7 @@ def data_drift(saved: dict, sources: list[dict], tokenizer_sha256: str | None) -
     not compared. Not the data files' content: hashing every source at each resume costs too much."""
     out = []
     before = {s.get("name"): s for s in saved.get("sources") or []}
+    sources = json.loads(json.dumps(sources))  # as config.json holds them: a list of files a list, not a tuple
     now = {s.get("name"): s for s in sources}
     if before and list(before) != list(now):
         out.append(f"mix sources {list(before)} -> {list(now)}")

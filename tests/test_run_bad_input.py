@@ -166,3 +166,6 @@ def test_the_data_behind_the_same_flags_is_drift_too(tmp_path, mix_path):
     assert added == [f"mix sources {[s['name'] for s in specs]} -> {[s['name'] for s in specs] + ['extra']}"]
     assert data_drift(saved, specs, "cd" * 32) == [
         "tokenizer content (its tokenizer.json's sha256) abababababab... -> cdcdcdcdcdcd..."]
+    # a source of several files (a tuple in the spec, a list once config.json holds it) is the same source
+    files = [{**specs[0], "path": ("/data/a.jsonl", "/data/b.jsonl")}]
+    assert data_drift({"sources": json.loads(json.dumps(files))}, files, None) == []
