@@ -321,9 +321,12 @@ def data_drift(saved: dict, sources: list[dict], tokenizer_sha256: str | None) -
     (its tokenizer.json's sha256: another file at the same path). A record without either (an older run) is
     not compared. Not the data files' content: hashing every source at each resume costs too much."""
     out = []
-    before = {s.get("name"): s for s in saved.get("sources") or []}
+    before = {s.get("name"): dict(s) for s in saved.get("sources") or []}
     sources = json.loads(json.dumps(sources))  # as config.json holds them: a list of files a list, not a tuple
     now = {s.get("name"): s for s in sources}
+    for spec in (*before.values(), *now.values()):  # a downloaded hub source: its commit, not this node's cache path
+        if spec.get("hub") and spec.get("hf"):
+            spec["hf"] = Path(spec["hf"]).name
     if before and list(before) != list(now):
         out.append(f"mix sources {list(before)} -> {list(now)}")
     for name in (n for n in now if n in before):

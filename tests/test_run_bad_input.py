@@ -169,3 +169,9 @@ def test_the_data_behind_the_same_flags_is_drift_too(tmp_path, mix_path):
     # a source of several files (a tuple in the spec, a list once config.json holds it) is the same source
     files = [{**specs[0], "path": ("/data/a.jsonl", "/data/b.jsonl")}]
     assert data_drift({"sources": json.loads(json.dumps(files))}, files, None) == []
+    # a downloaded hub source resumed on a node whose cache is elsewhere: the same commit is the same data
+    hub = {**specs[0], "hub": "org/data", "hf": "/home/a/.cache/huggingface/datasets--org--data/snapshots/c0ffee"}
+    moved = {**hub, "hf": "/scratch/hf/datasets--org--data/snapshots/c0ffee"}
+    assert data_drift({"sources": [hub]}, [moved], None) == []
+    assert data_drift({"sources": [hub]}, [{**moved, "hf": "/scratch/hf/snapshots/beef"}], None) == [
+        f"mix source {first!r} hf 'c0ffee' -> 'beef'"]
