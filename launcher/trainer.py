@@ -280,7 +280,9 @@ class Trainer:
         self.clock.take_window()  # set-up is not a window
         first_step = self.state.step  # a stop before any step of this launch saves nothing (nothing new)
         try:
-            stop = self.over_before()
+            # a stop that holds before this launch's first step (participants/base.py `over_before`: a signal during
+            # start-up, a resumed run that ended on its budget or patience) ends it with nothing trained
+            stop = self.call("over_before")
             stop = self._loop(logger) if stop is None else stop
             logger.close()
             tag = self.plan.ckpt_dir / checkpoint.tag_for(self.state.step)
@@ -323,20 +325,11 @@ class Trainer:
         except CheckpointError as e:
             return StopRun("save-failed", str(e))
 
-    def over_before(self) -> StopRun | None:
-        """Before this launch's first step, the first stop that already holds (participants/base.py
-        `over_before`: a signal during start-up, a resumed run that ended on its budget or its patience): the run
-        ends on it with nothing trained, rather than one step past it. Every rank asks every participant."""
+    def call(self, hook: str, *step: StepState):
+        """Each participant's `hook` in turn (with the step, where the hook takes one), until one returns a StopRun
+        or REWOUND; every rank calls the same hooks in the same order."""
         for p in self.participants:
-            stop = p.over_before()
-            if stop is not None:
-                return stop
-        return None
-
-    def call(self, hook: str, step: StepState):
-        """Each participant's `hook` in turn, until one returns a StopRun or REWOUND."""
-        for p in self.participants:
-            outcome = getattr(p, hook)(step)
+            outcome = getattr(p, hook)(*step)
             if outcome is not None:
                 return outcome
         return None

@@ -214,10 +214,11 @@ def check_weights(hf_dir: str | Path, args: ModelArgs) -> dict[str, Path]:
         raise ValueError(f"{hf_dir}: missing tensor {missing[0]}")
     for file in sorted(set(files.values())):
         with _opened(file) as f:
+            held = set(f.keys())
             for name, shape in want.items():
                 if files[hf_name(name)] != file:
                     continue
-                if hf_name(name) not in f.keys():
+                if hf_name(name) not in held:
                     raise ValueError(f"{file}: does not hold {hf_name(name)}, which {INDEX_FILE} places in it")
                 got = tuple(f.get_slice(hf_name(name)).get_shape())
                 if got != shape:

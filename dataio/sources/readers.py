@@ -423,8 +423,9 @@ def _sft_docstore(spec: SourceSpec, table, file: str, bad: BadRecords, renderer:
         shown = spec.bad_records == "stop" or bad.count == 0
         bad(record_label(file, i) if shown else f"record {i}", why)
 
+    records = record_reader(table.schema)
     for batch in table.to_batches(max_chunksize=RENDER_BATCH):
-        for record in python_records(batch, table.schema):
+        for record in records(batch):
             n += 1
             out = render_record(spec, record, renderer, lambda why, i=n: on_bad(why, i))
             if out is not None:
@@ -469,20 +470,24 @@ def record_where(store: DocStore, d: int) -> str:
     return f"{file} {record_label(str(file), int(store.records[d]))}" if store.records is not None else str(file)
 
 
-def python_records(batch, schema) -> list[dict]:
-    """A record batch as Python dicts, as `datasets` gives its rows. A field whose records hold values of more than
-    one type (an answer a string in one record and a number in the next; chat messages with a key only some
-    have) is stored by `datasets` as its Json feature: Arrow's `arrow.json` extension, JSON text, which
-    pyarrow's to_pylist leaves as text (a template rendered '"Paris"' with its quotes; a message a string, not
-    an object). Such columns are decoded by the features' own `decode_batch`; others are read as they are."""
+def record_reader(schema):
+    """batch -> the batch's records as Python dicts, as `datasets` gives its rows, for tables of `schema` (the
+    features read once per table). A field whose records hold values of more than one type (an answer a string in
+    one record and a number in the next; chat messages with a key only some have) is stored by `datasets` as its
+    Json feature: Arrow's `arrow.json` extension, JSON text, which pyarrow's to_pylist leaves as text (a template
+    rendered '"Paris"' with its quotes; a message a string, not an object). Such columns are decoded by the
+    features' own `decode_batch`; others are read as they are."""
     from datasets import Features
     from datasets.features.features import require_decoding
 
     features = Features.from_arrow_schema(schema)
     if not any(require_decoding(f) for f in features.values()):
-        return batch.to_pylist()
-    columns = features.decode_batch(batch.to_pydict())
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+        return lambda batch: batch.to_pylist()
+
+    def decoded(batch) -> list[dict]:
+        columns = features.decode_batch(batch.to_pydict())
+        return [dict(zip(columns, values)) for values in zip(*columns.values())]
+    return decoded
 
 
 RENDER_BATCH = 8192  # records rendered per batch: a template source is not held as Python objects at once
@@ -494,9 +499,10 @@ def render_template_column(spec: SourceSpec, table, bad: BadRecords):
     import pyarrow as pa
 
     out, n = [], 0
+    records = record_reader(table.schema)
     for batch in table.to_batches(max_chunksize=RENDER_BATCH):
         texts = []
-        for record in python_records(batch, table.schema):
+        for record in records(batch):
             n += 1
             texts.append(render_template(spec, record, lambda why, i=n: bad(f"record {i}", why)))
         out.append(pa.array(texts, type=pa.large_string()))
