@@ -24,12 +24,13 @@ from zerotrain.dataio.format.packing import check_packing
 from zerotrain.dataio.format.pieces import default_piece_len
 from zerotrain.dataio.pipeline.commands import describe_data
 from zerotrain.dataio.pipeline.loader import dataloader_settings, load_data, open_data
+from zerotrain.dataio.pipeline.reshard import check_documents
 from zerotrain.dataio.sources.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components import determinism, manifest
 from zerotrain.launcher.components.checkpoints import checkpoint
-from zerotrain.launcher.components.launching.jobs import free_port
+from zerotrain.launcher.components.launching.ports import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
 from zerotrain.launcher.components.hooks import TestHooks
@@ -294,6 +295,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
     budget = Budget(cfg.budget.max_hours, token_budget(cfg), cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, world)
     data, eval_rows = _load_plan_data(cfg, data, tokenizer, data_world, loader_settings["workers"], saved_run)
+    if meta is not None and meta.get("documents") is not None:  # what the checkpoint's loaders split, before
+        check_documents(data, meta["documents"], f"checkpoint {resume_from}")  # anything is written or converted
     tasks, tasks_every, best_higher = load_eval_tasks(cfg, settings, tokens_per_step(ds_config, cfg.data.seq_len))
     resumed = (meta["step"], meta["tokens_seen"]) if meta else (0, 0)
     repeats = check_repeats(data, run_tokens(cfg, tokens_per_step(ds_config, cfg.data.seq_len), *resumed),

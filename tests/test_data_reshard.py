@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.pipeline.loader import Batches, load_data, make_loader, open_data, plain
-from zerotrain.dataio.pipeline.reshard import check_reshard, reshard_loader_states
+from zerotrain.dataio.pipeline.reshard import check_documents, check_reshard, documents_split, reshard_loader_states
 from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_id
@@ -314,6 +314,25 @@ def test_bad_loader_states_are_one_line_errors(tmp_path):
         with pytest.raises(DataError) as e:
             reshard_loader_states(d, states, 1, SEED, SEQ, MB, "greedy" if "greedy" in want else "best-fit")
         assert want in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_names_the_documents_its_loaders_split_and_other_data_is_refused(tmp_path):
+    """documents_split goes into the checkpoint's meta (run_state.py); check_documents compares it with the data
+    before a resume writes or converts anything (run_plan.py). Workers' parts and a re-split's pending lists
+    count too; a streamed source is not counted."""
+    data, _ = id_mix(tmp_path)
+    states = [Batches(data, r, 2, SEED, SEQ, MB, {"workers": 2, "prefetch_factor": 2}).state_dict() for r in range(2)]
+    assert documents_split(states) == [70, 50]
+    check_documents(data, [70, 50], "checkpoint c")
+    check_documents(data, [70, None], "checkpoint c")  # streamed: its position is the stream's own
+    resplit = reshard_loader_states(data, states, 1, SEED, SEQ, MB, "best-fit")
+    assert documents_split(resplit) == [70, 50]
+    smaller, _ = id_mix(tmp_path / "smaller", n=(70, 44))
+    for counts, want in [([70, 50], "checkpoint c: its loaders split 50 documents of source 'b', the data now has 44;"),
+                         ([70], "checkpoint c: its loaders read 1 source(s), the data has 2")]:
+        with pytest.raises(DataError) as e:
+            check_documents(smaller, counts, "checkpoint c")
+        assert str(e.value).startswith(want) and "\n" not in str(e.value)
 
 
 def test_pending_documents_are_tokenized_like_any_other(tmp_path):

@@ -353,6 +353,27 @@ def test_report_compare_overlays_runs(real_run, tmp_path):
 
 
 @pytest.mark.launches
+def test_a_resume_whose_data_lost_documents_is_refused_before_anything_is_written(real_run, tmp_path):
+    """The checkpoint's meta names how many documents its loaders split per source (run_state.py); a resume
+    compares the data with it in the plan, before the run directory is written, the lock taken or a universal
+    conversion made (it used to be found in the loader's load, after all three)."""
+    from conftest import write_mix
+    from test_bad_input import snapshot
+
+    tag = real_run / "checkpoints" / "global_step6"
+    assert all(n > 300 for n in json.loads((tag / "zerotrain.json").read_text())["documents"])
+    smaller = write_mix(tmp_path / "data", n_docs=300)  # 100 documents fewer in each source
+    before = snapshot(real_run)
+    result = zerotrain("train", "--data", str(smaller), "--out", str(tmp_path / "runs"), "--run-id", "other",
+                       "--resume", str(tag), "--max-steps", "8", "--eval-every-steps", "2", "--eval-tokens", "3000")
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"zerotrain: error: checkpoint {tag}: its loaders split ") and "of source 'prose'" in line
+    assert "the data now has" in line and "changed since the checkpoint" in line
+    assert snapshot(real_run) == before and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.launches
 def test_runs_lists_status_of_each_run(real_run, tmp_path):
     out = tmp_path / "runs"
     def weights(directory, names):  # checkpoints are copied with their markers, without their weights

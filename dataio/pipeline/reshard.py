@@ -49,6 +49,30 @@ def check_reshard(data: Data, old_world: int, new_world: int) -> None:
                             f" ({old_world} -> {new_world})")
 
 
+def documents_split(states: list[dict]) -> list[int | None]:
+    """Per source, how many documents the saved loaders (one `Batches` state per data-parallel rank, as the
+    checkpoint holds them) split between their parts: what the data must still hold for the states to mean
+    anything. None for a streamed source (its position is the stream's own). Small: it goes into the
+    checkpoint's meta, so a resume checks the data (`check_documents`) before anything is built or written."""
+    parts = [part for state in states for part in state["parts"]]
+    counts = []
+    for i in range(len(parts[0]["stream"]["sources"]) if parts else 0):
+        saw = [part["stream"]["sources"][i].get("n") for part in parts]
+        counts.append(None if None in saw else sum(saw))
+    return counts
+
+
+def check_documents(data: Data, documents: list[int | None], where: str) -> None:
+    """Refuse, with one line naming `where` and the source, data whose document count is not the one a
+    checkpoint's loaders split (`documents_split`): a source edited, grown or cut into pieces otherwise."""
+    if len(documents) != len(data.specs):
+        raise DataError(f"{where}: its loaders read {len(documents)} source(s), the data has {len(data.specs)}")
+    for spec, store, saw in zip(data.specs, data.stores, documents):
+        if saw is not None and store is not None and saw != len(store):
+            raise DataError(f"{where}: its loaders split {saw} documents of {spec.where()}, the data now has"
+                            f" {len(store)}; the source (or how it is cut into pieces) changed since the checkpoint")
+
+
 def reshard_loader_states(data: Data, states: list[dict], new_world: int, seed: int, seq_len: int,
                           micro_batch: int, packing: str) -> list[dict]:
     """One `Batches` state per new rank, continuing the old ranks' `states` (a list by old rank,

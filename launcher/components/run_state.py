@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 from zerotrain import durable
 from zerotrain.dataio.pipeline.loader import Batches
-from zerotrain.dataio.pipeline.reshard import reshard_loader_states
+from zerotrain.dataio.pipeline.reshard import documents_split, reshard_loader_states
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.checkpoints import checkpoint, checkpointer
 from zerotrain.launcher.resize import universal
@@ -132,7 +132,8 @@ class RunState:
                                       "guards": self.guard_states()}}
         meta = {"step": self.step, "tokens_seen": self.tokens_seen, "world_size": self.world,
                 "sequence_parallel": plan.sequence_parallel,
-                "run_id": plan.run_dir.name, "loader_workers": plan.loader_settings["workers"]}
+                "run_id": plan.run_dir.name, "loader_workers": plan.loader_settings["workers"],
+                "documents": documents_split(states)}  # a resume checks its data against these before writing
         t0 = time.time()
         self.last_saved = self.checkpointer.save(self.engine, self.step, client_state, meta, best_value)
         if self.universal_dir is not None:  # the conversion is not needed once this world has saved
