@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files
-from zerotrain.launcher.components.launching.jobs import free_port  # noqa: F401  (the benchmarks take it from here)
+from zerotrain.launcher.components.launching.ports import free_port  # noqa: F401  (the benchmarks take it from here)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = os.environ.get("BENCH_TINY") == "1"  # the smoke test's sizes: seconds, not minutes

@@ -24,8 +24,8 @@ startup_gc.pause()
 
 from zerotrain import durable  # noqa: E402
 from zerotrain.launcher.components.ds_compat import allreduce_buffer_files  # noqa: E402
-from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT  # noqa: E402
-from zerotrain.launcher.components.launching.jobs import free_port  # noqa: E402,F401  (the tests take it from here)
+from zerotrain.launcher.components.launching.ports import DEFAULT_PORT  # noqa: E402
+from zerotrain.launcher.components.launching.ports import free_port  # noqa: E402,F401  (the tests take it from here)
 from helpers.build_ops import BACKGROUND_OPS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +95,7 @@ def hold_default_port() -> None:
     """A `zerotrain launch -n N` without a port rendezvous on 29500 when it is free: two workers' launches would
     both take it at once, and one would die with EADDRINUSE. The controller listens on 29500 for the session (if
     something else holds it, it is busy all the same), so that every such launch takes a free port of its own and
-    says which: the two-jobs path (launching.jobs.rendezvous_port), which test_two_jobs.py tests."""
+    says which: the two-jobs path (launching.ports.rendezvous_port), which test_two_jobs.py tests."""
     s = socket.socket()
     try:
         s.bind(("", DEFAULT_PORT))

@@ -3,7 +3,7 @@ cleaned up from coming back.
 
 - DeepSpeed's shared-memory buffer name is spelled in launcher/components/ds_compat/launching.py only (tests and
   benchmarks list leaked buffers with `ds_compat.allreduce_buffer_files`).
-- One way to pick a free port (`launching.jobs.free_port`), not a socket snippet per file.
+- One way to pick a free port (`launching.ports.free_port`), not a socket snippet per file.
 - Comments and docstrings say what they mean, never "issue N" (DeepSpeed's own issues, "#N", may be cited).
 - No module of the project imports another's `_private` name: a name two modules share is public.
 - A module that loads torch when imported does not import torch again inside a function: imports stand at
@@ -18,7 +18,7 @@ import sys
 from test_architecture import REPO, _resolve, _sources, project_modules
 
 DS_COMPAT = "launcher/components/ds_compat/launching.py"
-JOBS = "launcher/components/launching/jobs.py"
+PORTS = "launcher/components/launching/ports.py"
 # What `import torch` loads itself (checked below): importing one of these again in a function is free and
 # only hides the dependency. Submodules torch loads on first use (torch._dynamo, the varlen kernel) may be
 # imported where they are used.
@@ -34,8 +34,8 @@ def test_the_shm_buffer_name_is_spelled_in_ds_compat_only():
 
 def test_one_free_port_helper():
     snippet = re.compile(r"with socket\.socket\(\) as (\w+):\s*\n\s*\1\.bind\(")
-    bad = [where for where, text in _sources() if snippet.search(text) and where != JOBS]
-    assert not bad, f"a free-port snippet of its own (use {JOBS}'s free_port): {bad}"
+    bad = [where for where, text in _sources() if snippet.search(text) and where != PORTS]
+    assert not bad, f"a free-port snippet of its own (use {PORTS}'s free_port): {bad}"
 
 
 def test_no_issue_numbers_in_the_code():

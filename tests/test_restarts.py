@@ -28,7 +28,7 @@ from conftest import REPO, free_port, read_metrics
 from zerotrain.launcher.commands import launch as launch_cmd
 from zerotrain.launcher.commands import report
 from zerotrain.launcher.components import manifest
-from zerotrain.launcher.components.launching import launcher_watch
+from zerotrain.launcher.components.launching import jobs, launcher_watch
 from zerotrain.launcher.components.launching.restarts import (
     JobEnd, RankExit, RankWatch, Restarts, rank_processes, stat_fields, take_restart_flags, with_resume_auto)
 from zerotrain.launcher.ends import END_KINDS, final_exit_codes, kind_of_exit
@@ -266,6 +266,30 @@ def test_rank_watch_names_the_first_rank_to_end_and_kills_stopped_ranks(tmp_path
          "rank0-exits")
     assert finish(proc, watch) == "[11, -9]"  # rank 1 was killed for being stopped
     assert watch.first_exit == RankExit(0, "exit 11", 11) and watch.killed_stopped == [1]
+
+
+@pytest.mark.launches
+def test_without_restarts_a_stopped_rank_is_killed_too(tmp_path):
+    """A job without --max-restarts: a rank stopped from outside (SIGSTOP, a debugger) cannot act on launch.py's
+    SIGTERM; launch.py alone would SIGKILL it 30 s later (the fake launcher here: never). run_job watches the
+    ranks of every job it starts and kills a stopped one once another rank has ended."""
+    end, relayed = [], []
+    job = threading.Thread(target=lambda: end.append(jobs.run_job(
+        [sys.executable, "-c", FAKE_LAUNCH_PY], env={**os.environ, "STEPS": str(tmp_path)}, relay=relayed.append)),
+        daemon=True)
+    job.start()
+    deadline = time.monotonic() + 60
+    while sorted(rank_processes(os.getpid()).values()) != [0, 1]:
+        assert time.monotonic() < deadline, "the fake launcher's two ranks did not start"
+        time.sleep(0.05)
+    time.sleep(3)  # the watch's discovery (every 2 s) has seen both ranks
+    (tmp_path / "rank0-exits").touch()
+    job.join(timeout=60)
+    for pid in rank_processes(os.getpid()):  # a failure leaves no stopped rank behind
+        os.kill(pid, signal.SIGKILL)
+    assert not job.is_alive(), "the stopped rank was left to the launcher (it waits for it forever)"
+    assert "".join(relayed).strip().endswith("[11, -9]")  # rank 0 exited 11, rank 1 was killed
+    assert end[0].first_exit == RankExit(0, "exit 11", 11)  # the job's cause, named as with restarts
 
 
 FAKE_LAUNCH_FINISHED_FIRST = STEP + r"""

@@ -12,7 +12,7 @@ import pytest
 
 import conftest
 from conftest import Launched, end_launched, group_members, starts_a_launch
-from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT, port_is_free, rendezvous_port
+from zerotrain.launcher.components.launching.ports import DEFAULT_PORT, port_is_free, rendezvous_port
 
 
 def test_launch_commands_are_told_from_cheap_ones():

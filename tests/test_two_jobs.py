@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from conftest import BIN, REPO, free_port, read_metrics
-from zerotrain.launcher.components.launching.jobs import DEFAULT_PORT, port_is_free, rendezvous_port
+from zerotrain.launcher.components.launching import ports
+from zerotrain.launcher.components.launching.ports import DEFAULT_PORT, port_is_free, rendezvous_port
 from zerotrain.launcher.errors import UsageError
 
 
@@ -38,6 +39,41 @@ def test_a_busy_default_port_gives_a_free_one_and_says_which():
         assert port != DEFAULT_PORT and port_is_free(port)
         assert line == (f"launch: port {DEFAULT_PORT} is busy (another job on this machine?); rendezvous on free port"
                         f" {port} (--master_port P to choose)")
+
+
+@pytest.mark.launches  # a second process holds the first claim (a python -c, no ranks)
+def test_two_launches_starting_at_once_take_two_ports(tmp_path):
+    """Nothing listens on a launch's port until its rank 0 has imported (tens of seconds): a second launch started
+    in that window used to take the same port, and its ranks died with EADDRINUSE. A launch claims its port
+    (an flock held while its process lives): another process's launch takes another one, and the port is
+    free to claim again once the first process is gone."""
+    default = free_port()  # nothing listens on it: as 29500 on a quiet machine
+    claims = tmp_path / "claims"
+    first = subprocess.Popen([sys.executable, "-c", "import sys; from zerotrain.launcher.components.launching.ports"
+                              f" import rendezvous_port as r; print(r(None, default={default},"
+                              f" claims=__import__('pathlib').Path({str(claims)!r}))[0], flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert int(first.stdout.readline()) == default
+        assert port_is_free(default)  # the race: nothing listens yet
+        second, line = rendezvous_port(None, default=default, claims=claims)
+        assert second != default and line.startswith(f"launch: port {default} is busy")
+        with pytest.raises(UsageError) as err:  # the user's port, claimed by the other launch
+            rendezvous_port(default, claims=claims)
+        assert str(err.value) == (f"launch --master_port {default}: port {default} is claimed by another zerotrain"
+                                  " launch starting on this machine; give a free port, or leave --master_port out"
+                                  " to take one")
+        ports.release(second)
+    finally:
+        first.communicate("", timeout=30)
+    assert rendezvous_port(None, default=default, claims=claims) == (
+        default, f"launch: rendezvous on port {default} (the default)")  # the first launch's process ended
+    assert stat_mode(claims) == 0o1777  # every user's launches claim in the same directory
+    ports.release(default)
+
+
+def stat_mode(path) -> int:
+    return os.stat(path).st_mode & 0o7777
 
 
 def test_a_busy_port_the_user_gave_is_refused_in_one_line():

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from zerotrain.cli_args import Parser
-from zerotrain.launcher.components.launching.jobs import deepspeed_command, rendezvous_port, run_preserving_exit_code
+from zerotrain.launcher.components.launching.jobs import deepspeed_command, run_preserving_exit_code
+from zerotrain.launcher.components.launching.ports import rendezvous_port
 
 DEMO_FLAGS = ["--profile", "cpu", "--model", "debug", "--seq-len", "256", "--micro-batch", "8",
               "--lr", "3e-3", "--min-lr", "3e-4", "--warmup-steps", "20", "--max-steps", "400",

@@ -48,8 +48,9 @@ from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.commands import export as export_command
 from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint, live_model
-from zerotrain.launcher.components.launching.jobs import (RANK_VARS, TRAIN_MODULE, deepspeed_runner, free_port,
+from zerotrain.launcher.components.launching.jobs import (RANK_VARS, TRAIN_MODULE, deepspeed_runner,
                                                           run_preserving_exit_code)
+from zerotrain.launcher.components.launching.ports import rendezvous_port
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.observe.metrics import read_metrics
 from zerotrain.launcher.config_resolve import config_from
@@ -288,7 +289,7 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     recipe_path = plan.run_dir / "recipe.json"
     durable.write_json(recipe_path, recipe)  # what the launched ranks read
-    port = free_port()
+    port = rendezvous_port(None)[0]  # claimed: another launch starting now takes another
     cmd = [*deepspeed_runner(), "--num_gpus", str(gpus), "--master_port", str(port), "--module", TRAIN_MODULE,
            "--config", str(recipe_path)]
     print(f"launching {gpus} rank(s): {' '.join(cmd)}", flush=True)

@@ -43,7 +43,8 @@ from zerotrain.cli_args import Parser, exact_integer
 from zerotrain.launcher.components import ds_compat
 from zerotrain.launcher.components.launching import hostfile
 from zerotrain.launcher.components.launching.jobs import (TRAIN_MODULE, deepspeed_command, deepspeed_runner,
-                                                          rendezvous_port, run_with_restarts)
+                                                          run_with_restarts)
+from zerotrain.launcher.components.launching.ports import rendezvous_port
 from zerotrain.launcher.components.launching.restarts import (DEFAULT_BACKOFF_S, RESTART_FLAGS, Restarts,
                                                               misplaced_restart_flag, take_restart_flags)
 from zerotrain.launcher.components.observe.golden import GoldenCheck

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,6 @@ from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
 from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
 from zerotrain.launcher.ends import END_KINDS
-from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.rank_ends import RANK_ENDS
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
@@ -38,48 +36,6 @@ TRAIN_MODULE = "zerotrain.launcher.train"
 # Set by a launcher for its ranks; a notebook that ran a world of 1 has them too (zerotrain.launcher.trainer
 # single_process_env) and must not hand them to the ranks of a launch it starts.
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port() -> int:
-    """A TCP port of this host that nothing listens on now: the rendezvous port (MASTER_PORT) of a launch we
-    start, or of a world of one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-DEFAULT_PORT = 29500  # DeepSpeed's and torch's rendezvous port when none is given (TORCH_DISTRIBUTED_DEFAULT_PORT)
-
-
-def port_is_free(port: int) -> bool:
-    """Whether this host can listen on `port` now, on every interface as torch's TCPStore does: a job holding
-    it (another launch's rendezvous) would make every rank die with EADDRINUSE. SO_REUSEADDR as the store sets
-    it, so a port left in TIME_WAIT by a job that ended is free."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def rendezvous_port(given: int | None, flag: str = "--master_port") -> tuple[int, str]:
-    """(the port a launch of ours on this node rendezvous on, the start-up line that says which). `given`: the
-    user's port, refused in one line (UsageError) if busy, before any rank starts; None: DEFAULT_PORT, or a free
-    port when another job holds it (two jobs on one machine)."""
-    if given is not None:
-        if not 1 <= given <= 65535:
-            raise UsageError(f"launch {flag} {given}: not a TCP port (1 to 65535)")
-        if not port_is_free(given):
-            raise UsageError(f"launch {flag} {given}: port {given} is busy (another job on this machine listens on"
-                             f" it); give a free port, or leave {flag} out to take one")
-        return given, f"launch: rendezvous on port {given} ({flag})"
-    if port_is_free(DEFAULT_PORT):
-        return DEFAULT_PORT, f"launch: rendezvous on port {DEFAULT_PORT} (the default)"
-    port = free_port()
-    return port, (f"launch: port {DEFAULT_PORT} is busy (another job on this machine?); rendezvous on free port {port}"
-                  f" ({flag} P to choose)")
 
 
 def deepspeed_runner() -> list[str]:
@@ -113,9 +69,10 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
 
     `env`: the environment (default ours). `relay`: a callable given the output as it arrives
     (a notebook cell shows what is written to sys.stdout, not to file descriptor 1); by default
-    the output goes straight to our stdout/stderr. `restarting` (--max-restarts): the local ranks are
-    watched (RankWatch: the first to end, stopped ones killed), and after a restartable end what is
-    left of the group is killed at once rather than given launch.py's 30 s.
+    the output goes straight to our stdout/stderr. The local ranks are watched (RankWatch: the first to
+    end; a stopped one, which launch.py's SIGTERM cannot reach, killed 2 s after a rank ended rather than at
+    launch.py's SIGKILL 30 s later). `restarting` (--max-restarts): after a restartable end what is left of
+    the group is killed at once rather than given launch.py's 30 s.
     """
     env = dict(os.environ if env is None else env)
     signalled = []
@@ -129,7 +86,7 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
         proc = subprocess.Popen(cmd, env={**env, "ZEROTRAIN_EXIT_FILE": str(exit_file), RANK_ENDS: str(ends),
                                           LAUNCHER: launcher_token()},
                                 start_new_session=True, stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
-        watch = RankWatch(proc.pid, ends=ends) if restarting else None
+        watch = RankWatch(proc.pid, ends=ends)
 
         def forward(signum, frame):
             signalled.append(signum)
@@ -141,8 +98,7 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
         except ValueError:  # not the main thread: signals cannot be forwarded from here
             pass
         try:
-            if watch is not None:
-                watch.start()
+            watch.start()
             if relay is not None:
                 _relay_output(proc.stdout, relay)
             code = proc.wait()
@@ -156,8 +112,7 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-            if watch is not None:
-                watch.stop()
+            watch.stop()
         return _job_end(code, exit_file, signalled, watch, started)  # rank 0 may have written it while we waited
 
 
