@@ -3,6 +3,7 @@ rows of a few ranks, as StepRunner.agree does with one all-gather): the named fi
 rank, each monitor's decision is the one the loop acts on, and what survives a resume round-trips."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -152,6 +153,27 @@ def test_rank_0s_clock_stops_every_rank_at_the_same_step():
     assert [s.kind for s in stops] == ["budget", "budget"]
     assert stops[0].message.startswith("budget reached at step 5: --max-hours 1")
     assert stops[1].message == "budget reached at step 5: rank 0 clock (--max-hours / --budget-usd)"
+
+
+def test_a_run_stopped_by_max_hours_and_started_again_trains_no_step():
+    """The stop reserved the next step's time and the last save's; the checkpoint keeps both (state_dict, under
+    "budget"), so the run started again decides the same before its first step. It used to reserve 0 s there
+    and trained one step past --max-hours. A checkpoint without them (an older one) reserves 0 s, as before."""
+    first = BudgetStop(FakeRun(last_save_s=2.0), Budget(max_hours=1.0), tokens_per_step=64)
+    first.contribute(a_step(step_time=30.0, trained_at=3570.0))  # 3570 + 30 + 2 s > 1 h
+    assert first.why is not None
+    kept = json.loads(json.dumps(first.state_dict()))  # as the checkpoint's client_state carries it
+    again = BudgetStop(FakeRun(elapsed_before=3570.0), Budget(max_hours=1.0), tokens_per_step=64)
+    again.load_state_dict(kept)
+    stop = again.over_before()
+    assert stop.kind == "budget" and stop.message.startswith("budget reached before step 6: --max-hours 1")
+    assert "the next step (~30.0 s + 2.0 s to save)" in stop.message
+    longer = BudgetStop(FakeRun(elapsed_before=3570.0), Budget(max_hours=2.0), tokens_per_step=64)
+    longer.load_state_dict(kept)
+    assert longer.over_before() is None  # a larger --max-hours goes on
+    older = BudgetStop(FakeRun(elapsed_before=3570.0), Budget(max_hours=1.0), tokens_per_step=64)
+    older.load_state_dict(None)
+    assert older.over_before() is None
 
 
 def test_a_signal_on_one_rank_stops_every_rank():
