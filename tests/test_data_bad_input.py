@@ -174,6 +174,33 @@ def test_skip_policy_drops_and_counts_bad_records(tmp_path):
     assert any("skipped 1 bad record(s)" in ln and "'txt'" in ln for ln in lines)
 
 
+def test_whitespace_only_records_are_no_documents_and_crlf_paragraphs_end_before_their_cr(tmp_path):
+    """A record, line or paragraph of whitespace alone (a jsonl "text": "   \\n", a line of spaces) is no
+    document: it is counted as empty, as "" is, streamed or not. A CRLF file's paragraphs end before the \\r of
+    their last line (it used to be kept: a stray token at the end of every document)."""
+    from zerotrain.dataio.pipeline.cursors import StreamedSource
+
+    (tmp_path / "crlf.txt").write_bytes(b"first\r\nparagraph\r\n\r\nsecond one\r\n \r\n\r\nthird\r\n")
+    (tmp_path / "lines.txt").write_bytes(b"one\n            \n\ttwo \n \t \r\nthree\n")
+    (tmp_path / "r.jsonl").write_text('{"text": "a"}\n{"text": "   \\n  \\t"}\n{"text": " b "}\n{"text": "\\n"}\n')
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [
+        {"name": "crlf", "path": "crlf.txt", "weight": 1},
+        {"name": "lines", "path": "lines.txt", "weight": 1, "sample_by": "line"},
+        {"name": "js", "path": "r.jsonl", "weight": 1}]}))
+    data = load_data(open_data(str(mix), ByteTokenizer()))
+    crlf, lines, js = data.stores
+    assert [crlf.text(i) for i in range(len(crlf))] == ["first\r\nparagraph", "second one", "third"]
+    assert [lines.text(i) for i in range(len(lines))] == ["one", "\ttwo ", "three"]
+    assert [js.text(i) for i in range(len(js))] == ["a", " b "] and js.empty_records == 2
+    streamed = json.loads(mix.read_text())
+    streamed["sources"] = [{**streamed["sources"][2], "streaming": True}]
+    mix.write_text(json.dumps(streamed))
+    tok = ByteTokenizer()
+    source = StreamedSource(open_data(str(mix), tok).specs[0], tok, rank=0, world=1)
+    assert [bytes(t.astype(np.uint8)).decode() for t in source.take(2)] == ["a", " b "]
+
+
 @pytest.mark.launches
 def test_verify_command_checks_and_measures(tmp_path, mix_path):
     d = prepared(tmp_path, mix_path)

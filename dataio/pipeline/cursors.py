@@ -177,7 +177,8 @@ class StreamedSource:
         try:
             for record in self._it:
                 text = record if self.renderer is not None else record_text(self.spec, record, self._bad)
-                if text or self.renderer is not None:  # an SFT record is judged when rendered, {} included
+                # an SFT record is judged when rendered, {} included; whitespace alone is no document (as read)
+                if self.renderer is not None or (text and text.strip(" \t\n\r\x0b\x0c")):  # bytes.strip()'s
                     texts.append(text)
                 if len(texts) >= TOKEN_BLOCK:
                     break

@@ -399,6 +399,7 @@ def _docstore_from_table(spec: SourceSpec, table, file: str, renderer=None) -> D
             keep[nulls] = False
         lengths = offsets[1:] - offsets[:-1]
         keep &= lengths > 0
+        keep[keep] = ~blank(data, offsets[:-1][keep], offsets[1:][keep])  # whitespace only: no document either
         idx = np.flatnonzero(keep)
         chunks.append(data)
         chunk_ids.append(np.full(len(idx), len(chunks) - 1, np.int32))
@@ -528,7 +529,8 @@ def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
             raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if p.stat().st_size else b""
     except OSError as e:
         raise DataError(f"{spec.where()}: cannot read {p}: {e.strerror}") from None
-    sep = {"paragraph": rb"\n(?:[ \t\r]*\n)+", "line": rb"\r?\n", "document": None}[spec.sample_by]
+    # a CRLF file's paragraph ends before its \r, as a line does
+    sep = {"paragraph": rb"\r?\n(?:[ \t\r]*\n)+", "line": rb"\r?\n", "document": None}[spec.sample_by]
     starts_a, ends_a = array("q", [0]), array("q")
     if sep is not None:
         for m in re.finditer(sep, raw):
@@ -540,11 +542,8 @@ def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
     ends_a.append(end)
     starts, ends = np.frombuffer(starts_a, np.int64), np.frombuffer(ends_a, np.int64)
     keep = ends > starts
-    # Whitespace-only pieces (e.g. a trailing newline) are not documents.
-    for j in np.flatnonzero(keep & (ends - starts < 8)):
-        if not raw[starts[j]:ends[j]].strip():
-            keep[j] = False
     data = np.frombuffer(raw, np.uint8) if len(raw) else np.zeros(0, np.uint8)
+    keep[keep] = ~blank(data, starts[keep], ends[keep])  # whitespace-only pieces (a line of spaces) are no documents
     pos = 0
     while (at := _first_invalid_utf8(raw, pos)) is not None:  # only on failure find the offending document
         j = min(int(np.searchsorted(ends, at, side="right")), len(ends) - 1)
@@ -558,6 +557,20 @@ def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
     if len(store) < FEW_DOCUMENTS:
         store.note = _few_documents_note(spec, p, data, len(store))
     return store
+
+
+WHITESPACE = np.zeros(256, bool)
+WHITESPACE[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() removes
+
+
+def blank(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Which of the non-empty byte ranges [starts, ends) of `data` hold ASCII whitespace only. Only a range that
+    begins and ends with whitespace can be (few do), so only those are read whole."""
+    out = np.zeros(len(starts), bool)
+    if len(starts):
+        for j in np.flatnonzero(WHITESPACE[data[starts]] & WHITESPACE[data[ends - 1]]).tolist():
+            out[j] = not bytes(data[starts[j]:ends[j]]).strip()
+    return out
 
 
 UTF8_BLOCK = 1 << 24  # bytes decoded at a time when checking a .txt file
