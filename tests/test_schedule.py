@@ -1,5 +1,7 @@
 """The learning-rate schedules (launcher/components/schedule.py): the lr of every step, and what a resumed run's
 schedule does when --max-steps changed."""
+import math
+
 import pytest
 
 from zerotrain.launcher.components.schedule import Schedule
@@ -48,6 +50,20 @@ def test_a_schedule_that_cannot_be_stretched_keeps_its_length_and_says_so():
     assert "in its decay: it keeps its length" in decaying.resume(step=9, max_steps=20, lr=1.0)[0]
     assert decaying.total == 10
     assert Schedule(1.0, 0.1, 2, 10).resume(step=4, max_steps=10, lr=1.0) == []  # same length: nothing to say
+
+
+def test_a_plan_shorter_than_its_warmup_says_what_the_steps_past_it_train_at():
+    """A cosine run of 6 steps with a 10-step warmup, extended to 14: the saved plan's warmup goes on past the
+    plan (the lr rises to the peak), then the lr falls to min-lr; the line says so step by step. It used to say
+    "steps 7-14 train at min-lr". (A wsd plan resumed there is re-planned: its decay starts after the warmup.)"""
+    plan = Schedule(1.0, 0.1, 10, 6)
+    (line,) = plan.resume(step=6, max_steps=14, lr=1.0)
+    got = lrs(plan, 14)
+    assert got[6:10] == pytest.approx([0.7, 0.8, 0.9, 1.0])  # steps 7-10: the warmup goes on
+    assert "so steps 7-10 go on with its warmup of 10 steps (longer than the plan) to lr 1, " in line
+    above = [k for k in range(11, 15) if not math.isclose(got[k - 1], 0.1)]  # steps above min-lr after it
+    assert above == [11] and "step 11 at lr 1, steps 12-14 at min-lr 0.1;" in line
+    assert got[11:] == pytest.approx([0.1] * 3)
 
 
 def test_checkpoints_of_the_cosine_only_class_load_into_a_schedule():

@@ -82,11 +82,32 @@ class Schedule:
                     f" phase: decay re-planned for --max-steps {max_steps}", self.describe(lr)]
         where = "in its decay" if self.kind == "wsd" else "(a cosine cannot be stretched without moving the lr)"
         if max_steps > self.total:
-            then = f"steps {self.total + 1}-{max_steps} train at min-lr {lr * self.min_ratio:g}"
+            then = self._past_plan(lr, max_steps)
         else:
             then = f"the run stops at step {max_steps}, at lr {lr * self(max_steps - 1):g}, before the decay ends"
         return [f"schedule {self.kind} {was}, resumed at step {step} {where}: it keeps its length, so {then}"
                 + ("; --schedule wsd can be extended during its stable phase" if self.kind == "cosine" else "")]
+
+
+    def _past_plan(self, lr: float, max_steps: int) -> str:
+        """What steps total+1..max_steps train at, the saved plan kept: its min-lr, unless its warmup is longer
+        than the plan itself; then the warmup goes on, the peak, and min-lr after it (said step by step)."""
+        if self.warmup <= self.total:
+            return f"{_steps(self.total + 1, max_steps)} train at min-lr {lr * self.min_ratio:g}"
+        top = min(self.warmup, max_steps)
+        parts = [f"{_steps(self.total + 1, top)} go on with its warmup of {self.warmup} steps (longer than the"
+                 f" plan) to lr {lr * self(top - 1):g}"]
+        s = self.warmup  # past the warmup the plan is already over: a step or two above min-lr, then min-lr
+        while s < max_steps and not math.isclose(self(s), self.min_ratio):
+            parts.append(f"step {s + 1} at lr {lr * self(s):g}")
+            s += 1
+        if s < max_steps:
+            parts.append(f"{_steps(s + 1, max_steps)} at min-lr {lr * self.min_ratio:g}")
+        return ", ".join(parts)
+
+
+def _steps(first: int, last: int) -> str:
+    return f"steps {first}-{last}" if last > first else f"step {first}"
 
 
 def make_scheduler(cfg):
