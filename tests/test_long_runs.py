@@ -197,6 +197,12 @@ def test_budgets_stop_at_a_step_boundary_save_and_resume_with_a_larger_budget(tm
     assert "budget reached" in first.stdout + first.stderr
     step = read_metrics(out / "r")[-1]["step"]
     assert 0 < step < 400 and (out / "r" / "checkpoints" / f"global_step{step}" / "zerotrain.json").is_file()
+    # the same command again: the stop reserved a step's and a save's time, and so does the restart (it used
+    # to reserve none and trained one step past the hour's limit)
+    again = launch("python", args + ["--max-hours", "0.0005"], env_extra=slow)
+    assert again.returncode == 5, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"budget reached before step {step + 1}: --max-hours" in again.stdout + again.stderr
+    assert read_metrics(out / "r")[-1]["step"] == step
     # money: 1 GPU at $3600/hour is $1/s; a budget of $5 more than was spent stops again
     spent = read_metrics(out / "r")[-1]["elapsed_s"]
     second = launch("python", args + ["--budget-usd", f"{spent + 5:.3f}", "--gpu-hour-usd", "3600"], env_extra=slow)
