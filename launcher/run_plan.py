@@ -17,13 +17,14 @@ import json
 import os
 import re
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
+from zerotrain.dataio.format.mix import SourceSpec
 from zerotrain.dataio.format.packing import check_packing
 from zerotrain.dataio.format.pieces import default_piece_len
 from zerotrain.dataio.pipeline.commands import describe_data
-from zerotrain.dataio.pipeline.loader import dataloader_settings, load_data, open_data
+from zerotrain.dataio.pipeline.loader import dataloader_settings, load_data, missing_bos, open_data
 from zerotrain.dataio.pipeline.reshard import check_documents
 from zerotrain.dataio.sources.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.sources.tokenizer import load_tokenizer
@@ -307,7 +308,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
                    resume_from=resume_from, resume_meta=meta,
-                   warnings=(*device_warnings, *config_warnings(cfg), *repeats),
+                   warnings=(*device_warnings, *config_warnings(cfg), *repeats, *missing_bos(data)),
                    golden=golden, node=node, budget=budget,
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
                    loss_chunk_tokens=run_loss_chunk(model_args, ds_config, cfg.data.seq_len,
@@ -333,13 +334,16 @@ def data_drift(saved: dict, sources: list[dict], tokenizer_sha256: str | None) -
     if before and list(before) != list(now):
         out.append(f"mix sources {list(before)} -> {list(now)}")
     for name in (n for n in now if n in before):
-        old, new = before[name], now[name]
+        # a key the record lacks (written before the key existed) meant its default then
+        old, new = {**SPEC_DEFAULTS, **before[name]}, now[name]
         out += [f"mix source {name!r} {k} {old[k]!r} -> {new[k]!r}" for k in old if k in new and old[k] != new[k]]
     recorded = saved.get("tokenizer_sha256")
     if recorded and tokenizer_sha256 and recorded != tokenizer_sha256:
         out.append(f"tokenizer content (its tokenizer.json's sha256) {recorded[:12]}... -> {tokenizer_sha256[:12]}...")
     return out
 
+
+SPEC_DEFAULTS = {f.name: f.default for f in fields(SourceSpec) if f.default is not MISSING}
 
 # what a checkpoint's weights do not depend on: the positions a run trains at, the initial weights' spread
 NOT_IN_WEIGHTS = ("max_seq_len", "init_std")

@@ -225,3 +225,24 @@ def test_a_single_data_file_becomes_a_one_source_mix(tmp_path):
     assert [(s.name, s.format) for s in parse_mix(path).sources] == [("qa", "sft")]  # dataio accepts it
     mix = tmp_path / "mix.json"
     assert data_spec(mix, out) == (str(mix), None)  # mix files and shard directories go as they are
+
+
+def test_a_wrapped_file_of_documents_gets_bos_when_the_tokenizer_puts_one_before_every_text(tmp_path):
+    """finetune() wraps a single file for the user: with a tokenizer that transformers puts a BOS before every
+    text with (a Llama's), its documents start with BOS, as the model was trained and as transformers would
+    encode the file; SFT files are left to their chat template, other tokenizers get nothing."""
+    from test_data_bos import bos_tokenizer
+    from zerotrain.dataio.sources.tokenizer import train_bpe
+    from zerotrain.launcher.commands.finetune import data_spec, with_tokenizer_bos
+    from zerotrain.launcher.config_resolve import config_from
+
+    llama_like = bos_tokenizer(tmp_path / "llama")
+    plain = train_bpe(["a few words of text"] * 20, 300, tmp_path / "plain")
+    out = tmp_path / "runs"
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a document"}) + "\n")
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"prompt": "2 + 2?", "response": "4"}) + "\n")
+    for name, tokenizer, bos in [("docs", llama_like.directory, True), ("docs", plain, None),
+                                 ("qa", llama_like.directory, None)]:
+        path, text = data_spec(tmp_path / f"{name}.jsonl", out)
+        cfg = config_from({"data": path, "tokenizer": str(tokenizer), "model": "debug", "out": str(out)})
+        assert json.loads(with_tokenizer_bos(text, cfg))["sources"][0].get("bos") is bos, (name, tokenizer)

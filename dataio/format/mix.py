@@ -6,6 +6,7 @@ A mix file is JSON (examples in dataio/mixes/):
     {"description": "...",                  optional
      "on_exhausted": "restart",             restart | stop   (default restart; per source too)
      "bad_records": "stop",                 stop | skip      (default stop; per source too)
+     "bos": false,                          true: every document starts with the tokenizer's BOS (per source too)
      "warn_epochs": 4,                      warn before training when a source would repeat more
      "sources": [
        {"name": "web",  "weight": 0.7, "path": "data/web.jsonl"},
@@ -130,12 +131,12 @@ GLOB_CHARS = "*?["
 SOURCE_KEYS = {"name", "path", "hf", "config", "split", "text_field", "template", "weight", "sample_by",
                "on_exhausted", "bad_records", "streaming", "download", "data_dir", "data_files",
                "format", "prompt_field", "response_field", "separator", "messages_field", "overflow", "dtype",
-               "eos_id"}
+               "eos_id", "bos"}
 SFT_KEYS = {"sft": {"prompt_field", "response_field", "separator", "overflow"}, "chat": {"messages_field", "overflow"}}
 TEXT_ONLY_KEYS = ("text_field", "template", "sample_by")  # what makes a document of a text record
 TOKEN_KEYS = ("dtype", "eos_id")  # a flat token file's (zerotrain.dataio.format.tokenfile)
 TOKEN_DTYPES = {"uint16": 2, "uint32": 4}  # bytes per id
-MIX_KEYS = {"description", "sources", "on_exhausted", "bad_records", "warn_epochs"}
+MIX_KEYS = {"description", "sources", "on_exhausted", "bad_records", "warn_epochs", "bos"}
 ON_EXHAUSTED = ("restart", "stop")
 BAD_RECORDS = ("stop", "skip")
 HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
@@ -168,6 +169,9 @@ class SourceSpec:
     hub: str | None = None  # a downloaded source: the hub name; `hf` is then its local snapshot directory
     dtype: str | None = None  # format tokens: the file's id type (TOKEN_DTYPES)
     eos_id: int | None = None  # format tokens: the end-of-text id that separates its documents
+    # every document (and piece) of the source starts with the tokenizer's BOS, as transformers' encode puts it
+    # before a text for a Llama; not for sft/chat (their chat template decides). The loader adds it.
+    bos: bool = False
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -229,13 +233,14 @@ def parse_mix(mix_path: str | Path) -> Mix:
         raise DataError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     default_exhausted = _choice(raw.get("on_exhausted", "restart"), ON_EXHAUSTED, "on_exhausted", where)
     default_bad = _choice(raw.get("bad_records", "stop"), BAD_RECORDS, "bad_records", where)
+    default_bos = _flag(raw.get("bos", False), "bos", where)
     warn_epochs = raw.get("warn_epochs", 4.0)
     if isinstance(warn_epochs, bool) or not isinstance(warn_epochs, (int, float)) or not warn_epochs > 0:
         raise DataError(f"{where}: warn_epochs must be a positive number, got {warn_epochs!r}")
     specs, names = [], set()
     for i, src in enumerate(raw["sources"]):
         try:
-            specs.append(_parse_source(src, i, names, mix_path, where, default_exhausted, default_bad))
+            specs.append(_parse_source(src, i, names, mix_path, where, default_exhausted, default_bad, default_bos))
         except DataNotHere as e:  # the mix's own description says what writes its files (the demo mix: `zerotrain demo`)
             if not isinstance(raw.get("description"), str) or not raw["description"]:
                 raise
@@ -247,7 +252,7 @@ def parse_mix(mix_path: str | Path) -> Mix:
 
 
 def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_exhausted: str,
-                  default_bad: str) -> SourceSpec:
+                  default_bad: str, default_bos: bool = False) -> SourceSpec:
     """One entry of a mix's "sources" list (its name is added to `names`, to refuse a duplicate)."""
     if not isinstance(src, dict):
         raise DataError(f"{where}: source #{i} is not an object")
@@ -264,8 +269,9 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
     w = src.get("weight")
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
         raise DataError(f"{at}: weight must be a positive number, got {w!r}")
+    bos = _flag(src.get("bos", default_bos), "bos", at)
     if src.get("format") == "tokens" or any(k in src for k in TOKEN_KEYS):
-        return _parse_token_source(src, name, float(w), at, mix_path, default_exhausted, default_bad)
+        return _parse_token_source(src, name, float(w), at, mix_path, default_exhausted, default_bad, bos)
     if ("path" in src) == ("hf" in src):
         raise DataError(f"{at}: give exactly one of 'path' (local files: a file, glob, directory or list)"
                         " or 'hf' (a hub dataset name or a local dataset directory)")
@@ -275,6 +281,11 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
     if "template" in src and "text_field" in src:
         raise DataError(f"{at}: give text_field or template, not both")
     fmt = _choice(src.get("format", "text"), FORMATS, "format", at)
+    if bos and fmt in SFT_KEYS:
+        if "bos" in src:
+            raise DataError(f"{at}: bos goes with format text or tokens; a format {fmt} source's chat template"
+                            " decides where its BOS goes")
+        bos = False  # the mix's default: its text sources
     for key in ("prompt_field", "response_field", "messages_field"):
         if key in src and not (isinstance(src[key], str) and src[key]):
             raise DataError(f"{at}: {key} must be a non-empty string, got {src[key]!r}")
@@ -300,12 +311,8 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
         raise DataError(f"{at}: data_files must be a pattern, a list of patterns, or an object of"
                         f" split -> pattern(s), got {src['data_files']!r}")
     sample_by = _choice(src.get("sample_by", "paragraph"), ("paragraph", "line", "document"), "sample_by", at)
-    streaming = src.get("streaming", False)
-    if not isinstance(streaming, bool):
-        raise DataError(f"{at}: streaming must be true or false, got {streaming!r}")
-    download = src.get("download", False)
-    if not isinstance(download, bool):
-        raise DataError(f"{at}: download must be true or false, got {download!r}")
+    streaming, download = _flag(src.get("streaming", False), "streaming", at), _flag(src.get("download", False),
+                                                                                     "download", at)
     if download and (hf is None or os.path.isabs(hf) or streaming):
         raise DataError(f"{at}: download goes with a hub dataset name in 'hf' (not a local directory or 'path'),"
                         " and not with streaming")
@@ -321,18 +328,24 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
         response_field=src.get("response_field", "response"), separator=src.get("separator", "\n"),
         messages_field=src.get("messages_field", "messages"), overflow=overflow, download=download,
         on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
-        bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at))
+        bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at), bos=bos)
+
+
+def _flag(value, key: str, at: str) -> bool:
+    if not isinstance(value, bool):
+        raise DataError(f"{at}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _parse_token_source(src: dict, name: str, weight: float, at: str, mix_path: Path, default_exhausted: str,
-                        default_bad: str) -> SourceSpec:
+                        default_bad: str, bos: bool = False) -> SourceSpec:
     """A flat token file (`"format": "tokens"`, zerotrain.dataio.format.tokenfile): one file of `dtype` ids whose
     size is a whole number of ids, documents separated by `eos_id`. Nothing is read but its size."""
     fmt = src.get("format", "text")
     if fmt != "tokens":
         key = next(k for k in TOKEN_KEYS if k in src)
         raise DataError(f"{at}: {key} goes with format tokens (a flat token file), this source is format {fmt}")
-    extra = sorted(set(src) - {"name", "weight", "path", "format", "on_exhausted", *TOKEN_KEYS})
+    extra = sorted(set(src) - {"name", "weight", "path", "format", "on_exhausted", "bos", *TOKEN_KEYS})
     if extra:
         raise DataError(f"{at}: {extra[0]} does not go with format tokens (a flat token file takes path, dtype,"
                         " eos_id, weight, on_exhausted)")
@@ -358,7 +371,7 @@ def _parse_token_source(src: dict, name: str, weight: float, at: str, mix_path: 
                         f" ({TOKEN_DTYPES[dtype]} bytes each): wrong dtype, or a truncated file")
     return SourceSpec(name=name, weight=weight, path=str(p), format="tokens", dtype=dtype, eos_id=eos,
                       on_exhausted=_choice(src.get("on_exhausted", default_exhausted), ON_EXHAUSTED, "on_exhausted", at),
-                      bad_records=default_bad)
+                      bad_records=default_bad, bos=bos)
 
 
 def has_glob(entry: str) -> bool:

@@ -42,6 +42,15 @@ import torch
 
 from zerotrain.dataio.format.errors import DataError
 
+def with_bos(docs: list, bos_id: int | None) -> list:
+    """Documents (token arrays) with `bos_id` put before each (None: as they are): a source's "bos": true
+    (zerotrain.dataio.format.mix). One copy of each document; the packers then treat BOS as a token like any."""
+    if bos_id is None:
+        return docs
+    head = np.array([bos_id], np.int64)
+    return [np.concatenate((head, np.asarray(d, np.int64))) for d in docs]
+
+
 OPEN_TOKENS = 16384  # best-fit: rows open at once = clamp(OPEN_TOKENS // seq_len, 8, 64)
 PACKINGS = ("best-fit", "greedy")
 

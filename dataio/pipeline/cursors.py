@@ -19,7 +19,7 @@ from zerotrain.dataio.format.docstore import DocStore
 from zerotrain.dataio.format.errors import DataError, first_line
 from zerotrain.dataio.format.mix import SourceSpec
 from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, stream_block
-from zerotrain.dataio.sources.streamed import open_streamed, record_text, records
+from zerotrain.dataio.sources.streamed import no_text, open_streamed, record_text, records
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
@@ -178,7 +178,7 @@ class StreamedSource:
             for record in self._it:
                 text = record if self.renderer is not None else record_text(self.spec, record, self._bad)
                 # an SFT record is judged when rendered, {} included; whitespace alone is no document (as read)
-                if self.renderer is not None or (text and text.strip(" \t\n\r\x0b\x0c")):  # bytes.strip()'s
+                if self.renderer is not None or not no_text(text):
                     texts.append(text)
                 if len(texts) >= TOKEN_BLOCK:
                     break

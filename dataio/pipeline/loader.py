@@ -44,7 +44,7 @@ from zerotrain.dataio.format import shards
 from zerotrain.dataio.format.docstore import DocStore
 from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.format.mix import Mix, SourceSpec, parse_mix
-from zerotrain.dataio.format.packing import check_packing, make_packer, to_torch
+from zerotrain.dataio.format.packing import check_packing, make_packer, to_torch, with_bos
 from zerotrain.dataio.format.pieces import make_pieces
 from zerotrain.dataio.pipeline.cursors import IndexedSource, StreamedSource
 from zerotrain.dataio.sources.holdout import split_holdout
@@ -140,6 +140,9 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     per node).
     """
     data.seq_len = seq_len
+    for spec in data.specs:
+        if spec.bos and data.tokenizer.bos_id is None:
+            raise DataError(f"{spec.where()}: bos: true, but tokenizer {data.tokenizer.name} has no BOS token")
     if data.kind == "shards":
         shards.verify(Path(data.path), data.manifest, data.tokenizer, mode=verify)
         stores = shards.load_stores(Path(data.path), data.manifest)
@@ -151,6 +154,19 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     if holdout is not None:  # (seed, eval_tokens): whole documents held out for evaluation, before any cutting
         stores, data.eval_stores = split_holdout(stores, data.specs, *holdout, data.tokenizer)
     return cut_data(data, stores, piece_len, world, workers)
+
+
+def missing_bos(data: Data) -> list[str]:
+    """The warning for a tokenizer that transformers puts a BOS before every text with (a Llama's: the model it
+    came with was trained with one at each document's start, and evaluation harnesses encode so) when text
+    sources of the mix train without it ("bos": true adds it). SFT sources are left to their chat template."""
+    tok = data.tokenizer
+    without = [s.name for s in data.specs if not s.bos and not is_sft(s)]
+    if not without or not getattr(tok, "adds_bos", False):
+        return []
+    return [f"tokenizer {tok.name} puts BOS {tok.special_text(tok.bos_id)!r} (id {tok.bos_id}) before every text"
+            f" transformers encodes, and the model it came with was trained so; source(s) {', '.join(without)}"
+            f" train without it: set \"bos\": true in the mix {data.path} (docs/data.md)"]
 
 
 def cut_data(data: Data, stores: list, piece_len: int | None, world: int, workers: int = 0) -> Data:
@@ -201,7 +217,9 @@ class MixedStream:
         self.sources = [StreamedSource(spec, data.tokenizer, rank, world, data.seq_len) if store is None else
                         IndexedSource(store, spec, data.tokenizer, i, rank, world, seed)
                         for i, (spec, store) in enumerate(zip(data.specs, data.stores))]
-        self.tokens = [0] * len(self.sources)  # tokens taken per source, EOS included
+        # "bos": true sources: the tokenizer's BOS before each document, counted in its length and its tokens
+        self.bos = [data.tokenizer.bos_id if spec.bos else None for spec in data.specs]
+        self.tokens = [0] * len(self.sources)  # tokens taken per source, EOS (and BOS) included
         self.documents = [0] * len(self.sources)
         self._block = 64
 
@@ -210,7 +228,7 @@ class MixedStream:
         out, got = [], 0
         while got < need:
             k = self._block
-            lens = [s.peek_lengths(k) + 1 for s in self.sources]
+            lens = [s.peek_lengths(k) + 1 + (bos is not None) for s, bos in zip(self.sources, self.bos)]
             vt, src, horizon = [], [], []
             for i, ln in enumerate(lens):
                 end = np.cumsum(ln)
@@ -227,7 +245,8 @@ class MixedStream:
             m = min(len(order), int(np.searchsorted(cum, need - got)) + 1)
             chosen = src[order[:m]]
             counts = np.bincount(chosen, minlength=len(self.sources))
-            taken = [iter(self.sources[i].take(int(c))) if c else None for i, c in enumerate(counts)]
+            taken = [iter(with_bos(self.sources[i].take(int(c)), self.bos[i])) if c else None
+                     for i, c in enumerate(counts)]
             out.extend(next(taken[i]) for i in chosen.tolist())
             for i, c in enumerate(counts):
                 if c:

@@ -46,9 +46,9 @@ import torch
 from zerotrain.dataio.format.docstore import DocStore
 from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.format.mix import SourceSpec
-from zerotrain.dataio.format.packing import BestFitPacker
+from zerotrain.dataio.format.packing import BestFitPacker, with_bos
 from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, stream_block
-from zerotrain.dataio.sources.streamed import open_streamed, record_text, records
+from zerotrain.dataio.sources.streamed import no_text, open_streamed, record_text, records
 
 MAX_FRACTION = 0.10  # the most a holdout takes from a source, of its documents and of its tokens
 HOLDOUT_SALT = 0x686F6C64  # "hold": keeps the holdout order apart from the loader's epoch orders
@@ -140,7 +140,8 @@ def holdout_rows(eval_stores: list, specs, tokenizer, seq_len: int) -> dict[str,
     out = {}
     for spec, store in zip(specs, eval_stores):
         if store is not None:
-            out[spec.name] = pack_rows(_encode(store, np.arange(len(store)), tokenizer), seq_len, tokenizer.eos_id)
+            docs = with_bos(_encode(store, np.arange(len(store)), tokenizer), tokenizer.bos_id if spec.bos else None)
+            out[spec.name] = pack_rows(docs, seq_len, tokenizer.eos_id)  # as the training stream has them
     return out
 
 
@@ -158,7 +159,7 @@ def mix_rows(data, seq_len: int, eval_tokens: int, seed: int = EVAL_MIX_SEED) ->
             store, index, seed, data.tokenizer)
         docs, got = [], 0
         for block in blocks:
-            for d in block:
+            for d in with_bos(block, data.tokenizer.bos_id if spec.bos else None):
                 if got >= target:
                     break
                 docs.append(d)
@@ -194,7 +195,7 @@ def _stream_blocks(spec: SourceSpec, tokenizer, seq_len: int | None = None):
     texts = []
     for record in records(open_streamed(spec, 0, 1)):
         text = record if renderer is not None else record_text(spec, record, on_bad)
-        if text or renderer is not None:
+        if renderer is not None or not no_text(text):
             texts.append(text)
         if len(texts) >= ENCODE_BLOCK:
             yield encode(texts)

@@ -109,6 +109,12 @@ def hub_location(name: str) -> str:
         return name
 
 
+def no_text(text: str | None) -> bool:
+    """A streamed record's text that makes no document: none, empty, or ASCII whitespace alone (what
+    readers.blank drops from a local source, so a source streamed or read gives the same documents)."""
+    return not text or not text.strip(" \t\n\r\x0b\x0c")
+
+
 def record_text(spec: SourceSpec, record: dict, on_bad) -> str | None:
     """The document text of one streamed record, or None (after on_bad) when it has none. An SFT
     record's rendered text (the plain chat template: for tokenizer training; training itself

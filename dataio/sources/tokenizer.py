@@ -9,8 +9,9 @@ another one), and
 tokenizer_config.json `chat_template` or chat_template.jinja) for SFT chats (dataio/sources/sft.py).
 
 BOS/EOS: documents are encoded WITHOUT special tokens; the packer appends EOS after every
-document (EOS separates documents in a packed row). No BOS is inserted: a document start is
-marked by its position id 0, and attention never crosses a document boundary.
+document (EOS separates documents in a packed row). A document start is marked by its position id 0,
+and attention never crosses a document boundary; a BOS goes before each document only where the mix
+asks for it (`"bos": true`, added by the loader; `adds_bos` says whether transformers would put one).
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class ByteTokenizer:
     def encode_as_transformers(self, text: str) -> list[int]:
         """What transformers' tokenizer.encode(text) gives (lm-eval's HF model): the bytes, nothing added."""
         return self.encode(text)
+
+    adds_bos = False  # transformers puts nothing before a text
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -112,6 +115,14 @@ class HFTokenizer:
         """What transformers' tokenizer.encode(text) gives (lm-eval's HF model tokenizes so): the tokenizer's own
         post-processor's special tokens added (a BOS where it adds one)."""
         return self._tok.encode(text, add_special_tokens=True).ids
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether transformers' encode(text) puts this tokenizer's BOS before a text (its post-processor does,
+        for a Llama): the model it came with was trained with one at each document's start."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        ids = self._tok.encode("a", add_special_tokens=True).ids
+        return self.bos_id is not None and ids[:1] == [self.bos_id] and ids[1:1 + len(plain)] == plain
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encs = self._tok.encode_batch_fast(texts, add_special_tokens=False) \

@@ -57,7 +57,7 @@ from zerotrain.launcher.config_resolve import config_from
 from zerotrain.launcher.ends import END_KINDS, EXIT_USAGE, kind_of_exit
 from zerotrain.launcher.errors import UsageError, ZerotrainError
 from zerotrain.launcher.node import Node
-from zerotrain.launcher.run_plan import plan_run
+from zerotrain.launcher.run_plan import identify, plan_run
 from zerotrain.launcher.settings import INIT_FROM
 from zerotrain.launcher.trainer import run
 from zerotrain.modeling import hf
@@ -130,6 +130,7 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
             values["data"], mix = data_spec(data, out)
         cfg = config_from(values)
         if mix is not None:  # written only once the settings are known to be good
+            mix = with_tokenizer_bos(mix, cfg)
             path = Path(cfg.data.path)
             if not path.is_file():
                 written = [path, *(d for d in path.parents if not d.exists())]
@@ -234,6 +235,18 @@ def data_spec(data: str | Path, out: Path) -> tuple[str, str | None]:
     source = {"name": path.stem, "path": str(path.resolve()), "weight": 1.0, **_record_format(path)}
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
     return str(out / ".mixes" / f"{path.stem}-{digest}.json"), json.dumps({"sources": [source]}, indent=2) + "\n"
+
+
+def with_tokenizer_bos(mix: str, cfg) -> str:
+    """A wrapped file of documents (not SFT) gets "bos": true when the run's tokenizer is one transformers puts
+    a BOS before every text with (a Llama's): the fine-tune then trains as the model was trained and as
+    transformers would encode the file (the driver only warns, for a mix the user wrote)."""
+    raw = json.loads(mix)
+    (source,) = raw["sources"]
+    if "format" in source or not getattr(identify(cfg).tokenizer, "adds_bos", False):
+        return mix
+    source["bos"] = True
+    return json.dumps(raw, indent=2) + "\n"
 
 
 def _record_format(path: Path) -> dict:
