@@ -27,10 +27,10 @@ from pathlib import Path
 from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.sources.hub import model_snapshot, split_name
 from zerotrain.dataio.sources.tokenizer import ByteTokenizer, load_tokenizer, same_vocabulary
-from zerotrain.launcher.config import value
+from zerotrain.launcher.config import RunConfig, value
 from zerotrain.launcher.errors import UsageError
 from zerotrain.modeling import hf, sizes
-from zerotrain.modeling.sizes import count_params, preset
+from zerotrain.modeling.sizes import ModelArgs, count_params, preset
 
 DEPTH_ONLY = ("aspect_ratio", "head_dim")
 
@@ -108,6 +108,16 @@ def resolve(cfg, vocab_size: int) -> tuple:
     return args, name, None
 
 
+
+
+def context_warnings(cfg: RunConfig, args: ModelArgs, init_from: str | None) -> list[str]:
+    """--seq-len beyond the context an --init-from model was trained for (its max_position_embeddings): the
+    positions past it were never trained (RoPE runs on; the loss there is the model's guess)."""
+    if init_from is None or cfg.data.seq_len <= args.max_seq_len:
+        return []
+    return [f"--seq-len {cfg.data.seq_len} is longer than --init-from {cfg.model.init_from}'s max_position_embeddings"
+            f" {args.max_seq_len} (the context it was trained for): positions past {args.max_seq_len} start"
+            " untrained; a context extension usually raises --rope-theta too"]
 
 
 def hub_model_name(init_from: str) -> bool:

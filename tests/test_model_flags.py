@@ -171,3 +171,18 @@ def test_a_resume_gets_the_model_its_checkpoints_hold_or_a_line_naming_what_chan
     assert resumed_model(now, older, tmp_path, "base").vocab_size == 320
     with pytest.raises(UsageError, match=r"vocab_size 384 -> 300"):
         resumed_model(now, {**older, "vocab_size": 384}, tmp_path, "base")
+
+
+def test_a_seq_len_past_the_init_from_models_context_is_said():
+    """--init-from gives the model its max_position_embeddings; a longer --seq-len trains positions the model never
+    saw (RoPE runs on): a start-up warning says so (run_plan's warnings). Nothing said within it, or from scratch."""
+    from zerotrain.launcher.model_spec import context_warnings
+    from zerotrain.modeling.sizes import ModelArgs
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=300, max_seq_len=2048)
+    longer = resolve_config(["--data", "mix.json", "--init-from", "llama-dir", "--seq-len", "4096"])
+    (line,) = context_warnings(longer, args, "llama-dir")
+    assert line.startswith("--seq-len 4096 is longer than --init-from llama-dir's max_position_embeddings 2048")
+    within = resolve_config(["--data", "mix.json", "--init-from", "llama-dir", "--seq-len", "2048"])
+    assert context_warnings(within, args, "llama-dir") == []
+    assert context_warnings(resolve_config(["--data", "mix.json", "--seq-len", "4096"]), args, None) == []
