@@ -204,6 +204,8 @@ def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys,
     assert json.loads((result.run_dir / "config.json").read_text())["world_size"] == 2
     assert result.checkpoint == result.run_dir / "checkpoints" / "global_step2"
     assert os.environ["WORLD_SIZE"] == "1"  # this process is untouched
+    from zerotrain.launcher.components.launching import ports
+    assert ports._claimed == {}  # the rendezvous port's claim ended with the job (the kernel lives on)
 
 
 def test_a_single_data_file_becomes_a_one_source_mix(tmp_path):

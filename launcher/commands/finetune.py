@@ -50,6 +50,7 @@ from zerotrain.launcher.commands import export as export_command
 from zerotrain.launcher.commands.export import consolidated_state_dict, find_checkpoint, live_model
 from zerotrain.launcher.components.launching.jobs import (RANK_VARS, TRAIN_MODULE, deepspeed_runner,
                                                           run_preserving_exit_code)
+from zerotrain.launcher.components.launching import ports
 from zerotrain.launcher.components.launching.ports import rendezvous_port
 from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.components.observe.metrics import read_metrics
@@ -315,7 +316,10 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
         del tail[:-50]
 
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    code = run_preserving_exit_code(cmd, env=env, relay=relay)
+    try:
+        code = run_preserving_exit_code(cmd, env=env, relay=relay)
+    finally:
+        ports.release(port)  # the notebook's kernel lives on: the port is another launch's again
     lines = "".join(tail).splitlines()
     errors = [ln.removeprefix("zerotrain: error: ") for ln in lines if ln.startswith("zerotrain: error: ")]
     kind = kind_of_exit(code)  # 0 reads as "finished": the ranks' own result is not returned across the launch
