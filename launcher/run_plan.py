@@ -24,7 +24,7 @@ from zerotrain.dataio.format.mix import SourceSpec
 from zerotrain.dataio.format.packing import check_packing
 from zerotrain.dataio.format.pieces import default_piece_len
 from zerotrain.dataio.pipeline.commands import describe_data
-from zerotrain.dataio.pipeline.loader import dataloader_settings, load_data, missing_bos, open_data
+from zerotrain.dataio.pipeline.loader import bos_differs, dataloader_settings, load_data, missing_bos, open_data
 from zerotrain.dataio.pipeline.reshard import check_documents
 from zerotrain.dataio.sources.holdout import holdout_rows, mix_rows
 from zerotrain.dataio.sources.tokenizer import load_tokenizer
@@ -295,7 +295,8 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         tokens_per_step(ds_config, cfg.data.seq_len))  # --total-tokens as given, even when it sets the length
     # the budget the run counts against: --total-tokens only when it does not set the length (hparams.py)
     budget = Budget(cfg.budget.max_hours, token_budget(cfg), cfg.budget.budget_usd, cfg.budget.gpu_hour_usd, world)
-    data, eval_rows = _load_plan_data(cfg, data, tokenizer, data_world, loader_settings["workers"], saved_run)
+    data, eval_rows, eval_warnings = _load_plan_data(cfg, data, tokenizer, data_world, loader_settings["workers"],
+                                                     saved_run)
     if meta is not None and meta.get("documents") is not None:  # what the checkpoint's loaders split, before
         check_documents(data, meta["documents"], f"checkpoint {resume_from}")  # anything is written or converted
     tasks, tasks_every, best_higher = load_eval_tasks(cfg, settings, tokens_per_step(ds_config, cfg.data.seq_len))
@@ -308,7 +309,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
                    resume_from=resume_from, resume_meta=meta,
-                   warnings=(*device_warnings, *config_warnings(cfg), *repeats, *missing_bos(data),
+                   warnings=(*device_warnings, *config_warnings(cfg), *repeats, *missing_bos(data), *eval_warnings,
                              *model_spec.context_warnings(cfg, model_args, ident.init_from)),
                    golden=golden, node=node, budget=budget,
                    resume_line=determinism.describe_resume(node.device, bool(settings.deterministic)),
@@ -530,7 +531,7 @@ def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Pa
 
 def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, saved_run: dict | None):
     """Reads every source / verifies every shard, cuts pieces, holds out eval documents: bad data stops
-    here, identically on every rank. Returns (data, eval rows or None)."""
+    here, identically on every rank. Returns (data, eval rows or None, warnings)."""
     piece_len = cfg.data.piece_len or default_piece_len(cfg.data.seq_len)
     if saved_run is not None and "piece_len" not in saved_run:
         piece_len = cfg.data.piece_len  # a run started before pieces existed: keep its documents whole, as it had them
@@ -539,18 +540,20 @@ def _load_plan_data(cfg: RunConfig, data, tokenizer, world: int, workers: int, s
     data = load_data(data, piece_len, world, workers, holdout, seq_len=cfg.data.seq_len,
                      verify=cfg.data.verify_data or "quick")
     if not cfg.eval.eval_every_steps:
-        return data, None
+        return data, None, []
+    warnings = []
     if cfg.eval.eval_data is not None:
         eval_data = load_data(open_data(cfg.eval.eval_data, tokenizer, fetch=not cfg.run.dry_run),
                               seq_len=cfg.data.seq_len)
         eval_rows = mix_rows(eval_data, cfg.data.seq_len, cfg.eval.eval_tokens or EVAL_TOKENS_DEFAULT)
+        warnings = bos_differs(data, eval_data, cfg.eval.eval_data)
     else:
         eval_rows = holdout_rows(data.eval_stores, data.specs, tokenizer, cfg.data.seq_len)
     if not eval_rows and not (cfg.run.dry_run and any(s.download and s.streamed for s in data.specs)):
         # (a dry run leaves "download": true sources not cached yet as hub names: the run holds them out)
         raise UsageError(f"--eval-every-steps {cfg.eval.eval_every_steps}: no eval data (every source is streamed);"
                          " give --eval-data MIX.json")
-    return data, eval_rows
+    return data, eval_rows, warnings
 
 
 EVAL_TOKENS_DEFAULT = 65536  # --eval-data without --eval-tokens: tokens per evaluation

@@ -60,6 +60,8 @@ def test_every_document_of_a_bos_source_starts_with_bos_in_the_rows_and_its_toke
     assert len(whole) > 10 and all(bytes(ids[i + 1:j].astype(np.uint8)) in texts for i, j in whole)
     b_docs = [i for i in np.flatnonzero(starts) if ids[i] not in (tok.bos_id, tok.eos_id)]
     assert b_docs  # source "b" (no bos) starts its documents with their text
+    a, b = data.stores  # the sizes the epochs and --max-epochs count: a BOS and an EOS per document of "a"
+    assert [n for n, _ in data.source_tokens()] == [int(a.lengths.sum()) + 2 * len(a), int(b.lengths.sum()) + len(b)]
     rows = holdout_rows(data.eval_stores, data.specs, tok, SEQ)  # evaluated as trained
     held = rows["a"]["input_ids"].ravel().numpy()
     first = rows["a"]["position_ids"].ravel().numpy() == 0
@@ -98,8 +100,23 @@ def test_a_tokenizer_without_bos_refuses_a_bos_source(tmp_path):
     words.save(str(tmp_path / "words" / "tokenizer.json"))
     tok = HFTokenizer(tmp_path / "words")
     assert tok.bos_id is None and not tok.adds_bos
-    with pytest.raises(DataError, match=f"source 'a': bos: true, but tokenizer {tok.name} has no BOS token"):
+    with pytest.raises(DataError, match=f"mix.json: source .a.: bos: true, but tokenizer {tok.name} has no BOS token"):
         load_data(open_data(mix(tmp_path, [{**A, "bos": True}]), tok))
+    from zerotrain.dataio.pipeline.prepare import prepare
+
+    with pytest.raises(DataError, match="has no BOS token"):  # before anything is tokenized or written
+        prepare(str(tmp_path / "mix.json"), tok, tmp_path / "shards")
+    assert not (tmp_path / "shards").exists() and not list(tmp_path.glob(".shards*"))
+
+
+def test_a_shard_manifest_holds_bos_as_a_mix_file_does():
+    from zerotrain.dataio.format.shards import manifest_specs
+
+    source = {"name": "a", "weight": 1.0, "path": "/data/a.jsonl"}
+    assert [s.bos for s in manifest_specs({"mix": {"sources": [source, {**source, "name": "b", "bos": True}]}})] == [
+        False, True]
+    with pytest.raises(DataError, match="shard manifest: source 'a': bos must be true or false, got 'yes'"):
+        manifest_specs({"mix": {"sources": [{**source, "bos": "yes"}]}})
 
 
 def test_a_key_an_older_run_did_not_record_is_its_default_not_drift(tmp_path):
@@ -109,3 +126,18 @@ def test_a_key_an_older_run_did_not_record_is_its_default_not_drift(tmp_path):
     older = [{k: v for k, v in specs[0].items() if k != "bos"}]  # recorded before "bos" existed
     assert data_drift({"sources": older}, specs, None) == []
     assert data_drift({"sources": older}, [{**specs[0], "bos": True}], None) == ["mix source 'a' bos False -> True"]
+
+
+def test_an_eval_mix_that_differs_from_training_on_bos_is_said(tmp_path):
+    from zerotrain.dataio.pipeline.loader import bos_differs
+
+    tok = ByteTokenizer()
+    (tmp_path / "t").mkdir()
+    (tmp_path / "e").mkdir()
+    trained = open_data(mix(tmp_path / "t", [A, B], bos=True), tok)
+    without = open_data(mix(tmp_path / "e", [A, {**B, "bos": True}]), tok)
+    (line,) = bos_differs(trained, without, "eval.json")
+    assert line.startswith("--eval-data eval.json: source(s) a evaluate documents without BOS, the training mix's"
+                           " documents are with it")
+    assert bos_differs(trained, trained, "eval.json") == []
+    assert bos_differs(without, trained, "x") == []  # a training mix with both: nothing to compare with

@@ -248,3 +248,53 @@ def test_a_wrapped_file_of_documents_gets_bos_when_the_tokenizer_puts_one_before
         path, text = data_spec(tmp_path / f"{name}.jsonl", out)
         cfg = config_from({"data": path, "tokenizer": str(tokenizer), "model": "debug", "out": str(out)})
         assert json.loads(with_tokenizer_bos(text, cfg))["sources"][0].get("bos") is bos, (name, tokenizer)
+    # finetune() writes a mix with "bos" to a file of its own: a call with another model (here one refused) never
+    # rewrites the mix an earlier run of the same file recorded
+    from zerotrain.launcher import finetune
+
+    plain_path, plain_text = data_spec(tmp_path / "docs.jsonl", out)
+    Path(plain_path).parent.mkdir(parents=True)
+    Path(plain_path).write_text(plain_text)
+    with pytest.raises(UsageError, match="--max-epochs"):
+        finetune(model="debug", data=tmp_path / "docs.jsonl", tokenizer=str(llama_like.directory), out=out,
+                 max_epochs=0.001, max_steps=50, seq_len=64)
+    assert Path(plain_path).read_text() == plain_text
+    assert sorted(p.name for p in Path(plain_path).parent.iterdir()) == [Path(plain_path).name]  # nothing else
+
+
+def test_generation_encodes_the_prompt_as_the_model_was_trained():
+    """greedy(): the prompt as transformers encodes it (a Llama's tokenizer puts its BOS first, as generation on
+    the export does), and a run whose documents began with BOS ("bos": true) gets it where the tokenizer adds
+    none (the byte tokenizer's 256)."""
+    import tempfile
+
+    import torch
+
+    from test_data_bos import bos_tokenizer
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
+    from zerotrain.launcher.commands.finetune import greedy
+    from zerotrain.modeling.model import Transformer
+    from zerotrain.modeling.sizes import ModelArgs
+
+    seen = []
+
+    class Recorder(Transformer):
+        def forward(self, ids, *a, **k):
+            seen.append(ids[0].tolist())
+            return super().forward(ids, *a, **k)
+
+    torch.manual_seed(0)
+    model = Recorder(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=512, max_seq_len=64)).eval()
+    byte = ByteTokenizer()
+    for trained_bos, first in [(True, [256, 97, 98]), (False, [97, 98])]:
+        seen.clear()
+        greedy(model, byte, trained_bos, "ab", max_new_tokens=1)
+        assert seen[0] == first
+    with tempfile.TemporaryDirectory() as tmp:
+        llama = bos_tokenizer(Path(tmp))
+        seen.clear()
+        greedy(model, llama, False, "the cat", max_new_tokens=1)
+        assert seen[0] == llama.encode_as_transformers("the cat") and seen[0][0] == llama.bos_id
+        seen.clear()
+        greedy(model, llama, True, "the cat", max_new_tokens=1)  # one BOS, not two
+        assert seen[0] == llama.encode_as_transformers("the cat")

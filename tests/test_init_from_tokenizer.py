@@ -177,6 +177,22 @@ def test_the_card_names_a_hub_tokenizer_as_given():
     assert "byte tokenizer" in tokenizer_words({}, ByteTokenizer())
 
 
+def test_the_card_says_a_runs_documents_began_with_bos(tmp_path):
+    """A run whose mix said "bos": true: its card says prompts begin with BOS too, and whether the tokenizer's
+    encode already puts it first (a Llama's) or the ids must start with it (the byte tokenizer's 256)."""
+    from test_data_bos import bos_tokenizer
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
+    from zerotrain.launcher.commands.export import bos_words
+
+    run = {"sources": [{"name": "a", "bos": True}, {"name": "b", "bos": False}]}
+    assert bos_words(run, ByteTokenizer()) == [
+        "- documents began with BOS (id 256): this tokenizer does not add it: start a prompt's ids with it"]
+    llama = bos_tokenizer(tmp_path)
+    assert bos_words(run, llama) == [f"- documents began with BOS (id {llama.bos_id}, `<|begin_of_text|>`): this"
+                                     " tokenizer's `encode` puts it first"]
+    assert bos_words({"sources": [{"name": "a"}]}, llama) == [] and bos_words({}, ByteTokenizer()) == []
+
+
 @pytest.mark.launches
 def test_the_run_records_its_tokenizer_by_absolute_path_and_content_and_export_holds_it_to_them(tuned, tmp_path,
                                                                                              monkeypatch, capsys):

@@ -283,8 +283,8 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
     fmt = _choice(src.get("format", "text"), FORMATS, "format", at)
     if bos and fmt in SFT_KEYS:
         if "bos" in src:
-            raise DataError(f"{at}: bos goes with format text or tokens; a format {fmt} source's chat template"
-                            " decides where its BOS goes")
+            raise DataError(f"{at}: bos goes with format text or tokens; a format {fmt} source renders its records"
+                            " itself (a chat template writes its own BOS)")
         bos = False  # the mix's default: its text sources
     for key in ("prompt_field", "response_field", "messages_field"):
         if key in src and not (isinstance(src[key], str) and src[key]):
@@ -331,9 +331,16 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
         bad_records=_choice(src.get("bad_records", default_bad), BAD_RECORDS, "bad_records", at), bos=bos)
 
 
+def check_bos(specs, tokenizer, where: str) -> None:
+    """A "bos": true source needs a tokenizer with a BOS token (training, `zerotrain prepare`)."""
+    for spec in specs:
+        if spec.bos and tokenizer.bos_id is None:
+            raise DataError(f"{where}: {spec.where()}: bos: true, but tokenizer {tokenizer.name} has no BOS token")
+
+
 def _flag(value, key: str, at: str) -> bool:
     if not isinstance(value, bool):
-        raise DataError(f"{at}: {key} must be true or false, got {value!r}")
+        raise DataError(f"{at}: {key} must be true or false, got {'null' if value is None else repr(value)}")
     return value
 
 

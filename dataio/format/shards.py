@@ -104,8 +104,12 @@ def read_manifest(root: Path) -> dict:
 def manifest_specs(manifest: dict) -> tuple[SourceSpec, ...]:
     """The mix's sources as recorded (a list of paths comes back from JSON as a list: made a tuple)."""
     fields = set(SourceSpec.__dataclass_fields__)
-    return tuple(SourceSpec(**{k: tuple(v) if k == "path" and isinstance(v, list) else v
-                               for k, v in s.items() if k in fields}) for s in manifest["mix"]["sources"])
+    specs = tuple(SourceSpec(**{k: tuple(v) if k == "path" and isinstance(v, list) else v
+                                for k, v in s.items() if k in fields}) for s in manifest["mix"]["sources"])
+    for spec in specs:  # what the loader acts on, checked as a mix file's is (a hand-edited manifest)
+        if not isinstance(spec.bos, bool):
+            raise DataError(f"shard manifest: {spec.where()}: bos must be true or false, got {spec.bos!r}")
+    return specs
 
 
 def check_tokenizer(root: Path, manifest: dict, tokenizer) -> None:

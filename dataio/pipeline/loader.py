@@ -43,7 +43,7 @@ import torch
 from zerotrain.dataio.format import shards
 from zerotrain.dataio.format.docstore import DocStore
 from zerotrain.dataio.format.errors import DataError
-from zerotrain.dataio.format.mix import Mix, SourceSpec, parse_mix
+from zerotrain.dataio.format.mix import Mix, SourceSpec, check_bos, parse_mix
 from zerotrain.dataio.format.packing import check_packing, make_packer, to_torch, with_bos
 from zerotrain.dataio.format.pieces import make_pieces
 from zerotrain.dataio.pipeline.cursors import IndexedSource, StreamedSource
@@ -89,19 +89,21 @@ class Data:
                 for spec, (size, _) in zip(self.specs, self.source_tokens()) if size]
 
     def source_tokens(self) -> list[tuple[int | None, bool]]:
-        """Per source (tokens incl. EOS, exact?) over the whole source; None when unknown."""
+        """Per source (tokens incl. EOS and a "bos" source's BOS, exact?) over the whole source; None when
+        unknown."""
         out = []
         for spec, store in zip(self.specs, self.stores):
+            ends = len(store) * (1 + spec.bos) if store is not None else 0  # an EOS (and a BOS) per document
             if store is None:
                 out.append((None, False))
             elif store.kind == "tokens" or self.tokenizer.name == "bytes":
-                out.append((int(store.lengths.sum()) + len(store), True))
+                out.append((int(store.lengths.sum()) + ends, True))
             else:  # estimate from a sample of documents
                 sample = np.linspace(0, len(store) - 1, min(len(store), 200)).astype(int)
                 texts = [store.text(int(d)) for d in sample]
                 n_tok = sum(len(t) for t in self.tokenizer.encode_batch(texts))
                 n_bytes = sum(int(store.lengths[d]) for d in sample)
-                out.append((int(store.lengths.sum() * n_tok / max(1, n_bytes)) + len(store), False))
+                out.append((int(store.lengths.sum() * n_tok / max(1, n_bytes)) + ends, False))
         return out
 
 
@@ -140,9 +142,7 @@ def load_data(data: Data, piece_len: int | None = None, world: int = 1, workers:
     per node).
     """
     data.seq_len = seq_len
-    for spec in data.specs:
-        if spec.bos and data.tokenizer.bos_id is None:
-            raise DataError(f"{spec.where()}: bos: true, but tokenizer {data.tokenizer.name} has no BOS token")
+    check_bos(data.specs, data.tokenizer, data.path)
     if data.kind == "shards":
         shards.verify(Path(data.path), data.manifest, data.tokenizer, mode=verify)
         stores = shards.load_stores(Path(data.path), data.manifest)
@@ -164,9 +164,23 @@ def missing_bos(data: Data) -> list[str]:
     without = [s.name for s in data.specs if not s.bos and not is_sft(s)]
     if not without or not getattr(tok, "adds_bos", False):
         return []
+    fix = (f"prepare the shards again from a mix with \"bos\": true (they were made from {data.path}'s mix"
+           " without it)" if data.kind == "shards" else f"set \"bos\": true in the mix {data.path}")
     return [f"tokenizer {tok.name} puts BOS {tok.special_text(tok.bos_id)!r} (id {tok.bos_id}) before every text"
             f" transformers encodes, and the model it came with was trained so; source(s) {', '.join(without)}"
-            f" train without it: set \"bos\": true in the mix {data.path} (docs/data.md)"]
+            f" train without it: {fix} (docs/data.md)"]
+
+
+def bos_differs(train: Data, evaluated: Data, where: str) -> list[str]:
+    """The warning for an eval mix whose text sources put BOS before their documents where the training mix's do
+    not, or the other way round: the rows would be scored on documents shaped otherwise than trained."""
+    trained = {s.bos for s in train.specs if not is_sft(s)}
+    other = [s.name for s in evaluated.specs if not is_sft(s) and trained and s.bos not in trained]
+    if not other:
+        return []
+    how = "with" if not next(iter(trained)) else "without"
+    return [f"--eval-data {where}: source(s) {', '.join(other)} evaluate documents {how} BOS, the training mix's"
+            f" documents are {'without' if how == 'with' else 'with'} it (\"bos\" in the mix: docs/data.md)"]
 
 
 def cut_data(data: Data, stores: list, piece_len: int | None, world: int, workers: int = 0) -> Data:

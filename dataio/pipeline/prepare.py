@@ -15,7 +15,7 @@ import numpy as np
 from zerotrain import durable
 from zerotrain.dataio.format.docstore import DocStore
 from zerotrain.dataio.format.errors import DataError
-from zerotrain.dataio.format.mix import SourceSpec, parse_mix
+from zerotrain.dataio.format.mix import SourceSpec, check_bos, parse_mix
 from zerotrain.dataio.format.shards import FORMAT, VERSION, file_sha256, token_dtype
 from zerotrain.dataio.sources.readers import load_text_source
 from zerotrain.dataio.sources.streamed import open_streamed, record_text, records
@@ -81,6 +81,7 @@ def prepare(mix_path: str, tokenizer, out: str | Path, shard_tokens: int = 100_0
             raise DataError(f"{spec.where()}: format {spec.format}: zerotrain prepare does not take SFT records (shards"
                             " cannot keep the response mask); train from the mix itself (records are tokenized at"
                             " start-up)")
+    check_bos(mix.sources, tokenizer, str(mix_path))
     out = Path(out)
     if out.exists():
         raise DataError(f"--out {out}: already exists; prepare writes a new directory (pick another --out)")

@@ -288,10 +288,22 @@ def model_card(run: dict, meta: dict, tag_dir: Path, args: ModelArgs, dtype: str
         f" `{run.get('run_id', '')}`.", "",
         f"- tokenizer: {tokenizer_words(run, tokenizer)}",
         *([f"- data format: {fmt}"] if (fmt := chat_format(run, tokenizer)[1]) else []),
+        *bos_words(run, tokenizer),
         f"- layers {args.n_layers}, hidden {args.dim}, heads {args.n_heads} (kv {args.n_kv_heads}), vocabulary"
         f" {args.vocab_size:,}, context {args.max_seq_len:,}"
         + (f" (trained on rows of {seq_len:,} tokens)" if (seq_len := run.get("run", {}).get("seq_len")) else ""), "",
         "## Export check", "", checked, ""])
+
+
+def bos_words(run: dict, tokenizer) -> list[str]:
+    """The card's line for a run whose documents began with BOS ("bos": true in its mix): prompts should too. A
+    tokenizer that puts it before every text itself (a Llama's) does so for `encode`: said as well."""
+    if not any(s.get("bos") for s in run.get("sources") or []) or tokenizer.bos_id is None:
+        return []
+    text = tokenizer.special_text(tokenizer.bos_id)
+    how = ("this tokenizer's `encode` puts it first" if getattr(tokenizer, "adds_bos", False) else
+           "this tokenizer does not add it: start a prompt's ids with it")
+    return [f"- documents began with BOS (id {tokenizer.bos_id}{f', `{text}`' if text else ''}): {how}"]
 
 
 # -- the command ---------------------------------------------------------------------------------

@@ -130,8 +130,12 @@ def finetune(model: str | Path | None = None, data: str | Path | None = None, *,
         if data is not None:
             values["data"], mix = data_spec(data, out)
         cfg = config_from(values)
+        if mix is not None and (with_bos := with_tokenizer_bos(mix, cfg)) != mix:
+            # another mix, so a file (and a run) of its own: a call with another model never rewrites the mix
+            # a run of this file recorded
+            values["data"], mix = str(Path(values["data"]).with_suffix("")) + "-bos.json", with_bos
+            cfg = config_from(values)
         if mix is not None:  # written only once the settings are known to be good
-            mix = with_tokenizer_bos(mix, cfg)
             path = Path(cfg.data.path)
             if not path.is_file():
                 written = [path, *(d for d in path.parents if not d.exists())]
@@ -335,9 +339,11 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
 # -- generation --------------------------------------------------------------------------------
 
 def load_model(source: str | Path, tokenizer: str | None = None):
-    """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
-    checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json)."""
+    """(Transformer on CPU in eval mode, tokenizer, whether its documents began with BOS) from a checkpoint, a run
+    directory (its newest checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no
+    tokenizer.json)."""
     source = Path(source)
+    trained_bos = False  # a run whose mix said "bos": true (a Hugging Face directory: its tokenizer says)
     if (source / checkpoint.MARKER).is_file() or (source / "checkpoints").is_dir():
         tag, run_dir = find_checkpoint(source)
         saved = _run_config(run_dir)
@@ -348,6 +354,7 @@ def load_model(source: str | Path, tokenizer: str | None = None):
         model = live_model(state, ModelArgs(**saved["model"]), f"generate {tag}")
         tok = load_tokenizer(tokenizer) if tokenizer else \
             export_command.run_tokenizer(saved, run_dir / "config.json", f"generate {source}")
+        trained_bos = any(s.get("bos") for s in saved.get("sources") or [])
     else:
         try:
             cfg = hf.read_config(source)
@@ -362,13 +369,16 @@ def load_model(source: str | Path, tokenizer: str | None = None):
             raise UsageError(f"generate {source}: no tokenizer.json in the directory; give tokenizer=")
         tok = load_tokenizer(tokenizer or str(source))
     model.eval()
-    return model, tok
+    return model, tok, trained_bos
 
 
-def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
+def greedy(model, tokenizer, trained_bos: bool, prompt: str, max_new_tokens: int = 64) -> str:
     """The most likely next token, again and again, until EOS or `max_new_tokens` (no cache: the
-    models here are small and so are the prompts)."""
-    ids = list(tokenizer.encode(prompt))
+    models here are small and so are the prompts). The prompt is encoded as transformers encodes it (a
+    Llama's BOS first), with the BOS a run's documents began with (`trained_bos`) where that adds none."""
+    ids = list(tokenizer.encode_as_transformers(prompt))
+    if trained_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+        ids = [tokenizer.bos_id, *ids]
     if not ids:
         raise UsageError("generate: the prompt encodes to no tokens")
     new: list[int] = []
