@@ -141,6 +141,8 @@ class Trainer:
         self.state.attach(self.participants)
         if plan.resume_from is not None:
             self.state.resume(plan.resume_from)
+        else:
+            self.metrics.fresh_start()
 
     # -- building ---------------------------------------------------------------------------------
     def _universal_dir(self) -> Path | None:
@@ -150,7 +152,7 @@ class Trainer:
             return None
         universal_dir = universal.convert_on_rank0(
             plan.resume_from, out_dir=plan.ckpt_dir / "universal" / plan.resume_from.name)
-        self.say(f"converted {plan.resume_from} (saved by {plan.resume_meta['world_size']} ranks) to a universal"
+        self.say(f"converted {plan.resume_from} (saved by {plan.resume_meta['world_size']} rank(s)) to a universal"
                  f" checkpoint for {self.world} rank(s): {universal_dir}")
         return universal_dir
 

@@ -328,7 +328,8 @@ def test_a_checkpoint_names_the_documents_its_loaders_split_and_other_data_is_re
     resplit = reshard_loader_states(data, states, 1, SEED, SEQ, MB, "best-fit")
     assert documents_split(resplit) == [70, 50]
     smaller, _ = id_mix(tmp_path / "smaller", n=(70, 44))
-    for counts, want in [([70, 50], "checkpoint c: its loaders split 50 documents of source 'b', the data now has 44;"),
+    for counts, want in [([70, 50], "checkpoint c: its loaders split 50 documents of source 'b' (held-out ones not counted, long"
+                                     " ones cut into pieces), the data now gives 44: the source changed"),
                          ([70], "checkpoint c: its loaders read 1 source(s), the data has 2")]:
         with pytest.raises(DataError) as e:
             check_documents(smaller, counts, "checkpoint c")

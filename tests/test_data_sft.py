@@ -220,6 +220,7 @@ def test_offsets_of_multibyte_text_map_to_bytes():
 BAD = [
     ("sft", {"prompt": "p"}, "no 'response' value"),
     ("sft", {"prompt": "p", "response": ""}, "empty 'response'"),
+    ("sft", {"prompt": "p", "response": " \n\t "}, "empty 'response' (nothing"),  # whitespace alone: nothing to learn
     ("sft", {"response": "r"}, "no 'prompt' value"),
     ("chat", {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
                            {"role": "assistant", "content": "c"}]}, "roles do not alternate"),
@@ -227,6 +228,8 @@ BAD = [
      "roles do not alternate"),
     ("chat", {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}, "no assistant turn"),
     ("chat", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}, "empty response"),
+    ("chat", {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  \n"}]},
+     "empty response "),
     ("chat", {"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "x"}]}, "role must be"),
     ("chat", {"messages": []}, "non-empty list"),
 ]

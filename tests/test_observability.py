@@ -369,7 +369,7 @@ def test_a_resume_whose_data_lost_documents_is_refused_before_anything_is_writte
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"zerotrain: error: checkpoint {tag}: its loaders split ") and "of source 'prose'" in line
-    assert "the data now has" in line and "changed since the checkpoint" in line
+    assert "the data now gives" in line and "changed since the checkpoint; restore it, or start a new --run-id" in line
     assert snapshot(real_run) == before and not (tmp_path / "runs").exists()
 
 
@@ -447,3 +447,22 @@ def test_metrics_jsonl_ends_a_torn_line_before_appending_and_survives_a_full_dis
     full.close()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "/dev/full: a record could not be written (No space left on device)" in err[0]
+
+
+def test_a_launch_without_a_checkpoint_supersedes_the_steps_a_dead_launch_logged(tmp_path):
+    """A launch that ended before its first save (a hang, a kill) left steps 1-6 in metrics.jsonl; the next one has
+    nothing to resume from and starts at step 1: its "restart" event makes read_metrics (and `zerotrain runs`,
+    the report, TensorBoard) show its steps only. A first launch writes no such event."""
+    first = MetricsLogger(tmp_path, True)
+    first.fresh_start()
+    for step in range(1, 7):
+        first.log({"step": step, "loss": 9.0})
+    first.close()
+    assert read_metrics(tmp_path, events=True) == []
+    again = MetricsLogger(tmp_path, True)
+    again.fresh_start()
+    for step in range(1, 5):
+        again.log({"step": step, "loss": 5.0})
+    again.close()
+    assert [(m["step"], m["loss"]) for m in read_metrics(tmp_path)] == [(s, 5.0) for s in range(1, 5)]
+    assert [e["event"] for e in read_metrics(tmp_path, events=True)] == ["restart"]

@@ -363,7 +363,7 @@ def test_a_world_size_change_with_offload_in_host_memory_resumes(runs, copy, mov
     out = r["proc"].stdout
     assert r["proc"].returncode == 0, out[-3000:] + r["proc"].stderr[-3000:]
     tag = r["run"] / "checkpoints" / f"global_step{SAVE}"
-    assert f"converted {tag} (saved by 2 ranks) to a universal checkpoint for 1 rank(s)" in out
+    assert f"converted {tag} (saved by 2 rank(s)) to a universal checkpoint for 1 rank(s)" in out
     assert moved in out
     history = read_metrics(r["run"])
     assert [m["step"] for m in history] == list(range(1, N + 1))

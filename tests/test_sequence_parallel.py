@@ -331,7 +331,7 @@ def test_sp2_checkpoint_resumes_on_4_ranks_as_two_row_groups(sp_runs):
     does."""
     out, wide = sp_runs["wide_stdout"], sp_runs["wide"]
     tag = wide / "checkpoints" / f"global_step{SAVE}"
-    assert f"converted {tag} (saved by 2 ranks) to a universal checkpoint for 4 rank(s)" in out
+    assert f"converted {tag} (saved by 2 rank(s)) to a universal checkpoint for 4 rank(s)" in out
     assert "data: 1 ranks' loader states re-split over 2" in out
     assert "world 4, batch 2 x 1 x 2 (rows shared by 2 ranks) x 64 tokens" in out
     assert f"resumed from {tag} at step {SAVE}" in out

@@ -64,8 +64,10 @@ def test_a_run_grows_from_one_rank_with_the_profiles_micro_batch_lowered(tmp_pat
     three = keep_global_batch({**ds, "train_micro_batch_size_per_gpu": 3}, tmp_path, 1, 2, saved, None, checked=True,
                               micro_given=False)
     assert (three["train_micro_batch_size_per_gpu"], three["gradient_accumulation_steps"]) == (2, 2)
-    with pytest.raises(UsageError, match=r"x --micro-batch 8; give one that divides 4 \(or none"):
-        keep_global_batch(ds, tmp_path, 1, 2, saved, None, checked=True, micro_given=True)
+    tag = tmp_path / "r1" / "checkpoints" / "global_step2"  # the advice names the run: another --micro-batch is
+    with pytest.raises(UsageError, match=r"x --micro-batch 8; resume with --run-id r1 \(another --micro-batch is"
+                                         r" otherwise another run\) and a --micro-batch that divides 4, or none"):
+        keep_global_batch(ds, tag, 1, 2, saved, None, checked=True, micro_given=True)  # another run id otherwise
     base = ["--data", "mix.json", "--lr", "1e-3", "--warmup-steps", "2"]
     saved_run = resolve_config(base).to_dict()
     assert drift(resolve_config(base + ["--micro-batch", "4"]), saved_run) == ["micro_batch None -> 4"]

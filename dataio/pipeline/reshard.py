@@ -69,8 +69,9 @@ def check_documents(data: Data, documents: list[int | None], where: str) -> None
         raise DataError(f"{where}: its loaders read {len(documents)} source(s), the data has {len(data.specs)}")
     for spec, store, saw in zip(data.specs, data.stores, documents):
         if saw is not None and store is not None and saw != len(store):
-            raise DataError(f"{where}: its loaders split {saw} documents of {spec.where()}, the data now has"
-                            f" {len(store)}; the source (or how it is cut into pieces) changed since the checkpoint")
+            raise DataError(f"{where}: its loaders split {saw} documents of {spec.where()} (held-out ones not"
+                            f" counted, long ones cut into pieces), the data now gives {len(store)}: the source"
+                            " changed since the checkpoint; restore it, or start a new --run-id")
 
 
 def reshard_loader_states(data: Data, states: list[dict], new_world: int, seed: int, seq_len: int,

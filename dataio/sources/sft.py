@@ -135,7 +135,7 @@ def check_messages(messages, field: str) -> tuple[list[dict] | None, str | None]
     if last is None:
         return None, "no assistant turn (nothing to train on)"
     for i, m in enumerate(turns[:last + 1]):
-        if m["role"] == "assistant" and not m["content"]:
+        if m["role"] == "assistant" and not m["content"].strip():  # whitespace alone is nothing to learn
             return None, f"message {i + 1} (assistant): empty response"
     return turns[:last + 1], None
 
@@ -171,7 +171,7 @@ def render_record(spec, record: dict, renderer: ChatRenderer, on_bad) -> tuple[s
         response = None if prompt is None else text_value(record, spec.response_field, on_bad)
         if response is None:
             return None
-        if not response:
+        if not response.strip():  # whitespace alone is nothing to learn, as a text record of it is no document
             on_bad(f"empty {spec.response_field!r} (nothing to train on)")
             return None
         head = prompt + spec.separator

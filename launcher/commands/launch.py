@@ -16,7 +16,8 @@ Running the job (rank 0's own exit code kept through DeepSpeed's launcher, our s
 loop) is launcher/components/launching/jobs.py; this module reads the command lines and checks before launching.
 
 Restarts (`--max-restarts K`, default 0: none): when the job ends restartably (END_KINDS' `restartable`:
-hung, or a crash: a communication error, a rank killed, a segfault, out of memory) and we were not told
+hung, or a crash: a communication error, a rank killed (the kernel's OOM killer too), a segfault; never an
+out-of-memory a rank caught, exit 12: it would end the same way) and we were not told
 to stop, every rank process left is killed (SIGCONT, then SIGKILL to the runner's process group: stopped
 ranks too) and waited for, the restart is announced in one line and recorded in RUN_DIR/manifest.json
 (`restarts`), and after `--restart-backoff` seconds the whole job starts again with `--resume auto`, at
@@ -84,8 +85,9 @@ def launch_parser() -> Parser:
                epilog="deepspeed flags: those of DeepSpeed's runner (python -m deepspeed.launcher.runner --help), e.g."
                       " --include, --exclude, --num_nodes, --num_gpus, --no_ssh --node_rank R, --master_addr,"
                       " --master_port, --ssh_port. train flags: those of zerotrain train (see its --help)."
-                      " Restartable ends: hung (exit 11) and crash (1; a rank killed, a segfault, out of memory,"
-                      " a communication error); never bad input, divergence, early stop, budget, a signal.")
+                      " Restartable ends: hung (exit 11) and crash (1; a rank killed, by the kernel's OOM killer too,"
+                      " a segfault, a communication error); never bad input, divergence, early stop, budget, a signal,"
+                      " an out-of-memory a rank caught (exit 12).")
     p.add_argument("-n", "--nproc", type=int, metavar="N", help="ranks on this node (one per GPU)")
     p.add_argument("--hostfile", "-H", metavar="H", help="DeepSpeed's hostfile: one 'HOST slots=N' per line")
     p.add_argument("--force", action="store_true", help="with --hostfile: launch although the world size differs"

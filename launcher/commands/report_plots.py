@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 
 from zerotrain.launcher.components.observe.health import label
+from zerotrain.launcher.components.observe.metrics import TIMELINE_EVENTS
 
 # -- plots ----------------------------------------------------------------------------------------
 # Each drawer draws every run on one matplotlib Axes and returns False when no run has its data.
@@ -47,7 +48,7 @@ def _loss(ax, runs, labels, x: str) -> bool:
             drawn = True
         if x == "step":  # where the history was resumed or rolled back
             for e in run.events:
-                if e.get("event") in ("resume", "rollback"):
+                if e.get("event") in TIMELINE_EVENTS:
                     ax.axvline(e["step"], color=f"C{i}", ls=":", lw=1)
                     ax.annotate(e["event"], (e["step"], 1), xycoords=("data", "axes fraction"), rotation=90,
                                 va="top", ha="right", fontsize=7, color=f"C{i}")

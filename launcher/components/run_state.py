@@ -136,10 +136,11 @@ class RunState:
                 "documents": documents_split(states)}  # a resume checks its data against these before writing
         t0 = time.time()
         self.last_saved = self.checkpointer.save(self.engine, self.step, client_state, meta, best_value)
-        if self.universal_dir is not None:  # the conversion is not needed once this world has saved
-            if self.is_main:
-                shutil.rmtree(self.universal_dir.parent, ignore_errors=True)
-            self.universal_dir = None
+        # a conversion is not needed once this world has saved: this launch's, and one an earlier launch left
+        # (it ended before its first save; a resume on its own world never removed it)
+        if self.is_main:
+            shutil.rmtree(plan.ckpt_dir / "universal", ignore_errors=True)
+        self.universal_dir = None
         self.last_save_s = time.time() - t0
         self.save_seconds += self.last_save_s
         self.saves += 1

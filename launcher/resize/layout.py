@@ -66,8 +66,9 @@ def keep_global_batch(ds_config: dict, tag_dir: Path, saved_world: int, world: i
         micro = max(d for d in range(1, micro + 1) if (global_batch // world) % d == 0)
     if global_batch % (micro * world):
         raise UsageError(f"checkpoint {tag_dir}: its global batch of {global_batch} rows cannot be kept on {world}"
-                         f" rank(s) x --micro-batch {micro}; give one that divides {global_batch // world} (or none: the"
-                         " profile's is lowered to one that does)"
+                         f" rank(s) x --micro-batch {micro}; resume with --run-id {tag_dir.parent.parent.name} (another"
+                         " --micro-batch is otherwise another run) and a --micro-batch that divides"
+                         f" {global_batch // world}, or none (the profile's is lowered to one that does)"
                          if global_batch % world == 0 else
                          f"checkpoint {tag_dir}: its global batch of {global_batch} rows is not divisible by {world}"
                          " ranks")

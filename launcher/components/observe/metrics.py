@@ -2,7 +2,8 @@
 
 `metrics.jsonl` in the run directory is the one sink every run has: one JSON object per step,
 appended, never rewritten. A resume, or a rollback after a loss spike, appends an event record
-(`{"event": "resume" | "rollback", "step": k, ...}`) and then re-logs steps after k: `read_metrics`
+(`{"event": "resume" | "rollback", "step": k, ...}`; "restart" at 0: a launch with no checkpoint to
+resume from, after one that saved none) and then re-logs steps after k: `read_metrics`
 gives the effective history (a later record for a step replaces the earlier one; an event at
 step k drops what was logged after k before it). Only rank 0 writes.
 
@@ -94,6 +95,10 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
+# events after which what was logged past their step belongs to an abandoned timeline (the module docstring)
+TIMELINE_EVENTS = ("resume", "rollback", "restart")
+
+
 class TensorBoardSink:
     """Scalars in RUN_DIR/tensorboard/. After a resume or rollback at step k the writer is reopened
     with purge_step=k+1: TensorBoard then hides what the abandoned timeline logged after k, so it
@@ -104,7 +109,7 @@ class TensorBoardSink:
 
     def write(self, record: dict) -> None:
         if "event" in record:
-            if record["event"] in ("resume", "rollback"):
+            if record["event"] in TIMELINE_EVENTS:
                 self.close()
                 self.purge_step = record["step"] + 1
             elif record["event"] == "health" and self.writer is not None:  # after the step's record, always
@@ -225,10 +230,11 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         say = say or (lambda message: print(message, flush=True))
         self.sinks = []
+        self.path = run_dir / "metrics.jsonl"
         if not is_main:
             return
-        self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-        for name in parse_sinks(cfg.observe.log)[1:]:
+        self.sinks.append(JsonlSink(self.path))
+        for name in parse_sinks(cfg.observe.log)[1:] if cfg is not None else []:
             try:
                 self.sinks.append(TensorBoardSink(run_dir / "tensorboard") if name == "tensorboard"
                                   else WandbSink(run_dir, cfg, say))
@@ -241,6 +247,12 @@ class MetricsLogger:
 
     def event(self, kind: str, step: int, **info) -> None:
         self.log({"event": kind, "step": step, **info})
+
+    def fresh_start(self) -> None:
+        """A launch with no checkpoint to resume from, in a run directory an earlier launch logged steps to (it
+        ended before its first save): those steps are superseded, as a resume's later ones are (`read_metrics`)."""
+        if self.sinks and _highest_logged_step(self.path) > 0:
+            self.event("restart", 0, why="no checkpoint to resume from: the steps logged before start again")
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -264,7 +276,7 @@ def read_metrics(run_dir: Path, events: bool = False) -> list[dict]:
             continue
         if "event" in record:
             seen_events.append(record)
-            if record["event"] in ("resume", "rollback"):
+            if record["event"] in TIMELINE_EVENTS:
                 steps = {s: r for s, r in steps.items() if s <= record["step"]}
             continue
         steps[record["step"]] = record
