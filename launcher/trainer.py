@@ -110,7 +110,7 @@ class Trainer:
             self.say(f"zerotrain: warning: {line}")
         self.dist, self.accel = init_process_group(plan.settings.dist_backend, plan.settings.comm_timeout_s)
         self.budget = plan.budget  # built once, by plan_run
-        if self.budget.active:
+        if self.budget.active and plan.resume_from is None:  # a resume says it once it knows what was spent
             self.say(self.budget.describe())
         # SIGTERM / SIGINT handled from before the run directory is written: a preemption during start-up (the
         # engine's build, a checkpoint's load: minutes for a large model) ends the run as one in the loop does.

@@ -160,7 +160,8 @@ def test_budget_usd_across_resumes_and_world_sizes():
     steps, elapsed, reason = run_until_budget(b, 0.0, 600.0)
     assert steps == 187  # 187 x 600 s = 31.17 h; step 188 would end at 31.33 h
     assert b.spend_usd(elapsed) == pytest.approx(997.33, abs=0.01)
-    assert reason.startswith("--budget-usd 1000 reached: $997.33 spent (8 GPU(s) x $4/h x 31h10m00s)")
+    assert reason.startswith("--budget-usd 1000 reached: $997.33 spent (249.3 GPU-hours at $4/h, every launch at its"
+                             " world size; now 8 GPU(s))")
 
     # Same run in two launches: the second continues from the checkpointed elapsed time.
     first = Budget(budget_usd=1000, gpu_hour_usd=4, world=8)
@@ -179,6 +180,10 @@ def test_budget_usd_across_resumes_and_world_sizes():
     steps, elapsed, _ = run_until_budget(four, 36000.0, 900.0)
     assert steps == 170 and elapsed == 36000.0 + 42.5 * 3600  # 42.5 h is exactly 170 steps of 15 min
     assert four.spend_usd(elapsed) == pytest.approx(1000.0)
+    _, _, on_four = run_until_budget(four, elapsed - 900.0, 900.0)  # the spend counts each launch's own world
+    assert on_four.startswith("--budget-usd 1000 reached: $1,000.00 spent (250 GPU-hours at $4/h")  # 80 + 170
+    tiny = Budget(budget_usd=0.003, gpu_hour_usd=1, world=2)  # a test's budget: its spend below a cent is said
+    assert tiny.exceeded_after_next(4.0, 2.0, 0, 1).startswith("--budget-usd 0.003 reached: $0.002222 spent")
     # A checkpoint that did not record GPU-seconds: its world is taken to be this one.
     old = Budget(budget_usd=1000, gpu_hour_usd=4, world=8)
     old.resume(36000.0)

@@ -208,6 +208,8 @@ def test_budgets_stop_at_a_step_boundary_save_and_resume_with_a_larger_budget(tm
     second = launch("python", args + ["--budget-usd", f"{spent + 5:.3f}", "--gpu-hour-usd", "3600"], env_extra=slow)
     assert second.returncode == 5, second.stdout[-2000:] + second.stderr[-2000:]
     assert "budget-usd" in second.stdout + second.stderr
+    left = [ln for ln in second.stdout.splitlines() if ln.startswith("budget: $")]  # said once, after the resume
+    assert len(left) == 1 and 4.9 < float(left[0].rsplit("(", 1)[1].split(" left")[0].lstrip("$")) <= 5.0, left
     step2 = read_metrics(out / "r")[-1]["step"]
     assert step < step2 < 400
     third = launch("python", args[:-1] + [str(step2 + 3)])

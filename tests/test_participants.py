@@ -155,6 +155,16 @@ def test_rank_0s_clock_stops_every_rank_at_the_same_step():
     assert stops[1].message == "budget reached at step 5: rank 0 clock (--max-hours / --budget-usd)"
 
 
+def test_the_budget_counts_the_next_steps_fetch_from_when_it_was_made():
+    """contribute runs after the next step's batches were fetched: the projection starts there (a slow loader's
+    wait was left out before, and a run went one fetch past --max-hours)."""
+    budget = BudgetStop(FakeRun(), Budget(max_hours=0.001), tokens_per_step=64)  # 3.6 s
+    budget.contribute(a_step(step_time=0.5, trained_at=2.8))
+    assert budget.why is None  # 2.8 + 0.5 fits, as the fetch was not counted
+    budget.contribute(a_step(step_time=0.5, trained_at=2.8, fetched_at=3.3))
+    assert budget.why is not None and "3.3s trained" in budget.why  # 3.3 + 0.5 does not
+
+
 def test_a_run_stopped_by_max_hours_and_started_again_trains_no_step():
     """The stop reserved the next step's time and the last save's; the checkpoint keeps both (state_dict, under
     "budget"), so the run started again decides the same before its first step. It used to reserve 0 s there

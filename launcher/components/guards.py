@@ -277,9 +277,10 @@ class Budget:
         if self.max_hours is not None and end_s > self.max_hours * 3600.0:
             return f"--max-hours {self.max_hours:g} ({hms(self.max_hours * 3600.0)}) reached: {after} would end at {hms(end_s)}"
         if self.budget_usd is not None and self.spend_usd(end_s) > self.budget_usd:
-            return (f"--budget-usd {self.budget_usd:g} reached: ${self.spend_usd(elapsed_s):,.2f} spent"
-                    f" ({self.world} GPU(s) x ${self.gpu_hour_usd:g}/h x {hms(elapsed_s)}), {after}"
-                    f" would bring it to ${self.spend_usd(end_s):,.2f}")
+            return (f"--budget-usd {self.budget_usd:g} reached: {usd(self.spend_usd(elapsed_s))} spent"
+                    f" ({self.gpu_seconds(elapsed_s) / 3600:.4g} GPU-hours at ${self.gpu_hour_usd:g}/h, every launch"
+                    f" at its world size; now {self.world} GPU(s)), {after} would bring it to"
+                    f" {usd(self.spend_usd(end_s))}")
         return None
 
     def steps_left(self, elapsed_s: float, step_time_s: float, tokens_seen: int, tokens_per_step: int,
@@ -312,8 +313,13 @@ class Budget:
         if self.budget_usd is not None:
             left = self.budget_usd - self.spend_usd(self._resumed_at_s)
             parts.append(f"${self.budget_usd:,g} at ${self.gpu_hour_usd:g}/GPU-hour x {self.world} GPU(s)"
-                         f" (${left:,.2f} left = {left / (self.gpu_hour_usd * self.world):.4g} h)")
+                         f" ({usd(left)} left = {left / (self.gpu_hour_usd * self.world):.4g} h)")
         return "budget: " + ("; ".join(parts) if parts else "none")
+
+
+def usd(value: float) -> str:
+    """Dollars as a budget line says them: cents, or 4 significant digits below a dollar (a test's budget)."""
+    return f"${value:,.2f}" if abs(value) >= 1 else f"${value:.4g}"
 
 
 # -- early stopping -------------------------------------------------------------------------

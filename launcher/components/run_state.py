@@ -162,6 +162,8 @@ class RunState:
             if p.saved_as and guards.get(p.saved_as):
                 p.load_state_dict(guards[p.saved_as])
         self.budget.resume(self.elapsed_before, state.get("gpu_seconds"))
+        if self.budget.active:
+            self.say(self.budget.describe())  # what is left, the checkpoint's spend counted
         for line in self._restore_schedule() or [self.engine.lr_scheduler.lr_lambdas[0].describe(self.cfg.schedule.lr)]:
             self.say(line)
         self.last_saved = tag_dir

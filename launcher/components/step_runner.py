@@ -79,6 +79,7 @@ class StepRunner:
         # The next step's batches are taken now, so that their agreement rides on this step's one
         # collective with the loss and the participants' fields (none after the last step).
         ahead = self.fetch() if not step.last else {}
+        step.fetched_at = time.time()
         values = {k: v for p in self.participants for k, v in p.contribute(step).items()}
         step.agreed = self.agree({**ahead, **values, "loss_sum": loss_sum})
         # with sequence parallelism each rank's loss is its share of its row group's: the sum over the ranks

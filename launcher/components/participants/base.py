@@ -164,6 +164,7 @@ class StepState:
     trained_at: float          # time.time() when this step's work ended (before the next step's fetch)
     last: bool                 # the run's last step (--max-steps)
     agreed: Agreed = field(default_factory=Agreed)
+    fetched_at: float | None = None  # time.time() once the next step's batches were fetched (contribute: after it)
     loss: float | None = None
     grad_norm: float | None = None  # rank 0's, agreed
     window: Any = None         # the health check's (window, verdicts) when a window closed here (rank 0)

@@ -48,9 +48,13 @@ class BudgetStop(Participant):
         return times[0], times[1]
 
     def contribute(self, step: StepState) -> dict:
+        """The next step would end past the limit? Counted from now, the next step's batches fetched: it trains
+        them (its compute, and its data wait as this step had) and fetches the step after's (a stop saves
+        then), hence this step's compute and data wait from now."""
         tps = self.tokens_per_step
         self.step_time_s, self.save_s = step.step_time, self.state.last_save_s
-        self.why = self.budget.exceeded_after_next(self.state.elapsed(step.trained_at), step.step_time,
+        now = step.fetched_at if step.fetched_at is not None else step.trained_at
+        self.why = self.budget.exceeded_after_next(self.state.elapsed(now), step.step_time,
                                                    self.state.tokens_seen + tps, tps, reserve_s=self.state.last_save_s)
         return {"over_budget": self.why is not None}
 
