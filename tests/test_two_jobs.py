@@ -63,13 +63,14 @@ def test_two_launches_starting_at_once_take_two_ports(tmp_path):
         assert str(err.value) == (f"launch --master_port {default}: port {default} is claimed by another zerotrain"
                                   " launch starting on this machine; give a free port, or leave --master_port out"
                                   " to take one")
-        ports.release(second)
+        ports.release(second, claims)
+        assert not (claims / str(second)).exists()  # a released claim leaves no file
     finally:
         first.communicate("", timeout=30)
     assert rendezvous_port(None, default=default, claims=claims) == (
         default, f"launch: rendezvous on port {default} (the default)")  # the first launch's process ended
     assert stat_mode(claims) == 0o1777  # every user's launches claim in the same directory
-    ports.release(default)
+    ports.release(default, claims)
 
 
 def stat_mode(path) -> int:

@@ -9,6 +9,7 @@ such a claim (hence written here); jobs that are not zerotrain's are seen once t
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -49,26 +50,34 @@ def claim(port: int, claims: Path = CLAIMS) -> bool:
     as without claims)."""
     if port in _claimed:
         return True
+    path = claims / str(port)
     try:
         if not claims.is_dir():
             claims.mkdir(exist_ok=True)
             os.chmod(claims, 0o1777)  # every user's launches claim here (sticky: none removes another's file)
-        fd = os.open(claims / str(port), os.O_RDONLY | os.O_CREAT, 0o444)  # an flock needs no write access
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o444)  # an flock needs no write access
     except OSError:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a file its last holder removed meanwhile
     except OSError:
+        held = False
+    if not held:
         os.close(fd)
         return False
     _claimed[port] = fd
     return True
 
 
-def release(port: int) -> None:
-    """Give up this process's claim on `port` (a port claimed, then found busy)."""
+def release(port: int, claims: Path = CLAIMS) -> None:
+    """Give up this process's claim on `port` (a port claimed, then found busy; a notebook's finished launch). Its
+    file goes too (a claim checks it holds the file the path names, so removing it under the lock is safe); a
+    process that ends without releasing leaves its file, free to claim again."""
     fd = _claimed.pop(port, None)
     if fd is not None:
+        with contextlib.suppress(OSError):  # another user's file in the sticky directory stays
+            os.unlink(claims / str(port))
         os.close(fd)
 
 
@@ -78,7 +87,7 @@ def _take(port: int, claims: Path) -> bool:
         return False
     if port_is_free(port):
         return True
-    release(port)
+    release(port, claims)
     return False
 
 
@@ -95,7 +104,7 @@ def rendezvous_port(given: int | None, flag: str = "--master_port", default: int
             raise UsageError(f"launch {flag} {given}: port {given} is claimed by another zerotrain launch starting"
                              f" on this machine; give a free port, or leave {flag} out to take one")
         if not port_is_free(given):
-            release(given)
+            release(given, claims)
             raise UsageError(f"launch {flag} {given}: port {given} is busy (another job on this machine listens on"
                              f" it); give a free port, or leave {flag} out to take one")
         return given, f"launch: rendezvous on port {given} ({flag})"
