@@ -63,14 +63,15 @@ def test_two_launches_starting_at_once_take_two_ports(tmp_path):
         assert str(err.value) == (f"launch --master_port {default}: port {default} is claimed by another zerotrain"
                                   " launch starting on this machine; give a free port, or leave --master_port out"
                                   " to take one")
-        ports.release(second, claims)
+        ports.release(second)
         assert not (claims / str(second)).exists()  # a released claim leaves no file
     finally:
         first.communicate("", timeout=30)
+    assert not (claims / str(default)).exists()  # the first launch's process ended: its claim went with it
     assert rendezvous_port(None, default=default, claims=claims) == (
-        default, f"launch: rendezvous on port {default} (the default)")  # the first launch's process ended
+        default, f"launch: rendezvous on port {default} (the default)")
     assert stat_mode(claims) == 0o1777  # every user's launches claim in the same directory
-    ports.release(default, claims)
+    ports.release(default)
 
 
 def stat_mode(path) -> int:

@@ -9,6 +9,7 @@ such a claim (hence written here); jobs that are not zerotrain's are seen once t
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -21,6 +22,7 @@ from zerotrain.launcher.errors import UsageError
 DEFAULT_PORT = 29500  # DeepSpeed's and torch's rendezvous port when none is given (TORCH_DISTRIBUTED_DEFAULT_PORT)
 CLAIMS = Path(tempfile.gettempdir()) / "zerotrain-ports"  # one directory for every user of the machine
 _claimed: dict[int, int] = {}  # port -> the open file whose flock claims it, for this process's lifetime
+_claims_dir: dict[int, Path] = {}  # port -> the directory it was claimed in
 
 
 def free_port() -> int:
@@ -66,19 +68,25 @@ def claim(port: int, claims: Path = CLAIMS) -> bool:
     if not held:
         os.close(fd)
         return False
-    _claimed[port] = fd
+    _claimed[port], _claims_dir[port] = fd, claims
     return True
 
 
-def release(port: int, claims: Path = CLAIMS) -> None:
-    """Give up this process's claim on `port` (a port claimed, then found busy; a notebook's finished launch). Its
-    file goes too (a claim checks it holds the file the path names, so removing it under the lock is safe); a
-    process that ends without releasing leaves its file, free to claim again."""
-    fd = _claimed.pop(port, None)
+def release(port: int) -> None:
+    """Give up this process's claim on `port` (a port claimed, then found busy; a notebook's finished launch; every
+    claim at exit). Its file goes too (a claim checks it holds the file the path names, so removing it under the
+    lock is safe); a process killed before it could leaves its file, free to claim again."""
+    fd, claims = _claimed.pop(port, None), _claims_dir.pop(port, None)
     if fd is not None:
         with contextlib.suppress(OSError):  # another user's file in the sticky directory stays
             os.unlink(claims / str(port))
         os.close(fd)
+
+
+@atexit.register
+def _release_all() -> None:
+    for port in list(_claimed):
+        release(port)
 
 
 def _take(port: int, claims: Path) -> bool:
@@ -87,7 +95,7 @@ def _take(port: int, claims: Path) -> bool:
         return False
     if port_is_free(port):
         return True
-    release(port, claims)
+    release(port)
     return False
 
 
@@ -104,7 +112,7 @@ def rendezvous_port(given: int | None, flag: str = "--master_port", default: int
             raise UsageError(f"launch {flag} {given}: port {given} is claimed by another zerotrain launch starting"
                              f" on this machine; give a free port, or leave {flag} out to take one")
         if not port_is_free(given):
-            release(given, claims)
+            release(given)
             raise UsageError(f"launch {flag} {given}: port {given} is busy (another job on this machine listens on"
                              f" it); give a free port, or leave {flag} out to take one")
         return given, f"launch: rendezvous on port {given} ({flag})"
