@@ -164,8 +164,8 @@ def missing_bos(data: Data) -> list[str]:
     without = [s.name for s in data.specs if not s.bos and not is_sft(s)]
     if not without or not getattr(tok, "adds_bos", False):
         return []
-    fix = (f"prepare the shards again from a mix with \"bos\": true (they were made from {data.path}'s mix"
-           " without it)" if data.kind == "shards" else f"set \"bos\": true in the mix {data.path}")
+    fix = (f"prepare the shards {data.path} again from a mix with \"bos\": true (theirs had none)"
+           if data.kind == "shards" else f"set \"bos\": true in the mix {data.path}")
     return [f"tokenizer {tok.name} puts BOS {tok.special_text(tok.bos_id)!r} (id {tok.bos_id}) before every text"
             f" transformers encodes, and the model it came with was trained so; source(s) {', '.join(without)}"
             f" train without it: {fix} (docs/data.md)"]
