@@ -51,7 +51,7 @@ from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.config_resolve import config_from, identity_hash
 from zerotrain.launcher.ends import END_KINDS, EXIT_SIGNAL_HARD
-from zerotrain.launcher.errors import CheckpointError, StopRun
+from zerotrain.launcher.errors import CheckpointError, StopRun, UsageError
 from zerotrain.launcher.rank_ends import report_exit, report_rank_end  # report_exit: pre-flight too
 from zerotrain.launcher.resize import universal
 from zerotrain.launcher.offload import ops as offload
@@ -119,11 +119,26 @@ class Trainer:
         self.signals = SignalStop(hard_exit=hard_exit, on_hard_exit=self._record_hard_exit)
         if watch:
             self.signals.install()
+        self.lock = self.watchdog = None
         try:
             self._build(plan, hard_exit, watch)
-        except BaseException:
-            self.signals.restore()
+        except BaseException as e:
+            self._abandon(e)
             raise
+
+    def _abandon(self, error: BaseException) -> None:
+        """A build that failed (bad input found while loading: --init-from weights with NaN, a checkpoint's loader
+        state) leaves nothing running: the signal handlers restored, the watchdog stopped (a notebook goes on:
+        it would fire later), the lock released; bad input is recorded as the launch's end in manifest.json."""
+        self.signals.restore()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+            if isinstance(error, UsageError) and (self.plan.run_dir / manifest.MANIFEST).is_file():
+                manifest.record_end(self.plan.run_dir, StopRun("usage", str(error)), 0)
 
     def _build(self, plan: RunPlan, hard_exit: bool, watch: bool) -> None:
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)

@@ -82,6 +82,15 @@ def gathered(p):
     return contextlib.nullcontext()
 
 
+def first_nonfinite(model: nn.Module) -> str | None:
+    """The name of the first parameter whose values this rank holds (its ZeRO-3 partition, else all of it) that
+    has a NaN or an infinity; None when all are finite. One pass over the rank's weights."""
+    for name, p in model.named_parameters():
+        if not torch.isfinite(ds_attributes.held(p).detach()).all():
+            return name
+    return None
+
+
 def drawing() -> bool:
     """Whether a Transformer built now sets its initial weights (False inside `weights_loaded_after`)."""
     return not _WEIGHTS_LOADED_AFTER.get()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from test_architecture import _sources
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,3 +210,32 @@ def test_init_from_builds_without_drawing_and_holds_the_checkpoints_values_only(
     for name, p in params.items():
         assert torch.equal(p, file[hf.hf_name(name)]), name
         assert torch.equal(p, other[name]), name
+
+
+def test_init_from_weights_holding_nan_are_refused_in_one_line(tmp_path):
+    """A checkpoint with a NaN (or an infinity) in one tensor is refused when it is loaded, naming the tensor, on
+    every rank alike (engine.check_finite; one all-gather): it used to train, and stop at step 1 as diverged."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerotrain.launcher.components.engine import EngineSpec, build_model
+    from zerotrain.launcher.errors import UsageError
+    from zerotrain.modeling import hf
+
+    cfg = LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+                      num_key_value_heads=2, vocab_size=300)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    args = hf.args_from_config(hf.read_config(tmp_path), str(tmp_path))
+    spec = EngineSpec(ds_config={"zero_optimization": {"stage": 2}}, model_args=args, seed=0, init_from=tmp_path)
+    build_model(spec)  # finite: built
+    tensors = load_file(tmp_path / "model.safetensors")
+    for bad in (float("nan"), float("inf")):
+        broken = dict(tensors)
+        broken["model.layers.1.mlp.up_proj.weight"] = broken["model.layers.1.mlp.up_proj.weight"].clone()
+        broken["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+        save_file(broken, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(UsageError) as e:
+            build_model(spec)
+        assert str(e.value) == (f"--init-from {tmp_path}: tensor model.layers.1.mlp.up_proj.weight holds NaN or"
+                                " infinite values (a corrupt or badly converted checkpoint)")

@@ -298,3 +298,27 @@ def test_generation_encodes_the_prompt_as_the_model_was_trained():
         seen.clear()
         greedy(model, llama, True, "the cat", max_new_tokens=1)  # one BOS, not two
         assert seen[0] == llama.encode_as_transformers("the cat")
+
+
+def test_weights_with_nan_are_refused_and_leave_nothing_running(tmp_path):
+    """--init-from weights holding a NaN are refused once loaded (engine.check_finite) with the one line; the failed
+    build leaves no watchdog (in a notebook it would fire later), no lock, and the launch's end recorded as bad
+    input (`zerotrain runs`: failed (bad input))."""
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    from zerotrain.launcher import finetune
+    from zerotrain.launcher.components import manifest
+
+    llama = write_llama_dir(tmp_path / "llama", dim=64, layers=2)
+    tensors = load_file(llama / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, llama / "model.safetensors", metadata={"format": "pt"})
+    data = write_mix(tmp_path / "data")
+    with pytest.raises(UsageError, match="tensor model.layers.1.self_attn.k_proj.weight holds NaN or infinite"):
+        finetune(model=llama, data=data, out=tmp_path / "runs", max_steps=2, seq_len=64, micro_batch=2)
+    (run,) = (tmp_path / "runs").iterdir()
+    assert not (run / "zerotrain.lock").exists()
+    assert [t.name for t in threading.enumerate() if t.name in ("zerotrain-watchdog", "zerotrain-lock")] == []
+    assert manifest.read_manifest(run)["segments"][-1]["end_reason"] == "usage"

@@ -31,11 +31,12 @@ import torch
 from zerotrain.launcher.components import determinism, ds_compat
 from zerotrain.launcher.components.process_group import init_process_group
 from zerotrain.launcher.components.schedule import make_scheduler
+from zerotrain.launcher.errors import UsageError
 from zerotrain.launcher.optimizers import check_engine, prepare_optimizer
 from zerotrain.launcher.sequence.groups import sequence_shard, with_gradient_factor
 from zerotrain.launcher.settings import COMM_TIMEOUT_S
-from zerotrain.modeling.hf import load_weights
-from zerotrain.modeling.initial import weights_loaded_after
+from zerotrain.modeling.hf import hf_name, load_weights
+from zerotrain.modeling.initial import first_nonfinite, weights_loaded_after
 from zerotrain.modeling.model import ModelArgs, SequenceShard, Transformer, held_numel
 
 
@@ -109,6 +110,20 @@ def sequence_parallel(spec: EngineSpec) -> tuple[Any, SequenceShard | None]:
                           spec.exchange_phase if not spec.compile else None)
 
 
+def check_finite(model, init_from: str) -> None:
+    """Refuse (UsageError, one line, every rank alike) pretrained weights holding NaN or infinity: a corrupt or
+    badly converted checkpoint, otherwise found only as a non-finite loss at step 1 (exit 3, as if diverged). Each
+    rank checks what it holds (a ZeRO-3 partition), and one tiny all-gather names the first found."""
+    found = first_nonfinite(model)
+    if torch.distributed.is_initialized():
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, found)
+        found = next((name for name in every if name is not None), None)
+    if found is not None:
+        raise UsageError(f"--init-from {init_from}: tensor {hf_name(found)} holds NaN or infinite values (a corrupt"
+                         " or badly converted checkpoint)")
+
+
 def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
     """The model, seeded, under zero.Init at ZeRO-3, with its pretrained weights if any (the process
     group must exist: build_engine joins it); `mpu` and `shard` from `sequence_parallel(spec)`."""
@@ -129,6 +144,7 @@ def build_model(spec: EngineSpec, mpu=None, shard: SequenceShard | None = None):
             model = Transformer(spec.model_args)
     if spec.init_from is not None:  # before deepspeed.initialize copies them
         load_weights(model, spec.init_from)
+        check_finite(model, spec.init_from)
     if spec.activation_checkpointing is not None:
         model.activation_checkpointing = bool(spec.activation_checkpointing)
     if spec.attention is not None:
