@@ -33,8 +33,8 @@ END_KINDS = {e.kind: e for e in (
             "a source with `on_exhausted: stop` ran out"),
     EndKind("dry-run", 0, False, False, "dry run", "`--dry-run`: resolved and printed, nothing built or written"),
     EndKind("crash", 1, False, True, "failed (crashed)",
-            "an unexpected error (a traceback) or a communication error; a rank lost (killed, segfault, out of"
-            " memory) ends the same way, with the launcher's own code", restartable=True),
+            "an unexpected error (a traceback) or a communication error; a rank lost (killed, by the kernel's OOM"
+            " killer too; a segfault) ends the same way, with the launcher's own code", restartable=True),
     EndKind("usage", 2, False, True, "failed (bad input)", "bad input: one line naming the input, nothing written"),
     EndKind("diverged", 3, False, True, "failed (diverged)",
             "non-finite loss or gradient norm, a loss spike with `--on-spike stop`, or rollbacks used up"),

@@ -97,6 +97,7 @@ def hold_default_port() -> None:
     something else holds it, it is busy all the same), so that every such launch takes a free port of its own and
     says which: the two-jobs path (launching.ports.rendezvous_port), which test_two_jobs.py tests."""
     s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past a TIME_WAIT a launch that just ended left
     try:
         s.bind(("", DEFAULT_PORT))
         s.listen()

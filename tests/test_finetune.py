@@ -194,7 +194,10 @@ def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys,
     for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT="1").items():
         monkeypatch.setenv(k, v)
+    from zerotrain.launcher.components.launching import ports
+
     data = write_mix(tmp_path / "data")
+    claimed_before = dict(ports._claimed)  # what other tests in this process claimed
     result = finetune(model="debug", data=data, out=tmp_path / "runs", launch=True, gpus=2, **TRAIN)
     output = capsys.readouterr().out  # what the ranks printed, relayed through sys.stdout
     assert "world 2" in output and f"run directory: {result.run_dir.resolve()}" in output
@@ -204,8 +207,7 @@ def test_launch_two_ranks_streams_output_and_writes_the_recipe(tmp_path, capsys,
     assert json.loads((result.run_dir / "config.json").read_text())["world_size"] == 2
     assert result.checkpoint == result.run_dir / "checkpoints" / "global_step2"
     assert os.environ["WORLD_SIZE"] == "1"  # this process is untouched
-    from zerotrain.launcher.components.launching import ports
-    assert ports._claimed == {}  # the rendezvous port's claim ended with the job (the kernel lives on)
+    assert ports._claimed == claimed_before  # the rendezvous port's claim ended with the job (the kernel lives on)
 
 
 def test_a_single_data_file_becomes_a_one_source_mix(tmp_path):
@@ -288,15 +290,18 @@ def test_generation_encodes_the_prompt_as_the_model_was_trained():
     byte = ByteTokenizer()
     for trained_bos, first in [(True, [256, 97, 98]), (False, [97, 98])]:
         seen.clear()
-        greedy(model, byte, trained_bos, "ab", max_new_tokens=1)
+        model.trained_bos = trained_bos  # what load_model sets from the run's mix
+        greedy(model, byte, "ab", max_new_tokens=1)
         assert seen[0] == first
     with tempfile.TemporaryDirectory() as tmp:
         llama = bos_tokenizer(Path(tmp))
         seen.clear()
-        greedy(model, llama, False, "the cat", max_new_tokens=1)
+        model.trained_bos = False
+        greedy(model, llama, "the cat", max_new_tokens=1)
         assert seen[0] == llama.encode_as_transformers("the cat") and seen[0][0] == llama.bos_id
         seen.clear()
-        greedy(model, llama, True, "the cat", max_new_tokens=1)  # one BOS, not two
+        model.trained_bos = True
+        greedy(model, llama, "the cat", max_new_tokens=1)  # one BOS, not two
         assert seen[0] == llama.encode_as_transformers("the cat")
 
 

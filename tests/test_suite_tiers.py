@@ -12,7 +12,7 @@ import pytest
 
 import conftest
 from conftest import Launched, end_launched, group_members, starts_a_launch
-from zerotrain.launcher.components.launching.ports import DEFAULT_PORT, port_is_free, rendezvous_port
+from zerotrain.launcher.components.launching.ports import DEFAULT_PORT, port_is_free, release, rendezvous_port
 
 
 def test_launch_commands_are_told_from_cheap_ones():
@@ -73,6 +73,7 @@ def test_the_default_rendezvous_port_is_held_so_that_launches_take_free_ports():
         assert not port_is_free(DEFAULT_PORT)
         port, line = rendezvous_port(None)
         assert port != DEFAULT_PORT and line.startswith(f"launch: port {DEFAULT_PORT} is busy")
+        release(port)  # a test worker: its claim would outlive the test
     finally:
         for s in conftest._held_port[held:]:
             s.close()

@@ -21,7 +21,8 @@ def held(port: int):
     """A socket listening on `port` for the block, as a running job's rendezvous store (if something else on this
     machine holds it already, it is busy all the same)."""
     s = socket.socket()
-    try:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a rendezvous store binds: past a TIME_WAIT left
+    try:  # by a launch that just ended here
         s.bind(("127.0.0.1", port))
         s.listen()
     except OSError:
@@ -39,6 +40,7 @@ def test_a_busy_default_port_gives_a_free_one_and_says_which():
         assert port != DEFAULT_PORT and port_is_free(port)
         assert line == (f"launch: port {DEFAULT_PORT} is busy (another job on this machine?); rendezvous on free port"
                         f" {port} (--master_port P to choose)")
+        ports.release(port)  # this process is a test worker: later tests' launches may want it
 
 
 @pytest.mark.launches  # a second process holds the first claim (a python -c, no ranks)

@@ -339,11 +339,11 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
 # -- generation --------------------------------------------------------------------------------
 
 def load_model(source: str | Path, tokenizer: str | None = None):
-    """(Transformer on CPU in eval mode, tokenizer, whether its documents began with BOS) from a checkpoint, a run
-    directory (its newest checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no
-    tokenizer.json)."""
+    """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
+    checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json). The model's
+    `trained_bos`: its run's documents began with BOS (a mix's "bos": true; `greedy` puts it before a prompt)."""
     source = Path(source)
-    trained_bos = False  # a run whose mix said "bos": true (a Hugging Face directory: its tokenizer says)
+    trained_bos = False  # a Hugging Face directory: its tokenizer says (encode_as_transformers)
     if (source / checkpoint.MARKER).is_file() or (source / "checkpoints").is_dir():
         tag, run_dir = find_checkpoint(source)
         saved = _run_config(run_dir)
@@ -369,15 +369,17 @@ def load_model(source: str | Path, tokenizer: str | None = None):
             raise UsageError(f"generate {source}: no tokenizer.json in the directory; give tokenizer=")
         tok = load_tokenizer(tokenizer or str(source))
     model.eval()
-    return model, tok, trained_bos
+    model.trained_bos = trained_bos
+    return model, tok
 
 
-def greedy(model, tokenizer, trained_bos: bool, prompt: str, max_new_tokens: int = 64) -> str:
+def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
     """The most likely next token, again and again, until EOS or `max_new_tokens` (no cache: the
     models here are small and so are the prompts). The prompt is encoded as transformers encodes it (a
-    Llama's BOS first), with the BOS a run's documents began with (`trained_bos`) where that adds none."""
+    Llama's BOS first), with the BOS a run's documents began with (`model.trained_bos`, load_model's) where
+    that adds none."""
     ids = list(tokenizer.encode_as_transformers(prompt))
-    if trained_bos and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
+    if getattr(model, "trained_bos", False) and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         ids = [tokenizer.bos_id, *ids]
     if not ids:
         raise UsageError("generate: the prompt encodes to no tokens")
