@@ -32,6 +32,7 @@ import numpy as np
 from zerotrain.dataio.format.docstore import DocStore
 from zerotrain.dataio.format.errors import DataError, DataNotHere, first_line
 from zerotrain.dataio.format.mix import BUILDERS, COMPRESSED, SourceSpec, file_format, has_glob
+from zerotrain.dataio.format.textbytes import blank, first_invalid_utf8
 from zerotrain.dataio.format.tokenfile import load_token_file
 from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, render_record
 
@@ -545,7 +546,7 @@ def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
     data = np.frombuffer(raw, np.uint8) if len(raw) else np.zeros(0, np.uint8)
     keep[keep] = ~blank(data, starts[keep], ends[keep])  # whitespace-only pieces (a line of spaces) are no documents
     pos = 0
-    while (at := _first_invalid_utf8(raw, pos)) is not None:  # only on failure find the offending document
+    while (at := first_invalid_utf8(raw, pos)) is not None:  # only on failure find the offending document
         j = min(int(np.searchsorted(ends, at, side="right")), len(ends) - 1)
         what = {"paragraph": "paragraph", "line": "line", "document": "document"}[spec.sample_by]
         line = raw[:at].count(b"\n") + 1
@@ -557,38 +558,6 @@ def _load_txt(spec: SourceSpec, p: Path) -> DocStore:
     if len(store) < FEW_DOCUMENTS:
         store.note = _few_documents_note(spec, p, data, len(store))
     return store
-
-
-WHITESPACE = np.zeros(256, bool)
-WHITESPACE[list(b" \t\n\r\x0b\x0c")] = True  # what bytes.strip() removes
-
-
-def blank(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Which of the non-empty byte ranges [starts, ends) of `data` hold ASCII whitespace only. Only a range that
-    begins and ends with whitespace can be (few do), so only those are read whole."""
-    out = np.zeros(len(starts), bool)
-    if len(starts):
-        for j in np.flatnonzero(WHITESPACE[data[starts]] & WHITESPACE[data[ends - 1]]).tolist():
-            out[j] = not bytes(data[starts[j]:ends[j]]).strip()
-    return out
-
-
-UTF8_BLOCK = 1 << 24  # bytes decoded at a time when checking a .txt file
-
-
-def _first_invalid_utf8(raw, pos: int) -> int | None:
-    """The offset of the first byte at or after `pos` that is not valid UTF-8, or None; decoded a
-    block at a time (a whole-file decode would hold the file twice more in memory)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    while pos < len(raw):
-        block = raw[pos:pos + UTF8_BLOCK]
-        held = len(decoder.getstate()[0])  # bytes of a character begun in the previous block
-        try:
-            decoder.decode(block, final=pos + len(block) >= len(raw))
-        except UnicodeDecodeError as e:  # e.start counts from the held bytes
-            return pos - held + e.start
-        pos += len(block)
-    return None
 
 
 FEW_DOCUMENTS = 10  # a .txt file that yields fewer is named in the summary, with a sample_by hint

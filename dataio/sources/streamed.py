@@ -18,6 +18,7 @@ import weakref
 
 from zerotrain.dataio.format.errors import DataError, first_line
 from zerotrain.dataio.format.mix import SourceSpec
+from zerotrain.dataio.format.textbytes import WHITESPACE_CHARS
 from zerotrain.dataio.sources.readers import (SAVED, SourceFiles, dataset_dir_args, dataset_dir_files, find_files,
                                       quiet_datasets, render_template)
 from zerotrain.dataio.sources.sft import is_sft, text_value
@@ -111,8 +112,8 @@ def hub_location(name: str) -> str:
 
 def no_text(text: str | None) -> bool:
     """A streamed record's text that makes no document: none, empty, or ASCII whitespace alone (what
-    readers.blank drops from a local source, so a source streamed or read gives the same documents)."""
-    return not text or not text.strip(" \t\n\r\x0b\x0c")
+    textbytes.blank drops from a local source, so a source streamed or read gives the same documents)."""
+    return not text or not text.strip(WHITESPACE_CHARS)
 
 
 def record_text(spec: SourceSpec, record: dict, on_bad) -> str | None:
