@@ -245,12 +245,18 @@ def check_repeats(data, run_tokens: int, max_epochs: float | None, source: str =
         if beyond:
             name, epochs = max(beyond, key=lambda x: x[1])
             raise UsageError(f"--max-epochs {max_epochs:g} ({source}):"
-                             f" this run of {run_tokens:,} tokens reads source {name!r} ~{epochs:,.1f} times"
+                             f" this run of {run_tokens:,} tokens reads source {name!r} ~{times(epochs)} times"
                              f" ({len(beyond)} source(s) over); more data, fewer tokens, or a larger --max-epochs")
     if not over:
         return ()
     return (f"{len(over)} source(s) read more than {data.warn_epochs:g} epochs over the run's {run_tokens:,} tokens:"
             f" {named}; {REPEAT_WHY}. More data, fewer tokens, or --max-epochs E to refuse such runs",)
+
+
+def times(epochs: float) -> str:
+    """Epochs as the repetition lines say them: one decimal, and two significant digits below 1 (a --max-epochs
+    below 1 must not read as ~0.0 times)."""
+    return f"{epochs:,.1f}" if epochs >= 1 else f"{epochs:.2g}"
 
 
 def hashed_warmup(cfg) -> int | None:

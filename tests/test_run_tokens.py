@@ -134,3 +134,11 @@ def test_length_and_warmup_from_tokens_then_extended_on_another_world(tmp_path, 
     assert len(lrs) == 20 and lrs[:16] == pytest.approx([5e-4] + [1e-3] * 15)
     assert lrs[16:] == pytest.approx([1e-3 - 9e-4 * k / 4 for k in range(1, 5)])  # steps 17-20, min-lr at 20
     assert metrics[-1]["tokens_seen"] == 20 * 256
+
+
+def test_a_max_epochs_below_one_says_the_epochs_it_found():
+    """--max-epochs 0.001 refused a run reading a source ~0.0 times (one decimal): below one epoch, two significant
+    digits."""
+    from zerotrain.launcher.hparams import times
+
+    assert [times(e) for e in (100691.23, 4.0, 0.9, 0.0123)] == ["100,691.2", "4.0", "0.9", "0.012"]
