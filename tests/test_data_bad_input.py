@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, launch
+from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.pipeline.loader import load_data, open_data
 from zerotrain.dataio.sources.tokenizer import ByteTokenizer
 from zerotrain.launcher.cli import main as zerotrain_cli
@@ -231,3 +232,25 @@ def test_a_source_too_small_for_the_ranks_is_one_line_before_the_loader(tmp_path
     ok = subprocess.run([sys.executable, "-m", "zerotrain", "data-bench", "--data", mix, "--world", "3",
                          "--seconds", "0.1"], capture_output=True, text=True, cwd=REPO)
     assert ok.returncode == 0, ok.stderr[-2000:]  # 3 characters, 3 ranks: one piece each
+
+
+def test_a_bad_streamed_record_is_named_by_its_content(tmp_path):
+    """A stream has no line numbers to give: a bad streamed record is named by its first 80 characters of JSON (one
+    line, enough to grep for), in training and in --eval-data's rows alike."""
+    from zerotrain.dataio.pipeline.cursors import StreamedSource
+    from zerotrain.dataio.sources.holdout import mix_rows
+
+    body = "x" * 200
+    (tmp_path / "r.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": body}) + "\n")
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"name": "s", "path": "r.jsonl", "weight": 1, "streaming": True}]}))
+    tok = ByteTokenizer()
+    data = open_data(str(mix), tok)
+    seen = '{"text": null, "body": "' + "x" * 77  # as datasets gives it: the file's columns, null where missing
+    want = f"source 's': streamed record {seen[:77]}...: no 'text' value"
+    with pytest.raises(DataError) as e:
+        StreamedSource(data.specs[0], tok, rank=0, world=1).take(2)
+    assert str(e.value).startswith(want) and "\n" not in str(e.value)
+    with pytest.raises(DataError) as e:
+        mix_rows(load_data(data), 64, 100)
+    assert str(e.value).startswith("eval data: " + want)

@@ -19,7 +19,7 @@ from zerotrain.dataio.format.docstore import DocStore
 from zerotrain.dataio.format.errors import DataError, first_line
 from zerotrain.dataio.format.mix import SourceSpec
 from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, stream_block
-from zerotrain.dataio.sources.streamed import no_text, open_streamed, record_text, records
+from zerotrain.dataio.sources.streamed import bad_record, no_text, open_streamed, record_text, records
 
 TOKEN_BLOCK = 256  # documents tokenized together (HF tokenizers) / records pulled per streamed block
 
@@ -161,9 +161,9 @@ class StreamedSource:
         self._blocks: deque = deque()  # [dataset state before the block, token arrays, taken]
         self._resume: tuple | None = None  # (dataset state, docs to skip) to apply on the next read
 
-    def _bad(self, why: str) -> None:
+    def _bad(self, why: str, record=None) -> None:
         if self.spec.bad_records == "stop":
-            raise DataError(f"{self.spec.where()}: streamed record: {why}")
+            raise DataError(bad_record(self.spec, why, record))
         self.bad_records += 1
 
     def _pull_block(self) -> bool:
@@ -176,7 +176,8 @@ class StreamedSource:
         texts = []  # SFT sources: the records themselves (rendered below)
         try:
             for record in self._it:
-                text = record if self.renderer is not None else record_text(self.spec, record, self._bad)
+                text = record if self.renderer is not None else record_text(
+                    self.spec, record, lambda why, record=record: self._bad(why, record))
                 # an SFT record is judged when rendered, {} included; whitespace alone is no document (as read)
                 if self.renderer is not None or not no_text(text):
                     texts.append(text)

@@ -48,7 +48,7 @@ from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.format.mix import SourceSpec
 from zerotrain.dataio.format.packing import BestFitPacker, with_bos
 from zerotrain.dataio.sources.sft import ChatRenderer, is_sft, stream_block
-from zerotrain.dataio.sources.streamed import no_text, open_streamed, record_text, records
+from zerotrain.dataio.sources.streamed import bad_record, no_text, open_streamed, record_text, records
 
 MAX_FRACTION = 0.10  # the most a holdout takes from a source, of its documents and of its tokens
 HOLDOUT_SALT = 0x686F6C64  # "hold": keeps the holdout order apart from the loader's epoch orders
@@ -181,9 +181,9 @@ def _store_blocks(store: DocStore, index: int, seed: int, tokenizer):
 def _stream_blocks(spec: SourceSpec, tokenizer, seq_len: int | None = None):
     """A streamed source from its start, in order: every rank reads the same documents. SFT
     records come with their mask, overflow applied for seq_len (zerotrain.dataio.sources.sft.stream_block)."""
-    def on_bad(why: str) -> None:
+    def on_bad(why: str, record=None) -> None:
         if spec.bad_records == "stop":
-            raise DataError(f"eval data: {spec.where()}: streamed record: {why}")
+            raise DataError(f"eval data: {bad_record(spec, why, record)}")
 
     renderer = ChatRenderer(tokenizer) if is_sft(spec) else None
 
@@ -194,7 +194,8 @@ def _stream_blocks(spec: SourceSpec, tokenizer, seq_len: int | None = None):
 
     texts = []
     for record in records(open_streamed(spec, 0, 1)):
-        text = record if renderer is not None else record_text(spec, record, on_bad)
+        text = record if renderer is not None else record_text(
+            spec, record, lambda why, record=record: on_bad(why, record))
         if renderer is not None or not no_text(text):
             texts.append(text)
         if len(texts) >= ENCODE_BLOCK:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import weakref
 
@@ -108,6 +109,15 @@ def hub_location(name: str) -> str:
         return snapshot_download(name, repo_type="dataset", local_files_only=True)
     except Exception:  # not in the hub cache: datasets' own cache may still have it
         return name
+
+
+def bad_record(spec: SourceSpec, why: str, record=None) -> str:
+    """The line for a bad streamed record. A stream has no line numbers to give: the record (when at hand) is named
+    by its first 80 characters of JSON, on one line, enough to find it with grep."""
+    if record is None:
+        return f"{spec.where()}: streamed record: {why}"
+    text = json.dumps(record, ensure_ascii=False, default=str)
+    return f"{spec.where()}: streamed record {text if len(text) <= 80 else text[:77] + '...'}: {why}"
 
 
 def no_text(text: str | None) -> bool:
