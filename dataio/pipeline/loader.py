@@ -175,12 +175,15 @@ def bos_differs(train: Data, evaluated: Data, where: str) -> list[str]:
     """The warning for an eval mix whose text sources put BOS before their documents where the training mix's do
     not, or the other way round: the rows would be scored on documents shaped otherwise than trained."""
     trained = {s.bos for s in train.specs if not is_sft(s)}
-    other = [s.name for s in evaluated.specs if not is_sft(s) and trained and s.bos not in trained]
+    if len(trained) != 1:  # no text source, or some with BOS and some without: nothing to compare with
+        return []
+    (bos,) = trained
+    other = [s.name for s in evaluated.specs if not is_sft(s) and s.bos != bos]
     if not other:
         return []
-    how = "with" if not next(iter(trained)) else "without"
-    return [f"--eval-data {where}: source(s) {', '.join(other)} evaluate documents {how} BOS, the training mix's"
-            f" documents are {'without' if how == 'with' else 'with'} it (\"bos\" in the mix: docs/data.md)"]
+    return [f"--eval-data {where}: source(s) {', '.join(other)} evaluate documents {'without' if bos else 'with'}"
+            f" BOS, the training mix's documents are {'with' if bos else 'without'} it (\"bos\" in the mix:"
+            " docs/data.md)"]
 
 
 def cut_data(data: Data, stores: list, piece_len: int | None, world: int, workers: int = 0) -> Data:

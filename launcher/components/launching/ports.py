@@ -21,8 +21,7 @@ from zerotrain.launcher.errors import UsageError
 
 DEFAULT_PORT = 29500  # DeepSpeed's and torch's rendezvous port when none is given (TORCH_DISTRIBUTED_DEFAULT_PORT)
 CLAIMS = Path(tempfile.gettempdir()) / "zerotrain-ports"  # one directory for every user of the machine
-_claimed: dict[int, int] = {}  # port -> the open file whose flock claims it, for this process's lifetime
-_claims_dir: dict[int, Path] = {}  # port -> the directory it was claimed in
+_claimed: dict[int, tuple[int, Path]] = {}  # port -> (the open file whose flock claims it, its path)
 
 
 def free_port() -> int:
@@ -68,7 +67,7 @@ def claim(port: int, claims: Path = CLAIMS) -> bool:
     if not held:
         os.close(fd)
         return False
-    _claimed[port], _claims_dir[port] = fd, claims
+    _claimed[port] = fd, path
     return True
 
 
@@ -76,10 +75,10 @@ def release(port: int) -> None:
     """Give up this process's claim on `port` (a port claimed, then found busy; a notebook's finished launch; every
     claim at exit). Its file goes too (a claim checks it holds the file the path names, so removing it under the
     lock is safe); a process killed before it could leaves its file, free to claim again."""
-    fd, claims = _claimed.pop(port, None), _claims_dir.pop(port, None)
+    fd, path = _claimed.pop(port, (None, None))
     if fd is not None:
         with contextlib.suppress(OSError):  # another user's file in the sticky directory stays
-            os.unlink(claims / str(port))
+            os.unlink(path)
         os.close(fd)
 
 
