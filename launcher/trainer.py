@@ -47,6 +47,7 @@ from zerotrain.launcher.components.run_state import RunState
 # QuietExit: commands/train.py imports it from here
 from zerotrain.launcher.components.step_runner import QuietExit, StepRunner  # noqa: F401
 from zerotrain.launcher.components.process_group import init_process_group
+from zerotrain.launcher.components.checkpoints.run_dir_snapshot import RunDirSnapshot
 from zerotrain.launcher.components.checkpoints.run_lock import take_lock
 from zerotrain.launcher.config import RunConfig
 from zerotrain.launcher.config_resolve import config_from, identity_hash
@@ -119,7 +120,7 @@ class Trainer:
         self.signals = SignalStop(hard_exit=hard_exit, on_hard_exit=self._record_hard_exit)
         if watch:
             self.signals.install()
-        self.lock = self.watchdog = None
+        self.lock = self.watchdog = self.snapshot = None
         try:
             self._build(plan, hard_exit, watch)
         except BaseException as e:
@@ -129,7 +130,8 @@ class Trainer:
     def _abandon(self, error: BaseException) -> None:
         """A build that failed (bad input found while loading: --init-from weights with NaN, a checkpoint's loader
         state) leaves nothing running: the signal handlers restored, the watchdog stopped (a notebook goes on:
-        it would fire later), the lock released; bad input is recorded as the launch's end in manifest.json."""
+        it would fire later), the lock released. Bad input leaves the run directory as it was (a new one removed):
+        only a launch that took the lock (rank 0) puts it back, never one refused because another process holds it."""
         self.signals.restore()
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -137,10 +139,11 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-            if isinstance(error, UsageError) and (self.plan.run_dir / manifest.MANIFEST).is_file():
-                manifest.record_end(self.plan.run_dir, StopRun("usage", str(error)), 0)
+            if isinstance(error, UsageError) and self.snapshot is not None:  # bad input: the directory as it was
+                self.snapshot.restore()
 
     def _build(self, plan: RunPlan, hard_exit: bool, watch: bool) -> None:
+        self.snapshot = RunDirSnapshot.take(plan.run_dir) if self.is_main else None  # put back by _abandon
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
         universal_dir = self._universal_dir()
         self._write_run_dir()

@@ -27,6 +27,7 @@ from zerotrain.launcher.components.checkpoints.checkpoint import (BEST, MARKER, 
 from zerotrain.launcher.components import faults
 from zerotrain.launcher.components.checkpoints.checkpointer import Checkpointer
 from zerotrain.launcher.components.hooks import TestHooks
+from zerotrain.launcher.components.checkpoints import run_dir_snapshot
 from zerotrain.launcher.components.checkpoints.run_lock import LOCK, RunLock
 from zerotrain.launcher.errors import CheckpointError, UsageError
 
@@ -415,6 +416,38 @@ def test_run_lock_heartbeat_keeps_the_lock_fresh(tmp_path):
         time.sleep(0.3)
         assert time.time() - (tmp_path / LOCK).stat().st_mtime < 60
 
+
+
+def test_a_refused_start_up_puts_the_run_directory_back(tmp_path):
+    """RunDirSnapshot (Trainer._abandon on bad input): files rewritten get their bytes back, logs appended to their
+    length, new files and directories go (a universal conversion too), checkpoints stay; a new directory goes."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "global_step4").mkdir(parents=True)
+    (run / "checkpoints" / "global_step4" / "model.pt").write_bytes(b"weights")
+    (run / "config.json").write_text('{"a": 1}\n')
+    (run / "big.log").write_bytes(b"x" * (run_dir_snapshot.KEEP_BYTES + 10))
+    (run / "hangs").mkdir()
+    snap = run_dir_snapshot.RunDirSnapshot.take(run)
+    (run / "config.json").write_text('{"a": 2, "changed": true}\n')
+    with open(run / "big.log", "ab") as f:
+        f.write(b"appended")
+    (run / "zerotrain.lock").write_text("{}")
+    (run / "checkpoints" / "universal" / "global_step4").mkdir(parents=True)
+    (run / "checkpoints" / "universal" / "global_step4" / "x").write_text("converted")
+    (run / "hangs" / "new").mkdir()
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events").write_text("e")
+    snap.restore()
+    assert (run / "config.json").read_text() == '{"a": 1}\n'
+    assert (run / "big.log").stat().st_size == run_dir_snapshot.KEEP_BYTES + 10
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == [
+        "big.log", "checkpoints", "checkpoints/global_step4", "checkpoints/global_step4/model.pt", "config.json",
+        "hangs"]
+    fresh = tmp_path / "fresh"
+    snap = run_dir_snapshot.RunDirSnapshot.take(fresh)
+    (fresh / "checkpoints").mkdir(parents=True)
+    snap.restore()
+    assert not fresh.exists()
 
 # -- two real ranks ---------------------------------------------------------------------------------
 

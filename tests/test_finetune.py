@@ -8,6 +8,7 @@ import gc
 import hashlib
 import json
 import os
+import shutil
 import traceback
 from pathlib import Path
 
@@ -307,23 +308,31 @@ def test_generation_encodes_the_prompt_as_the_model_was_trained():
 
 def test_weights_with_nan_are_refused_and_leave_nothing_running(tmp_path):
     """--init-from weights holding a NaN are refused once loaded (engine.check_finite) with the one line; the failed
-    build leaves no watchdog (in a notebook it would fire later), no lock, and the launch's end recorded as bad
-    input (`zerotrain runs`: failed (bad input))."""
+    build leaves no watchdog (in a notebook it would fire later), no lock, and no run directory (this launch made
+    it); an existing run directory (a run stopped before its first checkpoint) is left byte for byte as it was."""
     import threading
 
     from safetensors.torch import load_file, save_file
 
     from zerotrain.launcher import finetune
-    from zerotrain.launcher.components import manifest
+
+    def files(root):
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*")) if p.is_file()}
 
     llama = write_llama_dir(tmp_path / "llama", dim=64, layers=2)
+    data = write_mix(tmp_path / "data")
+    out = tmp_path / "runs"
+    finetune(model=llama, data=data, out=out, max_steps=1, seq_len=64, micro_batch=2, run_id="kept")
+    run = out / "kept"
+    shutil.rmtree(run / "checkpoints")  # as if stopped before its first save: the next launch starts afresh in it
+    before = files(run)
     tensors = load_file(llama / "model.safetensors")
     tensors["model.layers.1.self_attn.k_proj.weight"][0, 0] = float("nan")
     save_file(tensors, llama / "model.safetensors", metadata={"format": "pt"})
-    data = write_mix(tmp_path / "data")
-    with pytest.raises(UsageError, match="tensor model.layers.1.self_attn.k_proj.weight holds NaN or infinite"):
-        finetune(model=llama, data=data, out=tmp_path / "runs", max_steps=2, seq_len=64, micro_batch=2)
-    (run,) = (tmp_path / "runs").iterdir()
-    assert not (run / "zerotrain.lock").exists()
-    assert [t.name for t in threading.enumerate() if t.name in ("zerotrain-watchdog", "zerotrain-lock")] == []
-    assert manifest.read_manifest(run)["segments"][-1]["end_reason"] == "usage"
+    for run_id in ("kept", None):
+        with pytest.raises(UsageError, match="tensor model.layers.1.self_attn.k_proj.weight holds NaN or infinite"):
+            finetune(model=llama, data=data, out=out, max_steps=2, seq_len=64, micro_batch=2, run_id=run_id)
+        assert [t.name for t in threading.enumerate() if t.name in ("zerotrain-watchdog", "zerotrain-lock")] == []
+    assert files(run) == before and not (run / "checkpoints").exists()
+    assert [p.name for p in out.iterdir() if p.is_dir()] == ["kept"]  # the new run's directory: removed

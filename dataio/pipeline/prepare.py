@@ -18,7 +18,7 @@ from zerotrain.dataio.format.errors import DataError
 from zerotrain.dataio.format.mix import SourceSpec, check_bos, parse_mix
 from zerotrain.dataio.format.shards import FORMAT, VERSION, file_sha256, token_dtype
 from zerotrain.dataio.sources.readers import load_text_source
-from zerotrain.dataio.sources.streamed import open_streamed, record_text, records
+from zerotrain.dataio.sources.streamed import bad_record, open_streamed, record_text, records
 
 
 def iter_documents(spec: SourceSpec, tokenizer, max_tokens: int | None = None, store: DocStore | None = None):
@@ -29,16 +29,16 @@ def iter_documents(spec: SourceSpec, tokenizer, max_tokens: int | None = None, s
         bad = []
         texts = []
 
-        def on_bad(why):
+        def on_bad(why, record=None):
             if spec.bad_records == "stop":
-                raise DataError(f"{spec.where()}: streamed record: {why}")
+                raise DataError(bad_record(spec, why, record))
             bad.append(why)
 
         def flush():
             return tokenizer.encode_batch(texts)
 
         for record in records(ds):
-            text = record_text(spec, record, on_bad)
+            text = record_text(spec, record, lambda why, record=record: on_bad(why, record))
             if text:
                 texts.append(text)
             if len(texts) >= 1024:

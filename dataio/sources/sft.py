@@ -330,9 +330,10 @@ def tokenize_store(store, spec, tokenizer, seq_len: int | None, where_record):
 
 def stream_block(spec, records: list[dict], tokenizer, renderer: ChatRenderer, seq_len: int | None,
                  on_bad) -> list[np.ndarray]:
-    """Signed token arrays of a block of streamed records (bad ones after on_bad; overflow applied:
+    """Signed token arrays of a block of streamed records (bad ones after on_bad(why, record); overflow applied:
     dropped records are simply left out, "error" raises naming the stream)."""
-    rendered = [r for r in (render_record(spec, rec, renderer, on_bad) for rec in records) if r is not None]
+    rendered = [r for r in (render_record(spec, rec, renderer, lambda why, rec=rec: on_bad(why, rec))
+                            for rec in records) if r is not None]  # on_bad(why, record): the record is named
     out = []
     for tokens in encode(tokenizer, rendered) if rendered else []:
         doc, what = fit(tokens, seq_len, spec.overflow)
