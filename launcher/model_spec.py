@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from zerotrain.dataio.format.errors import DataError
-from zerotrain.dataio.sources.hub import model_snapshot, split_name
+from zerotrain.dataio.sources.hub import fetch_command, model_snapshot, split_name
 from zerotrain.dataio.sources.tokenizer import ByteTokenizer, load_tokenizer, same_vocabulary
 from zerotrain.launcher.config import RunConfig, value
 from zerotrain.launcher.errors import UsageError
@@ -76,6 +76,10 @@ def resolve(cfg, vocab_size: int) -> tuple:
             hf.check_weights(directory, args)
         except ValueError as e:
             msg = str(e).removeprefix(f"{directory}: ")
+            if hub_model_name(cfg.model.init_from) and msg.startswith("no "):  # a snapshot cached in part
+                repo, revision = split_name(cfg.model.init_from)
+                msg += (f" in its cached snapshot {directory} (fetched in part, e.g. its tokenizer alone): "
+                        f"`{fetch_command(repo, 'model', revision)}`")
             raise UsageError(msg if msg.startswith(where) else f"{where}: {msg}") from None
         if vocab_size > hf_cfg["vocab_size"]:
             raise UsageError(f"{where}: vocab_size {hf_cfg['vocab_size']} is smaller than the tokenizer's {vocab_size}")

@@ -5,7 +5,8 @@ keeps its name) and the rotary layout is HF's `rotate_half` one, so the conversi
 no permutation, no reshaping. A model with QK-norm is written as `Qwen3ForCausalLM` (Llama has
 no QK-norm; Qwen3 is Llama plus a per-head RMSNorm on q and k before the rotation, which is
 exactly ours). Tied embeddings are written HF's way: `tie_word_embeddings: true` and no
-`lm_head.weight` tensor. An explicit `head_dim` (hidden_size / heads or not) and Llama 3.1's `llama3`
+`lm_head.weight` tensor; read, a tied config's stored `lm_head.weight` must equal the embedding (transformers 5
+would load a different one untied, 4.x tie it: refused). An explicit `head_dim` (hidden_size / heads or not) and Llama 3.1's `llama3`
 rope_scaling are read into ModelArgs and written back; what our model cannot compute exactly (other
 rope types, biases, sliding windows, other activations) is refused naming the key. A checkpoint's vocabulary is
 kept as it is, not padded to a multiple of 64 as our own models' are: padded rows would take part in the softmax
@@ -23,6 +24,7 @@ this module).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,7 +80,7 @@ def hf_config(args: ModelArgs, bos_id: int | None = None, eos_id: int | None = N
 
 def read_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
-    if Path(hf_dir).is_file() and Path(hf_dir).name == "config.json":
+    if Path(hf_dir).is_file():  # config.json, model.safetensors, ...: the directory is what is read
         raise ValueError(f"{hf_dir}: a file; give the directory that holds it ({Path(hf_dir).parent})")
     if not Path(hf_dir).is_dir():
         raise ValueError(f"{hf_dir}: no such directory")
@@ -212,6 +214,11 @@ def check_weights(hf_dir: str | Path, args: ModelArgs) -> dict[str, Path]:
     missing = sorted(hf_names - set(files))
     if missing:
         raise ValueError(f"{hf_dir}: missing tensor {missing[0]}")
+    if "lm_head.weight" in ignored and _head_differs(files["model.embed_tokens.weight"], files["lm_head.weight"]):
+        raise ValueError(f"{hf_dir}: config.json ties the head to the embedding (tie_word_embeddings true) but"
+                         " lm_head.weight holds other values (transformers 5 loads the stored head, 4.x the"
+                         " embedding: two different models); set tie_word_embeddings to false to train with the stored"
+                         " head, or remove lm_head.weight to tie them")
     for file in sorted(set(files.values())):
         with _opened(file) as f:
             held = set(f.keys())
@@ -225,6 +232,20 @@ def check_weights(hf_dir: str | Path, args: ModelArgs) -> dict[str, Path]:
                     raise ValueError(f"{hf_dir}: tensor {hf_name(name)} has shape {list(got)},"
                                      f" config.json implies {list(shape)}")
     return files
+
+
+@functools.lru_cache(maxsize=8)  # a run checks its --init-from directory up to three times (plan, tokenizer, finetune)
+def _head_differs(embed_file: Path, head_file: Path, rows: int = 4096) -> bool:
+    """A tied config's stored lm_head.weight is not the embedding, compared a block of rows at a time (an 8B model's
+    embedding is 1 GiB in bf16: never two whole copies in memory)."""
+    import torch
+
+    with _opened(embed_file) as e, _opened(head_file) as h:
+        embed, head = e.get_slice("model.embed_tokens.weight"), h.get_slice("lm_head.weight")
+        if embed.get_shape() != head.get_shape():
+            return True
+        return any(not torch.equal(embed[lo:lo + rows], head[lo:lo + rows])
+                   for lo in range(0, embed.get_shape()[0], rows))
 
 
 @contextlib.contextmanager
@@ -319,5 +340,18 @@ def save(out_dir: str | Path, state_dict: dict[str, torch.Tensor], args: ModelAr
     cfg = hf_config(args, bos_id, eos_id, dtype=str(dtype).removeprefix("torch."))
     config = AutoConfig.for_model(cfg.pop("model_type"), pad_token_id=pad_id, **cfg)
     config.save_pretrained(out_dir)
+    _keep_4x_rope_keys(out_dir / "config.json", args)
     GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out_dir)
     return sorted(split.filename_to_tensors)
+
+
+def _keep_4x_rope_keys(path: Path, args: ModelArgs) -> None:
+    """transformers 5's save_pretrained writes RoPE's base and scaling in `rope_parameters` only; transformers 4.x
+    (and vLLM, llama.cpp's converter, ...) read `rope_theta` and `rope_scaling`, and without them would load the
+    export with plain RoPE at base 10000: a different model. Both spellings are kept (transformers 5 reads a
+    config.json that has both, as 4.x wrote them)."""
+    written = json.loads(path.read_text())
+    keys = {"rope_theta": args.rope_theta, "rope_scaling": dict(args.rope_scaling) if args.rope_scaling else None}
+    missing = {k: v for k, v in keys.items() if k not in written}
+    if missing:
+        path.write_text(json.dumps({**written, **missing}, indent=2, sort_keys=True) + "\n")

@@ -336,3 +336,61 @@ def test_weights_with_nan_are_refused_and_leave_nothing_running(tmp_path):
         assert [t.name for t in threading.enumerate() if t.name in ("zerotrain-watchdog", "zerotrain-lock")] == []
     assert files(run) == before and not (run / "checkpoints").exists()
     assert [p.name for p in out.iterdir() if p.is_dir()] == ["kept"]  # the new run's directory: removed
+
+
+def test_generation_stops_where_the_model_ends_a_turn_and_renders_chats_as_transformers(tmp_path):
+    """greedy(): ends at the model's end-of-text ids (generation_config.json's list, read by load_model); a chat's
+    messages rendered with the assistant's turn opened and encoded as apply_chat_template(tokenize=True) encodes them,
+    the reply cut where the template ends a turn; a chat-rendered text that begins with BOS gets no second one; an
+    imported model's rows past its tokenizer's are its own (transformers' argmax), our padded rows never win."""
+    import torch
+
+    from test_data_bos import bos_tokenizer
+    from zerotrain.dataio.sources.sft import plain_chat
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
+    from zerotrain.launcher.commands.finetune import _end_ids, greedy
+    from zerotrain.modeling.sizes import ModelArgs
+
+    class Scripted(torch.nn.Module):
+        """Puts the highest logit on the next id of `script`; records what it was given."""
+
+        def __init__(self, script, vocab_size=320, vocab_multiple_of=64):
+            super().__init__()
+            self.args = ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=vocab_size,
+                                  vocab_multiple_of=vocab_multiple_of, max_seq_len=256)
+            self.script, self.seen = list(script), []
+
+        def forward(self, ids):
+            self.seen.append(ids[0].tolist())
+            logits = torch.zeros(1, ids.shape[1], self.args.vocab_size)
+            logits[0, -1, self.script[len(self.seen) - 1]] = 1.0
+            return logits
+
+    byte = ByteTokenizer()
+    model = Scripted([104, 105, 7, 33])
+    model.stop_ids = {byte.eos_id} | _end_ids(None)
+    assert greedy(model, byte, "q", max_new_tokens=4) == "hi\x07!"  # 7 ends nothing here
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [byte.eos_id, 7]}))
+    model = Scripted([104, 105, 7, 33])
+    model.stop_ids = {byte.eos_id} | _end_ids(tmp_path / "generation_config.json")
+    assert greedy(model, byte, "q", max_new_tokens=4) == "hi"
+
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    model = Scripted(byte.encode("4<|im_end|>\n<|im_start|>user"))
+    assert greedy(model, byte, chat, max_new_tokens=30) == "4"  # the plain ChatML turn's end
+    assert model.seen[0] == byte.encode(plain_chat(chat, add_generation_prompt=True))
+    with pytest.raises(UsageError, match="the prompt must be a text or a list of messages"):
+        greedy(model, byte, [{"role": "user"}])
+
+    llama = bos_tokenizer(tmp_path)
+    model = Scripted([llama.eos_id], vocab_size=llama.vocab_size)
+    greedy(model, llama, "<|begin_of_text|>the cat")
+    assert model.seen[0] == llama.encode_as_transformers("the cat")  # one BOS, not two
+    model = Scripted([llama.eos_id], vocab_size=llama.vocab_size)
+    greedy(model, llama, "the cat", add_special_tokens=False)
+    assert model.seen[0] == llama.encode("the cat")
+
+    padded, imported = Scripted([300, 300]), Scripted([300, 300], vocab_size=320, vocab_multiple_of=1)
+    greedy(padded, byte, "q", max_new_tokens=2)
+    greedy(imported, byte, "q", max_new_tokens=2)
+    assert padded.seen[1][-1] < byte.vocab_size and imported.seen[1][-1] == 300

@@ -154,11 +154,17 @@ def test_import_and_export_of_a_llama32_or_qwen3_directory(make_config, tmp_path
     hf.load_weights(ours, tmp_path / "theirs")
     x = torch.randint(0, 100, (2, 40))  # past original_max_position_embeddings (16): the scaled band is used
     with torch.no_grad():
-        assert torch.allclose(ours(x), theirs(x).logits, atol=1e-4, rtol=0)
+        their_logits = theirs(x).logits
+        assert torch.allclose(ours(x), their_logits, atol=1e-4, rtol=0)
     hf.save(tmp_path / "ours", ours.state_dict(), args)
     back = hf.read_config(tmp_path / "ours")
     assert (back["architectures"], back["model_type"]) == (raw["architectures"], raw["model_type"])
     assert hf.args_from_config(back, "ours") == args
+    # transformers 4.x's keys too (5.x's save_pretrained keeps rope_parameters only): 4.x readers see the same RoPE
+    assert (back["rope_theta"], back["rope_scaling"]) == (args.rope_theta, args.rope_scaling)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()  # 5.x reads the config with both
+    with torch.no_grad():
+        assert torch.allclose(again(x).logits, their_logits, atol=1e-4, rtol=0)
 
 
 def test_sharded_safetensors_directory_is_read(tmp_path):
@@ -188,6 +194,23 @@ def _llama_dir(tmp_path, **config_changes):
     cfg.update(config_changes)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
+
+
+def _tied_with_a_head(directory, same: bool):
+    """A tied config whose weights also hold lm_head.weight: the embedding's values, or others (transformers 5
+    then loads it untied, 4.x tied)."""
+    _llama_dir(directory, tie_word_embeddings=True)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone() + (0 if same else 1e-3)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_a_tied_config_with_the_embedding_stored_as_its_head_too_is_read(tmp_path):
+    directory = _tied_with_a_head(tmp_path, same=True)
+    args = hf.args_from_config(hf.read_config(directory), "d")
+    assert args.tie_embeddings
+    hf.check_weights(directory, args)
 
 
 def _truncated(directory):
@@ -234,6 +257,9 @@ def _shard_swapped(directory):
      "holds only pickled weights (pytorch_model.bin); zerotrain never unpickles"),
     (lambda d: d, "no config.json"),
     (lambda d: _llama_dir(d) / "config.json", "config.json: a file; give the directory that holds it"),
+    (lambda d: _llama_dir(d) / "model.safetensors", "model.safetensors: a file; give the directory that holds it"),
+    (lambda d: _tied_with_a_head(d, same=False), "config.json ties the head to the embedding (tie_word_embeddings"
+     " true) but lm_head.weight holds other values"),
     (lambda d: (d / "config.json").write_text(json.dumps({"run": {}, "model": {}})) and d,
      "a zerotrain run directory, not a Hugging Face model; `zerotrain export RUN --to DIR`"),
     (lambda d: _truncated(_llama_dir(d)), "model.safetensors: not a readable safetensors file"),

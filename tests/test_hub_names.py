@@ -162,10 +162,17 @@ def test_init_from_a_hub_name_in_the_cache_dry_runs_trains_and_exports_back(hub,
     line = one_error_line(zerotrain(["train", "--init-from", "org/absent", *common, "--dry-run"], env))
     assert line == (f"zerotrain: error: --init-from org/absent: no such directory; as a hub model org/absent: not in"
                     f" the Hugging Face cache ({root / 'hf' / 'hub'}) and offline mode is on: `hf download org/absent"
-                    " --include config.json generation_config.json *.safetensors model.safetensors.index.json"
+                    " --include config.json generation_config.json '*.safetensors' model.safetensors.index.json"
                     " tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json"
                     " chat_template.jinja` on a machine with network into the same HF_HOME / HF_HUB_CACHE, or unset"
                     " HF_HUB_OFFLINE")
+    part = tokenizer_cache(root / "hf" / "hub", "org/toks")  # a snapshot fetched in part: its tokenizer alone
+    line = one_error_line(zerotrain(["train", "--init-from", "org/toks", *common, "--dry-run"], env))
+    assert line == (f"zerotrain: error: --init-from org/toks: no config.json (not a Hugging Face model directory) in"
+                    f" its cached snapshot {part} (fetched in part, e.g. its tokenizer alone): `hf download org/toks"
+                    " --include config.json generation_config.json '*.safetensors' model.safetensors.index.json"
+                    " tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json"
+                    " chat_template.jinja`")
     proc = zerotrain(["train", "--init-from", "org/qwen", *common, "--dry-run"], env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"hub: model org/qwen, commit {COMMIT[:12]}, from the Hugging Face cache (offline): {snap}" in proc.stdout

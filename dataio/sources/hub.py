@@ -24,6 +24,7 @@ Not here: reading the files (readers, streamed), what a mix may say (mix). `hugg
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -76,15 +77,22 @@ def _cached_snapshot(repo: str, repo_type: str, revision: str | None, allow: lis
         return None
 
 
+def fetch_command(repo: str, repo_type: str = "model", revision: str | None = None,
+                  files: tuple[str, ...] = MODEL_FILES) -> str:
+    """The `hf download` command that puts what zerotrain reads of `repo` into the cache (patterns quoted: a shell
+    would expand `*.safetensors` against the current directory)."""
+    get = (f"hf download --repo-type dataset {repo}" if repo_type == "dataset" else
+           f"hf download {repo} --include {' '.join(shlex.quote(f) for f in files)}")
+    return get + (f" --revision {revision}" if revision else "")
+
+
 def _problem(e: Exception, repo: str, repo_type: str, revision: str | None, offline: bool,
              files: tuple[str, ...] = TOKENIZER_FILES) -> str:
     """One line for huggingface_hub's refusal of `repo` (a model's: `files`, the patterns it needs)."""
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
-    get = (f"hf download --repo-type dataset {repo}" if repo_type == "dataset" else
-           f"hf download {repo} --include {' '.join(files)}")
-    get += f" --revision {revision}" if revision else ""
+    get = fetch_command(repo, repo_type, revision, files)
     if isinstance(e, GatedRepoError):
         return "gated on the hub: accept its terms on its page and set HF_TOKEN (or `hf auth login`)"
     if isinstance(e, RevisionNotFoundError):

@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 
 from zerotrain import durable
+from zerotrain.dataio.format.errors import first_line
+from zerotrain.dataio.sources.sft import ChatRenderer
 from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.commands import export as export_command
@@ -106,13 +108,14 @@ class FinetuneResult:
             print(export_command.check_line(done["check"]))
         return Path(out)
 
-    def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
-        """Greedy continuation of `prompt` by the trained weights (CPU); the new text only."""
+    def generate(self, prompt: str | list[dict], max_new_tokens: int = 64, add_special_tokens: bool = True) -> str:
+        """Greedy continuation of `prompt` (a text, or a chat's messages) by the trained weights (CPU); the new
+        text only (finetune.greedy)."""
         if self.checkpoint is None:
             raise UsageError(f"generate: {self.run_dir} has no complete checkpoint")
         if self._model is None:
             self._model = load_model(self.checkpoint)
-        return greedy(*self._model, prompt, max_new_tokens)
+        return greedy(*self._model, prompt, max_new_tokens, add_special_tokens)
 
 
 def finetune(model: str | Path | None = None, data: str | Path | None = None, *, launch: bool = False,
@@ -341,7 +344,9 @@ def _launch(cfg, gpus: int | None) -> FinetuneResult:
 def load_model(source: str | Path, tokenizer: str | None = None):
     """(Transformer on CPU in eval mode, tokenizer) from a checkpoint, a run directory (its newest
     checkpoint) or a Hugging Face Llama directory (`tokenizer=` when it has no tokenizer.json). The model's
-    `trained_bos`: its run's documents began with BOS (a mix's "bos": true; `greedy` puts it before a prompt)."""
+    `trained_bos`: its run's documents began with BOS (a mix's "bos": true; `greedy` puts it before a prompt);
+    its `stop_ids`: the ids generation ends at (the tokenizer's EOS, and the end-of-text list of the model's
+    generation_config.json: a chat model's end of turn, Llama 3 Instruct's <|eot_id|>)."""
     source = Path(source)
     trained_bos = False  # a Hugging Face directory: its tokenizer says (encode_as_transformers)
     if (source / checkpoint.MARKER).is_file() or (source / "checkpoints").is_dir():
@@ -355,6 +360,7 @@ def load_model(source: str | Path, tokenizer: str | None = None):
         tok = load_tokenizer(tokenizer) if tokenizer else \
             export_command.run_tokenizer(saved, run_dir / "config.json", f"generate {source}")
         trained_bos = any(s.get("bos") for s in saved.get("sources") or [])
+        generation_config = None if tokenizer else export_command.base_generation_config(saved)
     else:
         try:
             cfg = hf.read_config(source)
@@ -368,36 +374,80 @@ def load_model(source: str | Path, tokenizer: str | None = None):
         if tokenizer is None and not (source / "tokenizer.json").is_file():
             raise UsageError(f"generate {source}: no tokenizer.json in the directory; give tokenizer=")
         tok = load_tokenizer(tokenizer or str(source))
+        generation_config = source / "generation_config.json"
     model.eval()
     model.trained_bos = trained_bos
+    model.stop_ids = {tok.eos_id} | _end_ids(generation_config)
     return model, tok
 
 
-def greedy(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
-    """The most likely next token, again and again, until EOS or `max_new_tokens` (no cache: the
-    models here are small and so are the prompts). The prompt is encoded as transformers encodes it (a
-    Llama's BOS first), with the BOS a run's documents began with (`model.trained_bos`, load_model's) where
-    that adds none."""
-    ids = list(tokenizer.encode_as_transformers(prompt))
+def _end_ids(generation_config: Path | None) -> set[int]:
+    """A generation_config.json's eos_token_id (an id or a list of them); none where there is no such file."""
+    try:
+        eos = json.loads(generation_config.read_text()).get("eos_token_id") if generation_config else None
+    except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object: the tokenizer's EOS alone
+        return set()
+    return {i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int) and not isinstance(i, bool)}
+
+
+def _prompt_ids(tokenizer, prompt, add_special_tokens: bool) -> tuple[list[int], list[int]]:
+    """(the prompt's ids, the ids that end the reply where the chat template writes an end of turn: [] for a text)."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode_as_transformers(prompt) if add_special_tokens else tokenizer.encode(prompt)
+        bos = tokenizer.bos_id
+        return (ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids), []  # a text that begins with BOS
+    if not (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt)):
+        raise UsageError("generate: the prompt must be a text or a list of messages ({\"role\": ..., \"content\": ...})")
+    renderer = ChatRenderer(tokenizer)
+    try:
+        text = renderer.render([prompt], [True])[0]
+        mark = "\u2063zerotrain-reply\u2063"  # the reply's text, to find what the template writes after it
+        turn = renderer.render([[*prompt, {"role": "assistant", "content": mark}]], [False])[0]
+    except Exception as e:  # a template's own raise_exception (jinja2 TemplateError) and the like
+        raise UsageError(f"generate: {renderer.name} refused the messages: {first_line(e)}") from None
+    end = turn.split(mark, 1)[1].rstrip() if mark in turn else ""
+    # as transformers' apply_chat_template(tokenize=True): the rendered text, no special tokens added to it
+    return tokenizer.encode(text), tokenizer.encode(end) if end else []
+
+
+def greedy(model, tokenizer, prompt: str | list[dict], max_new_tokens: int = 64, add_special_tokens: bool = True) -> str:
+    """The most likely next token, again and again, until an end (`model.stop_ids`, load_model's; else the
+    tokenizer's EOS) or `max_new_tokens` (no cache: the models here are small and so are the prompts); the new
+    text. A text prompt is encoded as transformers' tokenizer(prompt, add_special_tokens=...) encodes it (a Llama's
+    BOS first; a chat-rendered text that begins with BOS gets no second one), with the BOS a run's documents began
+    with (`model.trained_bos`) where that adds none. A list of messages is rendered by the tokenizer's chat template
+    with the assistant's turn opened (the plain ChatML one for a tokenizer without), as apply_chat_template does,
+    and the reply ends where the template ends a turn. Ids past the tokenizer's are never produced by our own
+    models (their vocabulary is padded); an imported model's rows are all its own, as in transformers."""
+    ids, turn_end = _prompt_ids(tokenizer, prompt, add_special_tokens)
+    ids = list(ids)
     if getattr(model, "trained_bos", False) and tokenizer.bos_id is not None and ids[:1] != [tokenizer.bos_id]:
         ids = [tokenizer.bos_id, *ids]
     if not ids:
         raise UsageError("generate: the prompt encodes to no tokens")
+    stop = getattr(model, "stop_ids", None) or {tokenizer.eos_id}
+    rows = tokenizer.vocab_size if model.args.vocab_multiple_of > 1 else model.args.vocab_size
     new: list[int] = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
             window = (ids + new)[-model.args.max_seq_len:]
-            logits = model(torch.tensor([window]))[0, -1, :tokenizer.vocab_size]  # padded vocab rows never win
-            token = int(logits.argmax())
-            if token == tokenizer.eos_id:
+            token = int(model(torch.tensor([window]))[0, -1, :rows].argmax())
+            if token in stop:
                 break
             new.append(token)
+            if turn_end and new[-len(turn_end):] == turn_end:
+                new = new[:-len(turn_end)]
+                break
     return tokenizer.decode(new)
 
 
-def generate(model: str | Path, prompt: str, max_new_tokens: int = 64, tokenizer: str | None = None) -> str:
-    """Greedy continuation by a checkpoint, run directory or Hugging Face directory (e.g. before fine-tuning)."""
-    return greedy(*load_model(model, tokenizer), prompt, max_new_tokens)
+def generate(model: str | Path, prompt: str | list[dict], max_new_tokens: int = 64, tokenizer: str | None = None,
+             add_special_tokens: bool = True) -> str:
+    """Greedy continuation by a checkpoint, run directory or Hugging Face directory (e.g. before fine-tuning);
+    `prompt` a text or a chat's messages (`greedy`)."""
+    return greedy(*load_model(model, tokenizer), prompt, max_new_tokens, add_special_tokens)
 
 
 class _CallableModule(types.ModuleType):
