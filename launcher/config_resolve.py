@@ -139,6 +139,10 @@ def config_warnings(cfg: RunConfig) -> list[str]:
         out.append(f"--warmup-steps {cfg.schedule.warmup_steps} >= --max-steps {cfg.schedule.max_steps}: the learning"
                    " rate never"
                    " reaches its peak and never decays")
+    if cfg.eval.eval_data is not None and cfg.data.path is not None \
+            and Path(cfg.eval.eval_data).resolve() == Path(cfg.data.path).resolve():
+        out.append(f"--eval-data {cfg.eval.eval_data} is the training data itself: val_loss measures documents the run"
+                   " trains on (leave --eval-data out to hold documents out of training instead)")
     return out
 
 

@@ -34,7 +34,9 @@ END_KINDS = {e.kind: e for e in (
     EndKind("dry-run", 0, False, False, "dry run", "`--dry-run`: resolved and printed, nothing built or written"),
     EndKind("crash", 1, False, True, "failed (crashed)",
             "an unexpected error (a traceback) or a communication error; a rank lost (killed, by the kernel's OOM"
-            " killer too; a segfault) ends the same way, with the launcher's own code", restartable=True),
+            " killer too; a segfault) ends the same way, with the launcher's own code: 1 when another rank's error"
+            " ended the job first, 256 - N for a rank killed by signal N (247 for SIGKILL: DeepSpeed's launch.py"
+            " exits with -9); any code not in this table is a crash", restartable=True),
     EndKind("usage", 2, False, True, "failed (bad input)", "bad input: one line naming the input, nothing written"),
     EndKind("diverged", 3, False, True, "failed (diverged)",
             "non-finite loss or gradient norm, a loss spike with `--on-spike stop`, or rollbacks used up"),

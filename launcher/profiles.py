@@ -59,7 +59,9 @@ def validate_profile(profile, where: str) -> None:
     zero = profile.get("zero_optimization", {})
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise UsageError(f"{where}: unknown ZeRO stage {stage!r} (zero_optimization.stage must be 0, 1, 2 or 3)")
+        kind = " (text: write the number without quotes)" if isinstance(stage, str) else ""
+        raise UsageError(f"{where}: unknown ZeRO stage {stage!r}{kind} (zero_optimization.stage must be 0, 1, 2 or"
+                         " 3)")
     enabled = [k for k in ("bf16", "fp16") if isinstance(profile.get(k), dict) and profile[k].get("enabled") is True]
     if len(enabled) == 2:
         raise UsageError(f"{where}: bf16 and fp16 are both enabled; enable at most one")
@@ -213,6 +215,70 @@ def resolve_ds_config(profile: dict, cfg, world: int, where: str) -> dict:
     return accumulate_in_fp32(ds)
 
 
+# DeepSpeed's sections whose names are not among deepspeed.runtime.constants' strings
+DS_SECTIONS = ("zero_optimization", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+               "comms_logger", "compile", "aio", "sequence_parallel_size", "nebula", "elasticity", "autotuning",
+               "compression_training", "data_efficiency", "curriculum_learning", "weight_quantization", "hybrid_engine")
+
+
+def check_with_deepspeed(ds: dict, where: str) -> None:
+    """The config deepspeed.initialize will get, checked by DeepSpeed's own config class before anything is built or
+    written (a dry run too): its pydantic sections refuse a key they do not have, which would otherwise be a
+    traceback from every rank at deepspeed.initialize. And what DeepSpeed takes unchecked and fails on or ignores
+    later: gradient_clipping that is not a number, an optimizer type it has not, a top-level key a letter or two
+    away from one of its own (it would be ignored: the run would train with the default). UsageError, one line."""
+    import difflib
+
+    import deepspeed.runtime.constants as constants
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from pydantic import ValidationError
+
+    known = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)} | set(DS_SECTIONS)
+    for key in ds:
+        close = [] if key in known else difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        if close:
+            raise UsageError(f"{where}: {key} is not a DeepSpeed key (did you mean {close[0]}?); DeepSpeed would"
+                             " ignore it")
+    clip = ds.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise UsageError(f"{where}: gradient_clipping must be a non-negative number, got {clip!r}")
+    kind = (ds.get("optimizer") or {}).get("type") if isinstance(ds.get("optimizer"), dict) else None
+    if kind is not None:
+        import torch
+
+        if not isinstance(kind, str) or (kind.lower() not in DEEPSPEED_OPTIMIZERS
+                                         and getattr(torch.optim, kind, None) is None):
+            raise UsageError(f"{where}: optimizer type {kind!r} is not one DeepSpeed builds ({', '.join(DEEPSPEED_OPTIMIZERS)},"
+                             " or a torch.optim class name)")
+    one_rank = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
+    try:  # the batch numbers are ours (resolve_batch): given for one rank, as DeepSpeedConfig sees no process group
+        DeepSpeedConfig(one_rank)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        section = next((k for k, v in ds.items() if isinstance(v, dict) and loc and loc[0] in v), None)
+        at = ".".join(([section] if section else []) + loc) or e.title
+        close = difflib.get_close_matches(loc[-1], _model_fields(e.title), n=1) if loc else []
+        hint = f" (did you mean {close[0]}?)" if close and err.get("type") == "extra_forbidden" else ""
+        raise UsageError(f"{where}: {at}: {err.get('msg')}{hint}, got {err.get('input')!r} (DeepSpeed's"
+                         f" {e.title})") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"{where}: DeepSpeed refuses the config: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _model_fields(title: str) -> list[str]:
+    """The keys (names and aliases) of DeepSpeed's config section class named `title`, for a did-you-mean."""
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    todo = [DeepSpeedConfigModel]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == title:
+            return [k for name, f in cls.model_fields.items() for k in (name, f.alias) if k]
+        todo += cls.__subclasses__()
+    return []
+
+
 def precision(ds: dict) -> str:
     """"bf16", "fp16" or "fp32": what a DeepSpeed dict (or a profile) trains in (validate_profile allows one)."""
     return next((k for k in ("bf16", "fp16") if isinstance(ds.get(k), dict) and ds[k].get("enabled") is True), "fp32")
@@ -319,7 +385,7 @@ def check_devices(profile_name: str, profile: dict, world: int, device_type: str
                   local_devices: int = 0, detect=detect_profile) -> list[str]:
     """Warnings about the profile against this launch and machine; UsageError (one line) for a CPU profile on a
     node where DeepSpeed runs on CUDA (it would put the model on the GPUs with the CPU profile's gloo, fp32 and
-    batch). `device_type`, `local_devices`: what DeepSpeed's accelerator reports on this node (None: not asked,
+    batch), and for a GPU profile where DeepSpeed sees no GPU (NCCL's traceback, or a silent run on the CPU). `device_type`, `local_devices`: what DeepSpeed's accelerator reports on this node (None: not asked,
     as for --dry-run, which is resolved against the profile's hardware). Pure: the caller asks the machine."""
     hw = profile_value(profile, "hardware", {})
     if hw.get("accelerator") == "cpu" and device_type == "cuda":
@@ -330,6 +396,12 @@ def check_devices(profile_name: str, profile: dict, world: int, device_type: str
         raise UsageError(f"--profile {profile_name}: a CPU profile, but this node has {local_devices} CUDA GPU(s),"
                          f" which DeepSpeed would use; use {instead}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to"
                          " train on the CPU")
+    if hw.get("accelerator") == "cuda" and device_type == "cpu":
+        backend = profile_value(profile, "dist_backend", None)
+        then = "its nccl backend would fail" if backend in (None, "nccl") else "DeepSpeed would train on the CPU"
+        raise UsageError(f"--profile {profile_name}: a GPU profile (hardware.accelerator cuda), but DeepSpeed sees no"
+                         f" CUDA GPU on this node ({then}); use --profile cpu or auto here, or run it where the GPUs"
+                         " are")
     out = []
     per_node, nodes = hw.get("devices_per_node"), hw.get("nodes", 1)
     if per_node is not None and world != per_node * nodes:

@@ -31,6 +31,7 @@ from zerotrain.dataio.sources.tokenizer import load_tokenizer
 from zerotrain.launcher import model_spec
 from zerotrain.launcher.components import determinism, manifest
 from zerotrain.launcher.components.checkpoints import checkpoint
+from zerotrain.launcher.components.checkpoints.run_lock import refuse_if_live
 from zerotrain.launcher.components.launching.ports import free_port
 from zerotrain.launcher.components.observe.golden import GoldenCheck
 from zerotrain.launcher.components.guards import Budget
@@ -50,7 +51,8 @@ from zerotrain.launcher.offload.ops import check_offload_here
 from zerotrain.launcher.optimizers import describe_implementation
 from zerotrain.launcher.planning import (EvalCost, describe_cost, eval_cost, every_steps, fit_check, offload_lines,
                                         run_loss_chunk)
-from zerotrain.launcher.profiles import check_devices, describe_precision, detect_profile, load_profile
+from zerotrain.launcher.profiles import (check_devices, check_with_deepspeed, describe_precision, detect_profile,
+                                        load_profile)
 from zerotrain.launcher.resize.layout import resize_layout
 from zerotrain.launcher.resolution import resolve, tokens_per_step
 from zerotrain.launcher.settings import BY_NAME, GIVEN, Settings, describe_settings, parse_every, with_schedule
@@ -87,6 +89,7 @@ class RunPlan:
     run_dir: Path
     resume_from: Path | None
     resume_meta: dict | None = None
+    checkpoints_seen: tuple[Path, ...] = ()  # the complete checkpoints the plan saw (checked again under the lock)
     warnings: tuple[str, ...] = ()
     golden: object | None = None  # --golden: a zerotrain.launcher.components.observe.golden.GoldenCheck
     node: Node | None = None  # the machine (a dry run: the profile's hardware)
@@ -246,13 +249,17 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     cfg, profile_name, profile, settings = ident.cfg, ident.profile_name, ident.profile, ident.settings
     tokenizer, model_args, run_dir = ident.tokenizer, ident.model_args, ident.run_dir
     run_id = run_dir.name
-    node = Node.of_profile(settings.hardware) if cfg.run.dry_run else Node.here()  # the machine, asked once
+    # the machine, asked once; a dry run plans for the profile's, unless the profile names none (then this one's,
+    # which the real run would use: a dry run must not describe another run than `zerotrain train` makes here)
+    node = Node.of_profile(settings.hardware) if cfg.run.dry_run and (settings.hardware or {}).get("accelerator") \
+        else Node.here()
     here = () if cfg.run.dry_run else (node.device, node.count)
     device_warnings = check_devices(profile_name, profile, world, *here, detect=detect_profile)
     # the batch, the schedule sized in tokens, every setting and the DeepSpeed dict: as `zerotrain plan` has them
     resolved = resolve(cfg, profile_name, profile, world, node, model_args, settings=settings,
                        started_stage=_started_stage(run_dir))
     cfg, settings, ds_config, stage_line = resolved.cfg, resolved.settings, resolved.ds_config, resolved.stage_line
+    check_with_deepspeed(ds_config, f"profile {profile_name}")  # its refusals at plan time, a dry run's too
     sp, data_world = resolved.sequence_parallel, resolved.data_world  # the data and loader states count row groups
     # a mix file or a prepared shard directory; "download": true hub sources fetched (not by a dry run)
     data = open_data(cfg.data.path, tokenizer, fetch=not cfg.run.dry_run)
@@ -270,6 +277,9 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         checkpoint.check_mirror(cfg.checkpoints.mirror, run_dir, run_id)
     ckpt_dir = run_dir / "checkpoints"
     mirror_ckpt = Path(cfg.checkpoints.mirror) / run_id / "checkpoints" if cfg.checkpoints.mirror else None
+    if not cfg.run.dry_run:  # a live run rotates the checkpoints a resume would be planned on
+        refuse_if_live(run_dir)
+    checkpoints_seen = tuple(checkpoint.complete_checkpoints(ckpt_dir))
     resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
     meta = None
     saved = run_dir / "config.json"
@@ -308,7 +318,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
                    ds_config=ds_config, settings=settings, data=data, eval_rows=eval_rows,
                    loader_settings=loader_settings, tokenizer=tokenizer, model_args=model_args,
                    model_label=ident.model_label, init_from=ident.init_from, run_dir=run_dir,
-                   resume_from=resume_from, resume_meta=meta,
+                   resume_from=resume_from, resume_meta=meta, checkpoints_seen=checkpoints_seen,
                    warnings=(*device_warnings, *config_warnings(cfg), *repeats, *missing_bos(data), *eval_warnings,
                              *model_spec.context_warnings(cfg, model_args, ident.init_from)),
                    golden=golden, node=node, budget=budget,

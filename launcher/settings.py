@@ -78,6 +78,10 @@ def positive_number(v):
     return None if _number(v) and v > 0 else "must be a positive number"
 
 
+# torch.distributed's and DeepSpeed's accelerators' backends (deepspeed.comm's init_distributed takes these names)
+DIST_BACKENDS = ("nccl", "gloo", "mpi", "ccl", "hccl", "xccl")
+
+
 def fraction(v):
     return None if _number(v) and 0 < v <= 1 else "must be a number in (0, 1]"
 
@@ -154,6 +158,20 @@ def health_check(v):
                 or (key == "straggler_ratio" and x <= 1):
             return (f".{key} must be a positive number" + (" (a whole count)" if key == "windows" else
                     " above 1" if key == "straggler_ratio" else ""))
+    return None
+
+
+def env_check(v):
+    """zerotrain.env: {"set": {NAME: text or number}, "pass": [NAME, ...]} (components/launching/hostfile.py reads
+    it for a launch; checked here too, so a dry run and `zerotrain train` refuse what a launch would)."""
+    if not isinstance(v, dict) or set(v) - {"set", "pass"}:
+        return "must be an object with 'set' and/or 'pass'"
+    values, names = v.get("set", {}), v.get("pass", [])
+    if not isinstance(values, dict) or not all(isinstance(x, (str, int, float)) and not isinstance(x, bool)
+                                               for x in values.values()):
+        return ".set must map names to strings or numbers"
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return ".pass must be a list of variable names"
     return None
 
 
@@ -297,7 +315,7 @@ TABLE: tuple[Setting, ...] = (
     Setting("comm_timeout_s", "seconds one collective may wait before the backend fails it",
             profile_key="zerotrain.comm_timeout_s", rule=comm_timeout_rule, check=positive_seconds),
     Setting("dist_backend", "the process group's backend (default: the accelerator's: nccl on CUDA, gloo on CPU)",
-            profile_key="zerotrain.dist_backend", check=text),
+            profile_key="zerotrain.dist_backend", check=one_of(DIST_BACKENDS)),
     # speed: the planner's assumption, pre-flight's threshold, the health check
     Setting("peak_flops_per_device", "peak FLOP/s of one device, for MFU",
             profile_key="zerotrain.peak_flops_per_device", check=positive_number),
@@ -313,7 +331,7 @@ TABLE: tuple[Setting, ...] = (
     Setting("hardware", "what the profile was written for: accelerator, devices_per_node, nodes, memory, names",
             profile_key="zerotrain.hardware", default={}, check=hardware_check),
     Setting("env", "environment variables a launch sets and passes (components/hostfile.py)",
-            profile_key="zerotrain.env", default={}),
+            profile_key="zerotrain.env", default={}, check=env_check),
     # free text in a profile, read by people
     Setting("profile_description", profile_key="zerotrain.description", note=True, check=text),
     Setting("peak_flops_note", profile_key="zerotrain.peak_flops_note", note=True, check=text),
@@ -360,6 +378,8 @@ def check_section(zt, where: str) -> None:
             continue
         problem = s.check(v)
         if problem:
+            if problem.startswith("."):  # a key inside the object: its value shown, not the whole object's
+                v = v.get(problem[1:].split(" ", 1)[0], v) if isinstance(v, dict) else v
             raise UsageError(f"{where}: zerotrain.{key}{'' if problem.startswith('.') else ' '}{problem}, got {v!r}")
 
 

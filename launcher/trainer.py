@@ -143,8 +143,10 @@ class Trainer:
                 self.snapshot.restore()
 
     def _build(self, plan: RunPlan, hard_exit: bool, watch: bool) -> None:
-        self.snapshot = RunDirSnapshot.take(plan.run_dir) if self.is_main else None  # put back by _abandon
-        self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say)
+        existed = plan.run_dir.is_dir()  # before the lock, which creates it
+        self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say, still=self._changed_since_plan)
+        # what bad input found from here on puts back (_abandon): taken under the lock, so only this launch writes
+        self.snapshot = RunDirSnapshot.take(plan.run_dir, existed) if self.is_main else None
         universal_dir = self._universal_dir()
         self._write_run_dir()
         self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none
@@ -163,6 +165,17 @@ class Trainer:
             self.metrics.fresh_start()
 
     # -- building ---------------------------------------------------------------------------------
+    def _changed_since_plan(self) -> str | None:
+        """Rank 0, the lock held: the refusal when the run directory's checkpoints are not the ones the plan saw
+        (another launch wrote or rotated them between the plan and the lock: it ended meanwhile), else None."""
+        plan = self.plan
+        now = tuple(checkpoint.complete_checkpoints(plan.ckpt_dir))
+        if now == plan.checkpoints_seen:
+            return None
+        return (f"run directory {plan.run_dir} changed while this launch started (its checkpoints were"
+                f" {_tags(plan.checkpoints_seen)}, now {_tags(now)}: another launch wrote it meanwhile); run the"
+                " command again")
+
     def _universal_dir(self) -> Path | None:
         """A resume on another world size: the checkpoint converted to DeepSpeed's universal format (rank 0)."""
         plan = self.plan
@@ -520,3 +533,7 @@ def dry_run(cfg: RunConfig, world: int | None = None) -> RunResult:
     return RunResult(run_dir=plan.run_dir, step=0, tokens_seen=0, stop="dry-run", message="dry run",
                      exit_code=END_KINDS["dry-run"].exit_code,
                      extra={"fits": fits, "world": world, "ds_config": ds})
+
+
+def _tags(checkpoints) -> str:
+    return ", ".join(p.name for p in checkpoints) or "none"

@@ -418,6 +418,25 @@ def test_run_lock_heartbeat_keeps_the_lock_fresh(tmp_path):
 
 
 
+def test_a_live_run_is_refused_before_planning_and_a_directory_changed_since_the_plan_under_the_lock(tmp_path):
+    """refuse_if_live: the lock's own line while its holder lives (a launch refuses before planning a resume on
+    checkpoints the live run rotates); take_lock's `still`: a directory another launch wrote between the plan and
+    the lock (that launch ended meanwhile) is refused and the lock given back."""
+    from zerotrain.launcher.components.checkpoints.run_lock import refuse_if_live, take_lock
+
+    run = tmp_path / "run"
+    refuse_if_live(run)  # no directory, no lock: nothing to say
+    with RunLock(run):
+        with pytest.raises(UsageError, match=f"run directory {run} is in use by pid {os.getpid()} on host"):
+            refuse_if_live(run)
+    refuse_if_live(run)  # released
+    with pytest.raises(UsageError, match="changed while this launch started"):
+        take_lock(run, None, True, still=lambda: f"run directory {run} changed while this launch started")
+    assert not (run / LOCK).exists()
+    lock = take_lock(run, None, True, still=lambda: None)
+    assert (run / LOCK).exists()
+    lock.release()
+
 def test_a_refused_start_up_puts_the_run_directory_back(tmp_path):
     """RunDirSnapshot (Trainer._abandon on bad input): files rewritten get their bytes back, logs appended to their
     length, new files and directories go (a universal conversion too), checkpoints stay; a new directory goes."""

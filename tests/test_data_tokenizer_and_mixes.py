@@ -110,3 +110,31 @@ def test_hf_tokenized_text_is_cut_in_bytes_before_tokenizing(trained, tmp_path):
         ids = np.concatenate([loader.next_batch()["input_ids"].numpy().ravel() for _ in range(20)])
         assert ids.max() < tok.vocab_size
         assert len(loader.stream.sources[0].ids) == len(range(rank, len(one), 2))  # every rank has pieces
+
+
+def test_compressed_json_lines_give_the_documents_of_the_plain_file(tmp_path):
+    """.jsonl.gz / .bz2 / .xz / .zst (docs/data.md): datasets decompresses them (zstandard for .zst, a dependency),
+    the same documents as the plain file, in order."""
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    from zerotrain.dataio.pipeline.prepare import iter_documents
+    from zerotrain.dataio.sources.tokenizer import ByteTokenizer
+
+    raw = "".join(json.dumps({"text": f"document {i}: " + "héllo wörld " * (i % 7 + 1)}) + "\n"
+                  for i in range(50)).encode()
+    (tmp_path / "plain.jsonl").write_bytes(raw)
+    for suffix, pack in ((".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress),
+                         (".zst", zstandard.ZstdCompressor().compress)):
+        (tmp_path / f"c{suffix[1:]}.jsonl{suffix}").write_bytes(pack(raw))
+    names = ["plain.jsonl", "cgz.jsonl.gz", "cbz2.jsonl.bz2", "cxz.jsonl.xz", "czst.jsonl.zst"]
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"name": n.split(".")[0], "weight": 1, "path": n} for n in names]}))
+    specs = open_data(str(mix), ByteTokenizer()).specs
+    docs = [[bytes(np.asarray(d[0] if isinstance(d, tuple) else d).astype(np.uint8)) for d in
+             iter_documents(spec, ByteTokenizer())] for spec in specs]
+    assert len(docs[0]) == 50 and docs[0][3].decode() == "document 3: " + "héllo wörld " * 4
+    assert all(d == docs[0] for d in docs[1:])

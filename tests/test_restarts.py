@@ -103,6 +103,10 @@ calls = json.loads(log.read_text()) if log.exists() else []
 calls.append(sys.argv[1:])
 log.write_text(json.dumps(calls))
 code = [int(c) for c in os.environ["FAKE_CODES"].split()][len(calls) - 1]
+if os.environ.get("FAKE_SEGMENT"):  # rank 0's start: this launch's segment in manifest.json
+    from zerotrain.launcher.components import manifest
+    manifest.write_or_extend(Path(os.environ["FAKE_SEGMENT"]), run_id="run", config_hash="h", profile="cpu", seed=1,
+                             world_size=2, hosts=["a"], resumed_from=None, rank0_only=False)
 if code in (0, 2, 3, 6, 11):  # ends rank 0 says itself; a lost rank (247) and a crash (1) leave no file
     Path(os.environ["ZEROTRAIN_EXIT_FILE"]).write_text(f"{code}\n")
 sys.exit(1 if code in (3, 6, 11) else code)  # DeepSpeed's launcher exits 1 when a rank exits non-zero
@@ -121,6 +125,33 @@ def fake_launch(tmp_path, monkeypatch, codes: str, argv: list[str], run_dir: Pat
     with pytest.raises(SystemExit) as end:
         launch_cmd.launch_main(argv)
     return end.value.code, json.loads(log.read_text())
+
+
+@pytest.mark.launches  # the loop's runner is a fake launcher, started as a process
+def test_a_crash_no_rank_recorded_closes_the_jobs_own_segment_only(tmp_path, monkeypatch, mix_path):
+    """Without --max-restarts too: a lost rank (247, no exit file) closes the segment its job wrote, as "crash" with
+    the cause (`zerotrain runs`: failed (crashed), not "no end recorded"); an older launch's open segment (this job
+    died before writing its own) and a refusal (exit 2) are left as they are."""
+    run = tmp_path / "run"
+    flags = ["--data", str(mix_path)]
+    monkeypatch.setenv("FAKE_SEGMENT", str(run))
+    assert fake_launch(tmp_path, monkeypatch, "247", ["-n", "2", "--", *flags], run)[0] == 247
+    segment = manifest.read_manifest(run)["segments"][-1]
+    assert (segment["end_reason"], segment["end_exit_code"], segment["end_message"]) == (
+        "crash", 247, "a rank lost (killed by SIGKILL; exit 247)")
+    old = tmp_path / "old"
+    manifest.write_or_extend(old, run_id="old", config_hash="h", profile="cpu", seed=1, world_size=2, hosts=["a"],
+                             resumed_from=None, rank0_only=False)
+    m = manifest.read_manifest(old)
+    m["segments"][-1]["started"] = "2026-01-01T00:00:00+00:00"
+    (old / manifest.MANIFEST).write_text(json.dumps(m))
+    before = (old / manifest.MANIFEST).read_bytes()
+    monkeypatch.delenv("FAKE_SEGMENT")
+    (tmp_path / "calls.json").unlink()
+    for codes in ("1", "2"):
+        assert fake_launch(tmp_path, monkeypatch, codes, ["-n", "2", "--", *flags], old)[0] == int(codes)
+        (tmp_path / "calls.json").unlink()
+    assert (old / manifest.MANIFEST).read_bytes() == before
 
 
 @pytest.mark.launches  # the loop's runner is a fake launcher, started as a process

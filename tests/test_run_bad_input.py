@@ -85,6 +85,14 @@ def test_warmup_beyond_max_steps_is_a_warning():
     assert not config_warnings(resolve_config(["--data", "mix.json", "--warmup-steps", "10"]))
 
 
+
+def test_eval_data_that_is_the_training_data_is_a_warning(mix_path):
+    again = f"{mix_path.parent}/./{mix_path.name}"
+    same = config_warnings(resolve_config(["--data", str(mix_path), "--eval-data", again, "--eval-every-steps", "5"]))
+    assert same == [f"--eval-data {again} is the training data itself: val_loss measures documents the run trains"
+                    " on (leave --eval-data out to hold documents out of training instead)"]
+
+
 # -- hostile inputs on the offload, drift and pre-flight surfaces ------------------------------------------------
 
 def test_a_client_optimizer_under_offload_is_refused_before_the_run_directory_exists(tmp_path, mix_path):
@@ -175,3 +183,46 @@ def test_the_data_behind_the_same_flags_is_drift_too(tmp_path, mix_path):
     assert data_drift({"sources": [hub]}, [moved], None) == []
     assert data_drift({"sources": [hub]}, [{**moved, "hf": "/scratch/hf/snapshots/beef"}], None) == [
         f"mix source {first!r} hf 'c0ffee' -> 'beef'"]
+
+
+PROFILE_CASES = {  # a change to the shipped cpu profile: what plan_run (a dry run too) says, before anything is written
+    "a key DeepSpeed's section has not": (
+        lambda p: p["zero_optimization"].update(stage3_param_persistance_threshold=0),
+        "zero_optimization.stage3_param_persistance_threshold: Extra inputs are not permitted (did you mean"
+        " stage3_param_persistence_threshold?), got 0 (DeepSpeed's DeepSpeedZeroConfig)"),
+    "a top-level key a letter away": (lambda p: p.update(train_micro_batch_size_per_gpuu=4),
+                                      "train_micro_batch_size_per_gpuu is not a DeepSpeed key (did you mean"
+                                      " train_micro_batch_size_per_gpu?); DeepSpeed would ignore it"),
+    "clipping as text": (lambda p: p.update(gradient_clipping="1.0"),
+                         "gradient_clipping must be a non-negative number, got '1.0'"),
+    "an optimizer DeepSpeed has not": (lambda p: p["optimizer"].update(type="Adamm"),
+                                       "optimizer type 'Adamm' is not one DeepSpeed builds"),
+    "a backend torch has not": (lambda p: p["zerotrain"].update(dist_backend="ncl"),
+                                "zerotrain.dist_backend must be one of nccl, gloo, mpi, ccl, hccl, xccl, got 'ncl'"),
+    "env without set or pass": (lambda p: p["zerotrain"].update(env={"FOO": 1}),
+                                "zerotrain.env must be an object with 'set' and/or 'pass', got {'FOO': 1}"),
+    "a nested value": (lambda p: p["zerotrain"].update(health={"window_s": -1}),
+                       "zerotrain.health.window_s must be a positive number, got -1"),
+    "a GPU profile on this CPU": (lambda p: p["zerotrain"]["hardware"].update(accelerator="cuda"),
+                                  "a GPU profile (hardware.accelerator cuda), but DeepSpeed sees no CUDA GPU on this"
+                                  " node (DeepSpeed would train on the CPU)"),
+}
+
+
+@pytest.mark.parametrize("case", list(PROFILE_CASES))
+def test_a_profile_deepspeed_would_refuse_or_ignore_is_refused_at_plan_time(case, tmp_path, mix_path):
+    """What DeepSpeed would refuse at deepspeed.initialize with a traceback from every rank (or ignore, or fail on
+    its first step), and a GPU profile where there is none, are one line from the plan, as a dry run says it."""
+    from zerotrain.launcher.profiles import load_profile
+
+    change, expected = PROFILE_CASES[case]
+    profile = load_profile("cpu")[1]
+    change(profile)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(profile))
+    argv = ["--profile", str(path), "--data", str(mix_path), "--out", str(tmp_path / "runs"), "--max-steps", "5"]
+    for dry in ([], ["--dry-run"]) if "GPU" not in case else ([],):  # a dry run plans for the profile's machine
+        with pytest.raises(UsageError) as err:
+            plan_run(resolve_config(argv + dry), world=1)
+        assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert not (tmp_path / "runs").exists()

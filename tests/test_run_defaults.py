@@ -132,6 +132,18 @@ def test_a_cpu_profile_on_a_cuda_node_is_refused_naming_the_profile_to_use():
     assert check_devices("cpu", cpu, 2, "cpu", 0) == []
 
 
+def test_a_gpu_profile_where_deepspeed_sees_no_gpu_is_refused():
+    """It would end in NCCL's traceback (no NCCL in a CPU build of torch), or with gloo train on the CPU silently."""
+    h100 = load_profile("h100-80g-x8")[1]
+    with pytest.raises(UsageError, match=r"^--profile h100-80g-x8: a GPU profile \(hardware.accelerator cuda\), but"
+                                         r" DeepSpeed sees no CUDA GPU on this node \(its nccl backend would fail\)"):
+        check_devices("h100-80g-x8", h100, 1, "cpu", 0)
+    gloo = {**h100, "zerotrain": {**h100["zerotrain"], "dist_backend": "gloo"}}
+    with pytest.raises(UsageError, match="DeepSpeed would train on the CPU"):
+        check_devices("mine.json", gloo, 1, "cpu", 0)
+    assert check_devices("h100-80g-x8", h100, 8, None, 0) == []  # a dry run (not asked): the profile's hardware
+
+
 def test_world_size_against_the_profile_and_one_process_on_many_gpus():
     a100 = load_profile("a100-80g-x8")[1]
     assert check_devices("a100-80g-x8", a100, 8, "cuda", 8) == []

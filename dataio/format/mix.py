@@ -220,6 +220,8 @@ def parse_mix(mix_path: str | Path) -> Mix:
     """Read and validate a mix file; every problem is a DataError naming the file and the source."""
     mix_path = Path(mix_path)
     where = f"mix {mix_path}"
+    if mix_path.is_dir():  # a `zerotrain prepare` directory, given where a mix of sources is read
+        raise DataError(f"{where}: a directory; this takes a mix .json file (its sources' text; docs/data.md)")
     if not mix_path.is_file():
         raise DataError(f"{where}: no such file")
     try:
@@ -259,7 +261,7 @@ def _parse_source(src, i: int, names: set, mix_path: Path, where: str, default_e
     name = src.get("name", f"#{i}")
     at = f"{where}: source {name!r}"
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise DataError(f"{at}: name must be letters, digits, '_', '-' or '.'")
+        raise DataError(f"{at}: name must be ASCII letters, digits, '_', '-' or '.'")
     unknown = set(src) - SOURCE_KEYS
     if unknown:
         raise DataError(f"{at}: unknown key(s) {', '.join(sorted(unknown))}")

@@ -120,9 +120,17 @@ def check_tokenizer(root: Path, manifest: dict, tokenizer) -> None:
                         " pass the same tokenizer")
 
 
+# np.load parses a .npy header with ast.literal_eval, and CPython 3.11's AST builder is not safe to run from
+# several threads at once: verify's threads failed at random with "SystemError: AST constructor recursion depth
+# mismatch" (seen in this suite on 3.11.7). One header at a time (a header is a few hundred bytes; the
+# memory map is lazy); the hashing, the work of a verify, stays parallel.
+_NPY_HEADER = threading.Lock()
+
+
 def _load_npy(path: Path, dtype: str, length: int, what: str) -> np.ndarray:
     try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        with _NPY_HEADER:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
         raise DataError(f"{what}: file missing") from None
     except (ValueError, OSError, EOFError) as e:

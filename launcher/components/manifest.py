@@ -140,14 +140,38 @@ def record_restart(run_dir: Path, restart: dict) -> dict:
     manifest = read_manifest(run_dir) or {"format": FORMAT, "run_id": run_dir.name, "segments": []}
     restart = {"time": now_iso(), **restart}
     manifest.setdefault("restarts", []).append(restart)
-    if manifest["segments"] and "ended" not in manifest["segments"][-1]:
-        history = read_metrics(run_dir)
-        manifest["segments"][-1].update(ended=restart["time"], end_step=history[-1]["step"] if history else 0,
-                                        end_reason=end_kind(restart["kind"]).kind, end_exit_code=restart["exit_code"],
-                                        end_message=restart["cause"])
+    _close_open_segment(run_dir, manifest, restart["time"], restart["kind"], restart["exit_code"], restart["cause"])
     run_dir.mkdir(parents=True, exist_ok=True)
     durable.write_json(run_dir / MANIFEST, manifest)
     return manifest
+
+
+def record_lost_end(run_dir: Path, kind: str, exit_code: int, cause: str, job_started: float) -> bool:
+    """After a job no rank of which recorded its end (a traceback, a lost rank: `zerotrain launch` alone writes, no
+    rank alive): close the run's last segment with that kind, code and cause, as a restart does, if that segment
+    is the job's own (started at or after `job_started`, a time.time(): never an earlier launch's, nor another
+    live launch's). False when nothing was closed."""
+    manifest = read_manifest(Path(run_dir))
+    if not manifest or not manifest.get("segments"):
+        return False
+    try:
+        started = datetime.fromisoformat(manifest["segments"][-1]["started"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return False
+    if started < job_started - 1 or not _close_open_segment(Path(run_dir), manifest, now_iso(), kind, exit_code,
+                                                            cause):
+        return False
+    durable.write_json(Path(run_dir) / MANIFEST, manifest)
+    return True
+
+
+def _close_open_segment(run_dir: Path, manifest: dict, when: str, kind: str, exit_code: int, cause: str) -> bool:
+    if not manifest["segments"] or "ended" in manifest["segments"][-1]:
+        return False
+    history = read_metrics(run_dir)
+    manifest["segments"][-1].update(ended=when, end_step=history[-1]["step"] if history else 0,
+                                    end_reason=end_kind(kind).kind, end_exit_code=exit_code, end_message=cause)
+    return True
 
 
 def _is_rank0() -> bool:

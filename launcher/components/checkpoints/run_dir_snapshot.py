@@ -5,8 +5,9 @@ are removed, files it rewrote (config.json, manifest.json) get their bytes back,
 (metrics.jsonl, train.log) their length. Checkpoints are never touched (a start-up only reads them; a universal
 conversion it wrote is new, so removed).
 
-    snapshot = RunDirSnapshot.take(run_dir)   rank 0, before the lock and the run directory are written
-    snapshot.restore()                        rank 0, once the refusal is known and the lock released
+    snapshot = RunDirSnapshot.take(run_dir, existed)   rank 0, the lock held (no other process writes the
+                                                       directory), before this launch writes it
+    snapshot.restore()                                 rank 0, once the refusal is known and the lock released
 
 Plain files: no torch.
 """
@@ -28,9 +29,10 @@ class RunDirSnapshot:
         self.run_dir, self.existed, self.files, self.dirs = run_dir, existed, files, dirs
 
     @classmethod
-    def take(cls, run_dir: Path) -> RunDirSnapshot:
+    def take(cls, run_dir: Path, existed: bool = True) -> RunDirSnapshot:
+        """`existed`: whether the directory was there before this launch made it (the lock's mkdir)."""
         run_dir = Path(run_dir)
-        if not run_dir.is_dir():
+        if not existed or not run_dir.is_dir():
             return cls(run_dir, False, {}, set())
         files, dirs = {}, set()
         for root, subdirs, names in os.walk(run_dir):

@@ -1,7 +1,8 @@
 """The run directory's lock: one live process per run directory (RUN_DIR/zerotrain.lock), shared by
 training (the Trainer) and pre-flight (RUN_DIR/preflight/), and read by `zerotrain runs`/`report`.
 
-    take_lock(run_dir, dist, is_main, say)   collective: rank 0 takes it, every rank learns the verdict
+    take_lock(run_dir, dist, is_main, say, still)   collective: rank 0 takes it, every rank learns the verdict
+    refuse_if_live(run_dir)                  the lock's refusal, before a launch plans anything on the directory
     live_holder(run_dir)                     {"host", "pid", ...} of a live holder, or None (no torch)
 
 Plain files and /proc: nothing here imports torch (`zerotrain runs` reads locks on a login node).
@@ -40,6 +41,14 @@ def _pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def in_use(run_dir: Path, holder: dict, age: float | None) -> str:
+    """The refusal of a run directory whose lock a live process holds."""
+    seen = "" if holder.get("host") == socket.gethostname() or age is None else f", heartbeat {age / 60:.0f} min ago"
+    return (f"run directory {run_dir} is in use by pid {holder.get('pid')} on host {holder.get('host')} (since"
+            f" {holder.get('started')}{seen}); wait for it to end, pick another --run-id, or delete"
+            f" {Path(run_dir) / LOCK} if that run is dead")
 
 
 class RunLock:
@@ -85,10 +94,7 @@ class RunLock:
                     continue  # released between our attempts: try again
                 why = self._stale(holder, age)
                 if why is None:
-                    seen = "" if holder.get("host") == self.mine["host"] else f", heartbeat {age / 60:.0f} min ago"
-                    raise UsageError(f"run directory {self.run_dir} is in use by pid {holder.get('pid')} on host"
-                                     f" {holder.get('host')} (since {holder.get('started')}{seen}); wait for it to"
-                                     f" end, pick another --run-id, or delete {self.path} if that run is dead")
+                    raise UsageError(in_use(self.run_dir, holder, age))
                 self.say(f"taking over the lock of {self.run_dir} from pid {(holder or {}).get('pid')} on host"
                          f" {(holder or {}).get('host')}: {why}")
                 os.replace(tmp, self.path)
@@ -148,22 +154,37 @@ class RunLock:
             self.path.unlink(missing_ok=True)
 
 
-def take_lock(run_dir: Path, dist, is_main: bool, say=print) -> RunLock | None:
+def take_lock(run_dir: Path, dist, is_main: bool, say=print, still=None) -> RunLock | None:
     """Rank 0 takes the lock of `run_dir`; every rank learns the verdict from one broadcast, so every
     rank raises the same UsageError (one line, exit 2) when a live process holds it. `dist`: an
-    initialised torch.distributed (None or a world of 1: no broadcast). Returns rank 0's RunLock
-    (release it at the end), None on the other ranks."""
+    initialised torch.distributed (None or a world of 1: no broadcast). `still`: called by rank 0 once the lock
+    is held, the refusal (the lock given back) when the directory is no longer what the run was planned on
+    (another launch wrote it meanwhile), else None. Returns rank 0's RunLock (release it at the end), None on
+    the other ranks."""
     verdict, lock = [None], None
     if is_main:
         try:
             lock = RunLock(run_dir, say=say).acquire()
         except UsageError as e:
             verdict[0] = str(e)
+        changed = still() if lock is not None and still is not None else None
+        if changed:
+            lock.release()
+            lock, verdict[0] = None, changed
     if dist is not None and dist.get_world_size() > 1:
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         raise UsageError(verdict[0])
     return lock
+
+
+def refuse_if_live(run_dir: Path) -> None:
+    """UsageError (the lock's own line) while a live process holds the run directory: a launch refuses before it
+    plans its resume on checkpoints that live run is writing and rotating."""
+    lock = RunLock(run_dir, say=lambda *a: None)
+    holder, age = lock._holder()
+    if holder is not None and lock._stale(holder, age) is None:
+        raise UsageError(in_use(run_dir, holder, age))
 
 
 def live_holder(run_dir: Path) -> dict | None:

@@ -26,6 +26,7 @@ from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
 from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
 from zerotrain.launcher.ends import END_KINDS
+from zerotrain.errors import ZerotrainError
 from zerotrain.launcher.rank_ends import RANK_ENDS
 
 # The driver runs as a module under every launcher (`deepspeed --module`, `torchrun -m`, `accelerate
@@ -88,9 +89,14 @@ def run_job(cmd: list[str], env: dict | None = None, relay=None, restarting: boo
                                 start_new_session=True, stdout=pipe, stderr=subprocess.STDOUT if relay is not None else None)
         watch = RankWatch(proc.pid, ends=ends)
 
+        # DeepSpeed's runner of a local job handles no signal: a SIGINT ends it in a KeyboardInterrupt traceback
+        # (its child launch.py, which handles SIGINT, and the ranks stop as they should). It is left out of a
+        # forwarded SIGINT and exits with launch.py's code; a multi-node runner handles it (it ends the remote ranks).
+        local = not any(a in ("--hostfile", "-H") or a.startswith("--hostfile=") for a in cmd)
+
         def forward(signum, frame):
             signalled.append(signum)
-            _signal_group(proc.pid, signum)
+            _signal_group(proc.pid, signum, but_leader=local and signum == signal.SIGINT)
 
         old = {}
         try:
@@ -146,6 +152,7 @@ def run_with_restarts(command, train_args: list[str], env: dict, restarts: Resta
             if restarts.max_restarts and not end.signalled and END_KINDS[end.kind].failed:  # why no restart, said
                 print(f"zerotrain launch: job ended {end.cause()}; not restarted ({end.kind}: a fresh start would end"
                       " the same way)", flush=True)
+            _record_lost_end(end, run_dir, find=None if find_run_dir is None else lambda: find_run_dir(train_args))
             break
         if find_run_dir is not None and attempt == 0:
             run_dir = find_run_dir(train_args)
@@ -154,6 +161,7 @@ def run_with_restarts(command, train_args: list[str], env: dict, restarts: Resta
         if attempt >= restarts.max_restarts:
             print(f"zerotrain launch: job ended {cause}; not restarted: {attempt} restart(s) used of --max-restarts"
                   f" {restarts.max_restarts}", flush=True)
+            _record_lost_end(end, run_dir, cause)
             break
         attempt += 1
         print(f"zerotrain launch: job ended {cause}; restart {attempt} of {restarts.max_restarts} in"
@@ -173,6 +181,26 @@ def run_with_restarts(command, train_args: list[str], env: dict, restarts: Resta
         args = with_resume_auto(train_args)
     _write_outer_exit_file(env, end.exit_code)
     return end.exit_code
+
+
+def _lost(end: JobEnd) -> bool:
+    """A crash no rank recorded (rank 0 left no exit code: a traceback, a lost rank, a kill)."""
+    return not end.from_exit_file and not end.signalled and end.kind == "crash"
+
+
+def _record_lost_end(end: JobEnd, run_dir: Path | None, cause: str | None = None, find=None) -> None:
+    """Such an end closes the run's last segment in manifest.json (`zerotrain runs`: "failed (crashed)" with the
+    code and cause, not "no end recorded"); `find()`: the run directory when not known yet. A warning if it
+    cannot be written."""
+    if not _lost(end):
+        return
+    try:
+        run_dir = run_dir if run_dir is not None or find is None else find()
+        if run_dir is not None:
+            manifest.record_lost_end(run_dir, end.kind, end.exit_code, cause or end.cause(), time.time() - end.seconds)
+    except (OSError, ValueError, ZerotrainError) as e:  # the job's own output said what went wrong
+        print(f"zerotrain launch: warning: the job's end not recorded in {Path(run_dir) / manifest.MANIFEST}: {e}",
+              file=sys.stderr, flush=True)
 
 
 def hang_behind(run_dir: Path, job_s: float) -> list[int] | None:
@@ -214,11 +242,31 @@ def _relay_output(stream, relay) -> None:
         relay(chunk.decode("utf-8", errors="replace"))
 
 
-def _signal_group(pgid: int, signum: int) -> None:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        pass
+def _signal_group(pgid: int, signum: int, but_leader: bool = False) -> None:
+    """`signum` to every process of group `pgid` (`but_leader`: not to its leader, the process `pgid`)."""
+    if not but_leader:
+        try:
+            os.killpg(pgid, signum)
+        except ProcessLookupError:
+            pass
+        return
+    for pid in _group_members(pgid) - {pgid}:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _group_members(pgid: int) -> set[int]:
+    """The processes of group `pgid` (/proc/PID/stat's fifth field)."""
+    members = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                members.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return members
 
 
 def _kill_group(pgid: int, timeout_s: float = 60) -> None:
