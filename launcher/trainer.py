@@ -143,10 +143,10 @@ class Trainer:
                 self.snapshot.restore()
 
     def _build(self, plan: RunPlan, hard_exit: bool, watch: bool) -> None:
-        existed = plan.run_dir.is_dir()  # before the lock, which creates it
+        existed, out_existed = plan.run_dir.is_dir(), plan.run_dir.parent.is_dir()  # the lock creates them
         self.lock = take_lock(plan.run_dir, self.dist, self.is_main, say=self.say, still=self._changed_since_plan)
         # what bad input found from here on puts back (_abandon): taken under the lock, so only this launch writes
-        self.snapshot = RunDirSnapshot.take(plan.run_dir, existed) if self.is_main else None
+        self.snapshot = RunDirSnapshot.take(plan.run_dir, existed, out_existed) if self.is_main else None
         universal_dir = self._universal_dir()
         self._write_run_dir()
         self.watchdog = self._start_watchdog(hard_exit) if watch else None  # pre-flight's scratch runs: none

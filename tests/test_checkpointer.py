@@ -467,6 +467,11 @@ def test_a_refused_start_up_puts_the_run_directory_back(tmp_path):
     (fresh / "checkpoints").mkdir(parents=True)
     snap.restore()
     assert not fresh.exists()
+    made = tmp_path / "out" / "run"  # an --out the launch made too: gone with it when left empty
+    snap = run_dir_snapshot.RunDirSnapshot.take(made, existed=False, out_existed=False)
+    (made / "checkpoints").mkdir(parents=True)
+    snap.restore()
+    assert not made.parent.exists()
 
 # -- two real ranks ---------------------------------------------------------------------------------
 

@@ -128,7 +128,7 @@ def fake_launch(tmp_path, monkeypatch, codes: str, argv: list[str], run_dir: Pat
 
 
 @pytest.mark.launches  # the loop's runner is a fake launcher, started as a process
-def test_a_crash_no_rank_recorded_closes_the_jobs_own_segment_only(tmp_path, monkeypatch, mix_path):
+def test_a_crash_no_rank_recorded_closes_the_jobs_own_segment_only(tmp_path, monkeypatch, mix_path, capsys):
     """Without --max-restarts too: a lost rank (247, no exit file) closes the segment its job wrote, as "crash" with
     the cause (`zerotrain runs`: failed (crashed), not "no end recorded"); an older launch's open segment (this job
     died before writing its own) and a refusal (exit 2) are left as they are."""
@@ -139,6 +139,13 @@ def test_a_crash_no_rank_recorded_closes_the_jobs_own_segment_only(tmp_path, mon
     segment = manifest.read_manifest(run)["segments"][-1]
     assert (segment["end_reason"], segment["end_exit_code"], segment["end_message"]) == (
         "crash", 247, "a rank lost (killed by SIGKILL; exit 247)")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 5.0, "lr": 1e-3, "tokens_seen": 256}) + "\n")
+    capsys.readouterr()
+    report.runs_main([str(tmp_path)])  # the table, then why each failed run ended
+    out = capsys.readouterr().out
+    assert "failed (crashed)" in out and "run: a rank lost (killed by SIGKILL; exit 247)" in out
+    report.runs_main([str(tmp_path), "--json"])
+    assert json.loads(capsys.readouterr().out)["end_message"] == "a rank lost (killed by SIGKILL; exit 247)"
     old = tmp_path / "old"
     manifest.write_or_extend(old, run_id="old", config_hash="h", profile="cpu", seed=1, world_size=2, hosts=["a"],
                              resumed_from=None, rank0_only=False)

@@ -94,6 +94,12 @@ def run_status(run: Run) -> str:
     return status_of(reason)  # the words of launcher/ends.py's END_KINDS
 
 
+def _end_message(run: Run) -> str | None:
+    """The last launch's end as manifest.json recorded it ("a rank lost (rank 1 killed by SIGKILL; exit 247)")."""
+    segments = (run.manifest or {}).get("segments") or []
+    return segments[-1].get("end_message") if segments else None
+
+
 def summarize(run: Run) -> dict:
     """The numbers report.md and `zerotrain runs` show (None where the run has no record of it)."""
     h = run.history
@@ -119,7 +125,7 @@ def summarize(run: Run) -> dict:
             shares[phase] = shares.get(phase, 0.0) + share * (r.get("window_s") or 0.0)
     total = sum(shares.values())
     return {
-        "run": run.name, "path": str(run.path), "status": run_status(run),
+        "run": run.name, "path": str(run.path), "status": run_status(run), "end_message": _end_message(run),
         "step": last.get("step", 0), "max_steps": ((run.config or {}).get("run") or {}).get("max_steps"),
         "tokens": last.get("tokens_seen"), "last_loss": last.get("loss"),
         "last_loss_mean10": statistics.fmean(losses[-10:]) if losses else None,
@@ -271,6 +277,7 @@ def _segments(run: Run) -> list[str]:
             if code is None and kind in END_KINDS:  # a manifest written before the code was recorded
                 code = END_KINDS[kind].exit_code
             end = f"{kind} at step {seg.get('end_step')}" + (f", exit {code}" if code is not None else "")
+            end += f": {seg['end_message']}" if seg.get("end_message") and kind not in ("finished",) else ""
         frm = Path(seg["from_checkpoint"]).name if seg.get("from_checkpoint") else "-"
         lines.append(f"| {i} | {seg.get('started')} | {seg.get('ended', '-')} | {seg.get('world_size')} |"
                      f" {', '.join(seg.get('hosts') or [])} | {frm} | {end} |")
@@ -355,3 +362,6 @@ def runs_main(argv: list[str]) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
+    for s in summaries:  # why each failed run ended, as its last launch recorded it
+        if s["status"].startswith("failed") and s["end_message"]:
+            print(f"{s['run']}: {s['end_message']}")

@@ -13,6 +13,7 @@ Plain files: no torch.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -25,15 +26,17 @@ KEEP_BYTES = 1 << 20
 
 class RunDirSnapshot:
     def __init__(self, run_dir: Path, existed: bool, files: dict[str, tuple[int, bytes | None]],
-                 dirs: set[str]):
+                 dirs: set[str], out_existed: bool = True):
         self.run_dir, self.existed, self.files, self.dirs = run_dir, existed, files, dirs
+        self.out_existed = out_existed
 
     @classmethod
-    def take(cls, run_dir: Path, existed: bool = True) -> RunDirSnapshot:
-        """`existed`: whether the directory was there before this launch made it (the lock's mkdir)."""
+    def take(cls, run_dir: Path, existed: bool = True, out_existed: bool = True) -> RunDirSnapshot:
+        """`existed`: whether the directory was there before this launch made it (the lock's mkdir);
+        `out_existed`: whether its parent (--out) was (an --out the launch made, left empty, goes too)."""
         run_dir = Path(run_dir)
         if not existed or not run_dir.is_dir():
-            return cls(run_dir, False, {}, set())
+            return cls(run_dir, False, {}, set(), out_existed)
         files, dirs = {}, set()
         for root, subdirs, names in os.walk(run_dir):
             rel_root = Path(root).relative_to(run_dir)
@@ -53,6 +56,9 @@ class RunDirSnapshot:
         own line is what the user must see, not a second error about tidying up)."""
         if not self.existed:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            if not self.out_existed:
+                with contextlib.suppress(OSError):  # not empty (another run, a finetune() mix): kept
+                    self.run_dir.parent.rmdir()
             return
         if not self.run_dir.is_dir():
             return
