@@ -181,16 +181,18 @@ def take_lock(run_dir: Path, dist, is_main: bool, say=print, still=None) -> RunL
 def refuse_if_live(run_dir: Path) -> None:
     """UsageError (the lock's own line) while a live process holds the run directory: a launch refuses before it
     plans its resume on checkpoints that live run is writing and rotating."""
-    lock = RunLock(run_dir, say=lambda *a: None)
-    holder, age = lock._holder()
-    if holder is not None and lock._stale(holder, age) is None:
+    holder, age = _live(run_dir)
+    if holder is not None:
         raise UsageError(in_use(run_dir, holder, age))
 
 
 def live_holder(run_dir: Path) -> dict | None:
     """The live process holding the run's lock ({"host", "pid", ...}), or None (no lock, or a stale one)."""
+    return _live(run_dir)[0]
+
+
+def _live(run_dir: Path) -> tuple[dict | None, float | None]:
+    """(the lock's holder, the lock's age) when that holder may be alive, else (None, None)."""
     lock = RunLock(run_dir, say=lambda *a: None)  # not acquired: only its staleness test is used
     holder, age = lock._holder()
-    if holder is None:
-        return None
-    return holder if lock._stale(holder, age) is None else None
+    return (holder, age) if holder is not None and lock._stale(holder, age) is None else (None, None)
