@@ -24,7 +24,8 @@ from pathlib import Path
 
 from zerotrain.launcher.components import manifest
 from zerotrain.launcher.components.launching.launcher_watch import LAUNCHER, launcher_token
-from zerotrain.launcher.components.launching.restarts import JobEnd, RankWatch, Restarts, with_resume_auto
+from zerotrain.launcher.components.launching.restarts import (JobEnd, RankWatch, Restarts, stat_fields,
+                                                                with_resume_auto)
 from zerotrain.launcher.ends import END_KINDS
 from zerotrain.errors import ZerotrainError
 from zerotrain.launcher.rank_ends import RANK_ENDS
@@ -199,8 +200,8 @@ def _record_lost_end(end: JobEnd, run_dir: Path | None, cause: str | None = None
         if run_dir is not None:
             manifest.record_lost_end(run_dir, end.kind, end.exit_code, cause or end.cause(), time.time() - end.seconds)
     except (OSError, ValueError, ZerotrainError) as e:  # the job's own output said what went wrong
-        print(f"zerotrain launch: warning: the job's end not recorded in {Path(run_dir) / manifest.MANIFEST}: {e}",
-              file=sys.stderr, flush=True)
+        where = f" in {Path(run_dir) / manifest.MANIFEST}" if run_dir is not None else ""
+        print(f"zerotrain launch: warning: the job's end not recorded{where}: {e}", file=sys.stderr, flush=True)
 
 
 def hang_behind(run_dir: Path, job_s: float) -> list[int] | None:
@@ -258,14 +259,12 @@ def _signal_group(pgid: int, signum: int, but_leader: bool = False) -> None:
 
 
 def _group_members(pgid: int) -> set[int]:
-    """The processes of group `pgid` (/proc/PID/stat's fifth field)."""
+    """The processes of group `pgid` (their /proc stat's process group)."""
     members = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                members.add(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            pass
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = stat_fields(int(entry.name))
+        if fields and len(fields) > 2 and fields[2] == str(pgid):
+            members.add(int(entry.name))
     return members
 
 
