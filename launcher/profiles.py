@@ -250,9 +250,11 @@ def check_with_deepspeed(ds: dict, where: str) -> None:
                                          and getattr(torch.optim, kind, None) is None):
             raise UsageError(f"{where}: optimizer type {kind!r} is not one DeepSpeed builds ({', '.join(DEEPSPEED_OPTIMIZERS)},"
                              " or a torch.optim class name)")
-    one_rank = {**ds, "train_batch_size": ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]}
-    try:  # the batch numbers are ours (resolve_batch): given for one rank, as DeepSpeedConfig sees no process group
-        DeepSpeedConfig(one_rank)
+    # the batch numbers are ours (resolve_batch): DeepSpeedConfig derives the global batch from micro x accum x the
+    # world it sees (1 before the process group exists, the real one after: pre-flight plans inside a group)
+    unbatched = {k: v for k, v in ds.items() if k != "train_batch_size"}
+    try:
+        DeepSpeedConfig(unbatched)
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ())]

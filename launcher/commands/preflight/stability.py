@@ -231,7 +231,9 @@ class Stability:
             return False, f"resume would start from {found}, not {tag}", {}
         cfg = with_values(self.plan_a.cfg, {"resume": "auto", "max_steps": 2})
         b = self.b = self.pf.build(dataclasses.replace(self.plan_a, cfg=cfg, resume_from=found,
-                                                       resume_meta=checkpoint.read_meta(found)))
+                                                       resume_meta=checkpoint.read_meta(found),
+                                                       checkpoints_seen=tuple(checkpoint.complete_checkpoints(
+                                                           tag.parent))))  # what A wrote: B's plan sees it
         if self.pf.hooks.preflight_readback == "perturb":  # test hook: a read-back that differs from what was written
             master_tensors(b.engine)[1][0].data.view(-1)[0] += 1.0
         read = state_digests(b.engine)

@@ -19,6 +19,7 @@ from pathlib import Path
 from zerotrain.dataio.pipeline.loader import Batches
 from zerotrain.launcher.commands.preflight.measure import (DATA_RATIO_MIN, DATA_WAIT_MAX, GiB, disk_throughput,
                                                            peak_rss, rate, slowed)
+from zerotrain.launcher.components.checkpoints import checkpoint
 from zerotrain.launcher.offload import ops as offload
 from zerotrain.launcher.planning import device_memory_here, fit_check
 from zerotrain.launcher.errors import UsageError
@@ -119,8 +120,11 @@ class Throughput:
             if refusal:
                 row["skipped"] = ran_out = f"the planner says it does not fit ({refusal[:200]})"
                 continue
-            row.update(self.measure(dataclasses.replace(self.base, cfg=cfg, ds_config=ds, run_dir=Path(cfg.run.out) / name,
-                                                        eval_rows=None, resume_from=None, resume_meta=None), name))
+            run_dir = Path(cfg.run.out) / name
+            row.update(self.measure(dataclasses.replace(self.base, cfg=cfg, ds_config=ds, run_dir=run_dir,
+                                                        eval_rows=None, resume_from=None, resume_meta=None,
+                                                        checkpoints_seen=tuple(checkpoint.complete_checkpoints(
+                                                            run_dir / "checkpoints"))), name))
             if row.get("oom"):
                 ran_out = f"micro-batch {m} ran out of memory"
             row["fits"] = not row.get("oom") and (limit is None or row["peak_gib"] * GiB <= limit)

@@ -179,10 +179,10 @@ def take_lock(run_dir: Path, dist, is_main: bool, say=print, still=None) -> RunL
 
 
 def refuse_if_live(run_dir: Path) -> None:
-    """UsageError (the lock's own line) while a live process holds the run directory: a launch refuses before it
-    plans its resume on checkpoints that live run is writing and rotating."""
+    """UsageError (the lock's own line) while another live process holds the run directory: a launch refuses
+    before it plans its resume on checkpoints that live run is writing and rotating."""
     holder, age = _live(run_dir)
-    if holder is not None:
+    if holder is not None and (holder.get("host"), holder.get("pid")) != (socket.gethostname(), os.getpid()):
         raise UsageError(in_use(run_dir, holder, age))
 
 
