@@ -167,6 +167,23 @@ def test_plan_run_asks_the_machine(mix_path, tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_dry_run_of_a_profile_naming_no_machine_plans_for_this_one(mix_path, tmp_path):
+    """A profile without zerotrain.hardware: the dry run describes the run `zerotrain train` makes here (this CPU:
+    the profile's ZeRO-3 kept), not one on an assumed GPU (ZeRO-2 at a world of 1 there)."""
+    import json
+
+    profile = load_profile("cpu")[1]
+    profile.pop("zerotrain")
+    profile["zero_optimization"]["stage"] = 3
+    path = tmp_path / "bare.json"
+    path.write_text(json.dumps(profile))
+    argv = ["--profile", str(path), "--data", str(mix_path), "--out", str(tmp_path / "runs"), "--max-steps", "5"]
+    dry = run_plan.plan_run(resolve_config(argv + ["--dry-run"]), world=1)
+    real = run_plan.plan_run(resolve_config(argv), world=1)
+    assert dry.node.device == real.node.device == "cpu"
+    assert dry.ds_config["zero_optimization"]["stage"] == real.ds_config["zero_optimization"]["stage"] == 3
+
+
 # -- extending a run: tests/test_run_tokens.py (a wsd run extended in its stable phase, sized in tokens)
 
 
