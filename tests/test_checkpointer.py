@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -424,11 +425,19 @@ def test_a_live_run_is_refused_before_planning_and_a_directory_changed_since_the
     the lock (that launch ended meanwhile) is refused and the lock given back."""
     from zerotrain.launcher.components.checkpoints.run_lock import refuse_if_live, take_lock
 
+    from zerotrain.launcher.components.checkpoints.run_lock import _pid_start
+
     run = tmp_path / "run"
     refuse_if_live(run)  # no directory, no lock: nothing to say
     with RunLock(run):
-        with pytest.raises(UsageError, match=f"run directory {run} is in use by pid {os.getpid()} on host"):
+        refuse_if_live(run)  # held by this process itself: not another launch
+        other = {"host": socket.gethostname(), "pid": os.getppid(), "pid_start": _pid_start(os.getppid()),
+                 "started": "2026-11-29T00:00:00+00:00"}  # a live process that is not this one
+        mine = (run / LOCK).read_text()
+        (run / LOCK).write_text(json.dumps(other))
+        with pytest.raises(UsageError, match=f"run directory {run} is in use by pid {os.getppid()} on host"):
             refuse_if_live(run)
+        (run / LOCK).write_text(mine)
     refuse_if_live(run)  # released
     with pytest.raises(UsageError, match="changed while this launch started"):
         take_lock(run, None, True, still=lambda: f"run directory {run} changed while this launch started")
