@@ -249,10 +249,7 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
     cfg, profile_name, profile, settings = ident.cfg, ident.profile_name, ident.profile, ident.settings
     tokenizer, model_args, run_dir = ident.tokenizer, ident.model_args, ident.run_dir
     run_id = run_dir.name
-    # the machine, asked once; a dry run plans for the profile's, unless the profile names none (then this one's,
-    # which the real run would use: a dry run must not describe another run than `zerotrain train` makes here)
-    node = Node.of_profile(settings.hardware) if cfg.run.dry_run and (settings.hardware or {}).get("accelerator") \
-        else Node.here()
+    node = _machine(cfg, settings)
     here = () if cfg.run.dry_run else (node.device, node.count)
     device_warnings = check_devices(profile_name, profile, world, *here, detect=detect_profile)
     # the batch, the schedule sized in tokens, every setting and the DeepSpeed dict: as `zerotrain plan` has them
@@ -277,13 +274,10 @@ def plan(ident: RunIdentity, world: int, rank: int = 0) -> RunPlan:
         checkpoint.check_mirror(cfg.checkpoints.mirror, run_dir, run_id)
     ckpt_dir = run_dir / "checkpoints"
     mirror_ckpt = Path(cfg.checkpoints.mirror) / run_id / "checkpoints" if cfg.checkpoints.mirror else None
-    if not cfg.run.dry_run:  # a live run rotates the checkpoints a resume would be planned on
-        refuse_if_live(run_dir)
-    checkpoints_seen = tuple(checkpoint.complete_checkpoints(ckpt_dir))
     resume_from = _resume_point(cfg, run_dir, ckpt_dir, mirror_ckpt, rank)
-    meta = None
-    saved = run_dir / "config.json"
-    saved = json.loads(saved.read_text()) if saved.is_file() else None
+    checkpoints_seen = tuple(checkpoint.complete_checkpoints(ckpt_dir))  # checked again under the lock (Trainer)
+    saved_file, meta = run_dir / "config.json", None
+    saved = json.loads(saved_file.read_text()) if saved_file.is_file() else None
     saved_run = saved["run"] if saved is not None else None
     if resume_from is not None:
         cfg, ds_config, meta = _resume_layout(cfg, ds_config, resume_from, world, sp, data_world, data,
@@ -521,8 +515,19 @@ def describe_tiled_mlp(plan: RunPlan) -> list[str]:
             f" (DeepSpeed's TiledMLP: ceil({positions} / dim {plan.model_args.dim}); recomputed in backward)"]
 
 
+def _machine(cfg: RunConfig, settings) -> Node:
+    """The machine, asked once; a dry run plans for the profile's, unless the profile names none (then this one's,
+    which the real run would use: a dry run must not describe another run than `zerotrain train` makes here)."""
+    if cfg.run.dry_run and (settings.hardware or {}).get("accelerator"):
+        return Node.of_profile(settings.hardware)
+    return Node.here()
+
+
 def _resume_point(cfg: RunConfig, run_dir: Path, ckpt_dir: Path, mirror_ckpt: Path | None, rank: int) -> Path | None:
-    """The checkpoint --resume names (verified), or None; --resume never refuses a run holding checkpoints."""
+    """The checkpoint --resume names (verified), or None; --resume never refuses a run holding checkpoints. A run
+    directory another live process holds is refused first: that run rotates the checkpoints a resume would use."""
+    if not cfg.run.dry_run:
+        refuse_if_live(run_dir)
     if cfg.checkpoints.resume == "auto":
         return checkpoint.find_resume(ckpt_dir, mirror_ckpt, say=say_rank0(rank))
     if cfg.checkpoints.resume == "never":
