@@ -397,8 +397,13 @@ import subprocess
 # rank 1 SIGKILLs rank 0 and exits 1 at once: both are zombies at the watch's next poll (as a rank killed after
 # the final save and its peer's barrier failing, seen together in a fresh-clone run of 2026-11-27)
 r0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env={**os.environ, "RANK": "0"})
-r1 = subprocess.Popen([sys.executable, "-c", STEP + "step('rank1-kills'); import signal; "
-                       "os.kill(int(sys.argv[1]), signal.SIGKILL); os._exit(1)", str(r0.pid)],
+# (rank 1 exits once rank 0 is a zombie: a SIGKILL is delivered asynchronously, and a poll between rank 1's exit and
+# rank 0's death would rightly name rank 1 first: a loaded fresh-clone run of 2026-11-29 saw that)
+r1 = subprocess.Popen([sys.executable, "-c", STEP + "step('rank1-kills'); import signal, time; "
+                       "os.kill(int(sys.argv[1]), signal.SIGKILL); t = time.time()\n"
+                       "while time.time() - t < 10 and open(f'/proc/{sys.argv[1]}/stat').read().rsplit(')', 1)[1]"
+                       ".split()[0] != 'Z': time.sleep(0.005)\n"
+                       "os._exit(1)", str(r0.pid)],
                       env={**os.environ, "RANK": "1"})
 step("reap")  # both stay zombies until the watch has named one (DeepSpeed's launch.py polls each second)
 print([r0.wait(), r1.wait()], flush=True)
